@@ -1,0 +1,371 @@
+"""The ``graphopt`` command line: parse, call the library, render, map errors to exit codes.
+
+Exit codes (stable): 0 ok, 1 error, 2 usage, 3 parity failed, 4 target cannot run the model /
+did not converge, 5 performance regression.  Errors are one line on stderr; ``--debug`` shows
+the traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from . import optimize as run_optimize
+from .opt import errors
+from .opt.io import load_model, replace_dir, write_model_files
+from .opt.manager import PASSES, RULES
+from .opt.parity import check_parity, load_inputs, parse_shapes
+from .opt.pipeline import LEVEL_NAMES
+from .opt.target import TARGETS
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Optimize ONNX models for a target, prove parity, explain every rewrite.",
+)
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+STATE = {"debug": False}
+
+
+class Format(str, Enum):
+    text = "text"
+    json = "json"
+
+
+@app.callback()
+def main(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False) -> None:
+    STATE["debug"] = debug
+
+
+@contextmanager
+def handled():
+    """Turn GraphoptError (and unexpected errors) into one line + exit code."""
+    try:
+        yield
+    except errors.GraphoptError as e:
+        if STATE["debug"]:
+            raise
+        err.print(f"[bold red]error:[/] {e}", markup=True, soft_wrap=True)
+        raise typer.Exit(e.exit_code) from None
+    except (KeyboardInterrupt, typer.Exit):
+        raise
+    except Exception as e:  # noqa: BLE001 - last resort: one line, never a traceback by default
+        if STATE["debug"]:
+            raise
+        err.print(
+            f"[bold red]internal error:[/] {type(e).__name__}: {e} (rerun with --debug)",
+            markup=True,
+            soft_wrap=True,
+        )
+        raise typer.Exit(errors.EXIT_ERROR) from None
+
+
+def _default_out(model: Path, target: str) -> Path:
+    return model.with_name(f"{model.stem}.{target}.graphopt")
+
+
+@app.command()
+def optimize(
+    model: Annotated[Path, typer.Argument(help="Input .onnx model (never modified).")],
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "-o",
+            "--output",
+            help="Output directory (default: <stem>.<target>.graphopt beside the input).",
+        ),
+    ] = None,
+    target: Annotated[str, typer.Option("--target", "-t", help="Target: cpu, cuda.")] = "cpu",
+    level: Annotated[
+        int,
+        typer.Option(
+            "-O",
+            "--level",
+            min=0,
+            max=3,
+            help="0 none, 1 exact cleanups, 2 standard fusions, 3 guarded numerics-changing.",
+        ),
+    ] = 2,
+    pipeline: Annotated[
+        str | None, typer.Option("--pipeline", help="Pipeline text (overrides -O).")
+    ] = None,
+    fmt: Annotated[Format, typer.Option("--format", help="text or json.")] = Format.text,
+    shape: Annotated[
+        list[str] | None, typer.Option("--shape", help="NAME=D0,D1,... for parity inputs.")
+    ] = None,
+    inputs: Annotated[
+        Path | None, typer.Option("--inputs", help=".npz of inputs for parity.")
+    ] = None,
+    no_check: Annotated[bool, typer.Option("--no-check", help="Skip the parity check.")] = False,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of random parity inputs.")] = 0,
+    bisect_limit: Annotated[
+        int | None,
+        typer.Option("--bisect-limit", help="Apply only the first N rewrites (opt-bisect)."),
+    ] = None,
+    verify_each: Annotated[
+        bool, typer.Option("--verify-each", help="Check the model after every pass.")
+    ] = False,
+    fold_size_limit: Annotated[
+        float, typer.Option("--fold-size-limit", help="MiB a folded constant may grow to.")
+    ] = 1.0,
+    remarks: Annotated[
+        Path | None, typer.Option("--remarks", help="Write remarks as JSONL.")
+    ] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success.")] = False,
+) -> None:
+    """Optimize MODEL for a target; write OUT_DIR/model.onnx and OUT_DIR/report.json."""
+    with handled():
+        src = model.resolve()
+        dest = (output or _default_out(model, target)).resolve()
+        _check_output_dir(src, dest)
+        shapes = parse_shapes(shape)
+        feeds = load_inputs(inputs) if inputs else None
+        show = fmt == Format.text and not quiet and sys.stdout.isatty()
+        with _progress(show) as say:
+            optimized, report = run_optimize(
+                src,
+                target=target,
+                level=level,
+                pipeline=pipeline,
+                check=not no_check,
+                shapes=shapes,
+                inputs=feeds,
+                seed=seed,
+                bisect_limit=bisect_limit,
+                verify_each=verify_each,
+                options={"fold_size_limit": int(fold_size_limit * 2**20)},
+                progress=say,
+            )
+            say("writing")
+            _write_bundle(dest, optimized, report)
+        if remarks:
+            _atomic_text(
+                remarks,
+                "".join(json.dumps(r.to_dict(), sort_keys=True) + "\n" for r in report.remarks),
+            )
+        if fmt == Format.json:
+            print(json.dumps(report.to_dict(), indent=2, sort_keys=True))
+        elif not quiet:
+            _render_report(report)
+        code = _exit_code(report, checked=not no_check)
+        if code:
+            raise typer.Exit(code)
+
+
+def _check_output_dir(src: Path, dest: Path) -> None:
+    """The bundle directory is replaced whole: refuse anything that is not ours to replace."""
+    if dest == src or dest in src.parents:
+        raise errors.UsageError(f"output directory {dest} would contain or replace the input model")
+    if dest.exists():
+        if not dest.is_dir():
+            raise errors.UsageError(f"output {dest} exists and is not a directory")
+        if any(dest.iterdir()) and not (dest / "report.json").exists():
+            raise errors.UsageError(
+                f"output directory {dest} exists and is not a graphopt bundle; "
+                "refusing to replace it"
+            )
+
+
+def _exit_code(report, checked: bool) -> int:
+    if checked and not report.parity.ok:
+        return errors.EXIT_PARITY
+    if not report.converged:
+        return errors.EXIT_TARGET
+    return errors.EXIT_OK
+
+
+def _write_bundle(dest: Path, model, report) -> None:
+    """Write model + report into a staging dir, then move it into place in one rename."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    except OSError as e:
+        raise errors.ModelSaveError(f"cannot write to {dest.parent}: {e.strerror or e}") from None
+    try:
+        from .opt.io import needs_external_data
+
+        write_model_files(model, staging / "model.onnx", external=needs_external_data(model))
+        report.outputs = {"model": str(dest / "model.onnx"), "report": str(dest / "report.json")}
+        (staging / "report.json").write_text(json.dumps(report.to_dict(), indent=2, sort_keys=True))
+        replace_dir(staging, dest)
+    except OSError as e:
+        raise errors.ModelSaveError(f"cannot write {dest}: {e.strerror or e}") from None
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    path = path.resolve()
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+@contextmanager
+def _progress(show: bool):
+    if not show:
+        yield lambda _msg: None
+        return
+    with err.status("graphopt") as status:
+        yield lambda msg: status.update(f"graphopt: {msg}")
+
+
+def _render_report(report) -> None:
+    out.print(
+        f"[bold]{report.model}[/] → target [cyan]{report.target}[/], -O{report.level}: "
+        f"{report.nodes_before} → {report.nodes_after} nodes, {report.rewrites} rewrites, "
+        f"{report.seconds.get('total', 0):.2f}s"
+    )
+    ops = Table(title="ops (before → after)", show_edge=False)
+    ops.add_column("op")
+    ops.add_column("before", justify="right")
+    ops.add_column("after", justify="right")
+    for op in sorted(set(report.ops_before) | set(report.ops_after)):
+        b, a = report.ops_before.get(op, 0), report.ops_after.get(op, 0)
+        if a != b:
+            ops.add_row(op, str(b), str(a))
+    if ops.row_count:
+        out.print(ops)
+    rules = Table(title="rules", show_edge=False)
+    for col in ("rule", "fired", "missed", "seconds"):
+        rules.add_column(col, justify="left" if col == "rule" else "right")
+    for name, st in report.rules.items():
+        if st["fired"] or st["missed"]:
+            rules.add_row(name, str(st["fired"]), str(st["missed"]), f"{st['seconds']:.3f}")
+    if rules.row_count:
+        out.print(rules)
+    missed = [r for r in report.remarks if r.kind in ("missed", "failure")]
+    if missed:
+        t = Table(title="missed / failed (why)", show_edge=False)
+        for col in ("rule", "node", "code", "reason"):
+            t.add_column(col, overflow="fold")
+        for r in missed[:25]:
+            t.add_row(r.rule, r.nodes[0] if r.nodes else "", r.code, r.message)
+        out.print(t)
+        if len(missed) > 25:
+            out.print(f"... and {len(missed) - 25} more (see report.json or --remarks)")
+    _render_parity(report.parity)
+    passes = {}
+    for p in report.passes:
+        passes[p["name"]] = passes.get(p["name"], 0.0) + p["seconds"]
+    out.print("time per pass: " + ", ".join(f"{k} {v:.3f}s" for k, v in passes.items()))
+    if report.outputs:
+        out.print(f"wrote {report.outputs.get('model')}")
+
+
+def _render_parity(parity) -> None:
+    if not parity.ran:
+        out.print(f"parity: [yellow]not run[/] ({parity.error})")
+        return
+    t = Table(title=f"parity: {'[green]ok[/]' if parity.ok else '[red]FAILED[/]'}", show_edge=False)
+    for col in ("output", "dtype", "max abs", "max rel", "mismatch", "ok"):
+        t.add_column(col, justify="left" if col in ("output", "dtype") else "right")
+    for d in parity.outputs:
+        t.add_row(
+            d.name,
+            d.dtype,
+            f"{d.max_abs:.3g}",
+            f"{d.max_rel:.3g}",
+            f"{d.mismatch:.2%}",
+            "yes" if d.ok else "[red]NO[/]",
+        )
+    out.print(t)
+    if parity.error:
+        out.print(f"[red]{parity.error}[/]")
+
+
+@app.command()
+def check(
+    original: Annotated[Path, typer.Argument(help="Reference model.")],
+    optimized: Annotated[Path, typer.Argument(help="Model to compare (a file or a bundle dir).")],
+    shape: Annotated[list[str] | None, typer.Option("--shape")] = None,
+    inputs: Annotated[Path | None, typer.Option("--inputs")] = None,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    fmt: Annotated[Format, typer.Option("--format")] = Format.text,
+) -> None:
+    """Compare two models' outputs with onnxruntime; exit 3 when they differ."""
+    with handled():
+        if optimized.is_dir():
+            optimized = optimized / "model.onnx"
+        parity = check_parity(
+            load_model(original),
+            load_model(optimized),
+            shapes=parse_shapes(shape),
+            inputs=load_inputs(inputs) if inputs else None,
+            seed=seed,
+        )
+        if fmt == Format.json:
+            print(json.dumps(parity.to_dict(), indent=2, sort_keys=True))
+        else:
+            _render_parity(parity)
+        if not parity.ok:
+            raise typer.Exit(errors.EXIT_PARITY)
+
+
+@app.command()
+def rules(fmt: Annotated[Format, typer.Option("--format")] = Format.text) -> None:
+    """List every rule and pass with its level and one line."""
+    rows = [
+        {"name": r.name, "kind": "rule", "root": r.root, "level": r.level, "summary": r.summary}
+        for r in RULES.values()
+    ]
+    rows += [
+        {"name": p.name, "kind": "pass", "root": "", "level": p.level, "summary": p.summary}
+        for p in PASSES.values()
+    ]
+    rows.sort(key=lambda r: (r["level"], r["kind"], r["name"]))
+    if fmt == Format.json:
+        print(json.dumps(rows, indent=2))
+        return
+    t = Table(show_edge=False)
+    for col in ("name", "kind", "root", "level", "summary"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["name"], r["kind"], r["root"], f"O{r['level']}", r["summary"])
+    out.print(t)
+    out.print("levels: " + "; ".join(f"O{k} {v}" for k, v in LEVEL_NAMES.items()))
+
+
+@app.command()
+def targets(fmt: Annotated[Format, typer.Option("--format")] = Format.text) -> None:
+    """List the targets."""
+    rows = [
+        {
+            "name": t.name,
+            "description": t.description,
+            "runtime": t.runtime,
+            "kernels": t.kernels_source,
+            "device_available": t.device_available,
+        }
+        for t in TARGETS.values()
+    ]
+    if fmt == Format.json:
+        print(json.dumps(rows, indent=2))
+        return
+    t = Table(show_edge=False)
+    for col in ("name", "description", "kernels", "device here"):
+        t.add_column(col, overflow="fold")
+    for r in rows:
+        t.add_row(
+            r["name"], r["description"], r["kernels"], "yes" if r["device_available"] else "no"
+        )
+    out.print(t)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    app()

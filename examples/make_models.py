@@ -1,0 +1,362 @@
+"""Regenerate the corpus of real-architecture ONNX models (not committed).
+
+    /work/venv-torch/bin/python examples/make_models.py --out /work/models [--only NAME,...] [--list]
+
+Every model is built from an architecture or config with seeded random weights (nothing is
+downloaded) and written as OUT/NAME.onnx (one external-data file only past 2 GB), with
+OUT/NAME.json = {"inputs": {name: shape}} giving concrete test shapes for the dynamic dims.
+Each model passes onnx.checker, loads in onnxruntime (CPU) and is compared with torch on the test
+shape and on a second shape that exercises the dynamic axes. Each model is made in its own
+process; a model that fails is reported and the others go on; the exit code is 1 if any failed.
+
+Unless stated otherwise: TorchScript exporter (dynamo=False), opset 17. CNNs with BatchNorm keep
+their BatchNormalization nodes (non-trivial running statistics). Variants share their base
+model's weights: *_fp16 (onnxconverter-common, keep_io_types, repaired so onnxruntime loads it),
+*_dynamo (dynamo=True, opset 18), *_kiai (keep_initializers_as_inputs=True).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from export_utils import (
+    Net,
+    Wrapper,
+    check_model,
+    convert_fp16,
+    export_dynamo,
+    export_torchscript,
+    image_inputs,
+    model_size,
+    perturb_constant_params,
+    quiet_warnings,
+    randomize_batchnorm,
+    seed_all,
+    seed_for,
+    summarize,
+    text_inputs,
+    verify,
+    write_shapes,
+)
+from make_examples import ESRGAN, check_pixel_shuffle
+
+# ---------------------------------------------------------------------------- builders
+
+
+def image_net(module, size: int = 224, output: str = "logits", name: str = "input") -> Net:
+    return Net(
+        module=module,
+        inputs=image_inputs(3, size, name),
+        output_names=[output],
+        dynamic_axes={name: {0: "batch"}, output: {0: "batch"}},
+        export_shape=(2, 0),
+        test_shape=(1, 0),
+        alt_shape=(2, 0),
+    )
+
+
+def torchvision_net(arch: str) -> Callable[[], Net]:
+    def build() -> Net:
+        import torchvision
+
+        if arch == "vit_b_16":  # the MHA fast path has no ONNX symbolic
+            torch.backends.mha.set_fastpath_enabled(False)
+        model = getattr(torchvision.models, arch)(weights=None)
+        perturb_constant_params(model)
+        randomize_batchnorm(model, lambda: torch.randn(8, 3, 224, 224))
+        return image_net(model)
+
+    return build
+
+
+def hf_text_net(model, vocab_size: int, names: list[str], outputs: list[str], **extra) -> Net:
+    """A transformers model with [batch, seq] integer inputs."""
+    perturb_constant_params(model)
+    axes = {n: {0: "batch", 1: "seq"} for n in names}
+    for out in outputs:
+        axes[out] = {0: "batch"} if out == "pooler_output" else {0: "batch", 1: "seq"}
+    return Net(
+        module=Wrapper(model, names, outputs, **extra),
+        inputs=text_inputs(vocab_size, tuple(names)),
+        output_names=outputs,
+        dynamic_axes=axes,
+    )
+
+
+def build_bert_base() -> Net:
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig()
+    return hf_text_net(
+        BertModel(config), config.vocab_size,
+        ["input_ids", "attention_mask", "token_type_ids"], ["last_hidden_state", "pooler_output"],
+    )
+
+
+def build_distilbert() -> Net:
+    from transformers import DistilBertConfig, DistilBertModel
+
+    config = DistilBertConfig()
+    return hf_text_net(
+        DistilBertModel(config), config.vocab_size,
+        ["input_ids", "attention_mask"], ["last_hidden_state"],
+    )
+
+
+def build_gpt2() -> Net:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(use_cache=False)
+    return hf_text_net(
+        GPT2LMHeadModel(config), config.vocab_size,
+        ["input_ids", "attention_mask"], ["logits"], use_cache=False,
+    )
+
+
+def build_t5_small() -> Net:
+    """Full encoder-decoder with the LM head; decoder length is a quarter of the encoder's."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=32128, d_model=512, d_kv=64, d_ff=2048, num_layers=6,
+        num_decoder_layers=6, num_heads=8, feed_forward_proj="relu", use_cache=False,
+    )
+    model = T5ForConditionalGeneration(config)
+    perturb_constant_params(model)
+    encoder_inputs = text_inputs(config.vocab_size)
+
+    def make(batch: int, seq: int) -> dict[str, torch.Tensor]:
+        out = encoder_inputs(batch, seq)
+        out["decoder_input_ids"] = torch.randint(0, config.vocab_size, (batch, max(2, seq // 4)))
+        return out
+
+    names = ["input_ids", "attention_mask", "decoder_input_ids"]
+    return Net(
+        module=Wrapper(model, names, ["logits"], use_cache=False),
+        inputs=make,
+        output_names=["logits"],
+        dynamic_axes={
+            "input_ids": {0: "batch", 1: "seq"},
+            "attention_mask": {0: "batch", 1: "seq"},
+            "decoder_input_ids": {0: "batch", 1: "decoder_seq"},
+            "logits": {0: "batch", 1: "decoder_seq"},
+        },
+    )
+
+
+def build_vit_hf() -> Net:
+    from transformers import ViTConfig, ViTModel
+
+    model = ViTModel(ViTConfig())
+    perturb_constant_params(model)
+    outputs = ["last_hidden_state", "pooler_output"]
+    return Net(
+        module=Wrapper(model, ["pixel_values"], outputs),
+        inputs=image_inputs(3, 224, "pixel_values"),
+        output_names=outputs,
+        dynamic_axes={n: {0: "batch"} for n in ["pixel_values"] + outputs},
+        export_shape=(2, 0), test_shape=(1, 0), alt_shape=(2, 0),
+    )
+
+
+def build_whisper_tiny_encoder() -> Net:
+    from transformers import WhisperConfig, WhisperModel
+
+    config = WhisperConfig(  # whisper-tiny sizes
+        d_model=384, encoder_layers=4, decoder_layers=4, encoder_attention_heads=6,
+        decoder_attention_heads=6, encoder_ffn_dim=1536, decoder_ffn_dim=1536,
+        num_mel_bins=80, max_source_positions=1500, max_target_positions=448,
+        vocab_size=51865,
+    )
+    encoder = WhisperModel(config).encoder
+    perturb_constant_params(encoder)
+
+    def make(batch: int, _seq: int) -> dict[str, torch.Tensor]:
+        return {"input_features": torch.randn(batch, 80, 3000)}
+
+    return Net(
+        module=Wrapper(encoder, ["input_features"], ["last_hidden_state"]),
+        inputs=make,
+        output_names=["last_hidden_state"],
+        dynamic_axes={"input_features": {0: "batch"}, "last_hidden_state": {0: "batch"}},
+        export_shape=(1, 0), test_shape=(1, 0), alt_shape=(2, 0),
+    )
+
+
+def build_esrgan() -> Net:
+    """16 RRDB blocks, nf 64, growth 32, x4 by two view/permute pixel shuffles."""
+    check_pixel_shuffle()
+    model = ESRGAN(nf=64, gc=32, nb=16, scale=4)
+    perturb_constant_params(model)
+    return image_net(model.eval(), 64, "output")
+
+
+# ---------------------------------------------------------------------------- registry
+
+
+@dataclass
+class Spec:
+    build: Callable[[], Net]
+    base: str | None = None  # weights (seed) come from this model; None: the model itself
+    exporter: str = "torchscript"  # torchscript | dynamo | fp16 (converted from base)
+    keep_bn: bool = False
+    kiai: bool = False  # keep_initializers_as_inputs
+    tolerance: float = 1e-3  # relative L2 against torch
+
+
+FP16_TOL = 5e-2
+MODELS: dict[str, Spec] = {
+    "resnet50": Spec(torchvision_net("resnet50"), keep_bn=True),
+    "mobilenet_v3_large": Spec(torchvision_net("mobilenet_v3_large"), keep_bn=True),
+    "efficientnet_b0": Spec(torchvision_net("efficientnet_b0"), keep_bn=True),
+    "convnext_tiny": Spec(torchvision_net("convnext_tiny")),
+    "vit_b_16": Spec(torchvision_net("vit_b_16")),
+    "swin_t": Spec(torchvision_net("swin_t")),
+    "bert_base": Spec(build_bert_base),
+    "distilbert": Spec(build_distilbert),
+    "gpt2": Spec(build_gpt2),
+    "t5_small": Spec(build_t5_small),
+    "vit_hf": Spec(build_vit_hf),
+    "whisper_tiny_encoder": Spec(build_whisper_tiny_encoder),
+    "esrgan": Spec(build_esrgan),
+    "resnet50_fp16": Spec(torchvision_net("resnet50"), "resnet50", "fp16", keep_bn=True, tolerance=FP16_TOL),
+    "bert_base_fp16": Spec(build_bert_base, "bert_base", "fp16", tolerance=FP16_TOL),
+    "gpt2_fp16": Spec(build_gpt2, "gpt2", "fp16", tolerance=FP16_TOL),
+    "resnet50_dynamo": Spec(torchvision_net("resnet50"), "resnet50", "dynamo"),
+    "bert_base_dynamo": Spec(build_bert_base, "bert_base", "dynamo"),
+    "resnet50_kiai": Spec(torchvision_net("resnet50"), "resnet50", keep_bn=True, kiai=True),
+    "bert_base_kiai": Spec(build_bert_base, "bert_base", kiai=True),
+}
+
+
+def produce(name: str, out_dir: str, reuse_base: bool) -> dict:
+    """Export one model into out_dir, check and verify it; returns conversion info and the
+    relative errors against torch ("test", "alt")."""
+    spec = MODELS[name]
+    path = os.path.join(out_dir, name + ".onnx")
+    seed_all(seed_for(spec.base or name))
+    net = spec.build()
+    info: dict = {}
+    if spec.exporter == "torchscript":
+        export_torchscript(net, path, opset=17, keep_bn=spec.keep_bn,
+                           keep_initializers_as_inputs=spec.kiai)
+    elif spec.exporter == "dynamo":
+        export_dynamo(net, path, opset=18)
+    elif spec.exporter == "fp16":
+        if reuse_base:  # the base model (same weights) was exported earlier in this run
+            info = convert_fp16(os.path.join(out_dir, spec.base + ".onnx"), path)
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                tmp_path = os.path.join(tmp, spec.base + ".onnx")
+                export_torchscript(net, tmp_path, opset=17, keep_bn=spec.keep_bn)
+                info = convert_fp16(tmp_path, path)
+    else:
+        raise ValueError(spec.exporter)
+    check_model(path)
+    info.update(verify(path, net, spec.tolerance))
+    write_shapes(path, net)
+    return info
+
+
+def worker(name: str, out_dir: str, reuse_base: bool, result_path: str) -> int:
+    """Child-process entry: produce one model and write a JSON result."""
+    quiet_warnings()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    try:
+        info = produce(name, out_dir, reuse_base)
+        path = os.path.join(out_dir, name + ".onnx")
+        nodes, top = summarize(path)
+        result = {"ok": True, "info": info, "nodes": nodes, "top": top, "size": model_size(path)}
+    except Exception as exc:
+        result = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+    result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+    return 0 if result["ok"] else 1
+
+
+def run_isolated(name: str, out_dir: str, produced: set[str]) -> dict:
+    """Run one model in a fresh interpreter: memory is returned between models (the exporters
+    keep a lot alive) and a crash in one export cannot stop the others."""
+    fd, result_path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        cmd = [sys.executable, os.path.abspath(__file__), "--out", out_dir,
+               "--worker", name, "--result", result_path]
+        if MODELS[name].base in produced:
+            cmd.append("--reuse-base")
+        proc = subprocess.run(cmd)
+        try:
+            with open(result_path) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return {"ok": False, "error": f"worker exited with code {proc.returncode}"}
+    finally:
+        os.remove(result_path)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="/work/models", help="output folder")
+    parser.add_argument("--only", help="comma-separated model names")
+    parser.add_argument("--list", action="store_true", help="list model names and exit")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--reuse-base", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.worker:
+        return worker(args.worker, args.out, args.reuse_base, args.result)
+    if args.list:
+        for name, spec in MODELS.items():
+            detail = spec.exporter + (" keep-BN" if spec.keep_bn else "") + (" kiai" if spec.kiai else "")
+            print(f"{name:<22} {detail}")
+        return 0
+    names = list(MODELS)
+    if args.only:
+        names = [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = [n for n in names if n not in MODELS]
+        if unknown:
+            parser.error("unknown model(s): " + ", ".join(unknown) + " (see --list)")
+    os.makedirs(args.out, exist_ok=True)
+
+    rows, failed, produced = [], [], set()
+    for name in names:
+        start = time.time()
+        print(f"[{name}] ...", flush=True)
+        result = run_isolated(name, args.out, produced)
+        secs = time.time() - start
+        if not result["ok"]:
+            print(f"[{name}] FAILED: {result['error']}", flush=True)
+            failed.append((name, result["error"]))
+            continue
+        produced.add(name)
+        rows.append((name, secs, result))
+        print(f"[{name}] ok: {result['nodes']} nodes, {secs:.1f} s, {result['info']}", flush=True)
+
+    print()
+    print(f"{'name':<22} {'nodes':>6} {'size MB':>8} {'sec':>6} {'RSS GB':>6}  {'rel.err':>7}  "
+          "top-5 op types")
+    for name, secs, r in rows:
+        ops = ", ".join(f"{op} {n}" for op, n in r["top"])
+        print(f"{name:<22} {r['nodes']:>6} {r['size'] / 2**20:>8.1f} {secs:>6.1f} "
+              f"{r['peak_rss'] / 2**30:>6.1f}  {r['info']['test']:>7.1e}  {ops}")
+    if failed:
+        print("\nFAILED:")
+        for name, error in failed:
+            print(f"  {name}: {error.splitlines()[0] if error else ''}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Analyses over the IR that passes share: shape inference and node evaluation.
+
+* :func:`infer_shapes` runs onnx shape inference (with data propagation) on a *weightless* view of
+  the graph -- large constants travel as typed inputs, not data -- and writes the inferred dtypes
+  and shapes back onto the graph's tensors.  Declared graph-output types are never overridden.
+* :func:`evaluate` runs a set of nodes whose inputs are all known, in one onnxruntime session
+  with graph optimizations disabled, so folded values are exactly what the runtime computes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
+
+from .ir import Constant, ModelIR, Node, Tensor, Variable
+
+log = logging.getLogger(__name__)
+
+#: constants up to this many elements travel with data (shape tensors, axes); larger as types
+SMALL_CONSTANT = 4096
+
+
+def _opsets(ir: ModelIR) -> list[onnx.OperatorSetIdProto]:
+    return list(ir.template.opset_import) or [onnx.helper.make_opsetid("", ir.graph.opset)]
+
+
+def _value_info(t: Tensor) -> onnx.ValueInfoProto:
+    return OnnxExporter.export_value_info_proto(t, do_type_check=False)
+
+
+def infer_shapes(ir: ModelIR) -> bool:
+    """Infer and record shapes; False when onnx shape inference itself failed."""
+    g = ir.graph
+    nodes = [OnnxExporter.export_node(n) for n in g.nodes]
+    inits, inputs = [], [_value_info(t) for t in g.inputs]
+    seen = {t.name for t in g.inputs}
+    for node in g.nodes:
+        for t in node.inputs:
+            if isinstance(t, Constant) and t.name not in seen:
+                seen.add(t.name)
+                if int(np.prod(t.shape)) <= SMALL_CONSTANT:
+                    inits.append(OnnxExporter.export_tensor_proto(t))
+                else:
+                    inputs.append(
+                        onnx.helper.make_tensor_value_info(
+                            t.name,
+                            onnx.helper.np_dtype_to_tensor_dtype(np.dtype(t.dtype)),
+                            list(t.shape),
+                        )
+                    )
+    outputs = [_value_info(t) for t in g.outputs]
+    graph = onnx.helper.make_graph(nodes, "shape-view", inputs, outputs, inits)
+    model = onnx.helper.make_model(graph, opset_imports=_opsets(ir))
+    model.ir_version = max(ir.original_ir_version, 4)
+    model.functions.extend(OnnxExporter.export_function(f) for f in g.functions)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(
+            model, check_type=False, strict_mode=False, data_prop=True
+        )
+    except (onnx.shape_inference.InferenceError, RuntimeError, ValueError) as e:
+        log.info("shape inference failed: %s", e)
+        return False
+    tensors = g.tensors()
+    outputs_ids = {id(t) for t in g.outputs}
+    for vi in inferred.graph.value_info:
+        t = tensors.get(vi.name)
+        if not isinstance(t, Variable) or id(t) in outputs_ids:
+            continue
+        _apply_type(t, vi.type)
+    return True
+
+
+def _apply_type(t: Variable, type_proto: onnx.TypeProto) -> None:
+    if not type_proto.HasField("tensor_type"):
+        return
+    tt = type_proto.tensor_type
+    if tt.elem_type and t.dtype is None:
+        try:
+            t.dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
+        except KeyError:
+            return
+    if tt.HasField("shape"):
+        dims = []
+        for d in tt.shape.dim:
+            if d.HasField("dim_value"):
+                dims.append(int(d.dim_value))
+            elif d.HasField("dim_param"):
+                dims.append(d.dim_param)
+            else:
+                dims.append(None)
+        old = t.shape
+        if old is None or _more_static(dims, old):
+            t.shape = dims
+
+
+def _more_static(new: list, old) -> bool:
+    count = lambda s: sum(isinstance(d, int) for d in s)  # noqa: E731
+    return len(new) == len(old) and count(new) > count(old)
+
+
+class EvaluationError(Exception):
+    """onnxruntime could not run the nodes (unsupported op/type, invalid attributes...)."""
+
+
+def evaluate(
+    ir: ModelIR, nodes: Sequence[Node], known: dict[str, np.ndarray], wanted: Sequence[str]
+) -> dict[str, np.ndarray]:
+    """Run ``nodes`` (topologically ordered) given ``known`` input values; return ``wanted``."""
+    inits = [onnx.numpy_helper.from_array(np.asarray(v), k) for k, v in known.items()]
+    outputs = [onnx.ValueInfoProto(name=n) for n in wanted]
+    graph = onnx.helper.make_graph(
+        [OnnxExporter.export_node(n) for n in nodes], "eval", [], outputs, inits
+    )
+    model = onnx.helper.make_model(graph, opset_imports=_opsets(ir))
+    model.ir_version = max(min(ir.original_ir_version, onnx.IR_VERSION), 7)
+    model.functions.extend(OnnxExporter.export_function(f) for f in ir.graph.functions)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 4
+    try:
+        sess = ort.InferenceSession(
+            model.SerializeToString(), so, providers=["CPUExecutionProvider"]
+        )
+        results = sess.run(list(wanted), {})
+    except Exception as e:  # noqa: BLE001 - onnxruntime raises many unrelated types
+        raise EvaluationError(
+            str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+        ) from None
+    return dict(zip(wanted, results))

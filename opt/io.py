@@ -1,0 +1,174 @@
+"""Loading, validating and atomically saving ONNX models, external data included.
+
+Loading refuses, with one clear line, anything that is not a usable model: missing, empty,
+truncated or non-ONNX files, external-data references that escape the model's directory
+(absolute paths, ``..``, symlinks pointing outside) or point past the end of their file.
+Saving never leaves a half-written file: everything goes to a temporary sibling first and is
+renamed into place, and the input model is never written to.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import onnx
+from google.protobuf.message import DecodeError
+from onnx import external_data_helper
+
+from .errors import ModelLoadError, ModelSaveError
+
+# Protobuf cannot serialize a message of 2 GiB or more; stay well below when deciding.
+PROTOBUF_LIMIT = 2**31 - 1
+EXTERNAL_THRESHOLD = 1_800_000_000
+
+
+def load_model(path: str | os.PathLike, *, check: bool = True) -> onnx.ModelProto:
+    """Read and validate a model file, with its external data resolved safely."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file")
+    if path.is_dir():
+        raise ModelLoadError(f"{path}: is a directory, expected an .onnx file")
+    size = path.stat().st_size
+    if size == 0:
+        raise ModelLoadError(f"{path}: empty file, not an ONNX model")
+    try:
+        with open(path, "rb") as f:
+            model = onnx.load_model_from_string(f.read())
+    except (DecodeError, RuntimeError, ValueError) as e:
+        raise ModelLoadError(
+            f"{path}: not a valid ONNX model (protobuf parse failed: {e})"
+        ) from None
+    _check_structure(model, path)
+    base = path.resolve().parent
+    _check_external_data(model, base, path)
+    if any(external_data_helper.uses_external_data(t) for t in _all_tensors(model)):
+        external_data_helper.load_external_data_for_model(model, str(base))
+    if check:
+        validate(model, path)
+    return model
+
+
+def validate(model: onnx.ModelProto, path: str | os.PathLike = "<model>") -> None:
+    """onnx.checker on the model; raise ModelLoadError with the checker's first line."""
+    try:
+        if model.ByteSize() < PROTOBUF_LIMIT:
+            onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"{path}: invalid ONNX model: {first}") from None
+
+
+def _check_structure(model: onnx.ModelProto, path: Path) -> None:
+    """Protobuf parses many random byte strings; require what every real model has."""
+    if model.ir_version <= 0 or not model.HasField("graph"):
+        raise ModelLoadError(f"{path}: not an ONNX model (no ir_version or graph)")
+    if not model.opset_import:
+        raise ModelLoadError(f"{path}: not an ONNX model (no opset_import)")
+    if model.ir_version > onnx.IR_VERSION + 2:
+        raise ModelLoadError(
+            f"{path}: IR version {model.ir_version} is newer than this onnx supports "
+            f"({onnx.IR_VERSION}); upgrade onnx or re-export the model"
+        )
+
+
+def _all_tensors(model: onnx.ModelProto):
+    yield from external_data_helper._get_all_tensors(model)
+
+
+def _check_external_data(model: onnx.ModelProto, base: Path, path: Path) -> None:
+    """Every external reference must stay inside the model's directory and fit its file."""
+    for tensor in _all_tensors(model):
+        if not external_data_helper.uses_external_data(tensor):
+            continue
+        info = {e.key: e.value for e in tensor.external_data}
+        location = info.get("location", "")
+        if not location:
+            raise ModelLoadError(
+                f"{path}: tensor '{tensor.name}' has external data without a location"
+            )
+        rel = Path(location)
+        if rel.is_absolute() or ".." in rel.parts:
+            raise ModelLoadError(
+                f"{path}: tensor '{tensor.name}' external data location '{location}' escapes the "
+                "model directory (absolute paths and '..' are refused)"
+            )
+        target = (base / rel).resolve()
+        if base not in target.parents:
+            raise ModelLoadError(
+                f"{path}: tensor '{tensor.name}' external data '{location}' resolves outside the "
+                "model directory (symlink?)"
+            )
+        if not target.is_file():
+            raise ModelLoadError(
+                f"{path}: external data file '{location}' for tensor '{tensor.name}' is missing"
+            )
+        offset = int(info.get("offset", 0) or 0)
+        length = info.get("length")
+        end = offset + (int(length) if length else 0)
+        if end > target.stat().st_size:
+            raise ModelLoadError(
+                f"{path}: external data for tensor '{tensor.name}' ends at byte {end} but "
+                f"'{location}' has only {target.stat().st_size} bytes (truncated?)"
+            )
+
+
+def needs_external_data(model: onnx.ModelProto) -> bool:
+    total = sum(len(t.raw_data) for t in model.graph.initializer)
+    return total > EXTERNAL_THRESHOLD
+
+
+def save_model(
+    model: onnx.ModelProto, path: str | os.PathLike, *, external: bool | None = None
+) -> None:
+    """Write ``model`` to ``path`` atomically; weights go to ``<name>.data`` when large."""
+    path = Path(path)
+    if external is None:
+        external = needs_external_data(model)
+    parent = path.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmpdir = Path(tempfile.mkdtemp(prefix=".graphopt-", dir=parent))
+    except OSError as e:
+        raise ModelSaveError(f"cannot write to {parent}: {e.strerror or e}") from None
+    try:
+        write_model_files(model, tmpdir / path.name, external=external)
+        for item in sorted(tmpdir.iterdir(), key=lambda p: p.suffix == ".onnx"):
+            os.replace(item, parent / item.name)
+    except OSError as e:
+        raise ModelSaveError(f"cannot write {path}: {e.strerror or e}") from None
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def write_model_files(model: onnx.ModelProto, path: Path, *, external: bool) -> None:
+    """Serialize into ``path`` (a fresh location); external data goes beside it."""
+    if external:
+        data_name = path.name + ".data"
+        to_write = onnx.ModelProto()
+        to_write.CopyFrom(model)
+        external_data_helper.convert_model_to_external_data(
+            to_write, all_tensors_to_one_file=True, location=data_name, size_threshold=1024
+        )
+        onnx.save_model(to_write, str(path))
+    else:
+        if model.ByteSize() > PROTOBUF_LIMIT:
+            raise ModelSaveError(
+                f"{path.name}: model is over 2 GB and cannot be saved without external data"
+            )
+        with open(path, "wb") as f:
+            f.write(model.SerializeToString())
+
+
+def replace_dir(staging: Path, final: Path) -> None:
+    """Move a fully written staging directory onto ``final``, replacing any old one."""
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        os.replace(final, old)
+    os.replace(staging, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

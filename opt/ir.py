@@ -1,0 +1,344 @@
+"""The in-memory IR: an onnx-graphsurgeon graph plus what graphsurgeon would otherwise lose.
+
+graphsurgeon gives use-lists (``tensor.inputs`` = producer, ``tensor.outputs`` = consumers) that
+stay in sync under mutation, which is what a rewrite engine needs.  It also drops information on
+import/export; :class:`ModelIR` keeps it and restores it:
+
+* model-level fields (ir_version, producer, metadata_props, doc_string, opset imports);
+* node ``metadata_props`` (restored by node name), plus provenance tags for nodes made by rules;
+* initializers that are also graph inputs (``keep_initializers_as_inputs``): graphsurgeon turns
+  them into constants, silently changing the interface.  In IR >= 4 they are *overridable
+  defaults*, so they stay graph inputs here (rules see them as non-constant and say so); in IR < 4
+  they are constants by definition and the IR version is raised to 4 on export.
+
+Only ``opt/`` touches graphsurgeon objects raw; passes and rules use the helpers below.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+from onnx import numpy_helper
+from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
+
+PROVENANCE_KEY = "graphopt.rule"
+
+gs.logger.G_LOGGER.severity = gs.logger.G_LOGGER.ERROR  # its warnings are not ours to print
+
+Node = gs.Node
+Tensor = gs.Tensor
+Constant = gs.Constant
+Variable = gs.Variable
+
+
+class ModelIR:
+    """One model being optimized: the graph and everything needed to write it back faithfully."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.original_ir_version = model.ir_version
+        self.template = _model_shell(model)
+        self.node_metadata = {
+            n.name: {p.key: p.value for p in n.metadata_props}
+            for n in model.graph.node
+            if n.name and len(n.metadata_props)
+        }
+        input_names = {i.name for i in model.graph.input}
+        overridable = model.ir_version >= 4
+        self.input_defaults: dict[str, onnx.TensorProto] = {}
+        init_names = {t.name for t in model.graph.initializer}
+        if init_names & input_names and overridable:
+            self.input_defaults = {
+                t.name: t for t in model.graph.initializer if t.name in input_names
+            }
+            stripped = _graph_copy(model, skip=("initializer",))
+            stripped.graph.initializer.extend(
+                t for t in model.graph.initializer if t.name not in input_names
+            )
+            model = stripped
+        elif init_names & input_names:
+            # IR < 4: initializers listed as inputs are constants; drop them from the inputs.
+            stripped = _graph_copy(model, skip=("input",))
+            stripped.graph.input.extend(i for i in model.graph.input if i.name not in init_names)
+            model = stripped
+        self.graph: gs.Graph = gs.import_onnx(model)
+        _keep_unsupported_types(model.graph, self.graph)
+        self.provenance: dict[str, str] = {}
+        self._names = _NameSource(self.graph)
+
+    # ----------------------------------------------------------------- export
+    def to_onnx(self) -> onnx.ModelProto:
+        """Export the graph, restoring model fields, node metadata and overridable defaults."""
+        self.graph.cleanup(remove_unused_graph_inputs=False).toposort()
+        exported = gs.export_onnx(self.graph, do_type_check=False)
+        model = onnx.ModelProto()
+        model.CopyFrom(self.template)
+        model.graph.CopyFrom(exported.graph)
+        model.graph.name = self.template.graph.name or exported.graph.name
+        model.graph.doc_string = self.template.graph.doc_string
+        del model.functions[:]
+        model.functions.extend(exported.functions)
+        model.ir_version = max(self.original_ir_version, 4)
+        # Opsets: keep the original imports, add any domain a rule introduced.
+        have = {o.domain for o in model.opset_import}
+        for imp in exported.opset_import:
+            if imp.domain not in have and imp.domain not in ("", "ai.onnx"):
+                model.opset_import.append(imp)
+        present = {i.name for i in model.graph.input}
+        for name, tensor in self.input_defaults.items():
+            if name in present:
+                model.graph.initializer.append(tensor)
+        for node in model.graph.node:
+            meta = dict(self.node_metadata.get(node.name, {}))
+            if node.name in self.provenance:
+                meta[PROVENANCE_KEY] = self.provenance[node.name]
+            for key, value in sorted(meta.items()):
+                node.metadata_props.add(key=key, value=value)
+        return model
+
+    # ------------------------------------------------------------ inspection
+    @property
+    def opset(self) -> int:
+        for imp in self.template.opset_import:
+            if imp.domain in ("", "ai.onnx"):
+                return imp.version
+        return self.graph.opset
+
+    def nodes(self) -> list[Node]:
+        return list(self.graph.nodes)
+
+    def op_histogram(self) -> dict[str, int]:
+        return op_histogram(self.graph.nodes)
+
+    def is_graph_output(self, tensor: Tensor) -> bool:
+        return any(t is tensor for t in self.graph.outputs)
+
+    def is_graph_input(self, tensor: Tensor) -> bool:
+        return any(t is tensor for t in self.graph.inputs)
+
+    def fresh_name(self, base: str) -> str:
+        return self._names.fresh(base)
+
+    # --------------------------------------------------------------- mutation
+    def replace_all_uses(self, old: Tensor, new: Tensor) -> None:
+        """Make every reader of ``old`` read ``new``; a graph output keeps its name."""
+        for consumer in list(old.outputs):
+            for i, t in enumerate(consumer.inputs):
+                if t is old:
+                    consumer.inputs[i] = new
+        if not self.is_graph_output(old):
+            return
+        producer = new.inputs[0] if isinstance(new, Variable) and new.inputs else None
+        movable = (
+            producer is not None and not self.is_graph_output(new) and not self.is_graph_input(new)
+        )
+        old.inputs.clear()
+        if movable:
+            if old.dtype is None:
+                old.dtype = new.dtype
+            if old.shape is None:
+                old.shape = new.shape
+            for consumer in list(new.outputs):
+                for i, t in enumerate(consumer.inputs):
+                    if t is new:
+                        consumer.inputs[i] = old
+            producer.outputs[producer.outputs.index(new)] = old
+        else:
+            # The output name must survive and cannot be moved onto ``new``: keep an Identity.
+            node = gs.Node(
+                "Identity",
+                name=self.fresh_name(old.name + "/identity"),
+                inputs=[new],
+                outputs=[old],
+            )
+            self.graph.nodes.append(node)
+
+    def remove_node(self, node: Node) -> None:
+        """Detach a node; ``cleanup`` drops it (and anything only it used) on export."""
+        node.inputs.clear()
+        node.outputs.clear()
+
+
+def op_histogram(nodes: Iterable[Node | onnx.NodeProto]) -> dict[str, int]:
+    """Op type counts (``domain.op`` outside the default domain) of IR or protobuf nodes."""
+
+    def key(n) -> str:
+        op = n.op_type if isinstance(n, onnx.NodeProto) else n.op
+        return op if n.domain in ("", "ai.onnx", None) else f"{n.domain}.{op}"
+
+    return dict(sorted(Counter(key(n) for n in nodes).items()))
+
+
+def constant_value(tensor: Tensor | None) -> np.ndarray | None:
+    """The value of a tensor known at optimization time, or None."""
+    if isinstance(tensor, Constant):
+        return np.asarray(tensor.values)
+    return None
+
+
+def producer(tensor: Tensor) -> Node | None:
+    return tensor.inputs[0] if tensor.inputs else None
+
+
+def consumers(tensor: Tensor) -> list[Node]:
+    return list(tensor.outputs)
+
+
+def static_shape(tensor: Tensor) -> tuple[int, ...] | None:
+    """The fully known shape of a tensor, or None when unknown or symbolic."""
+    if isinstance(tensor, Constant):
+        return tuple(int(d) for d in tensor.shape)
+    shape = tensor.shape
+    if shape is None or any(not isinstance(d, (int, np.integer)) or d < 0 for d in shape):
+        return None
+    return tuple(int(d) for d in shape)
+
+
+def walk_nodes(graph: gs.Graph) -> Iterator[Node]:
+    """All nodes, including those inside subgraphs (If/Loop/Scan bodies)."""
+    for node in graph.nodes:
+        yield node
+        for sub in node.subgraphs():
+            yield from walk_nodes(sub)
+
+
+def dtype_of(tensor: Tensor) -> np.dtype | None:
+    if tensor.dtype is None:
+        return None
+    try:
+        return np.dtype(tensor.dtype)
+    except TypeError:
+        return None
+
+
+def _copy_fields(src, dst, skip: tuple[str, ...] = ()) -> None:
+    """Copy protobuf fields one by one (repeated fields are extended, not deep-copied twice)."""
+    for field, value in src.ListFields():
+        if field.name in skip:
+            continue
+        if field.is_repeated:
+            getattr(dst, field.name).extend(value)
+        elif field.message_type:
+            getattr(dst, field.name).CopyFrom(value)
+        else:
+            setattr(dst, field.name, value)
+
+
+def _model_shell(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of the model's fields without the (possibly huge) graph."""
+    shell = onnx.ModelProto()
+    _copy_fields(model, shell, skip=("graph",))
+    shell.graph.name = model.graph.name
+    shell.graph.doc_string = model.graph.doc_string
+    return shell
+
+
+def _graph_copy(model: onnx.ModelProto, skip: tuple[str, ...]) -> onnx.ModelProto:
+    """The model with its graph copied except the named repeated fields (filled by the caller)."""
+    copy = _model_shell(model)
+    _copy_fields(model.graph, copy.graph, skip=skip)
+    return copy
+
+
+# graphsurgeon represents tensor, sequence and sparse types only; optional/map types would be
+# lost on export.  Such tensors carry their original TypeProto, and the exporter uses it.
+_TYPE_ATTR = "graphopt_type_proto"
+_gs_export_value_info = OnnxExporter.export_value_info_proto
+
+
+def _export_value_info(tensor: Tensor, do_type_check: bool) -> onnx.ValueInfoProto:
+    type_proto = getattr(tensor, _TYPE_ATTR, None)
+    if type_proto is None:
+        return _gs_export_value_info(tensor, do_type_check)
+    info = onnx.ValueInfoProto(name=tensor.name)
+    info.type.CopyFrom(type_proto)
+    return info
+
+
+OnnxExporter.export_value_info_proto = staticmethod(_export_value_info)
+
+# Likewise graphsurgeon reduces TYPE_PROTO attributes (Optional's ``type``) to a dtype.
+_ATTR_ATTR = "graphopt_type_attributes"
+_gs_export_node = OnnxExporter.export_node
+
+
+def _export_node(node: Node) -> onnx.NodeProto:
+    proto = _gs_export_node(node)
+    kept = getattr(node, _ATTR_ATTR, None)
+    if kept:
+        attrs = [kept.get(a.name, a) for a in proto.attribute]
+        attrs += [a for name, a in kept.items() if name not in {x.name for x in proto.attribute}]
+        del proto.attribute[:]
+        proto.attribute.extend(attrs)
+    return proto
+
+
+OnnxExporter.export_node = staticmethod(_export_node)
+
+
+def _keep_unsupported_types(graph_proto: onnx.GraphProto, graph: gs.Graph) -> None:
+    unsupported = {}
+
+    def collect(g: onnx.GraphProto) -> None:
+        for vi in list(g.input) + list(g.output) + list(g.value_info):
+            kind = vi.type.WhichOneof("value")
+            seq_elem = (
+                vi.type.sequence_type.elem_type.WhichOneof("value")
+                if kind == "sequence_type"
+                else "tensor_type"
+            )
+            if kind not in ("tensor_type", "sparse_tensor_type", None) or seq_elem != "tensor_type":
+                unsupported[vi.name] = vi.type
+        for node in g.node:
+            for attr in node.attribute:
+                for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                    collect(sub)
+
+    collect(graph_proto)
+
+    def attach(g: gs.Graph, proto: onnx.GraphProto) -> None:
+        for name, t in g.tensors().items():
+            if name in unsupported:
+                setattr(t, _TYPE_ATTR, unsupported[name])
+        for node, node_proto in zip(g.nodes, proto.node):
+            typed = {
+                a.name: a
+                for a in node_proto.attribute
+                if a.type in (onnx.AttributeProto.TYPE_PROTO, onnx.AttributeProto.TYPE_PROTOS)
+            }
+            if typed:
+                setattr(node, _ATTR_ATTR, typed)
+            subs = [a.g for a in node_proto.attribute if a.HasField("g")]
+            for sub, sub_proto in zip(node.subgraphs(), subs):
+                attach(sub, sub_proto)
+
+    attach(graph, graph_proto)
+
+
+class _NameSource:
+    """Unique, deterministic names for tensors and nodes a rewrite creates."""
+
+    def __init__(self, graph: gs.Graph):
+        self.used = set(graph.tensors().keys()) | {n.name for n in walk_nodes(graph) if n.name}
+        self.counter = itertools.count()
+
+    def fresh(self, base: str) -> str:
+        name = base
+        while name in self.used:
+            name = f"{base}_{next(self.counter)}"
+        self.used.add(name)
+        return name
+
+
+def type_string(dtype: np.dtype) -> str:
+    """onnxruntime's kernel type-constraint spelling of a dtype: float32 → 'tensor(float)'."""
+    proto = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    return f"tensor({onnx.TensorProto.DataType.Name(proto).lower()})"
+
+
+def to_tensor_proto(value: np.ndarray, name: str) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.asarray(value), name)

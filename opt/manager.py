@@ -1,0 +1,207 @@
+"""The pass manager: runs a pipeline of passes and rule sets over a :class:`ModelIR`.
+
+* A pass is ``run(ir, cx) -> bool`` (changed). Rules are grouped into rule-set passes driven by
+  :func:`opt.rewrite.apply_rules`.
+* ``fixpoint(...)`` repeats its children until nothing changes, up to ``max-iterations``; when the
+  cap is hit a *failure* remark ("did-not-converge") is recorded, naming the passes still changing.
+* ``verify_each`` exports the model after every pass and runs onnx.checker and shape inference on
+  it; the first pass that breaks the model is named.
+* ``bisect_limit`` (as LLVM's opt-bisect): only the first N rewrites are applied; every later one
+  is skipped, so a binary search on N finds the first rewrite that breaks parity.
+* Time is recorded per pass and per rule.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import onnx
+
+from .errors import GraphoptError, UsageError
+from .ir import ModelIR
+from .remarks import Remark, RemarkLog
+from .rewrite import Rule, apply_rules
+from .target import Target
+
+
+@dataclass
+class RuleStats:
+    attempts: int = 0
+    fired: int = 0
+    missed: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    name: str
+    seconds: float
+    changed: bool
+    iteration: int = 0
+
+
+@dataclass
+class PassContext:
+    """Everything a pass may read or record besides the IR itself."""
+
+    target: Target
+    level: int
+    ir: ModelIR | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    remarks: RemarkLog = field(default_factory=RemarkLog)
+    bisect_limit: int | None = None
+    verify_each: bool = False
+    rewrites: int = 0
+    applied: list[tuple[int, str, str]] = field(default_factory=list)
+    records: list[PassRecord] = field(default_factory=list)
+    stats: dict[str, RuleStats] = field(default_factory=dict)
+
+    def rule_stats(self, rule: str) -> RuleStats:
+        return self.stats.setdefault(rule, RuleStats())
+
+    def take_bisect_step(self, rule: str, node: str) -> bool:
+        """Count one rewrite; False (and an analysis remark) when past the bisect limit."""
+        self.rewrites += 1
+        if self.bisect_limit is not None and self.rewrites > self.bisect_limit:
+            return False
+        self.applied.append((self.rewrites, rule, node))
+        return True
+
+    def remark(
+        self,
+        kind: str,
+        pass_name: str,
+        rule: str,
+        code: str,
+        nodes: Sequence[str],
+        message: str,
+        **args: Any,
+    ) -> None:
+        self.remarks.add(Remark(kind, pass_name, rule, code, tuple(nodes), message, args))
+
+
+class Pass:
+    """Base of whole-graph passes. Subclasses set ``name`` and implement ``run``."""
+
+    name: str = ""
+    summary: str = ""
+    level: int = 1
+
+    def run(self, ir: ModelIR, cx: PassContext) -> bool:
+        raise NotImplementedError
+
+    def text(self) -> str:
+        return self.name
+
+
+class RuleSetPass(Pass):
+    """Applies rules with the greedy driver: the named ones, or every rule up to ``max_level``."""
+
+    name = "rules"
+
+    def __init__(self, rules: Sequence[Rule] | None = None, max_level: int | None = None):
+        self.rules = list(rules) if rules is not None else None
+        self.max_level = max_level
+
+    def selected(self, cx: PassContext) -> list[Rule]:
+        if self.rules is not None:
+            chosen = self.rules
+        else:
+            level = cx.level if self.max_level is None else self.max_level
+            chosen = [r for r in RULES.values() if r.level <= level]
+        return [r for r in chosen if cx.target.allows_rule(r.name)]
+
+    def run(self, ir: ModelIR, cx: PassContext) -> bool:
+        return apply_rules(ir, self.selected(cx), cx, self.text())
+
+    def text(self) -> str:
+        if self.rules is not None:
+            return ",".join(r.name for r in self.rules)
+        return "rules" if self.max_level is None else f"rules{{level={self.max_level}}}"
+
+
+class Fixpoint(Pass):
+    """Repeat children until none reports a change, at most ``max_iterations`` times."""
+
+    name = "fixpoint"
+
+    def __init__(self, children: Sequence[Pass], max_iterations: int = 10):
+        self.children = list(children)
+        self.max_iterations = max_iterations
+
+    def run(self, ir: ModelIR, cx: PassContext) -> bool:
+        any_change = False
+        for iteration in range(1, self.max_iterations + 1):
+            changed_now = [c.text() for c in self.children if run_pass(c, ir, cx, iteration)]
+            if not changed_now:
+                return any_change
+            any_change = True
+        cx.remark(
+            "failure",
+            "fixpoint",
+            "fixpoint",
+            "did-not-converge",
+            [],
+            f"pipeline still changing after {self.max_iterations} iterations "
+            f"(last changes by: {', '.join(changed_now)})",
+            max_iterations=self.max_iterations,
+            still_changing=changed_now,
+        )
+        return any_change
+
+    def text(self) -> str:
+        inner = ",".join(c.text() for c in self.children)
+        return f"fixpoint({inner}){{max-iterations={self.max_iterations}}}"
+
+
+def run_pass(p: Pass, ir: ModelIR, cx: PassContext, iteration: int = 0) -> bool:
+    """Run one pass with timing and optional verification."""
+    t0 = time.perf_counter()
+    changed = bool(p.run(ir, cx))
+    if not isinstance(p, Fixpoint):
+        cx.records.append(PassRecord(p.text(), time.perf_counter() - t0, changed, iteration))
+    if cx.verify_each and changed and not isinstance(p, Fixpoint):
+        verify(ir, p.text())
+    return changed
+
+
+def verify(ir: ModelIR, after: str) -> None:
+    """onnx.checker + strict shape inference on the current graph."""
+    model = ir.to_onnx()
+    try:
+        onnx.checker.check_model(model)
+        onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+        first = str(e).strip().splitlines()[0]
+        raise GraphoptError(f"verify-each: model invalid after pass '{after}': {first}") from None
+
+
+# ----------------------------------------------------------------------- registries
+PASSES: dict[str, type[Pass]] = {}
+RULES: dict[str, Rule] = {}
+
+
+def register_pass(cls: type[Pass]) -> type[Pass]:
+    if cls.name in PASSES or cls.name in RULES:
+        raise ValueError(f"duplicate pass name {cls.name}")
+    PASSES[cls.name] = cls
+    return cls
+
+
+def register_rule(cls: type[Rule]) -> type[Rule]:
+    """Class decorator: validate the rule's root op against onnx.defs and register it."""
+    if cls.name in RULES or cls.name in PASSES:
+        raise ValueError(f"duplicate rule name {cls.name}")
+    if not cls.domain and not onnx.defs.has(cls.root):
+        raise ValueError(f"rule {cls.name}: root '{cls.root}' is not an ONNX operator")
+    RULES[cls.name] = cls()
+    return cls
+
+
+def lookup_rule(name: str) -> Rule:
+    if name not in RULES:
+        raise UsageError(f"unknown rule or pass '{name}' in pipeline")
+    return RULES[name]

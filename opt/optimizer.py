@@ -1,0 +1,195 @@
+"""The whole job for one model: load → IR → pipeline for (level, target) → export → parity → report.
+
+:func:`optimize` is the Python API the CLI mirrors.  It never modifies its input.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+
+from .errors import GraphoptError, UsageError
+from .io import load_model
+from .ir import ModelIR, op_histogram
+from .manager import PassContext, run_pass
+from .parity import ParityReport, check_parity
+from .pipeline import parse, preset, to_text
+from .remarks import Remark
+from .target import get_target
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class Report:
+    """Everything ``optimize`` learned; ``to_dict`` is the report.json schema."""
+
+    model: str
+    target: str
+    level: int
+    pipeline: str
+    nodes_before: int
+    nodes_after: int
+    ops_before: dict[str, int]
+    ops_after: dict[str, int]
+    remarks: list[Remark]
+    passes: list[dict[str, Any]]
+    rules: dict[str, dict[str, Any]]
+    parity: ParityReport
+    seconds: dict[str, float] = field(default_factory=dict)
+    rewrites: int = 0
+    applied: list[tuple[int, str, str]] = field(default_factory=list)
+    outputs: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def converged(self) -> bool:
+        return not any(r.code == "did-not-converge" for r in self.remarks)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": "graphopt.report/1",
+            "model": self.model,
+            "target": self.target,
+            "level": self.level,
+            "pipeline": self.pipeline,
+            "nodes_before": self.nodes_before,
+            "nodes_after": self.nodes_after,
+            "ops_before": self.ops_before,
+            "ops_after": self.ops_after,
+            "rewrites": self.rewrites,
+            "applied": [list(a) for a in self.applied],
+            "converged": self.converged,
+            "remarks": [r.to_dict() for r in self.remarks],
+            "passes": self.passes,
+            "rules": self.rules,
+            "parity": self.parity.to_dict(),
+            "seconds": self.seconds,
+            "outputs": self.outputs,
+        }
+
+
+def optimize(
+    model: onnx.ModelProto | str | os.PathLike,
+    *,
+    target: str = "cpu",
+    level: int = 2,
+    pipeline: str | None = None,
+    check: bool = True,
+    shapes: dict[str, list[int]] | None = None,
+    inputs: dict[str, np.ndarray] | None = None,
+    seed: int = 0,
+    bisect_limit: int | None = None,
+    verify_each: bool = False,
+    options: dict[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> tuple[onnx.ModelProto, Report]:
+    """Optimize a model for a target; return the optimized model and the report."""
+    say = progress or (lambda _msg: None)
+    times: dict[str, float] = {}
+    t0 = time.perf_counter()
+    name = str(model) if isinstance(model, (str, os.PathLike)) else (model.graph.name or "<model>")
+    if isinstance(model, (str, os.PathLike)):
+        say("loading")
+        model = load_model(model)
+    _check_input_names(model, shapes, inputs)
+    tgt = get_target(target)
+    text = preset(level) if pipeline is None else pipeline
+    passes = parse(text)
+    times["load"] = time.perf_counter() - t0
+
+    t1 = time.perf_counter()
+    ir = ModelIR(model)
+    ops_before = op_histogram(model.graph.node)
+    cx = PassContext(
+        target=tgt,
+        level=level,
+        options=dict(options or {}),
+        bisect_limit=bisect_limit,
+        verify_each=verify_each,
+        ir=ir,
+    )
+    for p in passes:
+        say(f"running {p.text()}")
+        run_pass(p, ir, cx)
+    say("exporting")
+    optimized = ir.to_onnx()
+    _set_metadata(optimized, {"graphopt.pipeline": to_text(passes), "graphopt.target": tgt.name})
+    times["optimize"] = time.perf_counter() - t1
+
+    if check:
+        say("checking parity with onnxruntime")
+        t2 = time.perf_counter()
+        try:
+            parity = check_parity(
+                model, optimized, shapes=shapes, inputs=inputs, seed=seed, tolerances=tgt.tolerances
+            )
+        except UsageError:
+            raise
+        except GraphoptError as e:
+            parity = ParityReport.not_run(str(e))
+        times["parity"] = time.perf_counter() - t2
+    else:
+        parity = ParityReport.not_run("skipped (--no-check)")
+    times["total"] = time.perf_counter() - t0
+
+    report = Report(
+        model=name,
+        target=tgt.name,
+        level=level,
+        pipeline=to_text(passes),
+        nodes_before=len(model.graph.node),
+        nodes_after=len(optimized.graph.node),
+        ops_before=ops_before,
+        ops_after=op_histogram(optimized.graph.node),
+        remarks=list(cx.remarks),
+        passes=[
+            {
+                "name": r.name,
+                "seconds": round(r.seconds, 6),
+                "changed": r.changed,
+                "iteration": r.iteration,
+            }
+            for r in cx.records
+        ],
+        rules={
+            k: {
+                "attempts": v.attempts,
+                "fired": v.fired,
+                "missed": v.missed,
+                "seconds": round(v.seconds, 6),
+            }
+            for k, v in sorted(cx.stats.items())
+        },
+        parity=parity,
+        seconds={k: round(v, 4) for k, v in times.items()},
+        rewrites=cx.rewrites,
+        applied=list(cx.applied),
+    )
+    return optimized, report
+
+
+def _set_metadata(model: onnx.ModelProto, values: dict[str, str]) -> None:
+    """Set model metadata keys, replacing earlier values (keys must stay unique)."""
+    kept = [p for p in model.metadata_props if p.key not in values]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    for key, value in values.items():
+        model.metadata_props.add(key=key, value=value)
+
+
+def _check_input_names(model: onnx.ModelProto, shapes: dict | None, inputs: dict | None) -> None:
+    """--shape / --inputs must name real graph inputs: fail before any work is done."""
+    names = {i.name for i in model.graph.input}
+    for flag, given in (("--shape", shapes), ("--inputs", inputs)):
+        unknown = sorted(set(given or {}) - names)
+        if unknown:
+            raise UsageError(
+                f"{flag} names unknown input(s): {', '.join(unknown)} "
+                f"(model inputs: {', '.join(sorted(names)) or 'none'})"
+            )

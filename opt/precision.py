@@ -1,0 +1,66 @@
+"""Precision guards: is a value computed in float64 still faithful in the dtype it is stored in?
+
+Folding rules (Conv+BN, Conv+Mul, ...) compute in float64, cast to the stored dtype, and call
+:func:`require_representable`, which refuses -- with the worst value and its error in the
+remark -- when a value overflows the dtype, when non-zero values flush to zero, or when the
+relative error of the stored tensor exceeds the tolerance for that dtype.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .rewrite import NoMatch
+
+#: max relative error (vs the tensor's largest magnitude) tolerated when storing folded values
+STORE_TOLERANCE = {"float16": 1e-3, "bfloat16": 1e-2, "float32": 1e-6, "float64": 1e-12}
+#: fraction of non-zero values allowed to flush to zero
+FLUSH_TOLERANCE = 1e-3
+
+
+def require_representable(exact: np.ndarray, dtype: np.dtype, what: str) -> np.ndarray:
+    """Return ``exact`` cast to ``dtype``; raise NoMatch(precision-...) if that loses too much."""
+    dtype = np.dtype(dtype)
+    exact = np.asarray(exact, dtype=np.float64)
+    if not np.all(np.isfinite(exact)):
+        bad = exact[~np.isfinite(exact)][0]
+        raise NoMatch(
+            "precision-nonfinite", f"folded {what} contains {bad} (in float64)", worst=float(bad)
+        )
+    if dtype.kind != "f":
+        return exact.astype(dtype)
+    info = np.finfo(dtype)
+    peak = float(np.max(np.abs(exact))) if exact.size else 0.0
+    if peak > float(info.max):
+        raise NoMatch(
+            "precision-overflow",
+            f"folded {what} reaches {peak:.6g}, beyond {dtype.name}'s max {float(info.max):.6g}",
+            worst=peak,
+            limit=float(info.max),
+        )
+    with np.errstate(over="ignore", under="ignore"):
+        stored = exact.astype(dtype)
+    nonzero = exact != 0
+    flushed = int(np.count_nonzero(nonzero & (stored == 0)))
+    if nonzero.any() and flushed / int(nonzero.sum()) > FLUSH_TOLERANCE:
+        smallest = float(np.min(np.abs(exact[nonzero])))
+        raise NoMatch(
+            "precision-underflow",
+            f"{flushed} non-zero values of folded {what} flush to zero in {dtype.name} "
+            f"(smallest {smallest:.3g})",
+            flushed=flushed,
+            worst=smallest,
+        )
+    if peak > 0:
+        err = np.abs(stored.astype(np.float64) - exact) / peak
+        worst = float(err.max())
+        tol = STORE_TOLERANCE.get(dtype.name, 1e-6)
+        if worst > tol:
+            raise NoMatch(
+                "precision-loss",
+                f"storing folded {what} in {dtype.name} loses {worst:.3g} of its scale "
+                f"(tolerance {tol:g})",
+                worst=worst,
+                tolerance=tol,
+            )
+    return stored

@@ -1,0 +1,56 @@
+"""Optimization remarks, after LLVM: what fired (passed), what was tried and refused (missed),
+facts worth knowing (analysis) and what went wrong (failure).
+
+Only the final outcome per (rule, node) is kept: a rule that was refused at a node in one fixpoint
+iteration and fired there in the next reports "passed" once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+Kind = Literal["passed", "missed", "analysis", "failure"]
+
+
+@dataclass(frozen=True)
+class Remark:
+    kind: Kind
+    pass_name: str
+    rule: str
+    code: str
+    nodes: tuple[str, ...]
+    message: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["pass"] = d.pop("pass_name")
+        d["nodes"] = list(self.nodes)
+        return d
+
+
+class RemarkLog:
+    """Collects remarks, keeping the last outcome per (rule, anchor node)."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple[str, str, str], Remark] = {}
+
+    def add(self, remark: Remark) -> None:
+        anchor = remark.nodes[0] if remark.nodes else ""
+        key = (remark.rule, anchor, remark.code if remark.kind in ("analysis", "failure") else "")
+        self._by_key.pop(key, None)
+        self._by_key[key] = remark
+
+    def __iter__(self):
+        return iter(self._by_key.values())
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def of_kind(self, kind: Kind) -> list[Remark]:
+        return [r for r in self if r.kind == kind]
+
+    def to_jsonl(self) -> str:
+        return "".join(json.dumps(r.to_dict(), sort_keys=True) + "\n" for r in self)

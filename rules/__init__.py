@@ -1,0 +1,3 @@
+"""Local rewrite rules by family; importing this package registers them."""
+
+from . import cleanup, conv, matmul, shape  # noqa: F401

@@ -1,0 +1,220 @@
+"""Exact cleanups (level 1): identities, inference-mode Dropout, operations that do nothing.
+
+Each rule forwards its input in place of its output, so it only fires when the output is
+provably the same tensor: same dtype, same static shape (broadcasting could otherwise grow it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from graphopt.opt.ir import constant_value, dtype_of, static_shape
+from graphopt.opt.manager import register_rule
+from graphopt.opt.rewrite import (
+    Match,
+    NoMatch,
+    Op,
+    Rule,
+    applies_only_if,
+    opt,
+    require,
+    require_forwardable,
+)
+
+
+class Forward(Rule):
+    """Base: replace the root's single output by ``m.src`` after the subclass's guards."""
+
+    level = 1
+
+    def forward_check(self, m: Match, cx) -> None:
+        raise NotImplementedError
+
+    def check(self, m: Match, cx) -> None:
+        self.forward_check(m, cx)
+        require_forwardable(cx.ir, m.root.outputs[0], m.src)
+
+    def rewrite(self, m: Match, b):
+        return [m.src] + [None] * (len(m.root.outputs) - 1)
+
+
+@register_rule
+class EliminateIdentity(Forward):
+    name = "eliminate-identity"
+    root = "Identity"
+    summary = "remove Identity"
+    pattern = Op("Identity", "src")
+
+    def forward_check(self, m, cx):
+        pass
+
+
+@register_rule
+class EliminateDropout(Forward):
+    name = "eliminate-dropout"
+    root = "Dropout"
+    summary = "remove Dropout in inference mode"
+    pattern = Op("Dropout", "src", opt("ratio"), opt("training_mode"))
+
+    def forward_check(self, m, cx):
+        if m.training_mode is not None:
+            mode = constant_value(m.training_mode)
+            require(
+                mode is not None and not bool(mode),
+                "training-mode",
+                "Dropout's training_mode is not a constant false",
+            )
+        require(
+            len(m.root.outputs) < 2 or not m.root.outputs[1].outputs,
+            "mask-used",
+            "Dropout's mask output is read by another node",
+        )
+        require(
+            len(m.root.outputs) < 2 or not cx.ir.is_graph_output(m.root.outputs[1]),
+            "mask-used",
+            "Dropout's mask output is a graph output",
+        )
+
+
+def _same_tensor_shape(a, b) -> bool:
+    sa, sb = static_shape(a), static_shape(b)
+    return sa is not None and sa == sb
+
+
+def _is_const_all(t, value: float) -> bool:
+    v = constant_value(t)
+    return v is not None and v.size > 0 and bool(np.all(v == value))
+
+
+class NeutralBinary(Forward):
+    """x op c → x when c is the operation's neutral element and the shape cannot grow."""
+
+    neutral: float
+    commutative = False
+
+    def match(self, node, cx):
+        if len(node.inputs) != 2:
+            raise NoMatch("structure", "", structural=True)
+        a, c = node.inputs
+        if _is_const_all(c, self.neutral):
+            return Match(node, {"src": a, "c": c, self.root: node})
+        if self.commutative and _is_const_all(a, self.neutral):
+            return Match(node, {"src": c, "c": a, self.root: node})
+        raise NoMatch("structure", "", structural=True)
+
+    def forward_check(self, m, cx):
+        out = m.root.outputs[0]
+        applies_only_if(dtype_of(m.src) is not None and dtype_of(m.src) == dtype_of(out))
+        applies_only_if(_same_tensor_shape(m.src, out) or _scalarish(m.c, m.src))
+
+
+def _scalarish(c, x) -> bool:
+    """A constant of all-1 dims whose rank does not exceed x's (known) rank cannot grow x."""
+    v = constant_value(c)
+    shape = x.shape
+    return (
+        v is not None
+        and all(d == 1 for d in v.shape)
+        and shape is not None
+        and len(v.shape) <= len(shape)
+    )
+
+
+@register_rule
+class EliminateAddZero(NeutralBinary):
+    name = "eliminate-add-zero"
+    root = "Add"
+    summary = "x + 0 → x"
+    neutral = 0.0
+    commutative = True
+
+
+@register_rule
+class EliminateSubZero(NeutralBinary):
+    name = "eliminate-sub-zero"
+    root = "Sub"
+    summary = "x - 0 → x"
+    neutral = 0.0
+
+
+@register_rule
+class EliminateMulOne(NeutralBinary):
+    name = "eliminate-mul-one"
+    root = "Mul"
+    summary = "x * 1 → x"
+    neutral = 1.0
+    commutative = True
+
+
+@register_rule
+class EliminateDivOne(NeutralBinary):
+    name = "eliminate-div-one"
+    root = "Div"
+    summary = "x / 1 → x"
+    neutral = 1.0
+
+
+@register_rule
+class EliminateNoopCast(Forward):
+    name = "eliminate-noop-cast"
+    root = "Cast"
+    summary = "Cast to the dtype the tensor already has"
+    pattern = Op("Cast", "src")
+
+    def forward_check(self, m, cx):
+        src = dtype_of(m.src)
+        applies_only_if(src is not None and src == dtype_of(m.root.outputs[0]))
+
+
+@register_rule
+class EliminateNoopTranspose(Forward):
+    name = "eliminate-noop-transpose"
+    root = "Transpose"
+    summary = "Transpose with the identity permutation"
+    pattern = Op("Transpose", "src")
+
+    def forward_check(self, m, cx):
+        perm = m.root.attrs.get("perm")
+        applies_only_if(perm is not None and list(perm) == sorted(perm))
+
+
+@register_rule
+class EliminateNoopReshape(Forward):
+    name = "eliminate-noop-reshape"
+    root = "Reshape"
+    summary = "Reshape whose output shape equals its input's"
+    pattern = Op("Reshape", "src", "shape")
+
+    def forward_check(self, m, cx):
+        applies_only_if(_same_tensor_shape(m.src, m.root.outputs[0]))
+
+
+@register_rule
+class EliminateNoopExpand(EliminateNoopReshape):
+    name = "eliminate-noop-expand"
+    root = "Expand"
+    summary = "Expand whose output shape equals its input's"
+    pattern = Op("Expand", "src", "shape")
+
+
+@register_rule
+class EliminateNoopPad(Forward):
+    name = "eliminate-noop-pad"
+    root = "Pad"
+    summary = "Pad with all-zero pads"
+    pattern = Op("Pad", "src", opt("pads"), opt("value"), opt("axes"))
+
+    def forward_check(self, m, cx):
+        pads = constant_value(m.pads) if m.pads is not None else m.root.attrs.get("pads")
+        applies_only_if(pads is not None and not np.any(np.asarray(pads)))
+
+
+@register_rule
+class EliminateSingleConcat(Forward):
+    name = "eliminate-single-concat"
+    root = "Concat"
+    summary = "Concat of a single input"
+    pattern = Op("Concat", "src")
+
+    def forward_check(self, m, cx):
+        pass

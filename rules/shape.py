@@ -1,0 +1,173 @@
+"""Shape glue (level 1): collapse chains of layout-only ops that exporters emit.
+
+When a chain cancels out entirely between a graph input and a graph output, one Identity is
+left to keep the output's name (still one node instead of two).
+
+* ``fuse-transposes``: Transpose∘Transpose → one Transpose (or nothing).
+* ``collapse-reshape-chain``: Reshape/Squeeze/Unsqueeze/Flatten feeding a Reshape with a constant
+  target, or any such chain whose final shape is static → one Reshape (or nothing).
+* ``fuse-casts``: Cast∘Cast → one Cast when the middle type holds every value exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from graphopt.opt.ir import constant_value, dtype_of, static_shape
+from graphopt.opt.manager import register_rule
+from graphopt.opt.rewrite import Match, NoMatch, Op, Rule, require
+
+
+@register_rule
+class FuseTransposes(Rule):
+    name = "fuse-transposes"
+    root = "Transpose"
+    level = 1
+    exclusive = False
+    summary = "Transpose∘Transpose → one Transpose"
+    pattern = Op("Transpose", Op("Transpose", "x", name="first"), name="second")
+
+    def check(self, m, cx):
+        p1, p2 = m.first.attrs.get("perm"), m.second.attrs.get("perm")
+        require(
+            p1 is not None and p2 is not None,
+            "implicit-perm",
+            "a Transpose without perm (reversal) needs a known rank",
+        )
+        perm = [p1[i] for i in p2]
+        m.stash(perm=perm)
+
+    def rewrite(self, m, b):
+        if m.perm == sorted(m.perm):
+            return [m.x]
+        return [b.op("Transpose", [m.x], {"perm": m.perm}, like=m.root.outputs[0])]
+
+
+SHAPE_ONLY = ("Reshape", "Squeeze", "Unsqueeze", "Flatten")
+
+
+class CollapseShapeChain(Rule):
+    """X → shape-only op → (root) shape-only op: read X directly with one Reshape."""
+
+    level = 1
+    exclusive = False
+    summary = "chain of Reshape/Squeeze/Unsqueeze/Flatten → one Reshape"
+
+    def match(self, node, cx):
+        src = node.inputs[0] if node.inputs else None
+        inner = src.inputs[0] if src is not None and src.inputs else None
+        if inner is None or inner.op not in SHAPE_ONLY or inner.domain not in (None, "", "ai.onnx"):
+            raise NoMatch("structure", "", structural=True)
+        return Match(node, {"inner": inner, "outer": node, "x": inner.inputs[0]})
+
+    def check(self, m, cx):
+        out = m.root.outputs[0]
+        final = static_shape(out)
+        if final is None and m.root.op == "Reshape":
+            target = constant_value(m.root.inputs[1])
+            require(target is not None, "dynamic-shape", "Reshape target is computed at run time")
+            require(
+                not np.any(target == 0) or m.root.attrs.get("allowzero", 0) == 1,
+                "zero-dim-copy",
+                "Reshape target copies dims (0) from the intermediate tensor",
+            )
+            final = tuple(int(d) for d in target)
+        require(final is not None, "dynamic-shape", "the chain's output shape is not static")
+        require(0 not in final, "empty-tensor", "empty tensors are left alone")
+        m.stash(final=final)
+
+    def rewrite(self, m, b):
+        if static_shape(m.x) == m.final:
+            return [m.x]
+        shape = b.const(np.array(m.final, dtype=np.int64), "shape")
+        return [b.op("Reshape", [m.x, shape], like=m.root.outputs[0])]
+
+
+@register_rule
+class CollapseReshapeChain(CollapseShapeChain):
+    name = "collapse-reshape-chain"
+    root = "Reshape"
+
+
+@register_rule
+class CollapseSqueezeChain(CollapseShapeChain):
+    name = "collapse-squeeze-chain"
+    root = "Squeeze"
+
+
+@register_rule
+class CollapseUnsqueezeChain(CollapseShapeChain):
+    name = "collapse-unsqueeze-chain"
+    root = "Unsqueeze"
+
+
+@register_rule
+class CollapseFlattenChain(CollapseShapeChain):
+    name = "collapse-flatten-chain"
+    root = "Flatten"
+
+
+# Which element types represent every value of another exactly.
+_EXACT = {
+    "bool": {
+        "int8",
+        "uint8",
+        "int16",
+        "uint16",
+        "int32",
+        "uint32",
+        "int64",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+    },
+    "int8": {"int16", "int32", "int64", "float16", "float32", "float64"},
+    "uint8": {
+        "int16",
+        "uint16",
+        "int32",
+        "uint32",
+        "int64",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+    },
+    "int16": {"int32", "int64", "float32", "float64"},
+    "uint16": {"int32", "uint32", "int64", "uint64", "float32", "float64"},
+    "int32": {"int64", "float64"},
+    "uint32": {"int64", "uint64", "float64"},
+    "float16": {"float32", "float64"},
+    "float32": {"float64"},
+}
+
+
+@register_rule
+class FuseCasts(Rule):
+    name = "fuse-casts"
+    root = "Cast"
+    level = 1
+    exclusive = False
+    summary = "Cast∘Cast → one Cast (or none) when the middle type is exact"
+    pattern = Op("Cast", Op("Cast", "x", name="first"), name="second")
+
+    def check(self, m, cx):
+        t0, t1 = dtype_of(m.x), dtype_of(m.first.outputs[0])
+        t2 = dtype_of(m.second.outputs[0])
+        require(
+            all(t is not None for t in (t0, t1, t2)),
+            "unknown-dtype",
+            "a Cast's input dtype is unknown",
+        )
+        require(
+            t1 == t0 or t1.name in _EXACT.get(t0.name, ()),
+            "narrowing-cast",
+            f"{t0.name}→{t1.name} loses values, so the first Cast is not removable",
+        )
+        m.stash(to=m.second.attrs["to"], identity=(t2 == t0))
+
+    def rewrite(self, m, b):
+        if m.identity:
+            return [m.x]
+        return [b.op("Cast", [m.x], {"to": m.to}, like=m.root.outputs[0])]

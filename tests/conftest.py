@@ -1,0 +1,80 @@
+"""Shared test helpers: build small models, run graphopt on them, check parity and idempotence."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import graphopt
+from graphopt.opt.parity import check_parity
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+def const(name: str, value, dtype=np.float32) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.asarray(value, dtype=dtype), name)
+
+
+def vi(name: str, shape, elem=TensorProto.FLOAT) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, elem, shape)
+
+
+def model(
+    nodes, inputs, outputs, inits=(), opset: int = 17, ir_version: int = 8
+) -> onnx.ModelProto:
+    """A checked model; outputs declared with shape None get their type from shape inference."""
+    outputs = list(outputs)
+    g = helper.make_graph(nodes, "test", list(inputs), outputs, list(inits))
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = ir_version
+    inferred = onnx.shape_inference.infer_shapes(m)
+    known = {v.name: v for v in list(inferred.graph.value_info) + list(inferred.graph.output)}
+    for out in m.graph.output:
+        if not out.type.tensor_type.HasField("shape") and out.name in known:
+            out.type.CopyFrom(known[out.name].type)
+    onnx.checker.check_model(m)
+    return m
+
+
+def run(m: onnx.ModelProto, *, level: int = 2, target: str = "cpu", pipeline=None, **kw):
+    """Optimize with parity checked; returns (optimized model, report)."""
+    out, report = graphopt.optimize(m, level=level, target=target, pipeline=pipeline, **kw)
+    onnx.checker.check_model(out)
+    return out, report
+
+
+def ops(m: onnx.ModelProto) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for n in m.graph.node:
+        counts[n.op_type] = counts.get(n.op_type, 0) + 1
+    return counts
+
+
+def codes(report, rule: str, kind: str = "missed") -> list[str]:
+    return [r.code for r in report.remarks if r.rule == rule and r.kind == kind]
+
+
+def assert_optimized(m: onnx.ModelProto, *, level: int = 2, target: str = "cpu", **kw):
+    """Optimize, then assert parity, unchanged output names and idempotence."""
+    out, report = run(m, level=level, target=target, **kw)
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert [o.name for o in out.graph.output] == [o.name for o in m.graph.output]
+    again, second = run(out, level=level, target=target, **kw)
+    assert ops(again) == ops(out), "second run changed the graph"
+    assert not any(r.kind == "passed" for r in second.remarks), [
+        r for r in second.remarks if r.kind == "passed"
+    ]
+    return out, report
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
+
+
+__all__ = ["assert_optimized", "check_parity", "codes", "const", "model", "ops", "run", "vi"]

@@ -1,0 +1,143 @@
+"""Level-1 cleanups and shape glue: identities, no-ops, Transpose/Reshape/Cast chains."""
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+from conftest import assert_optimized, codes, const, model, ops, run, vi
+
+
+def chain(nodes, shape=(2, 3, 4), inits=(), out_elem=TensorProto.FLOAT, opset=17):
+    return model(nodes, [vi("x", list(shape))], [vi("y", None, out_elem)], inits, opset=opset)
+
+
+def test_identity_and_dropout_removed():
+    m = chain(
+        [
+            helper.make_node("Relu", ["x"], ["a"]),
+            helper.make_node("Identity", ["a"], ["b"]),
+            helper.make_node("Dropout", ["b"], ["c"]),
+            helper.make_node("Relu", ["c"], ["y"]),
+        ]
+    )
+    out, _ = assert_optimized(m, level=1)
+    assert ops(out) == {"Relu": 2}
+
+
+def test_identity_between_input_and_output_stays():
+    m = chain([helper.make_node("Identity", ["x"], ["y"])])
+    out, _ = assert_optimized(m, level=1)
+    assert ops(out) == {"Identity": 1}
+
+
+def test_identity_feeding_output_keeps_output_name():
+    m = chain([helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Identity", ["a"], ["y"])])
+    out, _ = assert_optimized(m, level=1)
+    assert ops(out) == {"Relu": 1} and out.graph.node[0].output[0] == "y"
+
+
+def test_dropout_mask_used_is_missed():
+    m = model(
+        [helper.make_node("Dropout", ["x"], ["y", "mask"])],
+        [vi("x", [2, 3])],
+        [vi("y", [2, 3]), vi("mask", [2, 3], TensorProto.BOOL)],
+    )
+    out, report = run(m, level=1)
+    assert codes(report, "eliminate-dropout") == ["mask-used"]
+
+
+@pytest.mark.parametrize("op,value", [("Add", 0.0), ("Sub", 0.0), ("Mul", 1.0), ("Div", 1.0)])
+def test_neutral_element_removed(op, value):
+    m = chain(
+        [
+            helper.make_node("Relu", ["x"], ["a"]),
+            helper.make_node(op, ["a", "c"], ["b"]),
+            helper.make_node("Relu", ["b"], ["y"]),
+        ],
+        inits=[const("c", [value])],
+    )
+    out, _ = assert_optimized(m, level=1)
+    assert ops(out) == {"Relu": 2}
+
+
+def test_neutral_element_that_broadcasts_stays():
+    """x[3] + zeros[2,3] grows the shape: not a no-op."""
+    m = model(
+        [helper.make_node("Add", ["x", "c"], ["y"])],
+        [vi("x", [3])],
+        [vi("y", None)],
+        [const("c", np.zeros((2, 3)))],
+    )
+    out, _ = assert_optimized(m, level=1)
+    assert ops(out) == {"Add": 1}
+
+
+def test_transposes_fuse_and_cancel():
+    m = chain(
+        [
+            helper.make_node("Transpose", ["x"], ["a"], perm=[1, 0, 2]),
+            helper.make_node("Transpose", ["a"], ["b"], perm=[0, 2, 1]),
+            helper.make_node("Relu", ["b"], ["c"]),
+            helper.make_node("Transpose", ["c"], ["d"], perm=[2, 0, 1]),
+            helper.make_node("Transpose", ["d"], ["y"], perm=[1, 2, 0]),
+        ]
+    )
+    out, _ = assert_optimized(m, level=1)
+    assert ops(out) == {"Transpose": 1, "Relu": 1}
+
+
+def test_reshape_chain_collapses():
+    m = chain(
+        [
+            helper.make_node("Relu", ["x"], ["r"]),
+            helper.make_node("Unsqueeze", ["r", "ax"], ["a"]),
+            helper.make_node("Reshape", ["a", "s1"], ["b"]),
+            helper.make_node("Flatten", ["b"], ["c"], axis=1),
+            helper.make_node("Reshape", ["c", "s2"], ["y"]),
+        ],
+        inits=[
+            const("ax", [0], np.int64),
+            const("s1", [6, 4], np.int64),
+            const("s2", [4, 6], np.int64),
+        ],
+    )
+    out, _ = assert_optimized(m, level=1)
+    assert ops(out) == {"Relu": 1, "Reshape": 1}
+
+
+def test_squeeze_unsqueeze_cancels():
+    m = chain(
+        [
+            helper.make_node("Relu", ["x"], ["r"]),
+            helper.make_node("Unsqueeze", ["r", "ax"], ["a"]),
+            helper.make_node("Squeeze", ["a", "ax"], ["b"]),
+            helper.make_node("Relu", ["b"], ["y"]),
+        ],
+        inits=[const("ax", [1], np.int64)],
+    )
+    out, _ = assert_optimized(m, level=1)
+    assert ops(out) == {"Relu": 2}
+
+
+def test_widening_cast_pair_cancels():
+    m = chain(
+        [
+            helper.make_node("Cast", ["x"], ["a"], to=TensorProto.DOUBLE),
+            helper.make_node("Cast", ["a"], ["y"], to=TensorProto.FLOAT),
+        ]
+    )
+    out, _ = assert_optimized(m, level=1)
+    assert ops(out) == {"Identity": 1} or ops(out) == {}
+
+
+def test_narrowing_cast_pair_is_kept_with_reason():
+    m = chain(
+        [
+            helper.make_node("Relu", ["x"], ["r"]),
+            helper.make_node("Cast", ["r"], ["a"], to=TensorProto.INT32),
+            helper.make_node("Cast", ["a"], ["y"], to=TensorProto.FLOAT),
+        ]
+    )
+    out, report = run(m, level=1)
+    assert ops(out)["Cast"] == 2
+    assert codes(report, "fuse-casts") == ["narrowing-cast"]

@@ -1,0 +1,168 @@
+"""Conv fusions: Conv+BN, ConvTranspose+BN, Conv+Add, Conv+Mul, Pad+Conv."""
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+from conftest import assert_optimized, codes, const, model, ops, run, vi
+
+
+def conv_bn(
+    rng,
+    *,
+    dtype=np.float32,
+    var=None,
+    bn_as_inputs=False,
+    group=1,
+    training=False,
+    epsilon=1e-5,
+    w_scale=1.0,
+):
+    elem = TensorProto.FLOAT16 if dtype == np.float16 else TensorProto.FLOAT
+    c_in, c_out = 4, 8
+    var = rng.random(c_out) + 0.1 if var is None else var
+    bn = [
+        const("g", rng.random(c_out) + 0.5, dtype),
+        const("b", rng.standard_normal(c_out), dtype),
+        const("m", rng.standard_normal(c_out), dtype),
+        const("v", var, dtype),
+    ]
+    inits = [
+        const("W", w_scale * rng.standard_normal((c_out, c_in // group, 3, 3)), dtype),
+        const("B", rng.standard_normal(c_out), dtype),
+    ]
+    inputs = [vi("x", [1, c_in, 8, 8], elem)]
+    if bn_as_inputs:
+        inputs += [vi(t.name, [c_out], elem) for t in bn]
+    attrs = {"training_mode": 1} if training else {"epsilon": epsilon}
+    outs = ["y", "rm", "rv"] if training else ["y"]
+    nodes = [
+        helper.make_node(
+            "Conv", ["x", "W", "B"], ["c"], pads=[1, 1, 1, 1], group=group, name="conv"
+        ),
+        helper.make_node("BatchNormalization", ["c", "g", "b", "m", "v"], outs, name="bn", **attrs),
+    ]
+    return model(nodes, inputs, [vi("y", None, elem)], inits + bn, opset=15 if training else 17)
+
+
+def test_conv_bn_fuses(rng):
+    out, report = assert_optimized(conv_bn(rng))
+    assert ops(out) == {"Conv": 1}
+    assert codes(report, "fuse-conv-bn", "passed") == ["fired"]
+
+
+def test_conv_bn_grouped(rng):
+    out, _ = assert_optimized(conv_bn(rng, group=2))
+    assert ops(out) == {"Conv": 1}
+
+
+def test_conv_bn_params_as_graph_inputs_is_missed(rng):
+    """keep_initializers_as_inputs: BN params are overridable inputs, so not constants."""
+    out, report = run(conv_bn(rng, bn_as_inputs=True))
+    assert ops(out) == {"Conv": 1, "BatchNormalization": 1}
+    assert codes(report, "fuse-conv-bn") == ["non-constant-param"]
+    msg = [r.message for r in report.remarks if r.rule == "fuse-conv-bn"][0]
+    assert "keep_initializers_as_inputs" in msg
+    assert report.parity.ok
+
+
+def test_conv_bn_training_mode_is_missed(rng):
+    out, report = run(conv_bn(rng, training=True), check=False)
+    assert codes(report, "fuse-conv-bn") == ["training-mode"]
+
+
+def test_conv_bn_fp16_overflow_is_refused(rng):
+    """A tiny running_var makes folded fp16 weights exceed 65504: refused, with the numbers."""
+    m = conv_bn(rng, dtype=np.float16, var=np.full(8, 1e-7), epsilon=1e-9, w_scale=30.0)
+    out, report = run(m, check=False)
+    assert ops(out)["BatchNormalization"] == 1
+    assert codes(report, "fuse-conv-bn") == ["precision-overflow"]
+    remark = [r for r in report.remarks if r.rule == "fuse-conv-bn"][0]
+    assert remark.args["worst"] > 65504
+
+
+def test_conv_bn_fp32_same_model_fuses(rng):
+    m = conv_bn(rng, dtype=np.float32, var=np.full(8, 1e-7), epsilon=1e-9, w_scale=30.0)
+    out, report = run(m)
+    assert ops(out) == {"Conv": 1}
+    assert report.parity.ok
+
+
+def test_convtranspose_bn(rng):
+    c_in, c_out, group = 4, 6, 2
+    inits = [
+        const("W", rng.standard_normal((c_in, c_out // group, 3, 3))),
+        const("g", rng.random(c_out) + 0.5),
+        const("b", rng.standard_normal(c_out)),
+        const("m", rng.standard_normal(c_out)),
+        const("v", rng.random(c_out) + 0.1),
+    ]
+    nodes = [
+        helper.make_node("ConvTranspose", ["x", "W"], ["c"], group=group, strides=[2, 2]),
+        helper.make_node("BatchNormalization", ["c", "g", "b", "m", "v"], ["y"]),
+    ]
+    out, _ = assert_optimized(model(nodes, [vi("x", [1, c_in, 5, 5])], [vi("y", None)], inits))
+    assert ops(out) == {"ConvTranspose": 1}
+
+
+def conv_then(op, shape, rng):
+    inits = [const("W", rng.standard_normal((8, 3, 3, 3))), const("c", rng.standard_normal(shape))]
+    nodes = [
+        helper.make_node("Conv", ["x", "W"], ["y0"], name="conv"),
+        helper.make_node(op, ["y0", "c"], ["y"], name="elt"),
+    ]
+    return model(nodes, [vi("x", [1, 3, 6, 6])], [vi("y", None)], inits)
+
+
+@pytest.mark.parametrize("op", ["Add", "Mul"])
+@pytest.mark.parametrize("shape", [[8, 1, 1], [1, 8, 1, 1], [1], [1, 1, 1, 1]])
+def test_conv_elementwise_per_channel_fuses(op, shape, rng):
+    out, report = assert_optimized(conv_then(op, shape, rng))
+    assert ops(out) == {"Conv": 1}
+
+
+@pytest.mark.parametrize("op", ["Add", "Mul"])
+@pytest.mark.parametrize("shape", [[4], [1, 1, 1, 4], [8, 4, 4], [2, 8, 1, 1]])
+def test_conv_elementwise_not_per_channel_is_refused(op, shape, rng):
+    """Width/height/batch broadcasts are not per-channel: folding them would change outputs."""
+    out, report = run(conv_then(op, shape, rng))
+    assert ops(out) == {"Conv": 1, op: 1}
+    assert codes(report, f"fuse-conv-{op.lower()}") == ["not-per-channel"]
+    assert report.parity.ok
+
+
+def pad_conv(rng, pads, mode="constant", value=None):
+    inits = [const("W", rng.standard_normal((4, 3, 3, 3))), const("p", pads, np.int64)]
+    pad_inputs = ["x", "p"]
+    if value is not None:
+        inits.append(const("val", value))
+        pad_inputs.append("val")
+    nodes = [
+        helper.make_node("Pad", pad_inputs, ["xp"], mode=mode, name="pad"),
+        helper.make_node("Conv", ["xp", "W"], ["y"], pads=[1, 0, 1, 0], name="conv"),
+    ]
+    return model(nodes, [vi("x", [1, 3, 6, 6])], [vi("y", None)], inits)
+
+
+def test_pad_conv_fuses(rng):
+    out, _ = assert_optimized(pad_conv(rng, [0, 0, 1, 2, 0, 0, 3, 1]))
+    assert ops(out) == {"Conv": 1}
+    conv = out.graph.node[0]
+    assert list(
+        helper.get_attribute_value(conv.attribute[[a.name for a in conv.attribute].index("pads")])
+    ) == [2, 2, 4, 1]
+
+
+@pytest.mark.parametrize(
+    "kwargs,code",
+    [
+        ({"pads": [0, 0, 1, 1, 0, 0, 1, 1], "mode": "reflect"}, "pad-mode"),
+        ({"pads": [0, 0, 1, 1, 0, 0, 1, 1], "value": 1.0}, "nonzero-pad-value"),
+        ({"pads": [1, 0, 1, 1, 0, 0, 1, 1]}, "pads-non-spatial"),
+    ],
+)
+def test_pad_conv_guards(kwargs, code, rng):
+    out, report = run(pad_conv(rng, **kwargs))
+    assert codes(report, "fuse-pad-conv") == [code]
+    assert ops(out)["Pad"] == 1
+    assert report.parity.ok
