@@ -203,20 +203,40 @@ def export_torchscript(
             do_constant_folding=not keep_bn,
             keep_initializers_as_inputs=keep_initializers_as_inputs,
         )
+        ref = net.module(*args)
     net.module.eval()
+    ref = ref if isinstance(ref, (tuple, list)) else (ref,)
+    fix_output_shapes(path, net, [tuple(t.shape) for t in ref])
+
+
+def fix_output_shapes(path: str, net: Net, shapes: list[tuple[int, ...]]) -> None:
+    """The TorchScript exporter names output dims it could not infer (e.g. 'Convoutput_dim_2')
+    even when they are fixed by the static input dims. Give every output dim that is not a
+    declared dynamic axis its concrete value from the traced run."""
+    model = onnx.load(path)
+    changed = False
+    for out, shape in zip(model.graph.output, shapes):
+        declared = net.dynamic_axes.get(out.name, {})
+        dims = out.type.tensor_type.shape.dim
+        if len(dims) != len(shape):
+            continue
+        for ax, (dim, size) in enumerate(zip(dims, shape)):
+            if ax not in declared and not dim.HasField("dim_value"):
+                dim.dim_value = size
+                changed = True
+    if changed:
+        save_model(model, path)
 
 
 def export_dynamo(net: Net, path: str, opset: int = 18) -> None:
     """torch.export-based exporter (dynamo=True, default optimize=True), single file."""
     from torch.export import Dim
 
-    # One Dim object per axis name so inputs sharing "batch"/"seq" share the symbol.
-    dims: dict[str, Dim] = {}
-    shapes = []
-    for name in net.input_names:
-        axes = net.dynamic_axes.get(name, {})
-        shapes.append({ax: dims.setdefault(label, Dim.DYNAMIC) for ax, label in axes.items()})
-    dynamic_shapes = tuple(shapes)
+    # Dim.DYNAMIC lets torch.export work out which axes are equal and their ranges (a named
+    # Dim would have to state model limits such as seq <= 512); names are restored afterwards.
+    dynamic_shapes = tuple(
+        {ax: Dim.DYNAMIC for ax in net.dynamic_axes.get(name, {})} for name in net.input_names
+    )
     if isinstance(net.module, Wrapper):  # forward(*args): one variadic parameter
         dynamic_shapes = (dynamic_shapes,)
     args = tuple(net.inputs(*net.export_shape).values())
@@ -364,7 +384,10 @@ def verify(path: str, net: Net, tolerance: float) -> dict[str, float]:
     the first output with torch (relative L2). Raises on a mismatch or non-finite output."""
     import onnxruntime as ort
 
-    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # no per-initializer warnings for *_kiai models
+    sess = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    declared = {o.name: o.shape for o in sess.get_outputs()}
     model_inputs = {i.name for i in sess.get_inputs()}
     result = {}
     shapes = [("test", net.test_shape)] + ([("alt", net.alt_shape)] if net.alt_shape else [])
@@ -379,6 +402,9 @@ def verify(path: str, net: Net, tolerance: float) -> dict[str, float]:
             want = want.numpy()
             if got.shape != want.shape:
                 raise AssertionError(f"{label} {name}: shape {got.shape} != torch {want.shape}")
+            for dim, size in zip(declared[name], got.shape):
+                if isinstance(dim, int) and dim != size:
+                    raise AssertionError(f"{label} {name}: shape {got.shape} != declared {declared[name]}")
             if not np.isfinite(got).all():
                 raise AssertionError(f"{label} {name}: non-finite values")
         err = rel_l2(outs[0], ref[0].numpy())
@@ -398,6 +424,6 @@ def summarize(path: str) -> tuple[int, list[tuple[str, int]]]:
 def write_shapes(path: str, net: Net) -> None:
     """NAME.json next to NAME.onnx: concrete test shapes that resolve the dynamic dims."""
     inputs = net.inputs(*net.test_shape)
+    lines = [f"    {json.dumps(k)}: {json.dumps(list(v.shape))}" for k, v in inputs.items()]
     with open(os.path.splitext(path)[0] + ".json", "w") as f:
-        json.dump({"inputs": {k: list(v.shape) for k, v in inputs.items()}}, f, indent=2)
-        f.write("\n")
+        f.write('{\n  "inputs": {\n' + ",\n".join(lines) + "\n  }\n}\n")

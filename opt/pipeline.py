@@ -31,7 +31,9 @@ def preset(level: int) -> str:
         raise UsageError(f"optimization level must be 0..3, got {level}")
     if level == 0:
         return ""
-    return f"fixpoint(fold-constants,rules{{level={level}}},dce){{max-iterations=10}}"
+    return (
+        f"fixpoint(fold-constants,simplify-shapes,rules{{level={level}}},dce){{max-iterations=10}}"
+    )
 
 
 _TOKEN = re.compile(r"\s*([A-Za-z0-9_.\-]+|[(),{}=])")

@@ -17,10 +17,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from graphopt.opt.ir import constant_value, dtype_of
+from graphopt.opt.ir import Constant, constant_value, dtype_of
 from graphopt.opt.manager import register_rule
 from graphopt.opt.precision import require_representable
-from graphopt.opt.rewrite import Op, Rule, opt, require, require_constant, value
+from graphopt.opt.rewrite import (
+    Op,
+    Rule,
+    applies_only_if,
+    opt,
+    require,
+    require_constant,
+    value,
+)
 
 
 def _float_weights(m) -> np.dtype:
@@ -152,6 +160,9 @@ class FuseConvElementwise(ConvScaleBase):
     """Conv followed by Add/Mul with a constant: fold the constant into weights/bias."""
 
     def check(self, m, cx):
+        # A computed operand (a residual branch) is another pattern, not a missed fusion; a graph
+        # input is worth a remark (weights exported as inputs).
+        applies_only_if(isinstance(m.c, Constant) or cx.ir.is_graph_input(m.c))
         require_constant(
             cx, cx.ir, ("conv weight W", m.W), ("conv bias B", m.B), (f"{self.root} operand", m.c)
         )
