@@ -23,10 +23,12 @@ from rich.table import Table
 
 from . import optimize as run_optimize
 from .opt import errors
+from .opt.bisect import bisect as run_bisect
 from .opt.io import load_model, replace_dir, write_model_files
 from .opt.manager import PASSES, RULES
-from .opt.parity import check_parity, load_inputs, parse_shapes
+from .opt.parity import check_parity, load_inputs, parse_shapes, parse_tolerances
 from .opt.pipeline import LEVEL_NAMES
+from .opt.reference import upcast_to_float64
 from .opt.target import TARGETS
 
 app = typer.Typer(
@@ -43,6 +45,12 @@ STATE = {"debug": False}
 class Format(str, Enum):
     text = "text"
     json = "json"
+
+
+class Reference(str, Enum):
+    original = "original"
+    float64 = "float64"
+    both = "both"
 
 
 @app.callback()
@@ -124,6 +132,14 @@ def optimize(
     remarks: Annotated[
         Path | None, typer.Option("--remarks", help="Write remarks as JSONL.")
     ] = None,
+    reference: Annotated[
+        Reference,
+        typer.Option("--reference", help="Parity vs the original, its float64 upcast, or both."),
+    ] = Reference.original,
+    tolerance: Annotated[
+        list[str] | None,
+        typer.Option("--tolerance", help="OUTPUT=RTOL,ATOL overriding the dtype default."),
+    ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success.")] = False,
 ) -> None:
     """Optimize MODEL for a target; write OUT_DIR/model.onnx and OUT_DIR/report.json."""
@@ -148,6 +164,8 @@ def optimize(
                 verify_each=verify_each,
                 options={"fold_size_limit": int(fold_size_limit * 2**20)},
                 progress=say,
+                reference=reference.value,
+                output_tolerances=parse_tolerances(tolerance),
             )
             say("writing")
             _write_bundle(dest, optimized, report)
@@ -180,7 +198,8 @@ def _check_output_dir(src: Path, dest: Path) -> None:
 
 
 def _exit_code(report, checked: bool) -> int:
-    if checked and not report.parity.ok:
+    parities = [report.parity] + ([report.parity_float64] if report.parity_float64 else [])
+    if checked and not all(p.ok for p in parities):
         return errors.EXIT_PARITY
     if not report.converged:
         return errors.EXIT_TARGET
@@ -260,6 +279,8 @@ def _render_report(report) -> None:
         if len(missed) > 25:
             out.print(f"... and {len(missed) - 25} more (see report.json or --remarks)")
     _render_parity(report.parity)
+    if report.parity_float64 is not None:
+        _render_parity(report.parity_float64)
     passes = {}
     for p in report.passes:
         passes[p["name"]] = passes.get(p["name"], 0.0) + p["seconds"]
@@ -272,8 +293,9 @@ def _render_parity(parity) -> None:
     if not parity.ran:
         out.print(f"parity: [yellow]not run[/] ({parity.error})")
         return
-    t = Table(title=f"parity: {'[green]ok[/]' if parity.ok else '[red]FAILED[/]'}", show_edge=False)
-    for col in ("output", "dtype", "max abs", "max rel", "mismatch", "ok"):
+    verdict = "[green]ok[/]" if parity.ok else "[red]FAILED[/]"
+    t = Table(title=f"parity vs {parity.reference}: {verdict}", show_edge=False)
+    for col in ("output", "dtype", "max abs", "max rel", "mean abs", "mismatch", "cosine", "ok"):
         t.add_column(col, justify="left" if col in ("output", "dtype") else "right")
     for d in parity.outputs:
         t.add_row(
@@ -281,12 +303,20 @@ def _render_parity(parity) -> None:
             d.dtype,
             f"{d.max_abs:.3g}",
             f"{d.max_rel:.3g}",
+            f"{d.mean_abs:.3g}",
             f"{d.mismatch:.2%}",
+            f"{d.cosine:.6f}",
             "yes" if d.ok else "[red]NO[/]",
         )
     out.print(t)
     if parity.error:
         out.print(f"[red]{parity.error}[/]")
+    if parity.first_divergence:
+        d = parity.first_divergence
+        out.print(
+            f"first diverging tensor: '{d['tensor']}' from {d['op']} '{d['producer']}' "
+            f"(max abs {d['max_abs']:.3g})"
+        )
 
 
 @app.command()
@@ -296,25 +326,111 @@ def check(
     shape: Annotated[list[str] | None, typer.Option("--shape")] = None,
     inputs: Annotated[Path | None, typer.Option("--inputs")] = None,
     seed: Annotated[int, typer.Option("--seed")] = 0,
+    reference: Annotated[
+        Reference,
+        typer.Option("--reference", help="Compare with ORIGINAL, its float64 upcast, or both."),
+    ] = Reference.original,
+    tolerance: Annotated[
+        list[str] | None,
+        typer.Option("--tolerance", help="OUTPUT=RTOL,ATOL overriding the dtype default."),
+    ] = None,
     fmt: Annotated[Format, typer.Option("--format")] = Format.text,
 ) -> None:
     """Compare two models' outputs with onnxruntime; exit 3 when they differ."""
     with handled():
         if optimized.is_dir():
             optimized = optimized / "model.onnx"
-        parity = check_parity(
-            load_model(original),
-            load_model(optimized),
+        ref_model, opt_model = load_model(original), load_model(optimized)
+        kw = dict(
             shapes=parse_shapes(shape),
             inputs=load_inputs(inputs) if inputs else None,
             seed=seed,
+            per_output=parse_tolerances(tolerance),
         )
+        results = []
+        if reference in (Reference.original, Reference.both):
+            results.append(check_parity(ref_model, opt_model, **kw))
+        if reference in (Reference.float64, Reference.both):
+            f64 = upcast_to_float64(ref_model, TARGETS["cpu"])
+            results.append(
+                check_parity(ref_model, opt_model, reference=f64, reference_name="float64", **kw)
+            )
         if fmt == Format.json:
-            print(json.dumps(parity.to_dict(), indent=2, sort_keys=True))
+            payload = [p.to_dict() for p in results]
+            body = payload[0] if len(payload) == 1 else payload
+            print(json.dumps(body, indent=2, sort_keys=True))
         else:
-            _render_parity(parity)
-        if not parity.ok:
+            for p in results:
+                _render_parity(p)
+        if not all(p.ok for p in results):
             raise typer.Exit(errors.EXIT_PARITY)
+
+
+@app.command()
+def bisect(
+    model: Annotated[Path, typer.Argument(help="Model whose optimization breaks parity.")],
+    output: Annotated[
+        Path | None,
+        typer.Option("-o", "--output", help="Directory for the minimal before/after models."),
+    ] = None,
+    target: Annotated[str, typer.Option("--target", "-t")] = "cpu",
+    level: Annotated[int, typer.Option("-O", "--level", min=0, max=3)] = 2,
+    pipeline: Annotated[str | None, typer.Option("--pipeline")] = None,
+    shape: Annotated[list[str] | None, typer.Option("--shape")] = None,
+    inputs: Annotated[Path | None, typer.Option("--inputs")] = None,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    fmt: Annotated[Format, typer.Option("--format")] = Format.text,
+) -> None:
+    """Find the first rewrite that breaks parity (binary search on --bisect-limit).
+
+    Exit 3 when a culprit is found (parity is broken), 0 when parity holds."""
+    with handled():
+        show = fmt == Format.text and sys.stdout.isatty()
+        with _progress(show) as say:
+            result = run_bisect(
+                load_model(model),
+                target=target,
+                level=level,
+                pipeline=pipeline,
+                shapes=parse_shapes(shape),
+                inputs=load_inputs(inputs) if inputs else None,
+                seed=seed,
+                progress=say,
+            )
+        payload = result.to_dict()
+        if result.found and result.before is not None:
+            dest = (output or model.with_name(f"{model.stem}.bisect")).resolve()
+            _check_output_dir(model.resolve(), dest)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+            write_model_files(result.before, staging / "before.onnx", external=False)
+            if result.after is not None:
+                write_model_files(result.after, staging / "after.onnx", external=False)
+            (staging / "report.json").write_text(json.dumps(payload, indent=2, sort_keys=True))
+            replace_dir(staging, dest)
+            payload["files"] = str(dest)
+        if fmt == Format.json:
+            print(json.dumps(payload, indent=2, sort_keys=True))
+        else:
+            _render_bisect(result, payload)
+        if result.found:
+            raise typer.Exit(errors.EXIT_PARITY)
+
+
+def _render_bisect(result, payload: dict) -> None:
+    out.print(result.message)
+    if result.remark is not None:
+        r = result.remark
+        out.print(f"remark: {r.kind} {r.rule} nodes={list(r.nodes)}: {r.message}")
+    div = (result.culprit or {}).get("first_divergence")
+    if div:
+        out.print(
+            f"first diverging tensor: '{div['tensor']}' from {div['op']} '{div['producer']}' "
+            f"(max abs {div['max_abs']:.3g})"
+        )
+    out.print(f"parity runs: {result.parity_runs} (bound {payload['max_parity_runs']})")
+    if "files" in payload:
+        out.print(f"wrote {payload['files']}/before.onnx and after.onnx")
 
 
 @app.command()

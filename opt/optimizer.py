@@ -20,6 +20,7 @@ from .ir import ModelIR, op_histogram
 from .manager import PassContext, run_pass
 from .parity import ParityReport, check_parity
 from .pipeline import parse, preset, to_text
+from .reference import upcast_to_float64
 from .remarks import Remark
 from .target import get_target
 
@@ -42,6 +43,7 @@ class Report:
     passes: list[dict[str, Any]]
     rules: dict[str, dict[str, Any]]
     parity: ParityReport
+    parity_float64: ParityReport | None = None
     seconds: dict[str, float] = field(default_factory=dict)
     rewrites: int = 0
     applied: list[tuple[int, str, str]] = field(default_factory=list)
@@ -69,6 +71,7 @@ class Report:
             "passes": self.passes,
             "rules": self.rules,
             "parity": self.parity.to_dict(),
+            "parity_float64": self.parity_float64.to_dict() if self.parity_float64 else None,
             "seconds": self.seconds,
             "outputs": self.outputs,
         }
@@ -88,8 +91,16 @@ def optimize(
     verify_each: bool = False,
     options: dict[str, Any] | None = None,
     progress: Progress | None = None,
+    reference: str = "original",
+    output_tolerances: dict[str, tuple[float, float]] | None = None,
 ) -> tuple[onnx.ModelProto, Report]:
-    """Optimize a model for a target; return the optimized model and the report."""
+    """Optimize a model for a target; return the optimized model and the report.
+
+    ``reference`` chooses what parity compares with: the ``original`` model, its ``float64``
+    upcast (catches fp16 overflow that CPU kernels hide), or ``both``.
+    """
+    if reference not in ("original", "float64", "both"):
+        raise UsageError(f"reference must be original, float64 or both (got '{reference}')")
     say = progress or (lambda _msg: None)
     times: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -122,17 +133,33 @@ def optimize(
     _set_metadata(optimized, {"graphopt.pipeline": to_text(passes), "graphopt.target": tgt.name})
     times["optimize"] = time.perf_counter() - t1
 
+    parity_f64 = None
     if check:
         say("checking parity with onnxruntime")
         t2 = time.perf_counter()
-        try:
-            parity = check_parity(
-                model, optimized, shapes=shapes, inputs=inputs, seed=seed, tolerances=tgt.tolerances
+        kw = dict(
+            shapes=shapes,
+            inputs=inputs,
+            seed=seed,
+            tolerances=tgt.tolerances,
+            per_output=output_tolerances,
+        )
+        parity = ParityReport.not_run("not requested")
+        if reference in ("original", "both"):
+            parity = _guarded(lambda: check_parity(model, optimized, **kw))
+        if reference in ("float64", "both"):
+            say("checking parity against a float64 reference")
+            parity_f64 = _guarded(
+                lambda: check_parity(
+                    model,
+                    optimized,
+                    reference=upcast_to_float64(model, get_target("cpu")),
+                    reference_name="float64",
+                    **kw,
+                )
             )
-        except UsageError:
-            raise
-        except GraphoptError as e:
-            parity = ParityReport.not_run(str(e))
+            if reference == "float64":
+                parity, parity_f64 = parity_f64, None
         times["parity"] = time.perf_counter() - t2
     else:
         parity = ParityReport.not_run("skipped (--no-check)")
@@ -167,6 +194,7 @@ def optimize(
             for k, v in sorted(cx.stats.items())
         },
         parity=parity,
+        parity_float64=parity_f64,
         seconds={k: round(v, 4) for k, v in times.items()},
         rewrites=cx.rewrites,
         applied=list(cx.applied),
@@ -181,6 +209,16 @@ def _set_metadata(model: onnx.ModelProto, values: dict[str, str]) -> None:
     model.metadata_props.extend(kept)
     for key, value in values.items():
         model.metadata_props.add(key=key, value=value)
+
+
+def _guarded(run: Callable[[], ParityReport]) -> ParityReport:
+    """Parity that cannot run (runtime refuses a model) is reported as not run, not as an error."""
+    try:
+        return run()
+    except UsageError:
+        raise
+    except GraphoptError as e:
+        return ParityReport.not_run(str(e))
 
 
 def _check_input_names(model: onnx.ModelProto, shapes: dict | None, inputs: dict | None) -> None:

@@ -3,10 +3,17 @@
 Both run with session graph optimizations disabled, so each model is computed as written (a
 runtime fusion must not hide, or cause, a difference).  Inputs are the user's (``.npz``) or
 seeded random ones, with symbolic dims resolved from ``--shape name=d0,d1,...`` or defaults
-(first axis 1, other symbolic axes 16).  Per output: max abs error, max error relative to the
-output's scale, mismatch fraction; an output passes when every element is within
-``atol + rtol * scale`` (rtol/atol by dtype; integers and booleans must be equal).  A parity that
-did not run is reported as not run, never as passed.
+(first axis 1, other symbolic axes 16).
+
+Per output: max abs error, max error relative to the output's scale, mean abs error, mismatch
+fraction, cosine similarity, and NaN/Inf counts of each side (counted separately: a NaN where
+the reference has a number is a mismatch, never "small").  An output passes when every finite
+element is within ``atol + rtol * scale`` (rtol/atol by dtype, overridable per output) and the
+non-finite positions agree; integers and booleans must be equal.
+
+When parity fails, :func:`localize` names the first intermediate tensor (in the original's
+topological order) that exists in both graphs and diverges.  A parity that did not run is
+reported as not run, never as passed.
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ import onnxruntime as ort
 from .errors import GraphoptError, UsageError
 from .io import PROTOBUF_LIMIT, write_model_files
 
-DEFAULT_TOLERANCES = {
+Tolerance = tuple[float, float]  # (rtol relative to the output's scale, atol)
+
+DEFAULT_TOLERANCES: dict[str, Tolerance] = {
     "float64": (1e-7, 1e-9),
     "float32": (1e-4, 1e-6),
     "float16": (1e-2, 1e-3),
@@ -54,11 +63,15 @@ class OutputDiff:
     shape: list[int]
     max_abs: float
     max_rel: float
+    mean_abs: float
     mismatch: float
+    cosine: float
     ok: bool
     rtol: float
     atol: float
-    nan_mismatch: int = 0
+    ref_nonfinite: int = 0
+    got_nonfinite: int = 0
+    nonfinite_mismatch: int = 0
 
 
 @dataclass(frozen=True)
@@ -68,7 +81,9 @@ class ParityReport:
     outputs: list[OutputDiff] = field(default_factory=list)
     inputs: dict[str, list[int]] = field(default_factory=dict)
     seed: int = 0
+    reference: str = "original"
     error: str | None = None
+    first_divergence: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -90,6 +105,21 @@ def parse_shapes(specs: list[str] | None) -> dict[str, list[int]]:
         except ValueError:
             raise UsageError(f"--shape expects NAME=D0,D1,... (got '{spec}')") from None
     return shapes
+
+
+def parse_tolerances(specs: list[str] | None) -> dict[str, Tolerance]:
+    """``["logits=1e-3,1e-5"]`` → {"logits": (1e-3, 1e-5)} (rtol, atol)."""
+    out: dict[str, Tolerance] = {}
+    for spec in specs or []:
+        name, sep, vals = spec.partition("=")
+        try:
+            rtol, atol = (float(v) for v in vals.split(","))
+            if not sep or not name:
+                raise ValueError
+        except ValueError:
+            raise UsageError(f"--tolerance expects OUTPUT=RTOL,ATOL (got '{spec}')") from None
+        out[name.strip()] = (rtol, atol)
+    return out
 
 
 def load_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
@@ -126,9 +156,13 @@ class Session:
         except Exception as e:  # noqa: BLE001 - onnxruntime raises several unrelated types
             raise GraphoptError(f"onnxruntime cannot load the model: {_first_line(e)}") from None
 
+    def output_names(self) -> list[str]:
+        return [o.name for o in self.sess.get_outputs()]
+
     def run(self, feeds: dict[str, np.ndarray], names: list[str] | None = None) -> list:
+        wanted = {i.name for i in self.sess.get_inputs()}
         try:
-            return self.sess.run(names, feeds)
+            return self.sess.run(names, {k: v for k, v in feeds.items() if k in wanted})
         except Exception as e:  # noqa: BLE001
             raise GraphoptError(f"onnxruntime failed to run the model: {_first_line(e)}") from None
 
@@ -182,76 +216,123 @@ def _random(rng: np.random.Generator, name: str, dtype: np.dtype, shape: list[in
 
 
 def compare_outputs(
-    names: list[str], ref: list, got: list, tolerances: dict[str, tuple[float, float]] | None = None
+    names: list[str],
+    ref: list,
+    got: list,
+    tolerances: dict[str, Tolerance] | None = None,
+    per_output: dict[str, Tolerance] | None = None,
 ) -> list[OutputDiff]:
+    """Compare arrays pairwise; the tolerance follows the dtype of ``got``."""
     tolerances = tolerances or DEFAULT_TOLERANCES
-    return [_diff(n, np.asarray(r), np.asarray(g), tolerances) for n, r, g in zip(names, ref, got)]
+    per_output = per_output or {}
+    return [
+        _diff(n, np.asarray(r), np.asarray(g), tolerances, per_output.get(n))
+        for n, r, g in zip(names, ref, got)
+    ]
 
 
-def _diff(name: str, ref: np.ndarray, got: np.ndarray, tol: dict) -> OutputDiff:
+def _diff(
+    name: str,
+    ref: np.ndarray,
+    got: np.ndarray,
+    tol: dict[str, Tolerance],
+    override: Tolerance | None,
+) -> OutputDiff:
     shape = list(ref.shape)
-    if ref.shape != got.shape or ref.dtype != got.dtype:
+    # A float64 reference is compared with a float32/float16 result: float kinds may differ.
+    float_pair = ref.dtype.kind in "fc" and got.dtype.kind in "fc"
+    if ref.shape != got.shape or (ref.dtype != got.dtype and not float_pair):
         return OutputDiff(
             name,
             f"{ref.dtype} vs {got.dtype}",
             shape,
-            float("inf"),
-            float("inf"),
+            *([float("inf")] * 3),
             1.0,
+            0.0,
             False,
             0.0,
             0.0,
         )
     if ref.dtype.kind not in "fc":
-        if ref.dtype.kind not in "biu":  # strings, objects
-            same = bool(np.array_equal(ref, got))
+        same = bool(np.array_equal(ref, got))
+        if ref.dtype.kind in "biu":
+            bad = int(np.count_nonzero(ref != got))
+            d = np.abs(ref.astype(np.float64) - got.astype(np.float64)) if ref.size else np.zeros(1)
             return OutputDiff(
                 name,
                 str(ref.dtype),
                 shape,
-                0.0 if same else float("inf"),
-                0.0 if same else float("inf"),
-                0.0 if same else 1.0,
-                same,
+                float(d.max()),
+                float(d.max()),
+                float(d.mean()),
+                bad / max(ref.size, 1),
+                1.0 if bad == 0 else 0.0,
+                bad == 0,
                 0.0,
                 0.0,
             )
-        bad = int(np.count_nonzero(ref != got))
-        diff = (
-            float(np.max(np.abs(ref.astype(np.float64) - got.astype(np.float64))))
-            if ref.size
-            else 0.0
-        )
+        inf = 0.0 if same else float("inf")
         return OutputDiff(
-            name, str(ref.dtype), shape, diff, diff, bad / max(ref.size, 1), bad == 0, 0.0, 0.0
+            name,
+            str(ref.dtype),
+            shape,
+            inf,
+            inf,
+            inf,
+            0.0 if same else 1.0,
+            1.0 if same else 0.0,
+            same,
+            0.0,
+            0.0,
         )
-    rtol, atol = tol.get(ref.dtype.name, (1e-4, 1e-6))
+    rtol, atol = override or tol.get(got.dtype.name, (1e-4, 1e-6))
     r, g = ref.astype(np.float64), got.astype(np.float64)
-    nan_r, nan_g = ~np.isfinite(r), ~np.isfinite(g)
-    nan_mismatch = int(np.count_nonzero(nan_r != nan_g)) + int(
-        np.count_nonzero(nan_r & nan_g & ~((np.isnan(r) & np.isnan(g)) | (r == g)))
+    fin_r, fin_g = np.isfinite(r), np.isfinite(g)
+    # Non-finite positions must agree exactly (same NaN/±Inf); they are counted, not measured.
+    same_nonfinite = (np.isnan(r) & np.isnan(g)) | (~fin_r & ~fin_g & (r == g))
+    nonfinite_mismatch = int(np.count_nonzero((~fin_r | ~fin_g) & ~same_nonfinite))
+    both = fin_r & fin_g
+    counts = dict(
+        ref_nonfinite=int((~fin_r).sum()),
+        got_nonfinite=int((~fin_g).sum()),
+        nonfinite_mismatch=nonfinite_mismatch,
     )
-    both = ~nan_r & ~nan_g
     if not both.any():
         return OutputDiff(
-            name, str(ref.dtype), shape, 0.0, 0.0, 0.0, nan_mismatch == 0, rtol, atol, nan_mismatch
+            name,
+            str(got.dtype),
+            shape,
+            0.0,
+            0.0,
+            0.0,
+            nonfinite_mismatch / max(ref.size, 1),
+            1.0,
+            nonfinite_mismatch == 0,
+            rtol,
+            atol,
+            **counts,
         )
-    d = np.abs(r[both] - g[both])
-    scale = float(np.max(np.abs(r[both])))
+    rv, gv = r[both], g[both]
+    d = np.abs(rv - gv)
+    scale = float(np.max(np.abs(rv)))
     bound = atol + rtol * scale
     max_abs = float(d.max())
-    bad = int(np.count_nonzero(d > bound)) + nan_mismatch
+    bad = int(np.count_nonzero(d > bound)) + nonfinite_mismatch
+    norms = float(np.linalg.norm(rv) * np.linalg.norm(gv))
+    cosine = float(np.dot(rv, gv) / norms) if norms > 0 else (1.0 if max_abs == 0 else 0.0)
     return OutputDiff(
         name,
-        str(ref.dtype),
+        str(got.dtype),
         shape,
         max_abs,
         max_abs / scale if scale else max_abs,
+        float(d.mean()),
         bad / max(ref.size, 1),
+        cosine,
         bad == 0,
         rtol,
         atol,
-        nan_mismatch,
+        **counts,
     )
 
 
@@ -262,29 +343,89 @@ def check_parity(
     shapes: dict[str, list[int]] | None = None,
     inputs: dict[str, np.ndarray] | None = None,
     seed: int = 0,
-    tolerances: dict[str, tuple[float, float]] | None = None,
+    tolerances: dict[str, Tolerance] | None = None,
+    per_output: dict[str, Tolerance] | None = None,
+    reference: onnx.ModelProto | None = None,
+    reference_name: str = "original",
+    localize_on_failure: bool = True,
 ) -> ParityReport:
-    """Run both models on the same inputs and compare every output of the original."""
-    ref_sess = Session(original)
-    feeds = make_inputs(ref_sess.sess, shapes or {}, seed, inputs)
-    names = [o.name for o in ref_sess.sess.get_outputs()]
-    ref = ref_sess.run(feeds, names)
-    del ref_sess
+    """Run both models on the same inputs and compare every output of the original.
+
+    ``reference`` (e.g. the float64 upcast of the original) replaces the original as the side
+    the optimized model is compared with; inputs are still generated from the original.
+    """
+    orig_sess = Session(original)
+    feeds = make_inputs(orig_sess.sess, shapes or {}, seed, inputs)
+    names = orig_sess.output_names()
+    shapes_used = {k: list(v.shape) for k, v in feeds.items()}
+    if reference is not None:
+        del orig_sess
+        orig_sess = Session(reference)
+    ref = orig_sess.run(feeds, names)
+    del orig_sess
     opt_sess = Session(optimized)
-    opt_names = {o.name for o in opt_sess.sess.get_outputs()}
-    missing = [n for n in names if n not in opt_names]
+    missing = [n for n in names if n not in set(opt_sess.output_names())]
     if missing:
         return ParityReport(
             False,
             True,
             [],
-            {k: list(v.shape) for k, v in feeds.items()},
+            shapes_used,
             seed,
+            reference_name,
             f"optimized model lost output(s): {', '.join(missing)}",
         )
-    opt_feeds = {i.name: feeds[i.name] for i in opt_sess.sess.get_inputs() if i.name in feeds}
-    got = opt_sess.run(opt_feeds, names)
-    diffs = compare_outputs(names, ref, got, tolerances)
-    return ParityReport(
-        all(d.ok for d in diffs), True, diffs, {k: list(v.shape) for k, v in feeds.items()}, seed
-    )
+    got = opt_sess.run(feeds, names)
+    del opt_sess
+    diffs = compare_outputs(names, ref, got, tolerances, per_output)
+    ok = all(d.ok for d in diffs)
+    divergence = None
+    if not ok and localize_on_failure and reference is None:
+        divergence = localize(original, optimized, feeds, tolerances)
+    return ParityReport(ok, True, diffs, shapes_used, seed, reference_name, None, divergence)
+
+
+def _with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    have = {o.name for o in m.graph.output}
+    m.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names if n not in have)
+    return m
+
+
+def localize(
+    original: onnx.ModelProto,
+    optimized: onnx.ModelProto,
+    feeds: dict[str, np.ndarray],
+    tolerances: dict[str, Tolerance] | None = None,
+) -> dict[str, Any] | None:
+    """The first tensor, in the original's topological order, present in both and diverging."""
+    produced_opt = {o for n in optimized.graph.node for o in n.output if o}
+    order = [
+        (o, n.name, n.op_type)
+        for n in original.graph.node
+        for o in n.output
+        if o and o in produced_opt
+    ]
+    if not order:
+        return None
+    names = [o for o, _, _ in order]
+    try:
+        ref = Session(_with_outputs(original, names)).run(feeds, names)
+        got = Session(_with_outputs(optimized, names)).run(feeds, names)
+    except GraphoptError:
+        return None
+    for (name, node, op), r, g in zip(order, ref, got):
+        if not isinstance(r, np.ndarray) or not isinstance(g, np.ndarray):
+            continue
+        d = _diff(name, r, g, tolerances or DEFAULT_TOLERANCES, None)
+        if not d.ok:
+            return {
+                "tensor": name,
+                "producer": node,
+                "op": op,
+                "max_abs": d.max_abs,
+                "max_rel": d.max_rel,
+                "mismatch": d.mismatch,
+            }
+    return None

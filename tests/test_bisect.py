@@ -1,0 +1,104 @@
+"""graphopt bisect: a deliberately wrong, test-only rule is found within log2(rewrites)+2 runs."""
+
+import json
+
+import numpy as np
+import pytest
+from onnx import helper
+from typer.testing import CliRunner
+
+from conftest import const, model, vi
+from graphopt.cli import app
+from graphopt.opt.bisect import bisect, max_runs
+from graphopt.opt.manager import RULES
+from graphopt.opt.rewrite import Op, Rule
+
+
+class WrongReluToAbs(Rule):
+    """Deliberately wrong: Relu(x) is not Abs(x)."""
+
+    name = "test-wrong-relu-to-abs"
+    root = "Relu"
+    level = 2
+    summary = "deliberately wrong rewrite (tests only)"
+    pattern = Op("Relu", "x")
+    exclusive = False
+
+    def rewrite(self, m, b):
+        return [b.op("Abs", [m.x], like=m.root.outputs[0])]
+
+
+@pytest.fixture
+def wrong_rule(monkeypatch):
+    monkeypatch.setitem(RULES, WrongReluToAbs.name, WrongReluToAbs())
+
+
+def many_rewrites(rng, n_identities=9):
+    """Identities (harmless rewrites) around one Relu and a downstream Add."""
+    nodes, prev = [], "x"
+    for i in range(n_identities):
+        nodes.append(helper.make_node("Identity", [prev], [f"id{i}"], name=f"id{i}"))
+        prev = f"id{i}"
+    nodes += [
+        helper.make_node("Relu", [prev], ["r"], name="relu"),
+        helper.make_node("Add", ["r", "c"], ["a"], name="add"),
+        helper.make_node("Mul", ["a", "c"], ["y"], name="mul"),
+    ]
+    return model(nodes, [vi("x", [4, 4])], [vi("y", [4, 4])], [const("c", rng.random(4) + 1)])
+
+
+PIPELINE = "eliminate-identity,test-wrong-relu-to-abs,dce"
+
+
+def test_bisect_names_the_wrong_rule(wrong_rule, rng):
+    result = bisect(many_rewrites(rng), pipeline=PIPELINE)
+    assert result.found
+    assert result.culprit["rule"] == "test-wrong-relu-to-abs"
+    assert result.culprit["node"] == "relu"
+    assert result.parity_runs <= max_runs(result.rewrites)
+    assert result.remark.rule == "test-wrong-relu-to-abs"
+    # The first tensor present in both graphs that diverges is the Add right after it.
+    assert result.culprit["first_divergence"]["tensor"] == "a"
+    # The minimal pair: one Relu before, one Abs after, same inputs and outputs.
+    assert [n.op_type for n in result.before.graph.node] == ["Relu"]
+    assert "Abs" in [n.op_type for n in result.after.graph.node]
+    assert [o.name for o in result.before.graph.output] == [
+        o.name for o in result.after.graph.output
+    ]
+
+
+def test_bisect_run_bound_with_many_rewrites(wrong_rule, rng):
+    result = bisect(many_rewrites(rng, n_identities=40), pipeline=PIPELINE)
+    assert result.found and result.rewrites == 41
+    assert result.parity_runs <= max_runs(41) == 8
+
+
+def test_bisect_when_parity_holds(rng):
+    result = bisect(many_rewrites(rng), pipeline="eliminate-identity,dce")
+    assert not result.found and result.parity_runs == 1
+
+
+def test_bisect_cli_writes_pair(wrong_rule, rng, tmp_path):
+    import onnx
+
+    p = tmp_path / "m.onnx"
+    onnx.save(many_rewrites(rng), p)
+    res = CliRunner().invoke(
+        app,
+        ["bisect", str(p), "--pipeline", PIPELINE, "-o", str(tmp_path / "b"), "--format", "json"],
+    )
+    assert res.exit_code == 3, res.output
+    data = json.loads(res.stdout)
+    assert data["culprit"]["rule"] == "test-wrong-relu-to-abs"
+    assert (tmp_path / "b" / "before.onnx").exists() and (tmp_path / "b" / "after.onnx").exists()
+    onnx.checker.check_model(onnx.load(tmp_path / "b" / "after.onnx"))
+
+
+def test_parity_localizes_first_divergence(wrong_rule, rng):
+    import graphopt
+
+    _, report = graphopt.optimize(many_rewrites(rng), pipeline=PIPELINE)
+    assert not report.parity.ok
+    assert report.parity.first_divergence["tensor"] == "a"
+    assert report.parity.first_divergence["op"] == "Add"
+    assert np.isfinite(report.parity.first_divergence["max_abs"])

@@ -1,0 +1,86 @@
+"""Parity engine: metrics, NaN/Inf accounting, tolerances, float64 reference, localization."""
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+import graphopt
+from conftest import const, model, vi
+from graphopt.opt.parity import check_parity, compare_outputs, parse_tolerances
+from graphopt.opt.reference import upcast_to_float64
+from graphopt.opt.target import get_target
+
+
+def test_metrics():
+    ref = np.array([1.0, 2.0, 3.0, 4.0], np.float32)
+    got = ref + np.array([0, 0, 0, 1e-3], np.float32)
+    (d,) = compare_outputs(["y"], [ref], [got])
+    assert d.max_abs == pytest.approx(1e-3, rel=1e-3)
+    assert d.max_rel == pytest.approx(1e-3 / 4, rel=1e-3)
+    assert d.mean_abs == pytest.approx(2.5e-4, rel=1e-3)
+    assert d.mismatch == 0.25 and not d.ok
+    assert 0.999 < d.cosine <= 1.0
+
+
+def test_nonfinite_values_are_counted_not_measured():
+    ref = np.array([1.0, np.nan, np.inf, 2.0], np.float32)
+    same = compare_outputs(["y"], [ref], [ref.copy()])[0]
+    assert same.ok and same.ref_nonfinite == 2 and same.nonfinite_mismatch == 0
+    got = np.array([1.0, 5.0, np.inf, np.nan], np.float32)
+    bad = compare_outputs(["y"], [ref], [got])[0]
+    assert not bad.ok and bad.nonfinite_mismatch == 2 and bad.got_nonfinite == 2
+
+
+def test_per_output_tolerance_override():
+    ref = np.array([100.0], np.float32)
+    got = np.array([100.5], np.float32)
+    assert not compare_outputs(["y"], [ref], [got])[0].ok
+    tol = parse_tolerances(["y=1e-2,0"])
+    assert compare_outputs(["y"], [ref], [got], per_output=tol)[0].ok
+
+
+def scale_model(factor, dtype=TensorProto.FLOAT16):
+    np_dtype = np.float16 if dtype == TensorProto.FLOAT16 else np.float32
+    nodes = [helper.make_node("Mul", ["x", "k"], ["a"]), helper.make_node("Relu", ["a"], ["y"])]
+    return model(
+        nodes, [vi("x", [4], dtype)], [vi("y", [4], dtype)], [const("k", [factor], np_dtype)]
+    )
+
+
+def test_float64_reference_upcasts_everything():
+    m = scale_model(3.0)
+    ref = upcast_to_float64(m, get_target("cpu"))
+    assert ref.graph.output[0].type.tensor_type.elem_type == TensorProto.DOUBLE
+    assert {t.data_type for t in ref.graph.initializer} == {TensorProto.DOUBLE}
+    report = check_parity(m, m, reference=ref, reference_name="float64")
+    assert report.ok and report.reference == "float64"
+
+
+def test_float64_reference_sees_fp16_overflow():
+    """x·70000 overflows fp16 (max 65504): against float64 the Inf is a mismatch."""
+    m = scale_model(60000.0)
+    x = {"x": np.array([2.0, 1.0, 0.5, -1.0], np.float16)}
+    ref = upcast_to_float64(m, get_target("cpu"))
+    vs_f64 = check_parity(m, m, inputs=x, reference=ref, reference_name="float64")
+    assert not vs_f64.ok and vs_f64.outputs[0].nonfinite_mismatch >= 1
+    assert check_parity(m, m, inputs=x).ok  # vs itself, the overflow is invisible
+
+
+def test_float64_reference_wraps_ops_without_double_kernel(rng):
+    """CPU Conv has no float64 kernel: it runs in float32 inside the float64 reference."""
+    nodes = [helper.make_node("Conv", ["x", "W"], ["y"])]
+    m = model(
+        nodes,
+        [vi("x", [1, 2, 5, 5])],
+        [vi("y", None)],
+        [const("W", rng.standard_normal((3, 2, 3, 3)))],
+    )
+    ref = upcast_to_float64(m, get_target("cpu"))
+    assert [n.op_type for n in ref.graph.node] == ["Cast", "Cast", "Cast", "Conv", "Cast"]
+    assert check_parity(m, m, reference=ref).ok
+
+
+def test_optimize_reports_both_references(rng):
+    _, report = graphopt.optimize(scale_model(3.0), reference="both")
+    assert report.parity.reference == "original" and report.parity.ok
+    assert report.parity_float64.reference == "float64" and report.parity_float64.ok
