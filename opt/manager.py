@@ -50,6 +50,8 @@ class PassContext:
     target: Target
     level: int
     ir: ModelIR | None = None
+    #: max |value| of each tensor of the original model on calibration inputs (``--inputs``)
+    ranges: dict[str, float] | None = None
     options: dict[str, Any] = field(default_factory=dict)
     remarks: RemarkLog = field(default_factory=RemarkLog)
     bisect_limit: int | None = None

@@ -18,7 +18,7 @@ from .errors import GraphoptError, UsageError
 from .io import load_model
 from .ir import ModelIR, op_histogram
 from .manager import PassContext, run_pass
-from .parity import ParityReport, check_parity
+from .parity import ParityReport, check_parity, measure_ranges
 from .pipeline import parse, preset, to_text
 from .reference import upcast_to_float64
 from .remarks import Remark
@@ -125,6 +125,9 @@ def optimize(
         verify_each=verify_each,
         ir=ir,
     )
+    if inputs is not None and level >= 2:
+        say("measuring value ranges on the calibration inputs")
+        cx.ranges = _guarded_ranges(model, inputs, shapes, seed, cx)
     for p in passes:
         say(f"running {p.text()}")
         run_pass(p, ir, cx)
@@ -209,6 +212,24 @@ def _set_metadata(model: onnx.ModelProto, values: dict[str, str]) -> None:
     model.metadata_props.extend(kept)
     for key, value in values.items():
         model.metadata_props.add(key=key, value=value)
+
+
+def _guarded_ranges(model, inputs, shapes, seed, cx) -> dict[str, float] | None:
+    """Calibration ranges, or None (with an analysis remark) when the model cannot run here."""
+    try:
+        return measure_ranges(model, inputs, shapes=shapes, seed=seed)
+    except UsageError:
+        raise
+    except GraphoptError as e:
+        cx.remark(
+            "analysis",
+            "calibration",
+            "calibration",
+            "calibration-failed",
+            [],
+            f"value ranges not measured: {e}",
+        )
+        return None
 
 
 def _guarded(run: Callable[[], ParityReport]) -> ParityReport:

@@ -393,6 +393,29 @@ def _with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
     return m
 
 
+def measure_ranges(
+    model: onnx.ModelProto,
+    inputs: dict[str, np.ndarray],
+    *,
+    shapes: dict[str, list[int]] | None = None,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Max |value| of every floating-point tensor the model computes on these inputs."""
+    sess = Session(model)
+    feeds = make_inputs(sess.sess, shapes or {}, seed, inputs)
+    names = list(dict.fromkeys(o for n in model.graph.node for o in n.output if o))
+    values = Session(_with_outputs(model, names)).run(feeds, names)
+    ranges = {}
+    for name, v in zip(names, values):
+        if isinstance(v, np.ndarray) and v.dtype.kind == "f" and v.size:
+            finite = v[np.isfinite(v)]
+            ranges[name] = float(np.max(np.abs(finite.astype(np.float64)))) if finite.size else 0.0
+    for k, v in feeds.items():
+        if v.dtype.kind == "f" and v.size:
+            ranges[k] = float(np.max(np.abs(v.astype(np.float64))))
+    return ranges
+
+
 def localize(
     original: onnx.ModelProto,
     optimized: onnx.ModelProto,

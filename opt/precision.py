@@ -64,3 +64,41 @@ def require_representable(exact: np.ndarray, dtype: np.dtype, what: str) -> np.n
                 tolerance=tol,
             )
     return stored
+
+
+def require_accumulation_in_range(
+    cx,
+    x_name: str,
+    weights: np.ndarray,
+    bias: np.ndarray,
+    dtype: np.dtype,
+    op: str,
+    out_axis: int = 0,
+) -> None:
+    """With calibration ranges, bound what a fused fp16/bf16 kernel accumulates.
+
+    For each output channel the accumulator is at most ``‖W'_c‖₁ · max|x| + |b'_c|``; if that
+    can exceed the dtype's range and the target does not declare fp32 accumulation for ``op``,
+    the fusion is refused (``precision-range``).  Without calibration data nothing is assumed.
+    """
+    dtype = np.dtype(dtype)
+    if dtype.kind != "f" or dtype.itemsize > 2 or not cx.ranges:
+        return
+    if cx.target.accumulates_fp32(op) or x_name not in cx.ranges:
+        return
+    x_max = cx.ranges[x_name]
+    w = np.moveaxis(np.abs(np.asarray(weights, dtype=np.float64)), out_axis, 0)
+    l1 = w.reshape(w.shape[0], -1).sum(axis=1)
+    bound = l1 * x_max + np.abs(np.asarray(bias, dtype=np.float64)).reshape(-1)[: l1.size]
+    worst = float(bound.max()) if bound.size else 0.0
+    limit = float(np.finfo(dtype).max)
+    if worst > limit:
+        raise NoMatch(
+            "precision-range",
+            f"fused {op} may accumulate up to {worst:.6g} in {dtype.name} (‖W‖₁ "
+            f"{float(l1.max()):.4g} × measured max|{x_name}| {x_max:.4g}), beyond {limit:.6g}; "
+            f"target {cx.target.name} does not declare fp32 accumulation for {op}",
+            worst=worst,
+            limit=limit,
+            input_range=x_max,
+        )

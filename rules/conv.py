@@ -19,7 +19,7 @@ import numpy as np
 
 from graphopt.opt.ir import Constant, constant_value, dtype_of
 from graphopt.opt.manager import register_rule
-from graphopt.opt.precision import require_representable
+from graphopt.opt.precision import require_accumulation_in_range, require_representable
 from graphopt.opt.rewrite import (
     Op,
     Rule,
@@ -48,6 +48,14 @@ class ConvScaleBase(Rule):
 
     def out_channels(self, w: np.ndarray, group: int) -> int:
         return w.shape[0] if self.conv_op == "Conv" else w.shape[1] * group
+
+    def store(self, m, cx, w_new: np.ndarray, b_new: np.ndarray, dt: np.dtype) -> None:
+        """Precision guards on the folded float64 values, then stash them in the weight dtype."""
+        stored_w = require_representable(w_new, dt, "Conv weights")
+        stored_b = require_representable(b_new, dt, "Conv bias")
+        out_axis = 0 if self.conv_op == "Conv" else 1
+        require_accumulation_in_range(cx, m.X.name, w_new, b_new, dt, self.conv_op, out_axis)
+        m.stash(w_new=stored_w, b_new=stored_b)
 
     def scale_weights(self, w: np.ndarray, s: np.ndarray, group: int) -> np.ndarray:
         if self.conv_op == "Conv":
@@ -110,10 +118,7 @@ class FuseConvBatchNorm(ConvScaleBase):
         eps = float(m.bn.attrs.get("epsilon", 1e-5))
         s = gamma / np.sqrt(var + eps)
         b = value(m.B).astype(np.float64) if m.B is not None else np.zeros(c_out)
-        m.stash(
-            w_new=require_representable(self.scale_weights(w, s, group), dt, "Conv weights"),
-            b_new=require_representable((b - mean) * s + beta, dt, "Conv bias"),
-        )
+        self.store(m, cx, self.scale_weights(w, s, group), (b - mean) * s + beta, dt)
 
     def rewrite(self, m, b):
         w = b.const(m.w_new, "W")
@@ -185,10 +190,7 @@ class FuseConvElementwise(ConvScaleBase):
         )
         b = value(m.B).astype(np.float64) if m.B is not None else np.zeros(c_out)
         w_new, b_new = self.fold(w, b, vec.astype(np.float64), int(m.conv.attrs.get("group", 1)))
-        m.stash(
-            w_new=require_representable(w_new, dt, "Conv weights"),
-            b_new=require_representable(b_new, dt, "Conv bias"),
-        )
+        self.store(m, cx, w_new, b_new, dt)
 
     def fold(self, w, b, vec, group):
         raise NotImplementedError

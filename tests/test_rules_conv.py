@@ -166,3 +166,17 @@ def test_pad_conv_guards(kwargs, code, rng):
     assert codes(report, "fuse-pad-conv") == [code]
     assert ops(out)["Pad"] == 1
     assert report.parity.ok
+
+
+def test_calibration_range_refuses_fp16_fusion_that_could_overflow(rng):
+    """Weights and bias fit fp16, but with the measured input range the fused accumulator
+    (‖W'‖₁·max|x|) can exceed 65504: refused with precision-range and the numbers."""
+    m = conv_bn(rng, dtype=np.float16, var=np.full(8, 1e-3), w_scale=20.0)
+    x = {"x": (rng.standard_normal((1, 4, 8, 8)) * 40).astype(np.float16)}
+    out, report = run(m, inputs=x, check=False)
+    assert codes(report, "fuse-conv-bn") == ["precision-range"]
+    remark = [r for r in report.remarks if r.rule == "fuse-conv-bn"][0]
+    assert remark.args["worst"] > 65504 and remark.args["input_range"] > 0
+    # Without calibration inputs nothing is assumed: the fusion fires.
+    out2, report2 = run(m, check=False)
+    assert codes(report2, "fuse-conv-bn", "passed") == ["fired"]
