@@ -24,7 +24,10 @@ from rich.table import Table
 from . import optimize as run_optimize
 from .opt import errors
 from .opt.bisect import bisect as run_bisect
-from .opt.io import load_model, replace_dir, write_model_files
+from .opt.explain import explain as explain_report
+from .opt.io import load_model, replace_dir, save_model, write_model_files
+from .opt.lint import freeze_initializers as freeze_model
+from .opt.lint import lint as lint_model
 from .opt.manager import PASSES, RULES
 from .opt.parity import check_parity, load_inputs, parse_shapes, parse_tolerances
 from .opt.pipeline import LEVEL_NAMES
@@ -431,6 +434,131 @@ def _render_bisect(result, payload: dict) -> None:
     out.print(f"parity runs: {result.parity_runs} (bound {payload['max_parity_runs']})")
     if "files" in payload:
         out.print(f"wrote {payload['files']}/before.onnx and after.onnx")
+
+
+@app.command()
+def explain(
+    model: Annotated[Path, typer.Argument(help="Model to explain.")],
+    target: Annotated[str, typer.Option("--target", "-t")] = "cpu",
+    level: Annotated[int, typer.Option("-O", "--level", min=0, max=3)] = 2,
+    pipeline: Annotated[str | None, typer.Option("--pipeline")] = None,
+    rule: Annotated[str | None, typer.Option("--rule", help="Only this rule.")] = None,
+    node: Annotated[str | None, typer.Option("--node", help="Only remarks on this node.")] = None,
+    code: Annotated[str | None, typer.Option("--code", help="Only this guard code.")] = None,
+    shape: Annotated[list[str] | None, typer.Option("--shape")] = None,
+    inputs: Annotated[Path | None, typer.Option("--inputs")] = None,
+    remarks: Annotated[Path | None, typer.Option("--remarks", help="Write JSONL.")] = None,
+    fmt: Annotated[Format, typer.Option("--format")] = Format.text,
+) -> None:
+    """Which rules fired where, which were refused where and why (with a hint for the fix)."""
+    with handled():
+        _, report = run_optimize(
+            model.resolve(),
+            target=target,
+            level=level,
+            pipeline=pipeline,
+            check=False,
+            shapes=parse_shapes(shape),
+            inputs=load_inputs(inputs) if inputs else None,
+        )
+        data = explain_report(report, rule=rule, node=node, code=code)
+        if remarks:
+            _atomic_text(
+                remarks,
+                "".join(json.dumps(r.to_dict(), sort_keys=True) + "\n" for r in report.remarks),
+            )
+        if fmt == Format.json:
+            print(json.dumps(data, indent=2, sort_keys=True))
+            return
+        _render_explain(data)
+
+
+def _render_explain(data: dict) -> None:
+    t = Table(title=f"rules (target {data['target']}, -O{data['level']})", show_edge=False)
+    for col in ("rule", "attempts", "fired", "missed", "missed by code", "seconds"):
+        t.add_column(
+            col,
+            justify="right" if col in ("attempts", "fired", "missed", "seconds") else "left",
+            overflow="fold",
+        )
+    for name, st in data["rules"].items():
+        if st["attempts"] or st["fired"] or st["missed"]:
+            codes = ", ".join(f"{c}×{n}" for c, n in st["missed_by_code"].items())
+            t.add_row(
+                name,
+                str(st["attempts"]),
+                str(st["fired"]),
+                str(st["missed"]),
+                codes,
+                f"{st['seconds']:.3f}",
+            )
+    out.print(t)
+    for f in data["fired"][:50]:
+        created = ", ".join(f["created"]) or "(removed)"
+        out.print(f"[green]fired[/]  {f['rule']}: {', '.join(f['nodes'])} → {created}")
+    if len(data["fired"]) > 50:
+        out.print(f"... {len(data['fired']) - 50} more fired (--format json for all)")
+    for m in data["missed"]:
+        out.print(f"[yellow]missed[/] {m['rule']} at '{m['node']}': {m['code']}: {m['message']}")
+        if m["hint"]:
+            out.print(f"         hint: {m['hint']}")
+    if data["never_matched"]:
+        out.print("never matched: " + ", ".join(data["never_matched"]))
+
+
+@app.command()
+def lint(
+    model: Annotated[Path, typer.Argument(help="Model to lint.")],
+    freeze_initializers: Annotated[
+        bool,
+        typer.Option(
+            "--freeze-initializers",
+            help="Write a copy whose initializers are not graph inputs (changes the interface).",
+        ),
+    ] = False,
+    output: Annotated[
+        Path | None,
+        typer.Option("-o", "--output", help="Where --freeze-initializers writes the model."),
+    ] = None,
+    target: Annotated[str, typer.Option("--target", "-t")] = "cpu",
+    fmt: Annotated[Format, typer.Option("--format")] = Format.text,
+) -> None:
+    """Pitfalls of real exports (weights as inputs, custom domains, fp16 saturation...), each
+    with its fix."""
+    with handled():
+        proto = load_model(model, check=False)
+        try:
+            _, report = run_optimize(proto, target=target, check=False)
+            missed = [r for r in report.remarks if r.kind == "missed"]
+        except errors.GraphoptError:
+            missed = []
+        findings = lint_model(proto, missed_remarks=missed)
+        payload = {
+            "schema": "graphopt.lint/1",
+            "model": str(model),
+            "findings": [f.to_dict() for f in findings],
+        }
+        if freeze_initializers:
+            frozen, names = freeze_model(proto)
+            dest = (output or model.with_name(f"{model.stem}.frozen.onnx")).resolve()
+            if dest == model.resolve():
+                raise errors.UsageError("--freeze-initializers must not overwrite the input")
+            save_model(frozen, dest)
+            payload["frozen"] = {"output": str(dest), "initializers": len(names)}
+        if fmt == Format.json:
+            print(json.dumps(payload, indent=2, sort_keys=True))
+            return
+        if not findings:
+            out.print("no findings")
+        for f in findings:
+            color = {"error": "red", "warning": "yellow"}.get(f.severity, "cyan")
+            out.print(f"[{color}]{f.severity}[/] {f.code}: {f.message}")
+            out.print(f"    fix: {f.fix}")
+        if "frozen" in payload:
+            out.print(
+                f"wrote {payload['frozen']['output']} "
+                f"({payload['frozen']['initializers']} initializers frozen)"
+            )
 
 
 @app.command()

@@ -199,11 +199,19 @@ class Rule:
     changes_numerics: ClassVar[bool] = False
 
     def match(self, node: Node, cx: PassContext) -> Match:
-        if self.pattern is None:
-            return Match(node, {})
-        for bindings in _match_node(self.pattern, node, {}):
-            return Match(node, bindings)
+        """The first structural match (over commuted alternatives) that passes ``structure``."""
+        candidates = [{}] if self.pattern is None else _match_node(self.pattern, node, {})
+        for bindings in candidates:
+            m = Match(node, bindings)
+            try:
+                self.structure(m, cx)
+            except NoMatch:
+                continue
+            return m
         raise NoMatch("structure", "pattern did not match", structural=True)
+
+    def structure(self, m: Match, cx: PassContext) -> None:
+        """Structural conditions checked in code (``applies_only_if``): silent when unmet."""
 
     def check(self, m: Match, cx: PassContext) -> None:
         """Guards; raise NoMatch via ``require``."""
@@ -288,6 +296,7 @@ def apply_rules(ir: ModelIR, rules: Sequence[Rule], cx: PassContext, pass_name: 
     index: dict[str, list[Rule]] = {}
     for r in rules:
         index.setdefault(r.root, []).append(r)
+        cx.rule_stats(r.name)  # every rule of the set appears in the report, matched or not
     ir.graph.toposort()
     queue = deque(n for n in ir.graph.nodes if n.op in index)
     queued = {id(n) for n in queue}

@@ -164,10 +164,12 @@ def per_channel(c: np.ndarray, out_rank: int, c_out: int) -> np.ndarray | None:
 class FuseConvElementwise(ConvScaleBase):
     """Conv followed by Add/Mul with a constant: fold the constant into weights/bias."""
 
-    def check(self, m, cx):
+    def structure(self, m, cx):
         # A computed operand (a residual branch) is another pattern, not a missed fusion; a graph
         # input is worth a remark (weights exported as inputs).
         applies_only_if(isinstance(m.c, Constant) or cx.ir.is_graph_input(m.c))
+
+    def check(self, m, cx):
         require_constant(
             cx, cx.ir, ("conv weight W", m.W), ("conv bias B", m.B), (f"{self.root} operand", m.c)
         )
