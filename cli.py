@@ -23,8 +23,10 @@ from rich.table import Table
 
 from . import optimize as run_optimize
 from .opt import errors
+from .opt.bench import apply_baseline, baseline_payload, measure, parse_regression
 from .opt.bisect import bisect as run_bisect
 from .opt.explain import explain as explain_report
+from .opt.gate import evaluate_expectations, junit_xml, parse_expectations
 from .opt.io import load_model, replace_dir, save_model, write_model_files
 from .opt.lint import freeze_initializers as freeze_model
 from .opt.lint import lint as lint_model
@@ -143,6 +145,13 @@ def optimize(
         list[str] | None,
         typer.Option("--tolerance", help="OUTPUT=RTOL,ATOL overriding the dtype default."),
     ] = None,
+    expect: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--expect", help='Op-count assertions, e.g. "LayerNormalization>=25" (exit 4).'
+        ),
+    ] = None,
+    junit: Annotated[Path | None, typer.Option("--junit", help="Write JUnit XML.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success.")] = False,
 ) -> None:
     """Optimize MODEL for a target; write OUT_DIR/model.onnx and OUT_DIR/report.json."""
@@ -150,6 +159,7 @@ def optimize(
         src = model.resolve()
         dest = (output or _default_out(model, target)).resolve()
         _check_output_dir(src, dest)
+        expectations = parse_expectations(expect)
         shapes = parse_shapes(shape)
         feeds = load_inputs(inputs) if inputs else None
         show = fmt == Format.text and not quiet and sys.stdout.isatty()
@@ -177,11 +187,23 @@ def optimize(
                 remarks,
                 "".join(json.dumps(r.to_dict(), sort_keys=True) + "\n" for r in report.remarks),
             )
+        results = evaluate_expectations(expectations, report.ops_after)
+        payload = report.to_dict()
+        if results:
+            payload["expectations"] = [e.to_dict() for e in results]
+        if junit:
+            parities = [report.parity] + ([report.parity_float64] if report.parity_float64 else [])
+            _atomic_text(junit, junit_xml(f"graphopt.optimize.{model.stem}", parities, results))
         if fmt == Format.json:
-            print(json.dumps(report.to_dict(), indent=2, sort_keys=True))
+            print(json.dumps(payload, indent=2, sort_keys=True))
         elif not quiet:
             _render_report(report)
+            for e in results:
+                mark = "[green]ok[/]" if e.ok else "[red]FAILED[/]"
+                out.print(f"expect {e.text}: {mark} (found {e.actual})")
         code = _exit_code(report, checked=not no_check)
+        if not code and not all(e.ok for e in results):
+            code = errors.EXIT_TARGET
         if code:
             raise typer.Exit(code)
 
@@ -559,6 +581,116 @@ def lint(
                 f"wrote {payload['frozen']['output']} "
                 f"({payload['frozen']['initializers']} initializers frozen)"
             )
+
+
+@app.command()
+def bench(
+    model: Annotated[Path, typer.Argument(help="Original model.")],
+    optimized: Annotated[
+        Path | None,
+        typer.Option(
+            "--optimized", help="Optimized model or bundle (default: optimize MODEL now)."
+        ),
+    ] = None,
+    target: Annotated[str, typer.Option("--target", "-t")] = "cpu",
+    level: Annotated[int, typer.Option("-O", "--level", min=0, max=3)] = 2,
+    runs: Annotated[int, typer.Option("--runs", min=1)] = 100,
+    warmup: Annotated[int, typer.Option("--warmup", min=0)] = 10,
+    threads: Annotated[int, typer.Option("--threads", min=1)] = 1,
+    ort_level: Annotated[
+        str,
+        typer.Option(
+            "--ort-level", help="onnxruntime session level: disable, basic, extended, all."
+        ),
+    ] = "all",
+    shape: Annotated[list[str] | None, typer.Option("--shape")] = None,
+    inputs: Annotated[Path | None, typer.Option("--inputs")] = None,
+    baseline: Annotated[
+        Path | None,
+        typer.Option(
+            "--baseline", help="Compare with this baseline; exit 5 past --max-regression."
+        ),
+    ] = None,
+    save_baseline: Annotated[
+        Path | None, typer.Option("--save-baseline", help="Write this run as a baseline file.")
+    ] = None,
+    max_regression: Annotated[str, typer.Option("--max-regression")] = "5%",
+    junit: Annotated[Path | None, typer.Option("--junit")] = None,
+    fmt: Annotated[Format, typer.Option("--format")] = Format.text,
+) -> None:
+    """p50/p95 latency of original and optimized (interleaved); the CI regression gate."""
+    with handled():
+        limit = parse_regression(max_regression)
+        original = load_model(model)
+        if optimized is None:
+            opt_model, _ = run_optimize(original, target=target, level=level, check=False)
+        else:
+            opt_model = load_model(optimized / "model.onnx" if optimized.is_dir() else optimized)
+        result = measure(
+            original,
+            opt_model,
+            runs=runs,
+            warmup=warmup,
+            threads=threads,
+            level=ort_level,
+            shapes=parse_shapes(shape),
+            inputs=load_inputs(inputs) if inputs else None,
+        )
+        if baseline:
+            result = apply_baseline(result, baseline, limit)
+        if save_baseline:
+            _atomic_text(
+                save_baseline,
+                json.dumps(baseline_payload(result, str(model), target), indent=2, sort_keys=True),
+            )
+        if junit:
+            _atomic_text(junit, _bench_junit(model.stem, result))
+        if fmt == Format.json:
+            print(json.dumps(result.to_dict(), indent=2, sort_keys=True))
+        else:
+            _render_bench(result)
+        if result.regressed:
+            raise typer.Exit(errors.EXIT_PERF)
+
+
+def _bench_junit(name: str, result) -> str:
+    from xml.sax.saxutils import quoteattr
+
+    if result.regression is None:
+        body = ""
+    elif result.regressed:
+        msg = (
+            f"normalized p95 {result.ratio_p95:.3f} is {result.regression:+.1%} vs baseline "
+            f"(limit {result.max_regression:.1%})"
+        )
+        body = f"<failure message={quoteattr(msg)}/>"
+    else:
+        body = ""
+    return (
+        '<?xml version="1.0" encoding="UTF-8"?>\n'
+        f'<testsuite name="graphopt.bench" tests="1" failures="{int(result.regressed)}">\n'
+        f'  <testcase classname="graphopt.bench" name={quoteattr(name)}>{body}</testcase>\n'
+        "</testsuite>\n"
+    )
+
+
+def _render_bench(result) -> None:
+    t = Table(
+        title=f"latency (onnxruntime {result.level}, {result.threads} thread(s), "
+        f"{result.original.runs} interleaved runs)",
+        show_edge=False,
+    )
+    for col in ("model", "p50 ms", "p95 ms", "session ms"):
+        t.add_column(col, justify="left" if col == "model" else "right")
+    for name, lat in (("original", result.original), ("optimized", result.optimized)):
+        t.add_row(name, f"{lat.p50_ms:.3f}", f"{lat.p95_ms:.3f}", f"{lat.session_ms:.1f}")
+    out.print(t)
+    out.print(f"optimized / original: p50 {result.ratio_p50:.3f}, p95 {result.ratio_p95:.3f}")
+    if result.regression is not None:
+        verdict = "[red]REGRESSION[/]" if result.regressed else "[green]ok[/]"
+        out.print(
+            f"vs baseline: {result.regression:+.1%} (limit {result.max_regression:.1%}) {verdict}"
+        )
 
 
 @app.command()
