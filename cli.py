@@ -8,10 +8,8 @@ the traceback.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
-import tempfile
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
@@ -27,13 +25,21 @@ from .opt.bench import apply_baseline, baseline_payload, measure, parse_regressi
 from .opt.bisect import bisect as run_bisect
 from .opt.explain import explain as explain_report
 from .opt.gate import evaluate_expectations, junit_xml, parse_expectations
-from .opt.io import load_model, replace_dir, save_model, write_model_files
+from .opt.io import (
+    atomic_write_text,
+    load_model,
+    replace_dir,
+    save_model,
+    staging_dir,
+    write_model_files,
+)
 from .opt.lint import freeze_initializers as freeze_model
 from .opt.lint import lint as lint_model
 from .opt.manager import PASSES, RULES
 from .opt.parity import check_parity, load_inputs, parse_shapes, parse_tolerances
 from .opt.pipeline import LEVEL_NAMES
 from .opt.reference import upcast_to_float64
+from .opt.report_html import render_html
 from .opt.target import TARGETS
 
 app = typer.Typer(
@@ -152,6 +158,9 @@ def optimize(
         ),
     ] = None,
     junit: Annotated[Path | None, typer.Option("--junit", help="Write JUnit XML.")] = None,
+    html_report: Annotated[
+        Path | None, typer.Option("--html", help="Write a self-contained HTML report.")
+    ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success.")] = False,
 ) -> None:
     """Optimize MODEL for a target; write OUT_DIR/model.onnx and OUT_DIR/report.json."""
@@ -194,6 +203,10 @@ def optimize(
         if junit:
             parities = [report.parity] + ([report.parity_float64] if report.parity_float64 else [])
             _atomic_text(junit, junit_xml(f"graphopt.optimize.{model.stem}", parities, results))
+        if html_report:
+            manifest_path = dest / "manifest.json"
+            manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
+            _atomic_text(html_report, render_html(payload, manifest))
         if fmt == Format.json:
             print(json.dumps(payload, indent=2, sort_keys=True))
         elif not quiet:
@@ -235,7 +248,7 @@ def _write_bundle(dest: Path, model, report) -> None:
     """Write model + report into a staging dir, then move it into place in one rename."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     try:
-        staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+        staging = staging_dir(dest)
     except OSError as e:
         raise errors.ModelSaveError(f"cannot write to {dest.parent}: {e.strerror or e}") from None
     try:
@@ -253,11 +266,10 @@ def _write_bundle(dest: Path, model, report) -> None:
 
 
 def _atomic_text(path: Path, text: str) -> None:
-    path = path.resolve()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        atomic_write_text(path, text)
+    except OSError as e:
+        raise errors.ModelSaveError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 @contextmanager
@@ -427,7 +439,7 @@ def bisect(
             dest = (output or model.with_name(f"{model.stem}.bisect")).resolve()
             _check_output_dir(model.resolve(), dest)
             dest.parent.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+            staging = staging_dir(dest)
             write_model_files(result.before, staging / "before.onnx", external=False)
             if result.after is not None:
                 write_model_files(result.after, staging / "after.onnx", external=False)

@@ -163,6 +163,34 @@ def write_model_files(model: onnx.ModelProto, path: Path, *, external: bool) -> 
             f.write(model.SerializeToString())
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def staging_dir(final: Path) -> Path:
+    """A fresh directory beside ``final`` to write into, with normal (umask) permissions."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    os.chmod(staging, 0o777 & ~_umask())
+    return staging
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a text file via a temporary sibling and a rename, with normal permissions."""
+    path = Path(path).resolve()
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def replace_dir(staging: Path, final: Path) -> None:
     """Move a fully written staging directory onto ``final``, replacing any old one."""
     old = None
