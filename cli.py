@@ -236,9 +236,18 @@ def _check_output_dir(src: Path, dest: Path) -> None:
 
 
 def _exit_code(report, checked: bool) -> int:
+    """Parity that ran and failed → 3; parity that could not run is reported (and warned about
+    on stderr), not counted as a mismatch."""
     parities = [report.parity] + ([report.parity_float64] if report.parity_float64 else [])
-    if checked and not all(p.ok for p in parities):
+    if checked and any(p.ran and not p.ok for p in parities):
         return errors.EXIT_PARITY
+    for p in parities:
+        if checked and not p.ran:
+            err.print(
+                f"[yellow]warning:[/] parity vs {p.reference} not run: {p.error}",
+                markup=True,
+                soft_wrap=True,
+            )
     if not report.converged:
         return errors.EXIT_TARGET
     return errors.EXIT_OK

@@ -68,6 +68,13 @@ def _check_structure(model: onnx.ModelProto, path: Path) -> None:
         raise ModelLoadError(f"{path}: not an ONNX model (no ir_version or graph)")
     if not model.opset_import:
         raise ModelLoadError(f"{path}: not an ONNX model (no opset_import)")
+    newest = onnx.defs.onnx_opset_version()
+    for imp in model.opset_import:
+        if imp.domain in ("", "ai.onnx") and imp.version > newest:
+            raise ModelLoadError(
+                f"{path}: default-domain opset {imp.version} is newer than this onnx supports "
+                f"(up to {newest}); upgrade onnx/onnxruntime or re-export at a released opset"
+            )
     if model.ir_version > onnx.IR_VERSION + 2:
         raise ModelLoadError(
             f"{path}: IR version {model.ir_version} is newer than this onnx supports "
