@@ -17,7 +17,7 @@ import onnx
 import onnxruntime as ort
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
-from .ir import Constant, ModelIR, Node, Tensor, Variable
+from .ir import Constant, ModelIR, Node, Tensor, Variable, walk_nodes
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,16 @@ def infer_shapes(ir: ModelIR) -> bool:
                             list(t.shape),
                         )
                     )
+    # In a subgraph body, values of the enclosing scopes are typed inputs of the view.
+    defined = seen | {t.name for n in walk_nodes(g) for t in n.outputs}
+    defined |= {t.name for n in walk_nodes(g) for sub in n.subgraphs() for t in sub.inputs}
+    for n in walk_nodes(g):
+        for t in n.inputs:
+            if isinstance(t, Variable) and t.name and t.name not in defined:
+                defined.add(t.name)
+                if t.dtype is None:
+                    return False
+                inputs.append(_value_info(t))
     outputs = [_value_info(t) for t in g.outputs]
     graph = onnx.helper.make_graph(nodes, "shape-view", inputs, outputs, inits)
     model = onnx.helper.make_model(graph, opset_imports=_opsets(ir))

@@ -16,6 +16,7 @@ Only ``opt/`` touches graphsurgeon objects raw; passes and rules use the helpers
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -66,6 +67,7 @@ class ModelIR:
             stripped.graph.input.extend(i for i in model.graph.input if i.name not in init_names)
             model = stripped
         self.graph: gs.Graph = gs.import_onnx(model)
+        self.root = self.graph
         _keep_unsupported_types(model.graph, self.graph)
         self.provenance: dict[str, str] = {}
         self._names = _NameSource(self.graph)
@@ -73,8 +75,8 @@ class ModelIR:
     # ----------------------------------------------------------------- export
     def to_onnx(self) -> onnx.ModelProto:
         """Export the graph, restoring model fields, node metadata and overridable defaults."""
-        self.graph.cleanup(remove_unused_graph_inputs=False).toposort()
-        exported = gs.export_onnx(self.graph, do_type_check=False)
+        self.root.cleanup(remove_unused_graph_inputs=False).toposort()
+        exported = gs.export_onnx(self.root, do_type_check=False)
         model = onnx.ModelProto()
         model.CopyFrom(self.template)
         model.graph.CopyFrom(exported.graph)
@@ -120,8 +122,32 @@ class ModelIR:
     def is_graph_input(self, tensor: Tensor) -> bool:
         return any(t is tensor for t in self.graph.inputs)
 
+    def can_rename(self, tensor: Tensor) -> bool:
+        """Whether a graph output's name can move onto ``tensor``: it must be the private result
+        of a node of the graph being worked on (not an input, output or enclosing-scope value)."""
+        if not isinstance(tensor, Variable) or not tensor.inputs:
+            return False
+        if self.is_graph_output(tensor) or self.is_graph_input(tensor):
+            return False
+        producer = tensor.inputs[0]
+        return not self.in_subgraph or any(n is producer for n in self.graph.nodes)
+
     def fresh_name(self, base: str) -> str:
         return self._names.fresh(base)
+
+    @contextlib.contextmanager
+    def scoped(self, graph: gs.Graph):
+        """Make a subgraph (If/Loop/Scan body) the graph passes and rewrites work on."""
+        saved = self.graph
+        self.graph = graph
+        try:
+            yield graph
+        finally:
+            self.graph = saved
+
+    @property
+    def in_subgraph(self) -> bool:
+        return self.graph is not self.root
 
     # --------------------------------------------------------------- mutation
     def replace_all_uses(self, old: Tensor, new: Tensor) -> None:
@@ -132,10 +158,8 @@ class ModelIR:
                     consumer.inputs[i] = new
         if not self.is_graph_output(old):
             return
-        producer = new.inputs[0] if isinstance(new, Variable) and new.inputs else None
-        movable = (
-            producer is not None and not self.is_graph_output(new) and not self.is_graph_input(new)
-        )
+        movable = self.can_rename(new)
+        producer = new.inputs[0] if movable else None
         old.inputs.clear()
         if movable:
             if old.dtype is None:

@@ -52,6 +52,8 @@ class PassContext:
     ir: ModelIR | None = None
     #: max |value| of each tensor of the original model on calibration inputs (``--inputs``)
     ranges: dict[str, float] | None = None
+    #: (rule, node) rewrites not to apply: reverted because the runtime rejected the result
+    skip: frozenset[tuple[str, str]] = frozenset()
     options: dict[str, Any] = field(default_factory=dict)
     remarks: RemarkLog = field(default_factory=RemarkLog)
     bisect_limit: int | None = None
@@ -65,7 +67,9 @@ class PassContext:
         return self.stats.setdefault(rule, RuleStats())
 
     def take_bisect_step(self, rule: str, node: str) -> bool:
-        """Count one rewrite; False (and an analysis remark) when past the bisect limit."""
+        """Count one rewrite; False when past the bisect limit or reverted (``skip``)."""
+        if (rule, node) in self.skip:
+            return False
         self.rewrites += 1
         if self.bisect_limit is not None and self.rewrites > self.bisect_limit:
             return False
@@ -91,6 +95,8 @@ class Pass:
     name: str = ""
     summary: str = ""
     level: int = 1
+    #: run inside subgraph bodies too (whole-model passes such as legalize set this False)
+    recurse: bool = True
 
     def run(self, ir: ModelIR, cx: PassContext) -> bool:
         raise NotImplementedError
@@ -160,13 +166,26 @@ class Fixpoint(Pass):
 
 
 def run_pass(p: Pass, ir: ModelIR, cx: PassContext, iteration: int = 0) -> bool:
-    """Run one pass with timing and optional verification."""
+    """Run one pass with timing and optional verification; local passes also run inside
+    If/Loop/Scan bodies (outer-scope values are shared objects, so they resolve naturally)."""
     t0 = time.perf_counter()
     changed = bool(p.run(ir, cx))
+    if p.recurse and not isinstance(p, Fixpoint):
+        changed |= _run_in_subgraphs(p, ir, cx)
     if not isinstance(p, Fixpoint):
         cx.records.append(PassRecord(p.text(), time.perf_counter() - t0, changed, iteration))
     if cx.verify_each and changed and not isinstance(p, Fixpoint):
         verify(ir, p.text())
+    return changed
+
+
+def _run_in_subgraphs(p: Pass, ir: ModelIR, cx: PassContext) -> bool:
+    changed = False
+    for node in list(ir.graph.nodes):
+        for sub in node.subgraphs():
+            with ir.scoped(sub):
+                changed |= bool(p.run(ir, cx))
+                changed |= _run_in_subgraphs(p, ir, cx)
     return changed
 
 

@@ -18,7 +18,7 @@ from .errors import GraphoptError, UsageError
 from .io import load_model
 from .ir import ModelIR, op_histogram
 from .manager import PassContext, run_pass
-from .parity import ParityReport, check_parity, measure_ranges
+from .parity import ParityReport, Session, check_parity, measure_ranges
 from .pipeline import parse, preset, to_text
 from .reference import upcast_to_float64
 from .remarks import Remark
@@ -48,10 +48,18 @@ class Report:
     rewrites: int = 0
     applied: list[tuple[int, str, str]] = field(default_factory=list)
     outputs: dict[str, str] = field(default_factory=dict)
+    #: what the bundle writer needs besides the report: the original model and the parity
+    #: inputs (shapes, user inputs, seed) for its golden outputs; not part of report.json
+    bundle_context: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def converged(self) -> bool:
         return not any(r.code == "did-not-converge" for r in self.remarks)
+
+    @property
+    def legal(self) -> bool:
+        """No node the target cannot run (legalize reported no failure)."""
+        return not any(r.kind == "failure" and r.pass_name == "legalize" for r in self.remarks)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -67,6 +75,7 @@ class Report:
             "rewrites": self.rewrites,
             "applied": [list(a) for a in self.applied],
             "converged": self.converged,
+            "legal": self.legal,
             "remarks": [r.to_dict() for r in self.remarks],
             "passes": self.passes,
             "rules": self.rules,
@@ -115,24 +124,34 @@ def optimize(
     times["load"] = time.perf_counter() - t0
 
     t1 = time.perf_counter()
-    ir = ModelIR(model)
     ops_before = op_histogram(model.graph.node)
-    cx = PassContext(
-        target=tgt,
-        level=level,
-        options=dict(options or {}),
-        bisect_limit=bisect_limit,
-        verify_each=verify_each,
-        ir=ir,
-    )
+    ranges, range_remarks = None, []
     if inputs is not None and level >= 2:
         say("measuring value ranges on the calibration inputs")
-        cx.ranges = _guarded_ranges(model, inputs, shapes, seed, cx)
-    for p in passes:
-        say(f"running {p.text()}")
-        run_pass(p, ir, cx)
-    say("exporting")
-    optimized = ir.to_onnx()
+        ranges, range_remarks = _guarded_ranges(model, inputs, shapes, seed)
+
+    def execute(limit: int | None, skip: frozenset = frozenset()):
+        ir = ModelIR(model)
+        cx = PassContext(
+            target=tgt,
+            level=level,
+            options={"input_shapes": _parity_shapes(shapes, inputs), **(options or {})},
+            bisect_limit=limit,
+            verify_each=verify_each,
+            ir=ir,
+            ranges=ranges,
+            skip=skip,
+        )
+        for r in range_remarks:
+            cx.remarks.add(r)
+        for p in passes:
+            say(f"running {p.text()}")
+            run_pass(p, ir, cx)
+        say("exporting")
+        return ir.to_onnx(), cx
+
+    optimized, cx = execute(bisect_limit)
+    optimized, cx = _keep_loadable(model, optimized, cx, execute, bisect_limit, say)
     _set_metadata(optimized, {"graphopt.pipeline": to_text(passes), "graphopt.target": tgt.name})
     times["optimize"] = time.perf_counter() - t1
 
@@ -201,8 +220,15 @@ def optimize(
         seconds={k: round(v, 4) for k, v in times.items()},
         rewrites=cx.rewrites,
         applied=list(cx.applied),
+        bundle_context={"original": model, "shapes": shapes, "inputs": inputs, "seed": seed},
     )
     return optimized, report
+
+
+def _parity_shapes(shapes: dict | None, inputs: dict | None) -> dict[str, list[int]]:
+    """The input shapes parity runs at when the user fixed them (--inputs, then --shape)."""
+    given = {k: [int(d) for d in np.shape(v)] for k, v in (inputs or {}).items()}
+    return {**given, **{k: [int(d) for d in v] for k, v in (shapes or {}).items()}}
 
 
 def _set_metadata(model: onnx.ModelProto, values: dict[str, str]) -> None:
@@ -214,22 +240,69 @@ def _set_metadata(model: onnx.ModelProto, values: dict[str, str]) -> None:
         model.metadata_props.add(key=key, value=value)
 
 
-def _guarded_ranges(model, inputs, shapes, seed, cx) -> dict[str, float] | None:
+def _guarded_ranges(model, inputs, shapes, seed) -> tuple[dict[str, float] | None, list]:
     """Calibration ranges, or None (with an analysis remark) when the model cannot run here."""
     try:
-        return measure_ranges(model, inputs, shapes=shapes, seed=seed)
+        return measure_ranges(model, inputs, shapes=shapes, seed=seed), []
     except UsageError:
         raise
     except GraphoptError as e:
-        cx.remark(
-            "analysis",
-            "calibration",
-            "calibration",
-            "calibration-failed",
-            [],
-            f"value ranges not measured: {e}",
-        )
+        return None, [
+            Remark(
+                "analysis",
+                "calibration",
+                "calibration",
+                "calibration-failed",
+                (),
+                f"value ranges not measured: {e}",
+            )
+        ]
+
+
+def _load_error(model: onnx.ModelProto) -> str | None:
+    try:
+        Session(model)
         return None
+    except GraphoptError as e:
+        return str(e)
+
+
+def _keep_loadable(original, optimized, cx, execute, limit, say, attempts: int = 3):
+    """Safety net: if onnxruntime loads the original but refuses the optimized model (a rewrite
+    exposed static information that makes its type inference reject the graph), bisect to the
+    rewrite responsible, revert it, and say so in a failure remark."""
+    error = _load_error(optimized)
+    if error is None or _load_error(original) is not None:
+        return optimized, cx
+    skip: frozenset = frozenset()
+    reverted = []
+    for _ in range(attempts):
+        say("onnxruntime refuses the optimized model; finding the rewrite responsible")
+        lo, hi = 1, len(cx.applied)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if _load_error(execute(mid, skip)[0]) is None:
+                lo = mid + 1
+            else:
+                hi = mid
+        _, rule, node = cx.applied[lo - 1]
+        reverted.append((rule, node, error))
+        skip = skip | {(rule, node)}
+        optimized, cx = execute(limit, skip)
+        error = _load_error(optimized)
+        if error is None:
+            break
+    for rule, node, why in reverted:
+        cx.remark(
+            "failure",
+            "verify",
+            rule,
+            "runtime-rejects",
+            [node],
+            f"onnxruntime refused the model after {rule} at '{node}' ({why}); "
+            "that rewrite was reverted",
+        )
+    return optimized, cx
 
 
 def _guarded(run: Callable[[], ParityReport]) -> ParityReport:

@@ -429,13 +429,7 @@ def require_forwardable(ir: ModelIR, out: Tensor, src: Tensor) -> None:
     """Replacing graph output ``out`` by ``src`` needs ``src`` to be a node's private result."""
     if not ir.is_graph_output(out):
         return
-    movable = (
-        isinstance(src, Variable)
-        and bool(src.inputs)
-        and not ir.is_graph_output(src)
-        and not ir.is_graph_input(src)
-    )
-    if not movable:
+    if not ir.can_rename(src):
         raise NoMatch(
             "graph-output-alias",
             f"graph output '{out.name}' would alias "

@@ -148,8 +148,10 @@ class FoldConstants(Pass):
             ins = {}
             ok = True
             for t in node.inputs:
-                if isinstance(t, Constant):
-                    ins[t.name] = known[t.name]
+                if t is not None and t.name in done:
+                    ins[t.name] = done[t.name]
+                elif isinstance(t, Constant):  # includes values folded earlier in this loop
+                    ins[t.name] = np.asarray(t.values)
                 elif t is not None and t.name:
                     if t.name not in done:
                         ok = False
@@ -179,6 +181,8 @@ class FoldConstants(Pass):
         outs = list(node.outputs)
         if any(v is None or not isinstance(v, np.ndarray) for v, t in zip(values, outs) if t.name):
             return False
+        if ir.in_subgraph and any(ir.is_graph_output(t) for t in outs):
+            return False  # a body's outputs stay produced by nodes
         out_bytes = sum(v.nbytes for v, t in zip(values, outs) if t.name)
         in_bytes = sum(np.asarray(t.values).nbytes for t in node.inputs if isinstance(t, Constant))
         if out_bytes > limit and out_bytes > 2 * in_bytes:

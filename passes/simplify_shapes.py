@@ -146,7 +146,12 @@ class SimplifyShapes(Pass):
             _propagate(node, vals)
             out = node.outputs[0]
             known = _ints(vals.elems.get(id(out)))
-            if known is not None and len(node.outputs) == 1 and node.op != "Constant":
+            if (
+                known is not None
+                and len(node.outputs) == 1
+                and node.op != "Constant"
+                and not (ir.in_subgraph and ir.is_graph_output(out))
+            ):
                 if cx.take_bisect_step(self.name, node.name):
                     arr = np.array(known, dtype=np.int64)
                     if vals.scalar.get(id(out)):

@@ -1,0 +1,138 @@
+"""Subgraphs: constant-condition If is inlined; passes and rules run inside If/Loop bodies with
+outer-scope values handled; symbolic dims survive."""
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from conftest import assert_optimized, const, model, ops, run, vi
+
+
+def branch(name, nodes, out, inits=()):
+    return helper.make_graph(nodes, name, [], [vi(out, None)], list(inits))
+
+
+def if_model(cond: bool, extra_outer=True):
+    then = branch(
+        "then",
+        [helper.make_node("Add", ["r", "one"], ["t_out"])],
+        "t_out",
+        [const("one", np.ones(3))],
+    )
+    other = branch("else", [helper.make_node("Neg", ["r"], ["e_out"])], "e_out")
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"], name="relu"),
+        helper.make_node("If", ["c"], ["y0"], then_branch=then, else_branch=other, name="if"),
+        helper.make_node("Mul", ["y0", "r"], ["y"], name="mul"),
+    ]
+    return model(nodes, [vi("x", [3])], [vi("y", [3])], [const("c", cond, np.bool_)])
+
+
+@pytest.mark.parametrize("cond,op", [(True, "Add"), (False, "Neg")])
+def test_constant_if_is_inlined(cond, op):
+    m = if_model(cond)
+    m.graph.output[0].type.tensor_type.elem_type = TensorProto.FLOAT
+    out, report = assert_optimized(m, level=1)
+    assert ops(out) == {"Relu": 1, op: 1, "Mul": 1}
+    assert any(r.rule == "inline-constant-if" and r.kind == "passed" for r in report.remarks)
+
+
+def test_if_branch_output_becomes_graph_output():
+    then = branch("then", [helper.make_node("Sigmoid", ["x"], ["t"])], "t")
+    other = branch("else", [helper.make_node("Tanh", ["x"], ["e"])], "e")
+    m = model(
+        [helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)],
+        [vi("x", [2])],
+        [vi("y", [2])],
+        [const("c", True, np.bool_)],
+    )
+    out, _ = assert_optimized(m, level=1)
+    assert ops(out) == {"Sigmoid": 1} and out.graph.node[0].output[0] == "y"
+
+
+def test_rules_and_folding_run_inside_dynamic_if_branches():
+    """With a run-time condition the If stays, but its bodies are optimized."""
+    then = branch(
+        "then",
+        [
+            helper.make_node("Identity", ["r"], ["i"]),
+            helper.make_node("Add", ["i", "k2"], ["t_out"]),
+        ],
+        "t_out",
+        [],
+    )
+    other = branch(
+        "else",
+        [
+            helper.make_node("Shape", ["r"], ["s"]),
+            helper.make_node("Cast", ["s"], ["sf"], to=TensorProto.FLOAT),
+            helper.make_node("Mul", ["r", "sf"], ["e_out"]),
+        ],
+        "e_out",
+    )
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"]),
+        helper.make_node("Add", ["one", "one"], ["k2"]),  # foldable outer constant
+        helper.make_node("ReduceSum", ["x"], ["sx"], keepdims=0),
+        helper.make_node("Greater", ["sx", "zero"], ["c"]),
+        helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other),
+    ]
+    m = model(
+        nodes, [vi("x", [3])], [vi("y", None)], [const("one", np.ones(3)), const("zero", 0.0)]
+    )
+    out, report = run(m, level=1)
+    assert report.parity.ok
+    if_node = [n for n in out.graph.node if n.op_type == "If"][0]
+    then_ops = [
+        n.op_type
+        for n in helper.get_attribute_value(
+            if_node.attribute[[a.name for a in if_node.attribute].index("then_branch")]
+        ).node
+    ]
+    else_ops = [
+        n.op_type
+        for n in helper.get_attribute_value(
+            if_node.attribute[[a.name for a in if_node.attribute].index("else_branch")]
+        ).node
+    ]
+    assert "Identity" not in then_ops
+    assert else_ops == ["Mul"]  # Shape of the static outer tensor folded inside the branch
+    # With a negative sum the else branch runs: parity on that path too.
+    out2, r2 = run(m, level=1, inputs={"x": -np.ones(3, np.float32)})
+    assert r2.parity.ok
+
+
+def test_loop_body_is_optimized():
+    body = helper.make_graph(
+        [
+            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+            helper.make_node("Identity", ["acc_in"], ["a1"]),
+            helper.make_node("Add", ["a1", "x"], ["acc_out"]),
+        ],
+        "body",
+        [vi("i", [], TensorProto.INT64), vi("cond_in", [], TensorProto.BOOL), vi("acc_in", [3])],
+        [vi("cond_out", [], TensorProto.BOOL), vi("acc_out", [3])],
+    )
+    nodes = [helper.make_node("Loop", ["n", "", "init"], ["y"], body=body)]
+    m = model(
+        nodes, [vi("x", [3])], [vi("y", [3])], [const("n", 4, np.int64), const("init", np.zeros(3))]
+    )
+    out, report = assert_optimized(m, level=1)
+    loop = out.graph.node[0]
+    body_ops = [n.op_type for n in helper.get_attribute_value(loop.attribute[0]).node]
+    assert body_ops.count("Identity") == 1  # cond passthrough (input→output) must stay
+    onnx.checker.check_model(out, full_check=True)
+
+
+def test_symbolic_dims_survive():
+    m = model(
+        [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Identity", ["a"], ["y"])],
+        [vi("x", ["batch", "seq", 8])],
+        [vi("y", ["batch", "seq", 8])],
+    )
+    out, _ = assert_optimized(m, level=2)
+    dims = [d.dim_param or d.dim_value for d in out.graph.input[0].type.tensor_type.shape.dim]
+    assert dims == ["batch", "seq", 8]
+    dims = [d.dim_param or d.dim_value for d in out.graph.output[0].type.tensor_type.shape.dim]
+    assert dims == ["batch", "seq", 8]
