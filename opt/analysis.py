@@ -17,7 +17,7 @@ import onnx
 import onnxruntime as ort
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
-from .ir import Constant, ModelIR, Node, Tensor, Variable, walk_nodes
+from .ir import Constant, ModelIR, Node, Tensor, Variable, subgraphs, walk_nodes
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +34,12 @@ def _value_info(t: Tensor) -> onnx.ValueInfoProto:
 
 
 def infer_shapes(ir: ModelIR) -> bool:
-    """Infer and record shapes; False when onnx shape inference itself failed."""
+    """Infer and record shapes; False when onnx shape inference itself failed.  Skipped when no
+    pass changed the graph since the last inference of it."""
     g = ir.graph
+    if ir.inferred.get(id(g)) == ir.mutations:
+        return True
+    ir.inferred[id(g)] = ir.mutations
     nodes = [OnnxExporter.export_node(n) for n in g.nodes]
     inits, inputs = [], [_value_info(t) for t in g.inputs]
     seen = {t.name for t in g.inputs}
@@ -55,7 +59,7 @@ def infer_shapes(ir: ModelIR) -> bool:
                     )
     # In a subgraph body, values of the enclosing scopes are typed inputs of the view.
     defined = seen | {t.name for n in walk_nodes(g) for t in n.outputs}
-    defined |= {t.name for n in walk_nodes(g) for sub in n.subgraphs() for t in sub.inputs}
+    defined |= {t.name for n in walk_nodes(g) for sub in subgraphs(n) for t in sub.inputs}
     for n in walk_nodes(g):
         for t in n.inputs:
             if isinstance(t, Variable) and t.name and t.name not in defined:
@@ -75,7 +79,7 @@ def infer_shapes(ir: ModelIR) -> bool:
     except (onnx.shape_inference.InferenceError, RuntimeError, ValueError) as e:
         log.info("shape inference failed: %s", e)
         return False
-    tensors = g.tensors()
+    tensors = {t.name: t for n in g.nodes for t in n.outputs}
     outputs_ids = {id(t) for t in g.outputs}
     for vi in inferred.graph.value_info:
         t = tensors.get(vi.name)
@@ -86,6 +90,8 @@ def infer_shapes(ir: ModelIR) -> bool:
 
 
 def _apply_type(t: Variable, type_proto: onnx.TypeProto) -> None:
+    if t.dtype is not None and t.shape is not None and all(isinstance(d, int) for d in t.shape):
+        return  # nothing left to learn
     if not type_proto.HasField("tensor_type"):
         return
     tt = type_proto.tensor_type

@@ -25,8 +25,15 @@ PROTOBUF_LIMIT = 2**31 - 1
 EXTERNAL_THRESHOLD = 1_800_000_000
 
 
-def load_model(path: str | os.PathLike, *, check: bool = True) -> onnx.ModelProto:
-    """Read and validate a model file, with its external data resolved safely."""
+def load_model(
+    path: str | os.PathLike, *, check: bool = True, lazy_external: bool = False
+) -> onnx.ModelProto:
+    """Read and validate a model file, with its external data resolved safely.
+
+    With ``lazy_external`` the external data is validated but not read: the tensors keep their
+    references (relative to the model's directory, which the caller passes on as ``base_dir``)
+    and are memory-mapped only when a pass needs their values.
+    """
     path = Path(path)
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file")
@@ -45,17 +52,22 @@ def load_model(path: str | os.PathLike, *, check: bool = True) -> onnx.ModelProt
     _check_structure(model, path)
     base = path.resolve().parent
     _check_external_data(model, base, path)
-    if any(external_data_helper.uses_external_data(t) for t in _all_tensors(model)):
+    if has_external_data(model) and not lazy_external:
         external_data_helper.load_external_data_for_model(model, str(base))
     if check:
-        validate(model, path)
+        validate(model, path, by_path=has_external_data(model))
     return model
 
 
-def validate(model: onnx.ModelProto, path: str | os.PathLike = "<model>") -> None:
-    """onnx.checker on the model; raise ModelLoadError with the checker's first line."""
+def validate(
+    model: onnx.ModelProto, path: str | os.PathLike = "<model>", *, by_path: bool = False
+) -> None:
+    """onnx.checker on the model (on its file when external data must resolve beside it);
+    raise ModelLoadError with the checker's first line."""
     try:
-        if model.ByteSize() < PROTOBUF_LIMIT:
+        if by_path:
+            onnx.checker.check_model(str(path))
+        elif model.ByteSize() < PROTOBUF_LIMIT:
             onnx.checker.check_model(model)
     except onnx.checker.ValidationError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -123,13 +135,34 @@ def _check_external_data(model: onnx.ModelProto, base: Path, path: Path) -> None
             )
 
 
+def has_external_data(model: onnx.ModelProto) -> bool:
+    return any(external_data_helper.uses_external_data(t) for t in _all_tensors(model))
+
+
 def needs_external_data(model: onnx.ModelProto) -> bool:
+    """Large weights, or weights still referenced from an external file, go to external data."""
     total = sum(len(t.raw_data) for t in model.graph.initializer)
-    return total > EXTERNAL_THRESHOLD
+    return total > EXTERNAL_THRESHOLD or has_external_data(model)
+
+
+def external_region(tensor: onnx.TensorProto, base_dir: str | os.PathLike) -> tuple[Path, int, int]:
+    """(file, offset, length) of an external tensor, resolved under ``base_dir``."""
+    info = {e.key: e.value for e in tensor.external_data}
+    rel = Path(info["location"])
+    if rel.is_absolute() or ".." in rel.parts:
+        raise ModelLoadError(f"tensor '{tensor.name}': external data location escapes its folder")
+    path = Path(base_dir) / rel
+    offset = int(info.get("offset", 0) or 0)
+    length = int(info["length"]) if info.get("length") else path.stat().st_size - offset
+    return path, offset, length
 
 
 def save_model(
-    model: onnx.ModelProto, path: str | os.PathLike, *, external: bool | None = None
+    model: onnx.ModelProto,
+    path: str | os.PathLike,
+    *,
+    external: bool | None = None,
+    base_dir: str | os.PathLike | None = None,
 ) -> None:
     """Write ``model`` to ``path`` atomically; weights go to ``<name>.data`` when large."""
     path = Path(path)
@@ -142,7 +175,7 @@ def save_model(
     except OSError as e:
         raise ModelSaveError(f"cannot write to {parent}: {e.strerror or e}") from None
     try:
-        write_model_files(model, tmpdir / path.name, external=external)
+        write_model_files(model, tmpdir / path.name, external=external, base_dir=base_dir)
         for item in sorted(tmpdir.iterdir(), key=lambda p: p.suffix == ".onnx"):
             os.replace(item, parent / item.name)
     except OSError as e:
@@ -151,23 +184,89 @@ def save_model(
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-def write_model_files(model: onnx.ModelProto, path: Path, *, external: bool) -> None:
-    """Serialize into ``path`` (a fresh location); external data goes beside it."""
+def write_model_files(
+    model: onnx.ModelProto, path: Path, *, external: bool, base_dir: str | os.PathLike | None = None
+) -> None:
+    """Serialize into ``path`` (a fresh location); external data goes to ``<name>.data`` beside
+    it.  Tensors still referenced from the input's external file (``base_dir``) are copied into
+    the new file in chunks, never loaded whole; the result references only its own file."""
     if external:
-        data_name = path.name + ".data"
         to_write = onnx.ModelProto()
         to_write.CopyFrom(model)
-        external_data_helper.convert_model_to_external_data(
-            to_write, all_tensors_to_one_file=True, location=data_name, size_threshold=1024
-        )
-        onnx.save_model(to_write, str(path))
+        _stream_external(to_write, path, base_dir)
+        with open(path, "wb") as f:
+            f.write(to_write.SerializeToString())
     else:
+        if has_external_data(model):
+            model = _materialized(model, base_dir)
         if model.ByteSize() > PROTOBUF_LIMIT:
             raise ModelSaveError(
                 f"{path.name}: model is over 2 GB and cannot be saved without external data"
             )
         with open(path, "wb") as f:
             f.write(model.SerializeToString())
+
+
+ALIGN = 4096
+CHUNK = 16 << 20
+
+
+def _stream_external(model: onnx.ModelProto, path: Path, base_dir) -> None:
+    data_name = path.name + ".data"
+    with open(path.with_name(data_name), "wb") as out:
+        for tensor in _all_tensors(model):
+            if external_data_helper.uses_external_data(tensor):
+                if base_dir is None:
+                    raise ModelSaveError(
+                        f"tensor '{tensor.name}' references external data but "
+                        "the model's folder is unknown"
+                    )
+                src, offset, length = external_region(tensor, base_dir)
+            elif tensor.HasField("raw_data") and len(tensor.raw_data) >= 1024:
+                src, offset, length = None, 0, len(tensor.raw_data)
+            else:
+                continue
+            pad = (-out.tell()) % ALIGN
+            out.write(b"\0" * pad)
+            start = out.tell()
+            if src is None:
+                out.write(tensor.raw_data)
+                tensor.ClearField("raw_data")
+            else:
+                with open(src, "rb") as f:
+                    f.seek(offset)
+                    left = length
+                    while left:
+                        block = f.read(min(CHUNK, left))
+                        if not block:
+                            raise ModelSaveError(f"external data of '{tensor.name}' is truncated")
+                        out.write(block)
+                        left -= len(block)
+            del tensor.external_data[:]
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+            for key, value in (
+                ("location", data_name),
+                ("offset", str(start)),
+                ("length", str(length)),
+            ):
+                tensor.external_data.add(key=key, value=value)
+
+
+def _materialized(model: onnx.ModelProto, base_dir) -> onnx.ModelProto:
+    """A copy whose external tensors carry their bytes inline (for small models only)."""
+    if base_dir is None:
+        raise ModelSaveError("the model references external data but its folder is unknown")
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for tensor in _all_tensors(copy):
+        if external_data_helper.uses_external_data(tensor):
+            src, offset, length = external_region(tensor, base_dir)
+            with open(src, "rb") as f:
+                f.seek(offset)
+                tensor.raw_data = f.read(length)
+            del tensor.external_data[:]
+            tensor.data_location = onnx.TensorProto.DEFAULT
+    return copy
 
 
 def _umask() -> int:

@@ -17,7 +17,9 @@ Only ``opt/`` touches graphsurgeon objects raw; passes and rules use the helpers
 from __future__ import annotations
 
 import contextlib
+import heapq
 import itertools
+import os
 from collections import Counter
 from collections.abc import Iterable, Iterator
 
@@ -26,6 +28,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx import numpy_helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
+from onnx_graphsurgeon.ir.tensor import LazyValues
 
 PROVENANCE_KEY = "graphopt.rule"
 
@@ -40,7 +43,7 @@ Variable = gs.Variable
 class ModelIR:
     """One model being optimized: the graph and everything needed to write it back faithfully."""
 
-    def __init__(self, model: onnx.ModelProto):
+    def __init__(self, model: onnx.ModelProto, base_dir: str | os.PathLike | None = None):
         self.original_ir_version = model.ir_version
         self.template = _model_shell(model)
         self.node_metadata = {
@@ -68,14 +71,22 @@ class ModelIR:
             model = stripped
         self.graph: gs.Graph = gs.import_onnx(model)
         self.root = self.graph
+        self.base_dir = base_dir
+        if base_dir is not None:
+            _map_external_values(self.graph, base_dir)
         _keep_unsupported_types(model.graph, self.graph)
         self.provenance: dict[str, str] = {}
+        #: bumped by the pass manager whenever a pass changes the graph; analyses key on it
+        self.mutations = 0
+        self.inferred: dict[int, int] = {}
         self._names = _NameSource(self.graph)
 
     # ----------------------------------------------------------------- export
     def to_onnx(self) -> onnx.ModelProto:
         """Export the graph, restoring model fields, node metadata and overridable defaults."""
-        self.root.cleanup(remove_unused_graph_inputs=False).toposort()
+        self.root.cleanup(remove_unused_graph_inputs=False)
+        for g in [self.root] + [s for n in walk_nodes(self.root) for s in subgraphs(n)]:
+            toposort(g)
         exported = gs.export_onnx(self.root, do_type_check=False)
         model = onnx.ModelProto()
         model.CopyFrom(self.template)
@@ -197,9 +208,12 @@ def op_histogram(nodes: Iterable[Node | onnx.NodeProto]) -> dict[str, int]:
     return dict(sorted(Counter(key(n) for n in nodes).items()))
 
 
-def constant_value(tensor: Tensor | None) -> np.ndarray | None:
-    """The value of a tensor known at optimization time, or None."""
+def constant_value(tensor: Tensor | None, max_elements: int | None = None) -> np.ndarray | None:
+    """The value of a tensor known at optimization time, or None.  With ``max_elements``, a
+    larger constant is not read at all (its values may be a memory-mapped multi-GB weight)."""
     if isinstance(tensor, Constant):
+        if max_elements is not None and int(np.prod(tensor.shape)) > max_elements:
+            return None
         return np.asarray(tensor.values)
     return None
 
@@ -222,12 +236,61 @@ def static_shape(tensor: Tensor) -> tuple[int, ...] | None:
     return tuple(int(d) for d in shape)
 
 
+def subgraphs(node: Node) -> list[gs.Graph]:
+    """The node's subgraph attributes (If/Loop/Scan bodies); cheap when there are none."""
+    found = []
+    for value in node.attrs.values():
+        if isinstance(value, gs.Graph):
+            found.append(value)
+        elif isinstance(value, list) and value and isinstance(value[0], gs.Graph):
+            found.extend(value)
+    return found
+
+
 def walk_nodes(graph: gs.Graph) -> Iterator[Node]:
     """All nodes, including those inside subgraphs (If/Loop/Scan bodies)."""
     for node in graph.nodes:
         yield node
-        for sub in node.subgraphs():
+        for sub in subgraphs(node):
             yield from walk_nodes(sub)
+
+
+def toposort(graph: gs.Graph) -> None:
+    """Order ``graph.nodes`` topologically in O(nodes + edges), keeping the existing order where
+    it is free (Kahn's algorithm over a min-heap of original positions).  A node with subgraphs
+    also depends on the producers of the outer values its bodies read."""
+    nodes = graph.nodes
+    position = {id(n): i for i, n in enumerate(nodes)}
+    producer_of = {id(t): id(n) for n in nodes for t in n.outputs}
+    deps: dict[int, set[int]] = {}
+    users: dict[int, list[Node]] = {}
+    get = producer_of.get
+    for n in nodes:
+        reads = n.inputs
+        if any(isinstance(v, (gs.Graph, list)) for v in n.attrs.values()):
+            reads = list(reads)
+            for sub in subgraphs(n):
+                reads += [t for inner in walk_nodes(sub) for t in inner.inputs]
+        mine = {get(id(t)) for t in reads}
+        mine.discard(None)
+        mine.discard(id(n))
+        deps[id(n)] = mine
+        for d in mine:
+            users.setdefault(d, []).append(n)
+    ready = [(position[id(n)], n) for n in nodes if not deps[id(n)]]
+    heapq.heapify(ready)
+    ordered = []
+    while ready:
+        _, n = heapq.heappop(ready)
+        ordered.append(n)
+        for u in users.get(id(n), ()):
+            pending = deps[id(u)]
+            pending.discard(id(n))
+            if not pending:
+                heapq.heappush(ready, (position[id(u)], u))
+    if len(ordered) != len(nodes):
+        raise ValueError(f"graph '{graph.name}' has a cycle")
+    graph.nodes = ordered
 
 
 def dtype_of(tensor: Tensor) -> np.dtype | None:
@@ -341,6 +404,44 @@ def _keep_unsupported_types(graph_proto: onnx.GraphProto, graph: gs.Graph) -> No
                 attach(sub, sub_proto)
 
     attach(graph, graph_proto)
+
+
+class ExternalValues(LazyValues):
+    """Values of a tensor kept in an external data file: memory-mapped on first use, so a
+    multi-GB model is never read whole; exporting reuses the original reference."""
+
+    def __init__(self, tensor: onnx.TensorProto, base_dir: str | os.PathLike):
+        super().__init__(tensor)
+        self.base_dir = base_dir
+
+    def load(self) -> np.ndarray:
+        from .io import external_region
+
+        path, offset, length = external_region(self.tensor, self.base_dir)
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(self.tensor.data_type)
+        if length == 0:
+            return np.zeros(tuple(self.tensor.dims), dtype)
+        return np.memmap(
+            path,
+            dtype=dtype,
+            mode="r",
+            offset=offset,
+            shape=tuple(int(d) for d in self.tensor.dims),
+        )
+
+
+def _map_external_values(graph: gs.Graph, base_dir) -> None:
+    for g in [graph] + [sub for node in walk_nodes(graph) for sub in subgraphs(node)]:
+        for t in g.tensors().values():
+            lazy = getattr(t, "_values", None)
+            if (
+                isinstance(lazy, LazyValues)
+                and not isinstance(lazy, ExternalValues)
+                and (lazy.tensor.data_location == onnx.TensorProto.EXTERNAL)
+            ):
+                t._values = ExternalValues(lazy.tensor, base_dir)
+                # Once its values are read (and maybe changed), it exports as a plain tensor.
+                t.data_location = None
 
 
 class _NameSource:

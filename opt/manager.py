@@ -21,7 +21,7 @@ from typing import Any
 import onnx
 
 from .errors import GraphoptError, UsageError
-from .ir import ModelIR
+from .ir import ModelIR, subgraphs
 from .remarks import Remark, RemarkLog
 from .rewrite import Rule, apply_rules
 from .target import Target
@@ -172,6 +172,8 @@ def run_pass(p: Pass, ir: ModelIR, cx: PassContext, iteration: int = 0) -> bool:
     changed = bool(p.run(ir, cx))
     if p.recurse and not isinstance(p, Fixpoint):
         changed |= _run_in_subgraphs(p, ir, cx)
+    if changed:
+        ir.mutations += 1
     if not isinstance(p, Fixpoint):
         cx.records.append(PassRecord(p.text(), time.perf_counter() - t0, changed, iteration))
     if cx.verify_each and changed and not isinstance(p, Fixpoint):
@@ -182,7 +184,7 @@ def run_pass(p: Pass, ir: ModelIR, cx: PassContext, iteration: int = 0) -> bool:
 def _run_in_subgraphs(p: Pass, ir: ModelIR, cx: PassContext) -> bool:
     changed = False
     for node in list(ir.graph.nodes):
-        for sub in node.subgraphs():
+        for sub in subgraphs(node):
             with ir.scoped(sub):
                 changed |= bool(p.run(ir, cx))
                 changed |= _run_in_subgraphs(p, ir, cx)

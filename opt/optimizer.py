@@ -9,13 +9,14 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 
 from .errors import GraphoptError, UsageError
-from .io import load_model
+from .io import has_external_data, load_model
 from .ir import ModelIR, op_histogram
 from .manager import PassContext, run_pass
 from .parity import ParityReport, Session, check_parity, measure_ranges
@@ -102,8 +103,12 @@ def optimize(
     progress: Progress | None = None,
     reference: str = "original",
     output_tolerances: dict[str, tuple[float, float]] | None = None,
+    base_dir: str | os.PathLike | None = None,
 ) -> tuple[onnx.ModelProto, Report]:
     """Optimize a model for a target; return the optimized model and the report.
+
+    A model given by path keeps its external data on disk (memory-mapped when a pass needs
+    values); ``base_dir`` says where a given ModelProto's external references resolve.
 
     ``reference`` chooses what parity compares with: the ``original`` model, its ``float64``
     upcast (catches fp16 overflow that CPU kernels hide), or ``both``.
@@ -116,7 +121,8 @@ def optimize(
     name = str(model) if isinstance(model, (str, os.PathLike)) else (model.graph.name or "<model>")
     if isinstance(model, (str, os.PathLike)):
         say("loading")
-        model = load_model(model)
+        base_dir = Path(model).resolve().parent
+        model = load_model(model, lazy_external=True)
     _check_input_names(model, shapes, inputs)
     tgt = get_target(target)
     text = preset(level) if pipeline is None else pipeline
@@ -128,10 +134,10 @@ def optimize(
     ranges, range_remarks = None, []
     if inputs is not None and level >= 2:
         say("measuring value ranges on the calibration inputs")
-        ranges, range_remarks = _guarded_ranges(model, inputs, shapes, seed)
+        ranges, range_remarks = _guarded_ranges(model, inputs, shapes, seed, base_dir)
 
     def execute(limit: int | None, skip: frozenset = frozenset()):
-        ir = ModelIR(model)
+        ir = ModelIR(model, base_dir)
         cx = PassContext(
             target=tgt,
             level=level,
@@ -151,7 +157,8 @@ def optimize(
         return ir.to_onnx(), cx
 
     optimized, cx = execute(bisect_limit)
-    optimized, cx = _keep_loadable(model, optimized, cx, execute, bisect_limit, say)
+    if check or not has_external_data(model):  # a runtime load of multi-GB weights: with parity
+        optimized, cx = _keep_loadable(model, optimized, cx, execute, bisect_limit, say, base_dir)
     _set_metadata(optimized, {"graphopt.pipeline": to_text(passes), "graphopt.target": tgt.name})
     times["optimize"] = time.perf_counter() - t1
 
@@ -165,6 +172,7 @@ def optimize(
             seed=seed,
             tolerances=tgt.tolerances,
             per_output=output_tolerances,
+            base_dir=base_dir,
         )
         parity = ParityReport.not_run("not requested")
         if reference in ("original", "both"):
@@ -175,7 +183,7 @@ def optimize(
                 lambda: check_parity(
                     model,
                     optimized,
-                    reference=upcast_to_float64(model, get_target("cpu")),
+                    reference=upcast_to_float64(model, get_target("cpu"), base_dir),
                     reference_name="float64",
                     **kw,
                 )
@@ -220,7 +228,13 @@ def optimize(
         seconds={k: round(v, 4) for k, v in times.items()},
         rewrites=cx.rewrites,
         applied=list(cx.applied),
-        bundle_context={"original": model, "shapes": shapes, "inputs": inputs, "seed": seed},
+        bundle_context={
+            "original": model,
+            "shapes": shapes,
+            "inputs": inputs,
+            "seed": seed,
+            "base_dir": base_dir,
+        },
     )
     return optimized, report
 
@@ -240,10 +254,10 @@ def _set_metadata(model: onnx.ModelProto, values: dict[str, str]) -> None:
         model.metadata_props.add(key=key, value=value)
 
 
-def _guarded_ranges(model, inputs, shapes, seed) -> tuple[dict[str, float] | None, list]:
+def _guarded_ranges(model, inputs, shapes, seed, base_dir) -> tuple[dict | None, list]:
     """Calibration ranges, or None (with an analysis remark) when the model cannot run here."""
     try:
-        return measure_ranges(model, inputs, shapes=shapes, seed=seed), []
+        return measure_ranges(model, inputs, shapes=shapes, seed=seed, base_dir=base_dir), []
     except UsageError:
         raise
     except GraphoptError as e:
@@ -259,20 +273,20 @@ def _guarded_ranges(model, inputs, shapes, seed) -> tuple[dict[str, float] | Non
         ]
 
 
-def _load_error(model: onnx.ModelProto) -> str | None:
+def _load_error(model: onnx.ModelProto, base_dir=None) -> str | None:
     try:
-        Session(model)
+        Session(model, base_dir=base_dir)
         return None
     except GraphoptError as e:
         return str(e)
 
 
-def _keep_loadable(original, optimized, cx, execute, limit, say, attempts: int = 3):
+def _keep_loadable(original, optimized, cx, execute, limit, say, base_dir, attempts: int = 3):
     """Safety net: if onnxruntime loads the original but refuses the optimized model (a rewrite
     exposed static information that makes its type inference reject the graph), bisect to the
     rewrite responsible, revert it, and say so in a failure remark."""
-    error = _load_error(optimized)
-    if error is None or _load_error(original) is not None:
+    error = _load_error(optimized, base_dir)
+    if error is None or _load_error(original, base_dir) is not None:
         return optimized, cx
     skip: frozenset = frozenset()
     reverted = []
@@ -281,7 +295,7 @@ def _keep_loadable(original, optimized, cx, execute, limit, say, attempts: int =
         lo, hi = 1, len(cx.applied)
         while lo < hi:
             mid = (lo + hi) // 2
-            if _load_error(execute(mid, skip)[0]) is None:
+            if _load_error(execute(mid, skip)[0], base_dir) is None:
                 lo = mid + 1
             else:
                 hi = mid
@@ -289,7 +303,7 @@ def _keep_loadable(original, optimized, cx, execute, limit, say, attempts: int =
         reverted.append((rule, node, error))
         skip = skip | {(rule, node)}
         optimized, cx = execute(limit, skip)
-        error = _load_error(optimized)
+        error = _load_error(optimized, base_dir)
         if error is None:
             break
     for rule, node, why in reverted:

@@ -138,10 +138,16 @@ class Session:
         model: onnx.ModelProto,
         providers=("CPUExecutionProvider",),
         level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        base_dir: str | os.PathLike | None = None,
     ):
+        """``base_dir``: the folder external-data references resolve against (lazy loading)."""
         so = ort.SessionOptions()
         so.graph_optimization_level = level
         so.log_severity_level = 4
+        if base_dir is not None:
+            so.add_session_config_entry(
+                "session.model_external_initializers_file_folder_path", str(base_dir)
+            )
         self._tmp = None
         try:
             if model.ByteSize() < PROTOBUF_LIMIT:
@@ -151,7 +157,7 @@ class Session:
             else:
                 self._tmp = tempfile.TemporaryDirectory(prefix="graphopt-parity-")
                 path = Path(self._tmp.name) / "model.onnx"
-                write_model_files(model, path, external=True)
+                write_model_files(model, path, external=True, base_dir=base_dir)
                 self.sess = ort.InferenceSession(str(path), so, providers=list(providers))
         except Exception as e:  # noqa: BLE001 - onnxruntime raises several unrelated types
             raise GraphoptError(f"onnxruntime cannot load the model: {_first_line(e)}") from None
@@ -348,22 +354,28 @@ def check_parity(
     reference: onnx.ModelProto | None = None,
     reference_name: str = "original",
     localize_on_failure: bool = True,
+    base_dir: str | os.PathLike | None = None,
 ) -> ParityReport:
     """Run both models on the same inputs and compare every output of the original.
 
     ``reference`` (e.g. the float64 upcast of the original) replaces the original as the side
     the optimized model is compared with; inputs are still generated from the original.
     """
-    orig_sess = Session(original)
+    orig_sess = Session(original, base_dir=base_dir)
     feeds = make_inputs(orig_sess.sess, shapes or {}, seed, inputs)
     names = orig_sess.output_names()
     shapes_used = {k: list(v.shape) for k, v in feeds.items()}
     if reference is not None:
         del orig_sess
-        orig_sess = Session(reference)
+        orig_sess = Session(reference, base_dir=base_dir)
     ref = orig_sess.run(feeds, names)
     del orig_sess
-    opt_sess = Session(optimized)
+    try:
+        opt_sess = Session(optimized, base_dir=base_dir)
+    except GraphoptError as e:  # the original loads, the optimized one does not: a failure
+        return ParityReport(
+            False, True, [], shapes_used, seed, reference_name, f"optimized model: {e}"
+        )
     missing = [n for n in names if n not in set(opt_sess.output_names())]
     if missing:
         return ParityReport(
@@ -381,7 +393,7 @@ def check_parity(
     ok = all(d.ok for d in diffs)
     divergence = None
     if not ok and localize_on_failure and reference is None:
-        divergence = localize(original, optimized, feeds, tolerances)
+        divergence = localize(original, optimized, feeds, tolerances, base_dir=base_dir)
     return ParityReport(ok, True, diffs, shapes_used, seed, reference_name, None, divergence)
 
 
@@ -399,12 +411,13 @@ def measure_ranges(
     *,
     shapes: dict[str, list[int]] | None = None,
     seed: int = 0,
+    base_dir: str | os.PathLike | None = None,
 ) -> dict[str, float]:
     """Max |value| of every floating-point tensor the model computes on these inputs."""
-    sess = Session(model)
+    sess = Session(model, base_dir=base_dir)
     feeds = make_inputs(sess.sess, shapes or {}, seed, inputs)
     names = list(dict.fromkeys(o for n in model.graph.node for o in n.output if o))
-    values = Session(_with_outputs(model, names)).run(feeds, names)
+    values = Session(_with_outputs(model, names), base_dir=base_dir).run(feeds, names)
     ranges = {}
     for name, v in zip(names, values):
         if isinstance(v, np.ndarray) and v.dtype.kind == "f" and v.size:
@@ -421,6 +434,7 @@ def localize(
     optimized: onnx.ModelProto,
     feeds: dict[str, np.ndarray],
     tolerances: dict[str, Tolerance] | None = None,
+    base_dir: str | os.PathLike | None = None,
 ) -> dict[str, Any] | None:
     """The first tensor, in the original's topological order, present in both and diverging."""
     produced_opt = {o for n in optimized.graph.node for o in n.output if o}
@@ -434,8 +448,8 @@ def localize(
         return None
     names = [o for o, _, _ in order]
     try:
-        ref = Session(_with_outputs(original, names)).run(feeds, names)
-        got = Session(_with_outputs(optimized, names)).run(feeds, names)
+        ref = Session(_with_outputs(original, names), base_dir=base_dir).run(feeds, names)
+        got = Session(_with_outputs(optimized, names), base_dir=base_dir).run(feeds, names)
     except GraphoptError:
         return None
     for (name, node, op), r, g in zip(order, ref, got):

@@ -10,6 +10,8 @@ kernel table, not guessed.
 
 from __future__ import annotations
 
+import os
+
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
@@ -20,11 +22,13 @@ FLOATS = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16}
 DOUBLE = TensorProto.DOUBLE
 
 
-def _to_double(t: TensorProto) -> TensorProto:
-    return numpy_helper.from_array(numpy_helper.to_array(t).astype("float64"), t.name)
+def _to_double(t: TensorProto, base_dir: str = "") -> TensorProto:
+    return numpy_helper.from_array(numpy_helper.to_array(t, base_dir).astype("float64"), t.name)
 
 
-def upcast_to_float64(model: onnx.ModelProto, target: Target) -> onnx.ModelProto:
+def upcast_to_float64(
+    model: onnx.ModelProto, target: Target, base_dir: str | os.PathLike | None = None
+) -> onnx.ModelProto:
     """A copy of ``model`` computing in float64 wherever ``target`` has float64 kernels."""
     m = onnx.ModelProto()
     m.CopyFrom(model)
@@ -42,7 +46,7 @@ def upcast_to_float64(model: onnx.ModelProto, target: Target) -> onnx.ModelProto
 
     for i, init in enumerate(g.initializer):
         if init.data_type in FLOATS:
-            g.initializer[i].CopyFrom(_to_double(init))
+            g.initializer[i].CopyFrom(_to_double(init, str(base_dir or "")))
     for node in g.node:
         for attr in node.attribute:
             if node.op_type in ("Cast", "CastLike") and attr.name == "to" and attr.i in FLOATS:

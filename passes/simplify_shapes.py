@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from graphopt.opt.analysis import infer_shapes
-from graphopt.opt.ir import Constant, ModelIR, Node, Tensor, constant_value
+from graphopt.opt.ir import Constant, ModelIR, Node, Tensor, constant_value, toposort
 from graphopt.opt.manager import Pass, PassContext, register_pass
 
 Dim = int | str | tuple  # int: known; str: named symbol; tuple: ("dim", id(tensor), axis)
@@ -48,7 +48,7 @@ class _Values:
             return None
         if id(t) in self.elems:
             return self.elems[id(t)]
-        v = constant_value(t)
+        v = constant_value(t, MAX_ELEMENTS)
         if v is not None and v.dtype.kind in "iu" and v.ndim <= 1 and v.size <= MAX_ELEMENTS:
             return [int(x) for x in v.reshape(-1)]
         return None
@@ -56,7 +56,7 @@ class _Values:
     def is_scalar(self, t: Tensor) -> bool:
         if id(t) in self.scalar:
             return self.scalar[id(t)]
-        v = constant_value(t)
+        v = constant_value(t, MAX_ELEMENTS)
         return v is not None and v.ndim == 0
 
     def set(self, t: Tensor, elems: list[Dim], scalar: bool = False) -> None:
@@ -89,7 +89,7 @@ def _propagate(node: Node, vals: _Values) -> None:
             return
         vals.set(out, vals.get(ins[0]), vals.is_scalar(ins[0]))
     elif op == "Gather" and int(node.attrs.get("axis", 0)) == 0:
-        data, idx = vals.get(ins[0]), constant_value(ins[1])
+        data, idx = vals.get(ins[0]), constant_value(ins[1], MAX_ELEMENTS)
         if data is None or vals.is_scalar(ins[0]) or idx is None or idx.ndim > 1:
             return
         n = len(data)
@@ -100,7 +100,9 @@ def _propagate(node: Node, vals: _Values) -> None:
             vals.set(out, picked, idx.ndim == 0)
     elif op == "Slice":
         data = vals.get(ins[0])
-        params = [constant_value(t) if t is not None and t.name else None for t in ins[1:5]]
+        params = [
+            constant_value(t, MAX_ELEMENTS) if t is not None and t.name else None for t in ins[1:5]
+        ]
         params += [None] * (4 - len(params))
         if data is None or vals.is_scalar(ins[0]) or params[0] is None or params[1] is None:
             return
@@ -115,7 +117,7 @@ def _propagate(node: Node, vals: _Values) -> None:
             vals.set(out, [e for p in parts for e in p])
     elif op == "Unsqueeze":
         data = vals.get(ins[0])
-        axes = constant_value(ins[1]) if len(ins) > 1 else node.attrs.get("axes")
+        axes = constant_value(ins[1], MAX_ELEMENTS) if len(ins) > 1 else node.attrs.get("axes")
         if (
             data is not None
             and vals.is_scalar(ins[0])
@@ -137,7 +139,7 @@ class SimplifyShapes(Pass):
 
     def run(self, ir: ModelIR, cx: PassContext) -> bool:
         infer_shapes(ir)
-        ir.graph.toposort()
+        toposort(ir.graph)
         vals = _Values()
         changed = False
         for node in list(ir.graph.nodes):
