@@ -1,0 +1,484 @@
+"""Activation fusions (level 2): GELU (erf and tanh forms), bias + GELU, QuickGelu / SiLU.
+
+What exporters write, and what it becomes (lowered per target from its kernel table):
+
+* erf GELU   ``x·0.5·(1 + erf(x/√2))`` — Div by √2 or Mul by 1/√2, the 0.5 multiply applied to
+  x, to ``1+erf`` or to the product, operands in any order  → ``com.microsoft.Gelu``, else (opset
+  ≥ 20) ``Gelu(approximate="none")``.
+* tanh GELU  ``0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`` with ``Pow(x, 3)`` or ``x·x·x`` →
+  ``com.microsoft.FastGelu``, else (opset ≥ 20) ``Gelu(approximate="tanh")``.  An erf GELU is
+  never turned into a tanh one (that changes numerics).
+* bias       ``Gelu(y + b)`` / ``FastGelu(y + b)`` with a constant 1-D ``b`` over the last axis →
+  ``com.microsoft.BiasGelu(y, b)`` / ``FastGelu(y, b)``.
+* QuickGelu  ``x·σ(α·x)`` (α = 1.702 in CLIP-style models; α = 1 is SiLU) →
+  ``com.microsoft.QuickGelu(alpha=α)``.  α is an attribute of the fused op, so any scalar α is
+  exact: there is no constant to mismatch, only a scalar to require.
+
+Guards, each a missed remark with a stable code: ``constant-mismatch`` (a GELU constant is off by
+more than 1e-4 relative — the value seen is in the remark), ``non-scalar-param``, ``no-kernel``
+(neither the contrib op nor, at the model's opset, the standard op exists on the target for the
+dtype), ``bias-shape`` (the bias is not a vector over the last axis), ``shared-intermediate``.
+
+The small matching helpers here (``producer``, ``scalar``, ``require_near``) are shared by
+``norm.py`` and ``attention.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from graphopt.opt.ir import Constant, Node, Tensor, Variable, constant_value, dtype_of, type_string
+from graphopt.opt.manager import register_rule
+from graphopt.opt.rewrite import Match, NoMatch, Rule, applies_only_if, require
+
+#: relative tolerance for the constants of a pattern (√2, 0.5, 0.044715, ...)
+REL_TOL = 1e-4
+MS = "com.microsoft"
+
+
+# ------------------------------------------------------------------------- helpers
+def no_match() -> NoMatch:
+    return NoMatch("structure", "pattern did not match", structural=True)
+
+
+def producer(t: Tensor | None, op: str | tuple[str, ...], domain: str = "") -> Node | None:
+    """The node of type ``op`` (in ``domain``) that computes ``t``, or None."""
+    if not isinstance(t, Variable) or not t.inputs:
+        return None
+    node = t.inputs[0]
+    ops = (op,) if isinstance(op, str) else op
+    if node.op not in ops or (node.domain or "") not in ((domain,) if domain else ("", "ai.onnx")):
+        return None
+    return node
+
+
+def inputs(node: Node) -> list[Tensor | None]:
+    """Node inputs with absent optional inputs as None."""
+    return [
+        None if t is None or (isinstance(t, Variable) and t.name == "") else t for t in node.inputs
+    ]
+
+
+def scalar(t: Tensor | None) -> float | None:
+    """The value of a constant holding exactly one element, else None."""
+    v = constant_value(t)
+    if v is None or v.size != 1 or v.dtype.kind not in "fiu":
+        return None
+    return float(v.reshape(()))
+
+
+def is_scalar_const(t: Tensor | None) -> bool:
+    return scalar(t) is not None
+
+
+def near(value: float, expected: float, rel: float = REL_TOL) -> bool:
+    return abs(value - expected) <= rel * abs(expected)
+
+
+def require_near(t: Tensor, expected: float, what: str, rel: float = REL_TOL) -> float:
+    """``t`` must be a scalar constant within ``rel`` of ``expected``: else constant-mismatch."""
+    v = scalar(t)
+    require(
+        v is not None,
+        "non-scalar-param",
+        f"{what} '{t.name}' is not a one-element constant",
+        tensor=t.name,
+    )
+    # an fp16 model stores √2 as 1.4140625 (1.1e-4 off): the expected value rounded to the
+    # constant's own dtype is exact for that model
+    dt = constant_value(t).dtype
+    rounded = float(np.asarray(expected).astype(dt)) if dt.kind == "f" else expected
+    require(
+        near(v, expected, rel) or v == rounded,
+        "constant-mismatch",
+        f"{what} is {v!r}, expected {expected!r} (±{rel:g} relative)",
+        seen=v,
+        expected=expected,
+    )
+    return v
+
+
+def split_const(node: Node) -> tuple[Tensor, Tensor] | None:
+    """For a binary op with exactly one Constant operand: (other operand, constant)."""
+    ins = inputs(node)
+    if len(ins) != 2:
+        return None
+    a, b = ins
+    if isinstance(b, Constant) and not isinstance(a, Constant):
+        return a, b
+    if isinstance(a, Constant) and not isinstance(b, Constant):
+        return b, a
+    return None
+
+
+def float_type(t: Tensor) -> str:
+    """onnxruntime's type string of a float tensor; NoMatch (unknown-dtype) otherwise."""
+    dt = dtype_of(t)
+    require(dt is not None, "unknown-dtype", f"the dtype of '{t.name}' is unknown")
+    require(dt.kind == "f", "non-float", f"'{t.name}' is {dt}, not a float tensor")
+    return type_string(dt)
+
+
+def last_dim(t: Tensor) -> int | None:
+    shape = t.shape
+    if shape is None or not len(shape):
+        return None
+    d = shape[-1]
+    return int(d) if isinstance(d, (int, np.integer)) and d >= 0 else None
+
+
+def lowering(
+    cx, choices: list[tuple[str, str, int | None, dict]], tname: str, what: str
+) -> tuple[str, str, dict]:
+    """The first (op, domain, min_opset, attrs) the target has a kernel for at the model's opset.
+
+    ``min_opset`` applies to default-domain ops only (the op must exist at the model's opset).
+    """
+    opset = cx.ir.opset
+    for op, domain, min_opset, attrs in choices:
+        if domain:
+            if cx.target.has_kernel(op, domain, 1, tname):
+                return op, domain, attrs
+        elif opset >= (min_opset or 1) and cx.target.has_kernel(op, "", opset, tname):
+            return op, domain, attrs
+    names = ", ".join(
+        f"{d + '.' if d else ''}{op}" + (f" (opset ≥ {v})" if not d and v else "")
+        for op, d, v, _ in choices
+    )
+    raise NoMatch(
+        "no-kernel",
+        f"target {cx.target.name} has no kernel for {what} in {tname} at opset {opset} "
+        f"(tried {names})",
+        dtype=tname,
+        opset=opset,
+    )
+
+
+# ------------------------------------------------------------------- GELU patterns
+def _mul_trees(root: Node) -> list[tuple[Node, list[Tensor | None]]]:
+    """Split ``Mul(Mul(p, q), r)`` (any operand order) into (inner Mul, [r, p, q])."""
+    ins = inputs(root)
+    if len(ins) != 2:
+        return []
+    out = []
+    for inner_t, other in ((ins[0], ins[1]), (ins[1], ins[0])):
+        inner = producer(inner_t, "Mul")
+        if inner is not None and inner is not root and len(inputs(inner)) == 2:
+            out.append((inner, [other, *inputs(inner)]))
+    return out
+
+
+def _match_gelu_tree(root: Node, one_plus_body) -> Match:
+    """Match ``x · c_half · (1 + f(x))`` as two Muls; ``one_plus_body(t, x)`` matches ``f``."""
+    for inner, leaves in _mul_trees(root):
+        for i, leaf in enumerate(leaves):
+            add = producer(leaf, "Add")
+            if add is None:
+                continue
+            parts = split_const(add)
+            if parts is None:
+                continue
+            body_t, one = parts
+            rest = [t for j, t in enumerate(leaves) if j != i]
+            for x, half in (rest, rest[::-1]):
+                if not isinstance(half, Constant) or isinstance(x, Constant) or x is None:
+                    continue
+                body = one_plus_body(body_t, x)
+                if body is None:
+                    continue
+                return Match(
+                    root,
+                    {
+                        "root_mul": root,
+                        "inner_mul": inner,
+                        "add_one": add,
+                        "x": x,
+                        "half": half,
+                        "one": one,
+                        **body,
+                    },
+                )
+    raise no_match()
+
+
+def _erf_body(t: Tensor, x: Tensor) -> dict | None:
+    erf = producer(t, "Erf")
+    if erf is None:
+        return None
+    scale = producer(inputs(erf)[0], ("Div", "Mul"))
+    if scale is None:
+        return None
+    ins = inputs(scale)
+    if scale.op == "Div":
+        if ins[0] is not x or not isinstance(ins[1], Constant):
+            return None
+        return {"erf": erf, "scale": scale, "c_scale": ins[1]}
+    parts = split_const(scale)
+    if parts is None or parts[0] is not x:
+        return None
+    return {"erf": erf, "scale": scale, "c_scale": parts[1]}
+
+
+def _cube_nodes(t: Tensor, x: Tensor) -> dict | None:
+    """``Pow(x, c)`` or ``x·x·x`` (any association)."""
+    pw = producer(t, "Pow")
+    if pw is not None:
+        ins = inputs(pw)
+        if ins[0] is x and isinstance(ins[1], Constant):
+            return {"cube": pw, "c_pow": ins[1]}
+        return None
+    outer = producer(t, "Mul")
+    if outer is None:
+        return None
+    a, b = inputs(outer)
+    for single, pair in ((a, b), (b, a)):
+        sq = producer(pair, "Mul")
+        if single is x and sq is not None and all(i is x for i in inputs(sq)):
+            return {"cube": outer, "square": sq}
+    return None
+
+
+def _tanh_body(t: Tensor, x: Tensor) -> dict | None:
+    tanh = producer(t, "Tanh")
+    if tanh is None:
+        return None
+    outer = producer(inputs(tanh)[0], "Mul")
+    parts = split_const(outer) if outer is not None else None
+    if parts is None:
+        return None
+    inner_sum_t, c_sqrt = parts
+    inner_sum = producer(inner_sum_t, "Add")
+    if inner_sum is None:
+        return None
+    a, b = inputs(inner_sum)
+    for xs, cubic_t in ((a, b), (b, a)):
+        if xs is not x:
+            continue
+        cm = producer(cubic_t, "Mul")
+        cparts = split_const(cm) if cm is not None else None
+        if cparts is None:
+            continue
+        cube = _cube_nodes(cparts[0], x)
+        if cube is None:
+            continue
+        return {
+            "tanh": tanh,
+            "tanh_in": outer,
+            "c_sqrt": c_sqrt,
+            "inner_sum": inner_sum,
+            "cubic": cm,
+            "c_cubic": cparts[1],
+            **cube,
+        }
+    return None
+
+
+class _GeluBase(Rule):
+    root = "Mul"
+    approximate = "none"
+
+    def lowering_choices(self) -> list[tuple[str, str, int | None, dict]]:
+        raise NotImplementedError
+
+    def check_constants(self, m: Match) -> None:
+        raise NotImplementedError
+
+    def check(self, m, cx):
+        require_near(m.half, 0.5, "the GELU half factor")
+        require_near(m.one, 1.0, "the constant added to the GELU's erf/tanh")
+        self.check_constants(m)
+        tname = float_type(m.x)
+        op, domain, attrs = lowering(
+            cx, self.lowering_choices(), tname, f"GELU ({self.approximate})"
+        )
+        m.stash(lowered=(op, domain, attrs))
+
+    def rewrite(self, m, b):
+        op, domain, attrs = m.lowered
+        return [
+            b.op(
+                op, [m.x], attrs, domain=domain, like=m.root.outputs[0], name=f"{m.root.name}/{op}"
+            )
+        ]
+
+
+@register_rule
+class FuseGeluErf(_GeluBase):
+    name = "fuse-gelu-erf"
+    summary = "x·0.5·(1+erf(x/√2)) → Gelu"
+
+    def match(self, node, cx):
+        return _match_gelu_tree(node, _erf_body)
+
+    def lowering_choices(self):
+        return [("Gelu", MS, None, {}), ("Gelu", "", 20, {"approximate": "none"})]
+
+    def check_constants(self, m):
+        if m.scale.op == "Div":
+            require_near(m.c_scale, math.sqrt(2.0), "the erf argument's divisor")
+        else:
+            require_near(m.c_scale, math.sqrt(0.5), "the erf argument's factor")
+
+
+@register_rule
+class FuseGeluTanh(_GeluBase):
+    name = "fuse-gelu-tanh"
+    summary = "0.5·x·(1+tanh(√(2/π)·(x+0.044715·x³))) → FastGelu"
+    approximate = "tanh"
+
+    def match(self, node, cx):
+        return _match_gelu_tree(node, _tanh_body)
+
+    def lowering_choices(self):
+        return [("FastGelu", MS, None, {}), ("Gelu", "", 20, {"approximate": "tanh"})]
+
+    def check_constants(self, m):
+        require_near(m.c_sqrt, math.sqrt(2.0 / math.pi), "the tanh argument's factor √(2/π)")
+        require_near(m.c_cubic, 0.044715, "the cubic coefficient")
+        if "c_pow" in m.bindings:
+            require_near(m.c_pow, 3.0, "the Pow exponent")
+
+
+@register_rule
+class FuseQuickGelu(Rule):
+    name = "fuse-quick-gelu"
+    root = "Mul"
+    summary = "x·σ(α·x) → QuickGelu(alpha=α) (α=1: SiLU)"
+
+    def match(self, node, cx):
+        ins = inputs(node)
+        if len(ins) != 2:
+            raise no_match()
+        for x, s in ((ins[0], ins[1]), (ins[1], ins[0])):
+            sig = producer(s, "Sigmoid")
+            if sig is None or x is None or isinstance(x, Constant):
+                continue
+            arg = inputs(sig)[0]
+            if arg is x:
+                return Match(node, {"mul": node, "sigmoid": sig, "x": x, "alpha": None})
+            scale = producer(arg, "Mul")
+            parts = split_const(scale) if scale is not None else None
+            if parts is not None and parts[0] is x:
+                return Match(
+                    node, {"mul": node, "sigmoid": sig, "scale": scale, "x": x, "alpha": parts[1]}
+                )
+        raise no_match()
+
+    def check(self, m, cx):
+        alpha = 1.0
+        if m.alpha is not None:
+            alpha = scalar(m.alpha)
+            require(
+                alpha is not None,
+                "non-scalar-param",
+                f"the sigmoid's factor '{m.alpha.name}' is not a one-element constant",
+            )
+        tname = float_type(m.x)
+        lowering(cx, [("QuickGelu", MS, None, {})], tname, "QuickGelu")
+        m.stash(alpha_value=float(alpha))
+
+    def rewrite(self, m, b):
+        return [
+            b.op(
+                "QuickGelu",
+                [m.x],
+                {"alpha": m.alpha_value},
+                domain=MS,
+                like=m.root.outputs[0],
+                name=f"{m.root.name}/QuickGelu",
+            )
+        ]
+
+
+def bias_vector(c: Constant, width: int | None) -> np.ndarray | None:
+    """A constant that adds one value per last-axis element as a 1-D vector, else None."""
+    v = constant_value(c)
+    if v is None or v.ndim == 0 or any(d != 1 for d in v.shape[:-1]):
+        return None
+    if width is not None and v.shape[-1] != width:
+        return None
+    return v.reshape(-1)
+
+
+class _BiasGeluBase(Rule):
+    """``Gelu(y + b)`` → ``BiasGelu(y, b)``; the bias is a constant vector over the last axis."""
+
+    domain = MS
+    fused_op = "BiasGelu"
+
+    def match(self, node, cx):
+        ins = inputs(node)
+        if (node.domain or "") != MS or len(ins) != 1:
+            raise no_match()
+        add = producer(ins[0], "Add")
+        parts = split_const(add) if add is not None else None
+        if parts is None:
+            raise no_match()
+        return Match(node, {"gelu": node, "add": add, "y": parts[0], "bias": parts[1]})
+
+    def check(self, m, cx):
+        width = last_dim(m.y) or last_dim(m.add.outputs[0])
+        vec = bias_vector(m.bias, width)
+        require(
+            vec is not None and width is not None and len(m.y.shape or ()) >= 1,
+            "bias-shape",
+            f"bias '{m.bias.name}' of shape {list(constant_value(m.bias).shape)} is not a vector "
+            f"over the last axis of '{m.y.name}' (last dim {width})",
+        )
+        require(
+            dtype_of(m.bias) == dtype_of(m.y),
+            "dtype-mismatch",
+            f"bias is {dtype_of(m.bias)}, input is {dtype_of(m.y)}",
+        )
+        tname = float_type(m.y)
+        lowering(cx, [(self.fused_op, MS, None, {})], tname, self.fused_op)
+        m.stash(vec=vec)
+
+    def rewrite(self, m, b):
+        bias = b.const(m.vec, "bias")
+        return [
+            b.op(
+                self.fused_op,
+                [m.y, bias],
+                dict(m.gelu.attrs),
+                domain=MS,
+                like=m.root.outputs[0],
+                name=f"{m.add.name}/{self.fused_op}",
+            )
+        ]
+
+
+@register_rule
+class FuseBiasGelu(_BiasGeluBase):
+    name = "fuse-bias-gelu"
+    root = "Gelu"
+    summary = "Add(constant bias) + com.microsoft.Gelu → BiasGelu"
+
+
+@register_rule
+class FuseBiasFastGelu(_BiasGeluBase):
+    name = "fuse-bias-fastgelu"
+    root = "FastGelu"
+    fused_op = "FastGelu"
+    summary = "Add(constant bias) + com.microsoft.FastGelu → FastGelu(x, bias)"
+
+
+__all__ = [
+    "MS",
+    "REL_TOL",
+    "applies_only_if",
+    "bias_vector",
+    "float_type",
+    "inputs",
+    "is_scalar_const",
+    "last_dim",
+    "lowering",
+    "near",
+    "no_match",
+    "producer",
+    "require_near",
+    "scalar",
+    "split_const",
+]

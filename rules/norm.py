@@ -1,0 +1,544 @@
+"""Normalization fusions (level 2): LayerNorm, RMSNorm, Add + LayerNorm → SkipLayerNormalization.
+
+Three small rules compose into the whole LayerNorm fusion, so a partial form still fuses as far as
+its guards allow and every refusal names the clause that failed:
+
+* ``fuse-layer-norm`` (root: the division) — ``(x − mean(x)) / sqrt(mean((x − mean(x))²) + eps)``
+  with ``Pow(d, 2)`` or ``d·d``, ``Div`` or ``Mul`` by ``Reciprocal``/``1/·``/``Pow(·, −0.5)``,
+  duplicated ``Sub`` nodes accepted → ``LayerNormalization(x, ones, axis=−1, epsilon=eps)``.
+* ``fold-norm-scale`` (root: ``Mul``) — ``Mul(LN(x, γ0, β0), c)`` → ``LN(x, γ0·c, β0·c)``, also for
+  RMSNormalization; ``fold-layer-norm-bias`` (root: ``Add``) — ``Add(LN(x, γ, β0), c)`` →
+  ``LN(x, γ, β0 + c)``.  ``c`` must be constant and vary along the last axis only.
+* ``fuse-rms-norm`` — ``x / sqrt(mean(x²) + eps)`` (or ``x · rsqrt``) → ``RMSNormalization``
+  (opset ≥ 23).  onnxruntime's ``SimplifiedLayerNormalization`` is registered only in the ONNX
+  domain, where onnx.checker rejects it, so it is used only if a target lists it under
+  com.microsoft.
+* ``fuse-skip-layer-norm`` (root: ``LayerNormalization``) — ``LN(a + b)`` →
+  ``com.microsoft.SkipLayerNormalization(a, b, γ, β)``; the sum, when read elsewhere, comes from
+  its fourth output.  Refused with ``slower-on-target`` where the target profile records it as
+  measured slower (onnxruntime CPU: 5–6× slower than Add + LayerNormalization).
+
+Guards (missed remarks): ``axes-not-last`` (the reductions are not over exactly the last axis),
+``keepdims``, ``non-constant-param`` (eps/γ/β not constants), ``non-scalar-param`` (eps),
+``constant-mismatch`` (the square is not a power 2), ``unknown-shape`` (the normalized width is
+not static), ``opset-too-old`` (LayerNormalization is standard from opset 17),
+``precision-accumulation`` (fp16/bf16 unless the target declares fp32 accumulation for the
+kernel), ``no-kernel``, ``not-last-axis``, ``shape-mismatch``, ``slower-on-target``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from graphopt.opt.ir import Constant, Node, Tensor, Variable, constant_value, dtype_of
+from graphopt.opt.manager import register_rule
+from graphopt.opt.precision import require_representable
+from graphopt.opt.rewrite import (
+    Match,
+    Rule,
+    applies_only_if,
+    require,
+    require_constant,
+)
+
+from .activation import (
+    MS,
+    float_type,
+    inputs,
+    last_dim,
+    lowering,
+    no_match,
+    producer,
+    require_near,
+    scalar,
+)
+from .attention import same_dim
+
+
+# ------------------------------------------------------------------------- matching
+def _rank(t: Tensor) -> int | None:
+    return len(t.shape) if t.shape is not None else None
+
+
+def _reduce_axes(node: Node) -> tuple[list[int] | None, str | None]:
+    """(axes, problem) of a ReduceMean: attribute before opset 18, input from 18."""
+    ins = inputs(node)
+    if len(ins) > 1 and ins[1] is not None:
+        v = constant_value(ins[1])
+        if v is None:
+            return None, "non-constant"
+        return [int(a) for a in np.asarray(v).reshape(-1)], None
+    axes = node.attrs.get("axes")
+    return (None, None) if axes is None else ([int(a) for a in axes], None)
+
+
+def _variance(t: Tensor) -> dict | None:
+    """``Add(ReduceMean(u²), eps)`` (eps on either side): the squared tensor and the eps."""
+    add = producer(t, "Add")
+    if add is None:
+        return None
+    ins = inputs(add)
+    for rm_t, eps in ((ins[0], ins[1]), (ins[1], ins[0])):
+        rm = producer(rm_t, "ReduceMean")
+        if rm is None or eps is None:
+            continue
+        sq = producer(inputs(rm)[0], ("Pow", "Mul"))
+        if sq is None:
+            continue
+        a, b = inputs(sq)[:2]
+        if sq.op == "Pow":
+            if not isinstance(b, Constant):
+                continue
+            return {"add_eps": add, "eps": eps, "var_mean": rm, "square": sq, "u": a, "c_pow": b}
+        if a is b or _same_sub(a, b):
+            return {"add_eps": add, "eps": eps, "var_mean": rm, "square": sq, "u": a, "u2": b}
+    return None
+
+
+def _same_sub(a: Tensor, b: Tensor) -> bool:
+    """Two separate ``Sub(x, μ)`` nodes computing the same value (old PyTorch exports)."""
+    sa, sb = producer(a, "Sub"), producer(b, "Sub")
+    return sa is not None and sb is not None and inputs(sa) == inputs(sb)
+
+
+def _inv_std(t: Tensor, reciprocal: bool) -> dict | None:
+    """1/sqrt(var + eps) (``reciprocal``) or sqrt(var + eps)."""
+    if not reciprocal:
+        sqrt = producer(t, "Sqrt")
+        v = _variance(inputs(sqrt)[0]) if sqrt is not None else None
+        return {"sqrt": sqrt, **v} if v else None
+    rcp = producer(t, ("Reciprocal", "Div", "Pow"))
+    if rcp is None:
+        return None
+    ins = inputs(rcp)
+    if rcp.op == "Pow":
+        v = _variance(ins[0])
+        c = scalar(ins[1]) if v else None
+        return {"rsqrt": rcp, **v} if v and c is not None and abs(c + 0.5) < 1e-6 else None
+    if rcp.op == "Div":
+        c = scalar(ins[0])
+        if c is None or c != 1.0:
+            return None
+        t = ins[1]
+    else:
+        t = ins[0]
+    sqrt = producer(t, "Sqrt")
+    v = _variance(inputs(sqrt)[0]) if sqrt is not None else None
+    return {"rsqrt": rcp, "sqrt": sqrt, **v} if v else None
+
+
+def _normalized(node: Node) -> dict | None:
+    """``n / sqrt(var+eps)`` (Div root) or ``n · rsqrt(var+eps)`` (Mul root): n and the parts."""
+    ins = inputs(node)
+    if len(ins) != 2:
+        return None
+    if node.op == "Div":
+        parts = _inv_std(ins[1], reciprocal=False)
+        return {"num": ins[0], **parts} if parts else None
+    for num, den in ((ins[0], ins[1]), (ins[1], ins[0])):
+        parts = _inv_std(den, reciprocal=True)
+        if parts:
+            return {"num": num, **parts}
+    return None
+
+
+def _centered(t: Tensor) -> dict | None:
+    """``Sub(x, ReduceMean(x))``."""
+    sub = producer(t, "Sub")
+    if sub is None:
+        return None
+    x, mu = inputs(sub)
+    mean = producer(mu, "ReduceMean")
+    if mean is None or inputs(mean)[0] is not x:
+        return None
+    return {"sub": sub, "x": x, "mean": mean}
+
+
+def _check_last_axis(node: Node, x: Tensor, what: str) -> None:
+    axes, problem = _reduce_axes(node)
+    require(problem is None, "non-constant-param", f"the axes of {what} are computed at run time")
+    require(
+        node.attrs.get("keepdims", 1) == 1,
+        "keepdims",
+        f"{what} drops the reduced axis (keepdims=0), so it does not broadcast back over it",
+    )
+    rank = _rank(x)
+    ok = (
+        axes is not None
+        and len(axes) == 1
+        and (axes[0] == -1 or (rank is not None and axes[0] == rank - 1))
+    )
+    require(
+        ok,
+        "axes-not-last",
+        f"{what} reduces over axes {axes if axes is not None else 'all'} of a rank-"
+        f"{rank if rank is not None else '?'} tensor; only the last axis is fused",
+        axes=axes,
+    )
+
+
+def _check_eps(cx, eps: Tensor) -> float:
+    require_constant(cx, cx.ir, ("epsilon", eps))
+    value = scalar(eps)
+    require(value is not None, "non-scalar-param", f"epsilon '{eps.name}' is not a scalar")
+    return value
+
+
+def _check_square(m: Match) -> None:
+    if "c_pow" in m.bindings:
+        require_near(m.c_pow, 2.0, "the variance's Pow exponent", rel=0.0)
+
+
+def _check_precision(cx, x: Tensor, kernel: str) -> str:
+    tname = float_type(x)
+    dt = dtype_of(x)
+    if dt.name in ("float16", "bfloat16"):
+        require(
+            cx.target.accumulates_fp32(kernel),
+            "precision-accumulation",
+            f"{kernel} in {dt.name}: target {cx.target.name} does not declare fp32 "
+            f"accumulation for {kernel}, so the fused mean/variance may lose accuracy",
+            dtype=dt.name,
+        )
+    return tname
+
+
+# ---------------------------------------------------------------------------- rules
+@register_rule
+class FuseLayerNorm(Rule):
+    name = "fuse-layer-norm"
+    root = "Div"
+    summary = "(x−mean)/sqrt(var+eps) → LayerNormalization"
+
+    def match(self, node, cx):
+        parts = _normalized(node)
+        if parts is None:
+            raise no_match()
+        c = _centered(parts["num"])
+        if c is None or not (parts["u"] is parts["num"] or _same_sub(parts["u"], parts["num"])):
+            raise no_match()
+        extra = {}
+        if parts["u"] is not parts["num"]:
+            extra["sub2"] = producer(parts["u"], "Sub")
+        return Match(node, {"norm": node, **parts, **c, **extra})
+
+    def check(self, m, cx):
+        _check_last_axis(m.mean, m.x, "the mean's ReduceMean")
+        _check_last_axis(m.var_mean, m.x, "the variance's ReduceMean")
+        _check_square(m)
+        eps = _check_eps(cx, m.eps)
+        width = last_dim(m.x)
+        require(
+            width is not None,
+            "unknown-shape",
+            f"the last dim of '{m.x.name}' is not static; LayerNormalization needs its scale",
+        )
+        require(
+            cx.ir.opset >= 17,
+            "opset-too-old",
+            f"LayerNormalization is a standard op from opset 17; the model is opset {cx.ir.opset}",
+        )
+        tname = _check_precision(cx, m.x, "LayerNormalization")
+        lowering(cx, [("LayerNormalization", "", 17, {})], tname, "LayerNormalization")
+        m.stash(eps_value=eps, width=width)
+
+    def rewrite(self, m, b):
+        ones = b.const(np.ones(m.width, dtype=dtype_of(m.x)), "scale")
+        out = b.op(
+            "LayerNormalization",
+            [m.x, ones],
+            {"axis": -1, "epsilon": float(m.eps_value)},
+            like=m.root.outputs[0],
+            name=f"{m.root.name}/LayerNormalization",
+        )
+        return [out]
+
+
+@register_rule
+class FuseLayerNormReciprocal(FuseLayerNorm):
+    name = "fuse-layer-norm-rcp"
+    root = "Mul"
+    summary = "(x−mean)·rsqrt(var+eps) → LayerNormalization"
+
+
+@register_rule
+class FuseRmsNorm(Rule):
+    name = "fuse-rms-norm"
+    root = "Div"
+    summary = "x/sqrt(mean(x²)+eps) → RMSNormalization"
+
+    def match(self, node, cx):
+        parts = _normalized(node)
+        if (
+            parts is None
+            or parts["u"] is not parts["num"]
+            or "u2" in parts
+            and parts["u2"] is not parts["num"]
+        ):
+            raise no_match()
+        applies_only_if(_centered(parts["num"]) is None)  # that is a LayerNorm
+        return Match(node, {"norm": node, **parts, "x": parts["num"]})
+
+    def check(self, m, cx):
+        _check_last_axis(m.var_mean, m.x, "the ReduceMean of x²")
+        _check_square(m)
+        eps = _check_eps(cx, m.eps)
+        width = last_dim(m.x)
+        require(
+            width is not None,
+            "unknown-shape",
+            f"the last dim of '{m.x.name}' is not static; the fused op needs its scale",
+        )
+        tname = _check_precision(cx, m.x, "RMSNormalization")
+        op, domain, _ = lowering(
+            cx,
+            [("RMSNormalization", "", 23, {}), ("SimplifiedLayerNormalization", MS, None, {})],
+            tname,
+            "RMSNorm",
+        )
+        m.stash(eps_value=eps, width=width, op=op, op_domain=domain)
+
+    def rewrite(self, m, b):
+        ones = b.const(np.ones(m.width, dtype=dtype_of(m.x)), "scale")
+        return [
+            b.op(
+                m.op,
+                [m.x, ones],
+                {"axis": -1, "epsilon": float(m.eps_value)},
+                domain=m.op_domain,
+                like=m.root.outputs[0],
+                name=f"{m.root.name}/{m.op}",
+            )
+        ]
+
+
+@register_rule
+class FuseRmsNormReciprocal(FuseRmsNorm):
+    name = "fuse-rms-norm-rcp"
+    root = "Mul"
+    summary = "x·rsqrt(mean(x²)+eps) → RMSNormalization"
+
+
+NORM_OPS = {
+    ("LayerNormalization", ""),
+    ("RMSNormalization", ""),
+    ("SimplifiedLayerNormalization", MS),
+}
+
+
+def _last_axis_vector(c: np.ndarray, x_rank: int | None, width: int) -> np.ndarray | None:
+    """``c`` as a per-last-axis vector of ``width`` if it broadcasts along the last axis only."""
+    if c.ndim == 0:
+        return np.full(width, c.reshape(()))
+    if any(d != 1 for d in c.shape[:-1]) or c.shape[-1] not in (1, width):
+        return None
+    if x_rank is None and c.ndim > 1:
+        return None
+    if x_rank is not None and c.ndim > x_rank:
+        return None
+    return np.broadcast_to(c.reshape(-1), (width,))
+
+
+class _FoldIntoNorm(Rule):
+    """``Mul``/``Add`` of a constant after a normalization: fold it into scale/bias."""
+
+    exclusive = True
+
+    def match(self, node, cx):
+        ins = inputs(node)
+        if len(ins) != 2:
+            raise no_match()
+        for t, c in ((ins[0], ins[1]), (ins[1], ins[0])):
+            ln = t.inputs[0] if t is not None and t.inputs else None
+            if ln is None or (ln.op, ln.domain or "") not in NORM_OPS or ln.outputs[0] is not t:
+                continue
+            if self.root == "Add" and ln.op != "LayerNormalization":
+                continue
+            applies_only_if(isinstance(c, Constant) or cx.ir.is_graph_input(c))
+            return Match(node, {"op_node": node, "ln": ln, "x": inputs(ln)[0], "c": c})
+        raise no_match()
+
+    def check(self, m, cx):
+        ln_in = inputs(m.ln)
+        scale = ln_in[1]
+        bias = ln_in[2] if len(ln_in) > 2 else None
+        require_constant(
+            cx,
+            cx.ir,
+            (f"the {self.root}'s operand", m.c),
+            ("the norm's scale", scale),
+            ("the norm's bias", bias),
+        )
+        extra_outputs = [t for t in m.ln.outputs[1:] if t.outputs or cx.ir.is_graph_output(t)]
+        applies_only_if(not extra_outputs)
+        rank = len(m.x.shape) if m.x.shape is not None else None
+        axis = int(m.ln.attrs.get("axis", -1))
+        require(
+            axis == -1 or (rank is not None and axis == rank - 1),
+            "not-last-axis",
+            f"'{m.ln.name}' normalizes from axis {axis}; only last-axis norms are folded into",
+        )
+        g = constant_value(scale).astype(np.float64).reshape(-1)
+        width = g.size
+        vec = _last_axis_vector(constant_value(m.c).astype(np.float64), rank, width)
+        require(
+            vec is not None,
+            "not-last-axis",
+            f"{self.root} operand of shape {list(constant_value(m.c).shape)} does not vary "
+            f"along the last axis (width {width}) only",
+        )
+        beta = (
+            constant_value(bias).astype(np.float64).reshape(-1)
+            if bias is not None
+            else np.zeros(width)
+        )
+        dt = dtype_of(scale)
+        require(
+            dtype_of(m.c) == dt,
+            "dtype-mismatch",
+            f"{self.root} operand is {dtype_of(m.c)}, the norm's scale is {dt}",
+        )
+        g_new, b_new = self.fold(g, beta, vec)
+        m.stash(
+            g_new=require_representable(g_new, dt, "norm scale"),
+            b_new=None if b_new is None else require_representable(b_new, dt, "norm bias"),
+        )
+
+    def fold(self, g, beta, vec):
+        raise NotImplementedError
+
+    def rewrite(self, m, b):
+        ins = [m.x, b.const(m.g_new, "scale")]
+        if m.b_new is not None and (np.any(m.b_new != 0) or len(inputs(m.ln)) > 2):
+            ins.append(b.const(m.b_new, "bias"))
+        return [
+            b.op(
+                m.ln.op,
+                ins,
+                dict(m.ln.attrs),
+                domain=m.ln.domain or "",
+                like=m.root.outputs[0],
+                name=f"{m.ln.name}/{self.root.lower()}",
+            )
+        ]
+
+
+@register_rule
+class FoldNormScale(_FoldIntoNorm):
+    name = "fold-norm-scale"
+    root = "Mul"
+    summary = "Mul(constant) after LayerNormalization/RMSNormalization → scale (and bias)"
+
+    def fold(self, g, beta, vec):
+        return g * vec, beta * vec if np.any(beta) else None
+
+
+@register_rule
+class FoldLayerNormBias(_FoldIntoNorm):
+    name = "fold-layer-norm-bias"
+    root = "Add"
+    summary = "Add(constant) after LayerNormalization → its bias"
+
+    def fold(self, g, beta, vec):
+        return g, beta + vec
+
+
+@register_rule
+class FuseSkipLayerNorm(Rule):
+    name = "fuse-skip-layer-norm"
+    root = "LayerNormalization"
+    exclusive = False  # the residual sum may feed the next block: SkipLayerNorm outputs it
+    summary = "Add + LayerNormalization → com.microsoft.SkipLayerNormalization"
+
+    def match(self, node, cx):
+        ins = inputs(node)
+        add = producer(ins[0], "Add")
+        if add is None or len(ins) < 2:
+            raise no_match()
+        a, s = inputs(add)
+        applies_only_if(not isinstance(a, Constant) and not isinstance(s, Constant))
+        return Match(
+            node,
+            {
+                "ln": node,
+                "add": add,
+                "a": a,
+                "skip": s,
+                "gamma": ins[1],
+                "beta": ins[2] if len(ins) > 2 else None,
+            },
+        )
+
+    def check(self, m, cx):
+        sum_t = m.add.outputs[0]
+        require(
+            not cx.ir.is_graph_output(sum_t)
+            and not any(t.outputs or cx.ir.is_graph_output(t) for t in m.ln.outputs[1:]),
+            "shared-intermediate",
+            f"'{sum_t.name}' is a graph output or the LayerNormalization's statistics are used",
+        )
+        require_constant(cx, cx.ir, ("gamma", m.gamma), ("beta", m.beta))
+        rank = _rank(m.a)
+        axis = int(m.ln.attrs.get("axis", -1))
+        require(
+            rank == 3 and _rank(m.skip) == 3 and axis in (-1, 2),
+            "shape-mismatch",
+            f"SkipLayerNormalization takes 3-D input and skip normalized over the last axis; "
+            f"got ranks {rank}, {_rank(m.skip)} and axis {axis}",
+        )
+        width = last_dim(m.a)
+        require(
+            width is not None
+            and width == last_dim(m.skip)
+            and constant_value(m.gamma).size == width
+            and (m.beta is None or constant_value(m.beta).size == width),
+            "shape-mismatch",
+            f"hidden sizes differ or are unknown: input {last_dim(m.a)}, skip "
+            f"{last_dim(m.skip)}, gamma {constant_value(m.gamma).size}",
+        )
+        same = all(same_dim(m.a, i, m.skip, i) for i in (0, 1))
+        require(
+            same,
+            "shape-mismatch",
+            f"cannot prove '{m.a.name}' and '{m.skip.name}' have the same batch and sequence "
+            "dims (SkipLayerNormalization does not broadcast its input)",
+        )
+        tname = _check_precision(cx, m.a, "SkipLayerNormalization")
+        lowering(cx, [("SkipLayerNormalization", MS, None, {})], tname, "SkipLayerNormalization")
+        slower = cx.target.measured_slower.get("SkipLayerNormalization")
+        require(
+            slower is None,
+            "slower-on-target",
+            f"SkipLayerNormalization is slower than Add + LayerNormalization on target "
+            f"{cx.target.name}: {slower}",
+            measured=slower,
+        )
+
+    def rewrite(self, m, b):
+        sum_t = m.add.outputs[0]
+        others = [c for c in sum_t.outputs if c is not m.ln]
+        gamma = b.const(constant_value(m.gamma).reshape(-1), "gamma")
+        ins = [m.a, m.skip, gamma]
+        if m.beta is not None:
+            ins.append(b.const(constant_value(m.beta).reshape(-1), "beta"))
+        outs = b.op(
+            "SkipLayerNormalization",
+            ins,
+            {"epsilon": float(m.ln.attrs.get("epsilon", 1e-5))},
+            domain=MS,
+            outputs=4 if others else 1,
+            like=m.root.outputs[0],
+            name=f"{m.ln.name}/SkipLayerNormalization",
+        )
+        if not others:
+            return [outs] + [None] * (len(m.root.outputs) - 1)
+        node = b.created[-1]
+        node.outputs[1] = Variable.empty()
+        node.outputs[2] = Variable.empty()
+        summed = outs[3]
+        summed.dtype, summed.shape = sum_t.dtype, sum_t.shape
+        b.ir.replace_all_uses(sum_t, summed)
+        return [outs[0]] + [None] * (len(m.root.outputs) - 1)
+
+
+__all__ = ["NORM_OPS"]

@@ -1,0 +1,348 @@
+"""Scaled-dot-product attention → com.microsoft.MultiHeadAttention: BERT and GPT-2 spellings,
+every guard's code, and the real example model."""
+
+import math
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+from conftest import EXAMPLES, assert_optimized, codes, const, model, run, vi
+from graphopt.opt.ir import op_histogram
+
+N, H = 2, 4
+D = N * H
+RULE = "fuse-attention"
+
+
+def hist(m):
+    return op_histogram(m.graph.node)
+
+
+def attr(m, op, name, default=None):
+    node = next(n for n in m.graph.node if n.op_type == op)
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
+
+
+def attention(
+    *,
+    scale="div",
+    k_form="direct",
+    mask="padding",
+    heads=(0, 0, N, H),
+    packed=False,
+    nan_guard=False,
+    out_target=(0, 0, D),
+    dtype=np.float32,
+    softmax_out=False,
+    mid_reshape=False,
+    softmax_axis=-1,
+):
+    """One self-attention block as the PyTorch exporters write it (see rules/attention.py)."""
+    elem = TensorProto.FLOAT16 if dtype == np.float16 else TensorProto.FLOAT
+    rng = np.random.default_rng(0)
+    inputs = [vi("x", ["batch", "seq", D], elem)]
+    inits = [
+        const("heads", heads, np.int64),
+        const("merge", out_target, np.int64),
+        const("Wo", rng.standard_normal((D, D)) * 0.3, dtype),
+    ]
+    nodes = []
+    if packed:  # GPT-2: one QKV projection, then Split
+        inits += [
+            const("Wqkv", rng.standard_normal((D, 3 * D)) * 0.3, dtype),
+            const("bqkv", rng.standard_normal(3 * D), dtype),
+            const("split", [D, D, D], np.int64),
+        ]
+        nodes += [
+            helper.make_node("MatMul", ["x", "Wqkv"], ["qkv0"]),
+            helper.make_node("Add", ["qkv0", "bqkv"], ["qkv"]),
+            helper.make_node("Split", ["qkv", "split"], ["q", "k", "v"], axis=2),
+        ]
+    else:  # BERT: three projections with bias
+        for n in "qkv":
+            inits += [
+                const(f"W{n}", rng.standard_normal((D, D)) * 0.3, dtype),
+                const(f"b{n}", rng.standard_normal(D), dtype),
+            ]
+            nodes += [
+                helper.make_node("MatMul", ["x", f"W{n}"], [f"{n}0"]),
+                helper.make_node("Add", [f"b{n}", f"{n}0"], [n]),
+            ]
+    for n in "qkv":
+        nodes.append(helper.make_node("Reshape", [n, "heads"], [f"{n}4"]))
+    nodes.append(helper.make_node("Transpose", ["q4"], ["Q"], perm=[0, 2, 1, 3]))
+    nodes.append(helper.make_node("Transpose", ["v4"], ["V"], perm=[0, 2, 1, 3]))
+    if k_form == "direct":
+        nodes.append(helper.make_node("Transpose", ["k4"], ["KT"], perm=[0, 2, 3, 1]))
+    else:
+        nodes += [
+            helper.make_node("Transpose", ["k4"], ["K"], perm=[0, 2, 1, 3]),
+            helper.make_node("Transpose", ["K"], ["KT"], perm=[0, 1, 3, 2]),
+        ]
+    q, kt = "Q", "KT"
+    if scale == "split":  # SDPA exports: √scale on each side
+        inits.append(const("sq", H**-0.25, dtype))
+        nodes += [
+            helper.make_node("Mul", ["Q", "sq"], ["Qs"]),
+            helper.make_node("Mul", ["sq", "KT"], ["KTs"]),
+        ]
+        q, kt = "Qs", "KTs"
+    nodes.append(helper.make_node("MatMul", [q, kt], ["qk"]))
+    s = "qk"
+    if scale == "div":
+        inits.append(const("c", math.sqrt(H), dtype))
+        nodes.append(helper.make_node("Div", ["qk", "c"], ["sc"]))
+        s = "sc"
+    elif scale in ("mul", "custom", "per-head"):
+        value = {
+            "mul": 1 / math.sqrt(H),
+            "custom": 0.2,
+            "per-head": np.array([0.5, 0.25]).reshape(1, N, 1, 1),
+        }[scale]
+        inits.append(const("c", value, dtype))
+        nodes.append(helper.make_node("Mul", ["c", "qk"], ["sc"]))
+        s = "sc"
+    elif scale == "input":
+        inputs.append(vi("c_in", [], elem))
+        nodes.append(helper.make_node("Div", ["qk", "c_in"], ["sc"]))
+        s = "sc"
+    if mask == "padding":  # transformers 4.x: (1 - mask)·min as [B,1,1,T]
+        inputs.append(vi("mask_bias", ["batch", 1, 1, "seq"], elem))
+        nodes.append(helper.make_node("Add", [s, "mask_bias"], ["z"]))
+    elif mask == "full":
+        inputs.append(vi("mask_bias", ["batch", 1, "seq", "seq"], elem))
+        nodes.append(helper.make_node("Add", ["mask_bias", s], ["z"]))
+    elif mask == "sdpa":  # transformers ≥ 4.48: Where(bool mask, 0, -inf)
+        inputs.append(vi("attention_mask", ["batch", "seq"], TensorProto.BOOL))
+        inits += [
+            const("axes12", [1, 2], np.int64),
+            const("zero", [0.0], dtype),
+            const("ninf", [-np.inf], dtype),
+        ]
+        nodes += [
+            helper.make_node("Unsqueeze", ["attention_mask", "axes12"], ["m4"]),
+            helper.make_node("Where", ["m4", "zero", "ninf"], ["mb"]),
+            helper.make_node("Add", [s, "mb"], ["z"]),
+        ]
+    elif mask in ("causal", "causal-mild"):  # GPT-2 (transformers 4.x): tril buffer slice
+        fill = np.finfo(np.float32).min if mask == "causal" else -10000.0
+        inputs.append(vi("mask_bias", ["batch", 1, 1, "seq"], elem))
+        inits += [
+            const("buffer", np.tril(np.ones((1, 1, 32, 32))), bool),
+            const("starts", [0, 0], np.int64),
+            const("axes23", [2, 3], np.int64),
+            const("fill", fill, dtype),
+        ]
+        nodes += [
+            helper.make_node("Shape", ["x"], ["slen"], start=1, end=2),
+            helper.make_node("Concat", ["slen", "slen"], ["ends"], axis=0),
+            helper.make_node("Slice", ["buffer", "starts", "ends", "axes23"], ["causal"]),
+            helper.make_node("Where", ["causal", s, "fill"], ["zc"]),
+            helper.make_node("Add", ["zc", "mask_bias"], ["z"]),
+        ]
+    else:
+        nodes.append(helper.make_node("Identity", [s], ["z"]))
+    nodes.append(helper.make_node("Softmax", ["z"], ["P"], axis=softmax_axis))
+    p = "P"
+    if nan_guard:
+        inits.append(const("pzero", [0.0], dtype))
+        nodes += [
+            helper.make_node("IsNaN", ["P"], ["nan"]),
+            helper.make_node("Where", ["nan", "pzero", "P"], ["P2"]),
+        ]
+        p = "P2"
+    nodes.append(helper.make_node("MatMul", [p, "V"], ["ctx"]))
+    ctx = "ctx"
+    if mid_reshape:  # BERT (transformers 5): reshape to [B, -1, S, H] built from shapes
+        inits += [
+            const("i0", 0, np.int64),
+            const("i2", 2, np.int64),
+            const("ax0", [0], np.int64),
+            const("m1", [-1], np.int64),
+            const("hsz", [H], np.int64),
+        ]
+        nodes += [
+            helper.make_node("Shape", ["ctx"], ["cs"]),
+            helper.make_node("Gather", ["cs", "i0"], ["cb"], axis=0),
+            helper.make_node("Unsqueeze", ["cb", "ax0"], ["cb1"]),
+            helper.make_node("Shape", ["Q"], ["qs"]),
+            helper.make_node("Gather", ["qs", "i2"], ["qsl"], axis=0),
+            helper.make_node("Unsqueeze", ["qsl", "ax0"], ["qsl1"]),
+            helper.make_node("Concat", ["cb1", "m1", "qsl1", "hsz"], ["mid"], axis=0),
+            helper.make_node("Reshape", ["ctx", "mid"], ["ctx2"]),
+        ]
+        ctx = "ctx2"
+    nodes += [
+        helper.make_node("Transpose", [ctx], ["ctxT"], perm=[0, 2, 1, 3]),
+        helper.make_node("Reshape", ["ctxT", "merge"], ["attn"]),
+        helper.make_node("MatMul", ["attn", "Wo"], ["y"]),
+    ]
+    for i, nd in enumerate(nodes):
+        nd.name = f"n{i}_{nd.op_type}"
+    outputs = [vi("y", None, elem)] + ([vi("P", None, elem)] if softmax_out else [])
+    return model(nodes, inputs, outputs, inits)
+
+
+def mha_node(m):
+    return next(n for n in m.graph.node if n.op_type == "MultiHeadAttention")
+
+
+# ----------------------------------------------------------------------- positives
+@pytest.mark.parametrize("scale", ["div", "mul", "split"])
+@pytest.mark.parametrize("k_form", ["direct", "two-transposes"])
+def test_bert_attention_fuses(scale, k_form):
+    out, report = assert_optimized(attention(scale=scale, k_form=k_form))
+    # q/k/v projections stay; biases go into MHA; the [B,1,1,T] mask is expanded to [1,1,S,T]
+    assert hist(out) == {
+        "MatMul": 4,
+        "com.microsoft.MultiHeadAttention": 1,
+        "Shape": 2,
+        "Concat": 1,
+        "Expand": 1,
+    }
+    node = mha_node(out)
+    assert attr(out, "MultiHeadAttention", "num_heads") == N
+    assert attr(out, "MultiHeadAttention", "scale") is None  # 1/√H is the default
+    assert len(node.input) == 6 and node.input[3] and not node.input[4]
+    assert codes(report, RULE, "passed") == ["fired"]
+
+
+def test_full_mask_is_used_directly():
+    """A [B,1,S,T] mask whose S and T are the inputs' named dims needs no Expand."""
+    out, _ = assert_optimized(attention(mask="full"))
+    assert hist(out) == {"MatMul": 4, "com.microsoft.MultiHeadAttention": 1}
+    assert mha_node(out).input[5] == "mask_bias"
+
+
+def test_no_mask_and_minus_one_heads():
+    out, _ = assert_optimized(attention(mask=None, heads=(0, 0, -1, H), out_target=(0, 0, -1)))
+    assert hist(out) == {"MatMul": 4, "com.microsoft.MultiHeadAttention": 1}
+    assert len(mha_node(out).input) == 4
+
+
+def test_custom_scale_becomes_attribute():
+    out, _ = assert_optimized(attention(scale="custom"))
+    assert attr(out, "MultiHeadAttention", "scale") == pytest.approx(0.2)
+
+
+def test_sdpa_mask_with_nan_guard_and_shape_glue_reshape():
+    """transformers ≥ 4.48 (what examples/bert_tiny.onnx contains): -inf Where mask, the
+    IsNaN guard after Softmax, and a Reshape to itself between the MatMuls."""
+    m = attention(mask="sdpa", nan_guard=True, mid_reshape=True, scale="split")
+    out, report = assert_optimized(m)
+    h = hist(out)
+    assert h["com.microsoft.MultiHeadAttention"] == 1 and "Softmax" not in h
+    assert h["IsNaN"] == 1 and "Transpose" not in h and "Reshape" not in h
+    # a fully masked sequence: the original zeroes those rows (NaN guard); so does the rewrite
+    rng = np.random.default_rng(1)
+    mask = rng.integers(0, 2, (2, 5)).astype(bool)
+    mask[1] = False
+    x = rng.standard_normal((2, 5, D)).astype(np.float32)
+    out2, report2 = run(m, inputs={"x": x, "attention_mask": mask})
+    assert report2.parity.ok, report2.parity
+
+
+def test_gpt2_packed_qkv_and_causal_mask():
+    """GPT-2 (transformers 4.x): packed QKV + Split, Where(tril slice, s, finfo.min) + mask."""
+    out, report = assert_optimized(attention(packed=True, mask="causal"))
+    h = hist(out)
+    assert h["com.microsoft.MultiHeadAttention"] == 1 and h["Split"] == 1
+    assert "Softmax" not in h and "Transpose" not in h
+    node = mha_node(out)
+    assert list(node.input[:3]) == ["q", "k", "v"]
+
+
+# ------------------------------------------------------------------------- guards
+def test_mild_where_mask_is_missed():
+    out, report = run(attention(packed=True, mask="causal-mild"))
+    assert codes(report, RULE) == ["mask-shape"]
+    assert "Softmax" in hist(out) and report.parity.ok
+
+
+def test_per_head_scale_is_missed():
+    out, report = run(attention(scale="per-head"))
+    assert codes(report, RULE) == ["scale-mismatch"]
+    assert report.parity.ok
+
+
+def test_runtime_scale_is_missed():
+    out, report = run(attention(scale="input"))
+    assert codes(report, RULE) == ["non-constant-param"]
+
+
+def test_runtime_heads_are_missed():
+    m = attention()
+    # make the head-splitting target a graph input
+    m.graph.initializer.remove(next(t for t in m.graph.initializer if t.name == "heads"))
+    m.graph.input.append(vi("heads", [4], TensorProto.INT64))
+    x = np.random.default_rng(0).standard_normal((1, 3, D)).astype(np.float32)
+    feed = {
+        "x": x,
+        "mask_bias": np.zeros((1, 1, 1, 3), np.float32),
+        "heads": np.array([0, 0, N, H], np.int64),
+    }
+    out, report = run(m, inputs=feed)
+    assert codes(report, RULE) == ["dynamic-heads"]
+    assert report.parity.ok
+
+
+def test_softmax_over_the_wrong_axis_is_missed():
+    out, report = run(attention(softmax_axis=2))
+    assert codes(report, RULE) == ["softmax-axis"]
+    assert report.parity.ok
+
+
+def test_unknown_rank_is_missed():
+    """q, k, v from a Reshape whose target length is a run-time value: rank unknown."""
+    m = attention(mask=None)
+    m.graph.input[0].name = "x_in"
+    m.graph.input.append(vi("xs", ["r"], TensorProto.INT64))
+    m.graph.node.insert(0, helper.make_node("Reshape", ["x_in", "xs"], ["x"], name="dyn"))
+    del m.graph.value_info[:]
+    x = np.random.default_rng(0).standard_normal((1, 3, D)).astype(np.float32)
+    out, report = run(m, inputs={"x_in": x, "xs": np.array([1, 3, D], np.int64)})
+    assert codes(report, RULE) == ["unknown-shape"]
+    assert report.parity.ok
+
+
+def test_unprovable_reshape_between_the_matmuls_is_missed():
+    m = attention(mid_reshape=True, mask=None)
+    # the [B, -1, S, H] target now comes from a graph input: not provably a no-op
+    for node in m.graph.node:
+        if node.op_type == "Reshape" and node.input[1] == "mid":
+            node.input[1] = "mid_in"
+    m.graph.input.append(vi("mid_in", [4], TensorProto.INT64))
+    x = np.random.default_rng(0).standard_normal((1, 3, D)).astype(np.float32)
+    out, report = run(m, inputs={"x": x, "mid_in": np.array([1, N, 3, H], np.int64)})
+    assert codes(report, RULE) == ["reshape-not-identity"]
+    assert report.parity.ok
+
+
+def test_fp16_on_cpu_has_no_kernel():
+    out, report = run(attention(dtype=np.float16), check=False)
+    assert codes(report, RULE) == ["no-kernel"]
+
+
+def test_fp16_on_cuda_fuses():
+    out, report = run(attention(dtype=np.float16), target="cuda", check=False)
+    assert hist(out)["com.microsoft.MultiHeadAttention"] == 1
+
+
+def test_attention_probabilities_as_output_are_missed():
+    out, report = run(attention(softmax_out=True))
+    assert codes(report, RULE) == ["shared-intermediate"]
+    assert report.parity.ok
+
+
+# --------------------------------------------------------------------- real model
+def test_bert_tiny_every_layer_fuses():
+    out, report = run(str(EXAMPLES / "bert_tiny.onnx"))
+    h = hist(out)
+    assert h["com.microsoft.MultiHeadAttention"] == 2  # 2 layers
+    assert h["LayerNormalization"] == 5  # embeddings + 2 per layer (already fused by export)
+    assert h["com.microsoft.BiasGelu"] == 2
+    assert "Softmax" not in h and "Transpose" not in h
+    assert h["Expand"] == 4  # 3 of the embeddings + one attention_bias shared by both layers
+    assert report.parity.ran and report.parity.ok
+    assert max(o.max_abs for o in report.parity.outputs) < 1e-5
