@@ -9,6 +9,15 @@ from . import passes, rules, targets  # noqa: F401  (register passes, rules and 
 from .opt.errors import GraphoptError
 from .opt.io import load_model, save_model
 from .opt.optimizer import Report, optimize
+from .targets.bundle import load_session
 
 __version__ = "0.1.0"
-__all__ = ["GraphoptError", "Report", "load_model", "optimize", "save_model", "__version__"]
+__all__ = [
+    "GraphoptError",
+    "Report",
+    "load_model",
+    "load_session",
+    "optimize",
+    "save_model",
+    "__version__",
+]

@@ -250,6 +250,8 @@ def _exit_code(report, checked: bool) -> int:
             )
     if not report.converged:
         return errors.EXIT_TARGET
+    if not report.legal:  # legalize: a node the target cannot run
+        return errors.EXIT_TARGET
     return errors.EXIT_OK
 
 
@@ -262,9 +264,17 @@ def _write_bundle(dest: Path, model, report) -> None:
         raise errors.ModelSaveError(f"cannot write to {dest.parent}: {e.strerror or e}") from None
     try:
         from .opt.io import needs_external_data
+        from .targets.bundle import write_bundle_files
 
-        write_model_files(model, staging / "model.onnx", external=needs_external_data(model))
-        report.outputs = {"model": str(dest / "model.onnx"), "report": str(dest / "report.json")}
+        write_model_files(
+            model,
+            staging / "model.onnx",
+            external=needs_external_data(model),
+            base_dir=report.bundle_context.get("base_dir"),
+        )
+        files = write_bundle_files(staging, model, report)
+        report.outputs = {k: str(dest / v) for k, v in files.items()}
+        report.outputs["report"] = str(dest / "report.json")
         (staging / "report.json").write_text(json.dumps(report.to_dict(), indent=2, sort_keys=True))
         replace_dir(staging, dest)
     except OSError as e:
@@ -739,8 +749,26 @@ def rules(fmt: Annotated[Format, typer.Option("--format")] = Format.text) -> Non
 
 
 @app.command()
-def targets(fmt: Annotated[Format, typer.Option("--format")] = Format.text) -> None:
-    """List the targets."""
+def targets(
+    action: Annotated[
+        str | None, typer.Argument(help="'show' to print one target's profile and kernel table.")
+    ] = None,
+    name: Annotated[str | None, typer.Argument(help="The target to show.")] = None,
+    fmt: Annotated[Format, typer.Option("--format")] = Format.text,
+) -> None:
+    """List the targets; `targets show NAME` prints one target's profile and kernel table."""
+    with handled():
+        if action is not None:
+            if action != "show" or not name:
+                raise errors.UsageError("usage: graphopt targets [show NAME]")
+            from .targets.describe import describe_target
+
+            data = describe_target(name)
+            if fmt == Format.json:
+                print(json.dumps(data, indent=2, sort_keys=True))
+            else:
+                _render_target(data)
+            return
     rows = [
         {
             "name": t.name,
@@ -762,6 +790,131 @@ def targets(fmt: Annotated[Format, typer.Option("--format")] = Format.text) -> N
             r["name"], r["description"], r["kernels"], "yes" if r["device_available"] else "no"
         )
     out.print(t)
+
+
+def _render_target(data: dict) -> None:
+    p = data["profile"]
+    out.print(f"[bold]{data['name']}[/]: {p['description']}")
+    for key in (
+        "runtime",
+        "runtime_version",
+        "providers",
+        "kernels_source",
+        "layout",
+        "static_shapes",
+        "fallback",
+        "approximations",
+        "disabled_rules",
+        "session",
+    ):
+        out.print(f"  {key}: {p[key]}")
+    for key, value in p["prefers"].items():
+        why = p["prefers_why"].get(key)
+        out.print(f"  prefers {key}: {value}" + (f"  ({why})" if why else ""))
+    out.print(f"  tolerances: {p['tolerances']}")
+    doc = data.get("document") or {}
+    if doc:
+        out.print(f"  source: {doc.get('source')}; commit: {doc.get('commit')}")
+    t = Table(title=f"{len(data['kernels'])} kernels", show_edge=False)
+    for col in ("op", "domain", "opsets", "types", "restrictions"):
+        t.add_column(col, overflow="fold")
+    for k in data["kernels"]:
+        t.add_row(
+            k["op"],
+            k["domain"] or "ai.onnx",
+            f"{k['since']}+" if k["end"] is None else f"{k['since']}-{k['end']}",
+            ", ".join(x.removeprefix("tensor(").removesuffix(")") for x in k["types"]),
+            k.get("restrictions") or "",
+        )
+    out.print(t)
+
+
+@app.command()
+def run(
+    bundle: Annotated[Path, typer.Argument(help="A bundle directory written by `optimize`.")],
+    inputs: Annotated[
+        Path | None,
+        typer.Option(
+            "--inputs",
+            help=".npz of inputs (default: the bundle's golden inputs, "
+            "compared with its golden outputs).",
+        ),
+    ] = None,
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="Write the outputs to this .npz.")
+    ] = None,
+    provider: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--provider",
+            help="Override the bundle's providers (repeatable), e.g. "
+            "CPUExecutionProvider to run a cuda/npu bundle's semantics on CPU.",
+        ),
+    ] = None,
+    repeat: Annotated[int, typer.Option("--repeat", min=1, help="Runs (timed).")] = 1,
+    fmt: Annotated[Format, typer.Option("--format")] = Format.text,
+) -> None:
+    """Run a bundle with onnxruntime exactly as its manifest and session config say."""
+    with handled():
+        from .targets.bundle import run_bundle
+
+        feeds = load_inputs(inputs) if inputs else None
+        result = run_bundle(bundle, feeds, providers=provider or None, repeat=repeat)
+        if output:
+            import numpy as np
+
+            with _atomic_path(output) as tmp:
+                with open(tmp, "wb") as f:
+                    np.savez(f, **result["outputs"])
+        summary = {
+            "bundle": result["bundle"],
+            "target": result["target"],
+            "providers": result["providers"],
+            "outputs": {
+                k: {"dtype": str(v.dtype), "shape": list(v.shape)}
+                for k, v in result["outputs"].items()
+            },
+            "session_create_ms": result["session_create_ms"],
+            "run_ms": result["run_ms"],
+            "golden": result["golden"],
+        }
+        if fmt == Format.json:
+            print(json.dumps(summary, indent=2, sort_keys=True, default=float))
+        else:
+            out.print(
+                f"[bold]{summary['bundle']}[/] ({summary['target']}) on "
+                f"{', '.join(summary['providers'])}: session {summary['session_create_ms']} ms, "
+                f"run {', '.join(f'{t:.2f}' for t in summary['run_ms'][:5])} ms"
+            )
+            for k, v in summary["outputs"].items():
+                out.print(f"  {k}: {v['dtype']} {v['shape']}")
+            if result["golden"] is not None:
+                g = result["golden"]
+                worst = max((d["max_abs"] for d in g["outputs"]), default=0.0)
+                out.print(
+                    "golden outputs: "
+                    + ("[green]match[/]" if g["ok"] else "[red]DIFFER[/]")
+                    + f" (max abs {worst:.3g})"
+                )
+        if result["golden"] is not None and not result["golden"]["ok"]:
+            raise typer.Exit(errors.EXIT_PARITY)
+
+
+@contextmanager
+def _atomic_path(path: Path):
+    """A temp file beside ``path`` that replaces it when the block succeeds."""
+    import os
+    import tempfile
+
+    path = path.resolve()
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 if __name__ == "__main__":  # pragma: no cover

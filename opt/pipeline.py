@@ -33,6 +33,7 @@ def preset(level: int) -> str:
         return ""
     return (
         f"fixpoint(fold-constants,simplify-shapes,rules{{level={level}}},dce){{max-iterations=10}}"
+        ",legalize"
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from .errors import UsageError
 
@@ -30,7 +31,34 @@ class Target:
     tolerances: dict[str, tuple[float, float]] = field(default_factory=dict)
     #: ops whose kernels on this target accumulate fp16/bf16 math in fp32: op -> source of fact
     fp32_accumulation: dict[str, str] = field(default_factory=dict)
+    #: fused ops measured slower on this target than what they replace: op -> the measurement
+    #: (rules refuse to emit them with a "slower-on-target" remark quoting it)
+    measured_slower: dict[str, str] = field(default_factory=dict)
     device_available: bool = True
+    #: version of the runtime / kernel library the table describes ("1.32.0", "TensorRT 10.15")
+    runtime_version: str = ""
+    #: preferred lowering per concept, e.g. {"pixel-shuffle": "DepthToSpace", "relu6": "Clip"};
+    #: target rewrites read this instead of target names
+    prefers: dict[str, str] = field(default_factory=dict)
+    #: why each preference holds (a measurement or a source), shown by `graphopt targets show`
+    prefers_why: dict[str, str] = field(default_factory=dict)
+    #: numerics-changing rewrites (rule names) this target accepts below -O3
+    approximations: frozenset[str] = frozenset()
+    #: every tensor must have a static shape (ahead-of-time compilers)
+    static_shapes: bool = False
+    #: the runtime runs an op without a kernel by inlining its ONNX function body
+    expands_functions: bool = False
+    #: the runtime runs a float16 node that has only a float kernel by casting around it
+    #: (onnxruntime's InsertCastTransformer on the CPU provider)
+    fp16_via_float: bool = False
+    #: target whose kernels run the nodes this one has no kernel for (cuda: "cpu"); each such
+    #: node is a fallback island costing device<->host copies
+    fallback: str | None = None
+    #: memory layout of image tensors in the target's kernels
+    layout: str = "NCHW"
+    #: onnxruntime session settings of the bundle (graph_optimization_level, ...); empty when
+    #: the runtime is not onnxruntime
+    session: dict[str, Any] = field(default_factory=dict)
 
     def kernels(self) -> KernelTable:
         return _kernel_cache(self)

@@ -1,4 +1,14 @@
-"""Local rewrite rules by family; importing this package registers them."""
+"""Local rewrite rules by family; importing this package registers them (target_rewrites
+extends activation's GELU rule, so it comes after it)."""
 
-from . import cleanup, conv, matmul, shape  # noqa: F401
-from . import control_flow  # noqa: F401
+from . import (  # noqa: F401
+    activation,
+    attention,
+    cleanup,
+    control_flow,
+    conv,
+    matmul,
+    norm,
+    shape,
+    target_rewrites,
+)

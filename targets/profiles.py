@@ -3,7 +3,17 @@
 * ``cpu``: onnxruntime's CPU execution provider; its kernel table is read live from the
   installed onnxruntime's registry, so it is always the truth for this machine.
 * ``cuda``: onnxruntime's CUDA execution provider; its kernel table is a pinned snapshot
-  (``data/cuda_kernels.json``) transcribed from onnxruntime's documented kernel list.
+  (``data/cuda_kernels.json``) transcribed from onnxruntime's documented kernel list.  Nodes
+  without a CUDA kernel fall back to ``cpu`` (``fallback``): legalize reports those islands.
+* ``tensorrt``: TensorRT through its ONNX parser, standard ONNX ops only; the table
+  (``data/tensorrt_ops.json``) is onnx-tensorrt's operator support matrix for TensorRT 10.15.
+* ``npu``: a generic edge NPU (``data/npu_ops.json``, a synthetic table): a restricted op set
+  without Erf, static shapes only, fp16/int8 compute.
+
+Besides the kernel table, a profile says which lowering it prefers (``prefers``: read by the
+target rewrites in ``rules/target_rewrites.py``, never a target name), which numerics-changing
+rewrites it accepts below -O3, whether shapes must be static, and the onnxruntime session
+settings its bundle is verified with (``targets/bundle.py``).
 """
 
 from __future__ import annotations
@@ -61,6 +71,22 @@ def pinned_kernels(filename: str) -> KernelTable:
     return table
 
 
+#: measured with examples/benchmark/pixel_shuffle.py (1 thread, ORT_ENABLE_ALL, interleaved)
+PIXEL_SHUFFLE_CPU = (
+    "measured (examples/benchmark/pixel_shuffle.py, onnxruntime 1.32.0 CPU, 1 thread, "
+    "ORT_ENABLE_ALL, 200 interleaved runs): DepthToSpace takes 0.28-0.69x the time of "
+    "Reshape->Transpose->Reshape (x=[1,128,32,32] r=2: 250 vs 528 us; [1,64,128,128] r=2: "
+    "2.36 vs 8.54 ms; both CRD and DCR); whole esrgan_tiny 14.4 vs 14.6 ms"
+)
+
+#: onnxruntime session settings shared by the onnxruntime-based targets (see targets/bundle.py)
+ORT_SESSION = {
+    "graph_optimization_level": "ORT_ENABLE_EXTENDED",
+    "why": "ORT_ENABLE_ALL adds layout transforms (NCHWc) specific to the machine that creates "
+    "the session; the bundle pins the level it was verified at",
+}
+
+
 CPU = register_target(
     Target(
         name="cpu",
@@ -70,6 +96,28 @@ CPU = register_target(
         kernels_source="live: onnxruntime.capi._pybind_state.get_all_opkernel_def()",
         load_kernels=live_cpu_kernels,
         tolerances=DEFAULT_TOLERANCES,
+        fp32_accumulation={
+            "LayerNormalization": "onnxruntime's CPU LayerNormalization-17 kernel "
+            "(core/providers/cpu/nn/layer_norm.cc) is registered with U=float for every T, "
+            "float16/bfloat16 included (the live registry lists the (T, float) pairs), and "
+            "computes mean and inverse std-dev in U",
+        },
+        measured_slower={
+            "SkipLayerNormalization": "onnxruntime 1.32.0 CPU, fp32, 1 intra-op thread, "
+            "ORT_ENABLE_ALL, 30x5 interleaved runs on this project's 2-vCPU build machine: "
+            "SkipLayerNormalization 0.501 ms vs Add+LayerNormalization 0.078 ms at [1,128,768] "
+            "(6.4x slower), 4.01 ms vs 0.79 ms at [8,128,768] (5.1x slower)",
+        },
+        runtime_version=ort.__version__,
+        prefers={"pixel-shuffle": "DepthToSpace", "relu6": "Clip", "clip-min-zero": "Relu"},
+        prefers_why={
+            "pixel-shuffle": PIXEL_SHUFFLE_CPU,
+            "relu6": "one Clip kernel instead of Max and Min: one pass over the tensor",
+            "clip-min-zero": "Clip(x, 0) is Relu; MLAS fuses Relu into the preceding Conv/Gemm",
+        },
+        expands_functions=True,
+        fp16_via_float=True,
+        session=ORT_SESSION,
     )
 )
 
@@ -86,7 +134,74 @@ CUDA = register_target(
         fp32_accumulation={
             "Gemm": "onnxruntime's CUDA Gemm calls cublasGemmEx for fp16 with 32-bit compute "
             "(CUBLAS_COMPUTE_32F) unless ORT_CUDA_GEMM_OPTIONS selects 16-bit compute",
+            "LayerNormalization": "onnxruntime's CUDA LayerNormalization-17 "
+            "(core/providers/cuda/nn/layer_norm.cc) instantiates LayerNorm<T, U=float> for "
+            "float16/bfloat16 and accumulates mean and variance in U",
         },
         device_available="CUDAExecutionProvider" in ort.get_available_providers(),
+        runtime_version=ort.__version__,
+        prefers={"pixel-shuffle": "DepthToSpace", "relu6": "Clip", "clip-min-zero": "Relu"},
+        prefers_why={
+            "pixel-shuffle": "one DepthToSpace kernel launch instead of a 6-D Transpose "
+            "between two Reshapes (not measured here: no GPU)",
+        },
+        expands_functions=True,
+        fallback="cpu",
+        session=ORT_SESSION,
     )
 )
+
+TENSORRT = register_target(
+    Target(
+        name="tensorrt",
+        description="NVIDIA TensorRT through its ONNX parser (standard ONNX ops only)",
+        runtime="TensorRT 10.15 (onnx-tensorrt parser)",
+        providers=("TensorrtExecutionProvider",),
+        kernels_source="pinned: targets/data/tensorrt_ops.json "
+        "(onnx/onnx-tensorrt docs/operators.md, TensorRT 10.15)",
+        load_kernels=lambda: pinned_kernels("tensorrt_ops.json"),
+        tolerances=DEFAULT_TOLERANCES,
+        device_available="TensorrtExecutionProvider" in ort.get_available_providers(),
+        runtime_version="10.15",
+        prefers={"pixel-shuffle": "DepthToSpace", "relu6": "Clip", "clip-min-zero": "Relu"},
+        prefers_why={
+            "pixel-shuffle": "TensorRT's parser maps DepthToSpace to one shuffle layer",
+            "relu6": "Clip maps to one IActivationLayer (kCLIP), fusable into the Conv",
+        },
+        session={
+            "graph_optimization_level": "ORT_ENABLE_BASIC",
+            "why": "onnxruntime's EXTENDED level fuses into com.microsoft ops, which TensorRT "
+            "cannot run; TensorRT does its own fusion when it builds the engine",
+        },
+    )
+)
+
+NPU = register_target(
+    Target(
+        name="npu",
+        description="generic edge NPU: restricted op set, static shapes, fp16/int8 compute",
+        runtime="generic-npu 1 (synthetic capability table)",
+        providers=(),
+        kernels_source="pinned: targets/data/npu_ops.json (synthetic generic edge-NPU table)",
+        load_kernels=lambda: pinned_kernels("npu_ops.json"),
+        # The NPU computes in fp16: parity of its lowered graph is judged at fp16 tolerance.
+        tolerances={**DEFAULT_TOLERANCES, "float32": (1e-2, 1e-3), "float16": (1e-2, 1e-3)},
+        device_available=False,
+        runtime_version="1",
+        prefers={"pixel-shuffle": "DepthToSpace", "relu6": "Clip", "gelu": "tanh"},
+        prefers_why={
+            "pixel-shuffle": "one DepthToSpace kernel; the Reshape form needs a 6-D Transpose, "
+            "which edge NPUs run slowly or not at all (the table does not model rank limits)",
+            "gelu": "the NPU has no Erf; Gelu runs as its tanh approximation (-O3)",
+        },
+        static_shapes=True,
+    )
+)
+
+#: the document each pinned kernel table was transcribed from (targets/data/), by target
+DOCUMENTS = {"cuda": "cuda_kernels.json", "tensorrt": "tensorrt_ops.json", "npu": "npu_ops.json"}
+
+
+def pinned_document(filename: str) -> dict:
+    """A pinned table's whole document: source, commit, notes and the kernel rows."""
+    return json.loads(resources.files("graphopt.targets").joinpath("data", filename).read_text())
