@@ -81,7 +81,7 @@ def test_cpu_bundle(conv_net, tmp_path):
     assert m["verified"]["device"] == "pass"  # the cpu target's device is this machine
     assert m["latency"]["median_ms"] > 0 and m["latency"]["runs"] >= 3
     cfg = read(out, "session_config.json")
-    assert cfg["graph_optimization_level"] == "ORT_ENABLE_EXTENDED"
+    assert cfg["graph_optimization_level"] == "ORT_ENABLE_ALL"
     assert cfg["providers"] == ["CPUExecutionProvider"]
     report = read(out, "report.json")
     assert report["legal"] is True and report["outputs"]["manifest"].endswith("manifest.json")

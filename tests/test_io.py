@@ -94,3 +94,60 @@ def test_missing_and_short_external_data(tmp_path):
     data.unlink()
     with pytest.raises(ModelLoadError, match="missing"):
         load_model(p)
+
+
+def test_lazy_external_data_stays_on_disk_and_output_is_self_contained(tmp_path):
+    """Optimizing a model with external data reads no weight it does not need, and writes a
+    bundle whose data file is its own (it survives moving; the input's file is untouched)."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    import graphopt
+    from graphopt.cli import app
+    from graphopt.opt import ir as ir_module
+
+    rng = np.random.default_rng(0)
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["h"]),
+        helper.make_node("Identity", ["h"], ["i"]),
+        helper.make_node("Add", ["i", "b"], ["y"]),
+    ]
+    m = model(
+        nodes,
+        [vi("x", [2, 256])],
+        [vi("y", [2, 256])],
+        [const("W", rng.standard_normal((256, 256))), const("b", rng.standard_normal(256))],
+    )
+    src = tmp_path / "in" / "m.onnx"
+    save_model(m, src, external=True)
+    data_before = (tmp_path / "in" / "m.onnx.data").read_bytes()
+
+    loaded = []
+    real_load = ir_module.ExternalValues.load
+
+    def spy(self):
+        loaded.append(self.tensor.name)
+        return real_load(self)
+
+    ir_module.ExternalValues.load = spy
+    try:
+        out, report = graphopt.optimize(src)
+    finally:
+        ir_module.ExternalValues.load = real_load
+    assert report.parity.ok and "W" not in loaded  # the 256 KiB weight was never read
+    assert [n.op_type for n in out.graph.node] == ["Gemm"]
+
+    res = CliRunner().invoke(app, ["optimize", str(src), "-o", str(tmp_path / "b"), "-q"])
+    assert res.exit_code == 0, res.output
+    moved = tmp_path / "elsewhere"
+    shutil.move(str(tmp_path / "b"), moved)
+    out_model = onnx.load(moved / "model.onnx", load_external_data=False)
+    locations = {
+        e.value for t in out_model.graph.initializer for e in t.external_data if e.key == "location"
+    }
+    assert locations == {"model.onnx.data"}
+    reloaded = load_model(moved / "model.onnx")
+    w = {t.name: onnx.numpy_helper.to_array(t) for t in reloaded.graph.initializer}
+    assert np.array_equal(w["W"], onnx.numpy_helper.to_array(m.graph.initializer[0]))
+    assert (tmp_path / "in" / "m.onnx.data").read_bytes() == data_before

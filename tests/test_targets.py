@@ -83,11 +83,8 @@ def test_cuda_falls_back_to_cpu_and_cpu_measures_its_preference():
     assert get_target("cuda").fallback == "cpu"
     cpu = get_target("cpu")
     assert "measured" in cpu.prefers_why["pixel-shuffle"]
-    assert cpu.session["graph_optimization_level"] in (
-        "ORT_DISABLE_ALL",
-        "ORT_ENABLE_BASIC",
-        "ORT_ENABLE_EXTENDED",
-    )
+    # The session level is a load-time setting (the saved model stays portable).
+    assert cpu.session["graph_optimization_level"] == "ORT_ENABLE_ALL"
 
 
 @pytest.mark.parametrize("name", sorted(DOCUMENTS))
