@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -47,7 +48,7 @@ def infer_shapes(ir: ModelIR) -> bool:
         for t in node.inputs:
             if isinstance(t, Constant) and t.name not in seen:
                 seen.add(t.name)
-                if int(np.prod(t.shape)) <= SMALL_CONSTANT:
+                if math.prod(t.shape) <= SMALL_CONSTANT:
                     inits.append(OnnxExporter.export_tensor_proto(t))
                 else:
                     inputs.append(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
+import math
 import os
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -79,6 +80,7 @@ class ModelIR:
         #: bumped by the pass manager whenever a pass changes the graph; analyses key on it
         self.mutations = 0
         self.inferred: dict[int, int] = {}
+        self.sorted: dict[int, int] = {}
         self._names = _NameSource(self.graph)
 
     # ----------------------------------------------------------------- export
@@ -132,6 +134,12 @@ class ModelIR:
 
     def is_graph_input(self, tensor: Tensor) -> bool:
         return any(t is tensor for t in self.graph.inputs)
+
+    def toposort(self) -> None:
+        """Topologically sort the current graph, unless no pass changed it since last time."""
+        if self.sorted.get(id(self.graph)) != self.mutations:
+            toposort(self.graph)
+            self.sorted[id(self.graph)] = self.mutations
 
     def can_rename(self, tensor: Tensor) -> bool:
         """Whether a graph output's name can move onto ``tensor``: it must be the private result
@@ -212,7 +220,7 @@ def constant_value(tensor: Tensor | None, max_elements: int | None = None) -> np
     """The value of a tensor known at optimization time, or None.  With ``max_elements``, a
     larger constant is not read at all (its values may be a memory-mapped multi-GB weight)."""
     if isinstance(tensor, Constant):
-        if max_elements is not None and int(np.prod(tensor.shape)) > max_elements:
+        if max_elements is not None and math.prod(tensor.shape) > max_elements:
             return None
         return np.asarray(tensor.values)
     return None

@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from .ir import Constant, ModelIR, Node, Tensor, Variable, constant_value, toposort
+from .ir import Constant, ModelIR, Node, Tensor, Variable, constant_value
 from .remarks import Remark
 
 if TYPE_CHECKING:
@@ -297,7 +297,7 @@ def apply_rules(ir: ModelIR, rules: Sequence[Rule], cx: PassContext, pass_name: 
     for r in rules:
         index.setdefault(r.root, []).append(r)
         cx.rule_stats(r.name)  # every rule of the set appears in the report, matched or not
-    toposort(ir.graph)
+    ir.toposort()
     queue = deque(n for n in ir.graph.nodes if n.op in index)
     queued = {id(n) for n in queue}
     budget = 4 * len(queue) + 100  # rewrites; more means rules undo each other

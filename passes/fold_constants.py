@@ -16,7 +16,7 @@ import numpy as np
 from onnx_graphsurgeon import Graph
 
 from graphopt.opt.analysis import EvaluationError, evaluate, infer_shapes
-from graphopt.opt.ir import Constant, ModelIR, Node, Variable, static_shape, toposort
+from graphopt.opt.ir import Constant, ModelIR, Node, Variable, static_shape
 from graphopt.opt.manager import Pass, PassContext, register_pass
 
 DEFAULT_SIZE_LIMIT = 1 << 20
@@ -99,7 +99,7 @@ class FoldConstants(Pass):
         pending: set[int] = set()  # ids of tensors computed by this round's batch
         batch: list[Node] = []
         direct: list[tuple[Node, np.ndarray]] = []
-        toposort(ir.graph)
+        ir.toposort()
         for node in ir.graph.nodes:
             if not node.outputs:
                 continue

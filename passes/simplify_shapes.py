@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from graphopt.opt.analysis import infer_shapes
-from graphopt.opt.ir import Constant, ModelIR, Node, Tensor, constant_value, toposort
+from graphopt.opt.ir import Constant, ModelIR, Node, Tensor, constant_value
 from graphopt.opt.manager import Pass, PassContext, register_pass
 
 Dim = int | str | tuple  # int: known; str: named symbol; tuple: ("dim", id(tensor), axis)
@@ -139,7 +139,7 @@ class SimplifyShapes(Pass):
 
     def run(self, ir: ModelIR, cx: PassContext) -> bool:
         infer_shapes(ir)
-        toposort(ir.graph)
+        ir.toposort()
         vals = _Values()
         changed = False
         for node in list(ir.graph.nodes):
