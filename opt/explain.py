@@ -28,6 +28,8 @@ HINTS = {
     "precision-loss": "storing the folded values loses more than the tolerance; keep it unfused",
     "precision-accumulation": "the fused kernel would accumulate in fp16/bf16; run in fp32 or on a "
     "target whose kernel accumulates in fp32",
+    "precision-refold": "folding into fp16/bf16 weights re-rounds them; run with -O3 to allow "
+    "it (parity then shows the effect), or keep the model's BatchNorm as is",
     "precision-range": "with the calibration inputs the fused kernel's accumulator may overflow; "
     "keep this layer unfused or in fp32",
     "dynamic-shape": "the shape is only known at run time; pass --shape for a static deployment",

@@ -29,8 +29,11 @@ class InlineConstantIf(Rule):
         cond = constant_value(m.cond)
         require(cond.size == 1, "condition-shape", f"the condition has {cond.size} elements")
         branch = m.root.attrs["then_branch" if bool(cond.reshape(-1)[0]) else "else_branch"]
-        require(len(branch.outputs) == len(m.root.outputs), "branch-outputs",
-                "the taken branch does not produce one value per If output")
+        require(
+            len(branch.outputs) == len(m.root.outputs),
+            "branch-outputs",
+            "the taken branch does not produce one value per If output",
+        )
         m.stash(branch=branch)
 
     def rewrite(self, m, b):

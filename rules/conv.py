@@ -19,7 +19,11 @@ import numpy as np
 
 from graphopt.opt.ir import Constant, constant_value, dtype_of
 from graphopt.opt.manager import register_rule
-from graphopt.opt.precision import require_accumulation_in_range, require_representable
+from graphopt.opt.precision import (
+    require_accumulation_in_range,
+    require_refold_allowed,
+    require_representable,
+)
 from graphopt.opt.rewrite import (
     Op,
     Rule,
@@ -55,6 +59,7 @@ class ConvScaleBase(Rule):
         stored_b = require_representable(b_new, dt, "Conv bias")
         out_axis = 0 if self.conv_op == "Conv" else 1
         require_accumulation_in_range(cx, m.X.name, w_new, b_new, dt, self.conv_op, out_axis)
+        require_refold_allowed(cx, dt, "Conv weights", int(w_new.size))
         m.stash(w_new=stored_w, b_new=stored_b)
 
     def scale_weights(self, w: np.ndarray, s: np.ndarray, group: int) -> np.ndarray:

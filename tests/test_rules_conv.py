@@ -173,10 +173,19 @@ def test_calibration_range_refuses_fp16_fusion_that_could_overflow(rng):
     (‖W'‖₁·max|x|) can exceed 65504: refused with precision-range and the numbers."""
     m = conv_bn(rng, dtype=np.float16, var=np.full(8, 1e-3), w_scale=20.0)
     x = {"x": (rng.standard_normal((1, 4, 8, 8)) * 40).astype(np.float16)}
-    out, report = run(m, inputs=x, check=False)
+    out, report = run(m, inputs=x, check=False, level=3)
     assert codes(report, "fuse-conv-bn") == ["precision-range"]
     remark = [r for r in report.remarks if r.rule == "fuse-conv-bn"][0]
     assert remark.args["worst"] > 65504 and remark.args["input_range"] > 0
-    # Without calibration inputs nothing is assumed: the fusion fires.
-    out2, report2 = run(m, check=False)
+    # Without calibration inputs nothing is assumed: at -O3 the fusion fires.
+    out2, report2 = run(m, check=False, level=3)
     assert codes(report2, "fuse-conv-bn", "passed") == ["fired"]
+
+
+def test_fp16_refold_is_an_O3_decision(rng):
+    """Folding BN into fp16 weights re-rounds them: refused at -O2 with a reason, done at -O3."""
+    m = conv_bn(rng, dtype=np.float16)
+    out, report = run(m)
+    assert codes(report, "fuse-conv-bn") == ["precision-refold"] and report.parity.ok
+    out3, report3 = run(m, level=3)
+    assert ops(out3) == {"Conv": 1} and report3.parity.ok
