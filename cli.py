@@ -646,6 +646,9 @@ def bench(
         Path | None, typer.Option("--save-baseline", help="Write this run as a baseline file.")
     ] = None,
     max_regression: Annotated[str, typer.Option("--max-regression")] = "5%",
+    min_seconds: Annotated[
+        float, typer.Option("--min-seconds", help="Keep measuring at least this long.")
+    ] = 2.0,
     junit: Annotated[Path | None, typer.Option("--junit")] = None,
     fmt: Annotated[Format, typer.Option("--format")] = Format.text,
 ) -> None:
@@ -666,6 +669,7 @@ def bench(
             level=ort_level,
             shapes=parse_shapes(shape),
             inputs=load_inputs(inputs) if inputs else None,
+            min_seconds=min_seconds,
         )
         if baseline:
             result = apply_baseline(result, baseline, limit)

@@ -4,7 +4,8 @@ Both models get onnxruntime sessions with the same options (default: ORT_ENABLE_
 intra-op thread, what users get) and run interleaved — A B A B … — after a warm-up, so that
 machine noise hits both alike.  The regression rule of the source document (reject a change more
 than 5 % slower than the baseline) is applied to the *normalized* latency, optimized p95 divided
-by original p95 in the same run: a baseline written on one machine stays meaningful on a busier
+by original p95 in the same run (the median over five interleaved slices, so one burst of
+background load does not decide): a baseline written on one machine stays meaningful on a busier
 or faster one.  Absolute times are reported too.
 """
 
@@ -20,6 +21,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from .customops import register_libraries
 from .errors import UsageError
 from .parity import Session, make_inputs
 
@@ -65,6 +67,7 @@ def _session(model: onnx.ModelProto, level: str, threads: int) -> tuple[Any, flo
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     so.log_severity_level = 4
+    register_libraries(so, model)
     t0 = time.perf_counter()
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     return sess, (time.perf_counter() - t0) * 1000
@@ -81,7 +84,10 @@ def measure(
     shapes: dict[str, list[int]] | None = None,
     inputs: dict[str, np.ndarray] | None = None,
     seed: int = 0,
+    min_seconds: float = 2.0,
 ) -> BenchResult:
+    """At least ``runs`` interleaved rounds, and more until ``min_seconds`` of measuring have
+    passed (a 0.1 ms model needs thousands of rounds for a stable p95)."""
     if level not in LEVELS:
         raise UsageError(f"--ort-level must be one of {', '.join(LEVELS)}")
     feeds = make_inputs(Session(original).sess, shapes or {}, seed, inputs)
@@ -95,18 +101,21 @@ def measure(
         for s, f in sessions:
             s.run(None, f)
     times: list[list[float]] = [[], []]
-    for _ in range(runs):
+    start = time.perf_counter()
+    rounds = 0
+    while rounds < runs or (time.perf_counter() - start < min_seconds and rounds < 100_000):
         for k, (s, f) in enumerate(sessions):
             t0 = time.perf_counter()
             s.run(None, f)
             times[k].append((time.perf_counter() - t0) * 1000)
+        rounds += 1
     lat = [
         Latency(
             float(np.percentile(t, 50)),
             float(np.percentile(t, 95)),
             float(np.mean(t)),
             created[k],
-            runs,
+            rounds,
         )
         for k, t in enumerate(times)
     ]
@@ -114,11 +123,26 @@ def measure(
         lat[0],
         lat[1],
         lat[1].p50_ms / lat[0].p50_ms,
-        lat[1].p95_ms / lat[0].p95_ms,
+        _blocked_ratio(times[0], times[1], 95),
         threads,
         level,
         {k: list(v.shape) for k, v in feeds.items()},
     )
+
+
+def _blocked_ratio(base: list[float], new: list[float], q: float, blocks: int = 5) -> float:
+    """The median over ``blocks`` consecutive slices of percentile-q(new) / percentile-q(base).
+
+    Runs are interleaved, so each slice saw the same machine conditions for both models; taking
+    the median across slices discards a slice a burst of background load spoiled."""
+    n = min(len(base), len(new))
+    blocks = max(1, min(blocks, n // 10))
+    edges = np.linspace(0, n, blocks + 1).astype(int)
+    ratios = [
+        np.percentile(new[a:b], q) / np.percentile(base[a:b], q)
+        for a, b in zip(edges[:-1], edges[1:])
+    ]
+    return float(np.median(ratios))
 
 
 def parse_regression(text: str) -> float:

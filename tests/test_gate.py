@@ -89,6 +89,8 @@ def test_bench_baseline_gate(tmp_path):
             MODEL,
             "--runs",
             "5",
+            "--min-seconds",
+            "0",
             "--warmup",
             "1",
             "--save-baseline",
@@ -111,6 +113,8 @@ def test_bench_baseline_gate(tmp_path):
             MODEL,
             "--runs",
             "5",
+            "--min-seconds",
+            "0",
             "--warmup",
             "1",
             "--baseline",
@@ -123,7 +127,20 @@ def test_bench_baseline_gate(tmp_path):
     assert ET.parse(tmp_path / "j.xml").getroot().get("failures") == "1"
     res = runner.invoke(
         app,
-        ["bench", MODEL, "--runs", "5", "--warmup", "1", "--baseline", _baseline(tmp_path, 1000.0)],
+        [
+            "bench",
+            MODEL,
+            "--runs",
+            "5",
+            "--min-seconds",
+            "0",
+            "--warmup",
+            "1",
+            "--min-seconds",
+            "0",
+            "--baseline",
+            _baseline(tmp_path, 1000.0),
+        ],
     )
     assert res.exit_code == 0, res.output
 
@@ -131,7 +148,9 @@ def test_bench_baseline_gate(tmp_path):
 def test_bench_bad_baseline_is_usage_error(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
-    res = runner.invoke(app, ["bench", MODEL, "--runs", "2", "--baseline", str(bad)])
+    res = runner.invoke(
+        app, ["bench", MODEL, "--runs", "2", "--min-seconds", "0", "--baseline", str(bad)]
+    )
     assert res.exit_code == 2
     res = runner.invoke(app, ["bench", MODEL, "--max-regression", "lots"])
     assert res.exit_code == 2
