@@ -69,7 +69,15 @@ def infer_shapes(ir: ModelIR) -> bool:
                     return False
                 inputs.append(_value_info(t))
     outputs = [_value_info(t) for t in g.outputs]
-    graph = onnx.helper.make_graph(nodes, "shape-view", inputs, outputs, inits)
+    # onnx does not know contrib ops; the types rules gave their outputs keep inference going.
+    known = [
+        _value_info(t)
+        for n in g.nodes
+        if n.domain not in (None, "", "ai.onnx")
+        for t in n.outputs
+        if t.name and t.dtype is not None and t.shape is not None
+    ]
+    graph = onnx.helper.make_graph(nodes, "shape-view", inputs, outputs, inits, value_info=known)
     model = onnx.helper.make_model(graph, opset_imports=_opsets(ir))
     model.ir_version = max(ir.original_ir_version, 4)
     model.functions.extend(OnnxExporter.export_function(f) for f in g.functions)

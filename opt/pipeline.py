@@ -31,7 +31,13 @@ def preset(level: int) -> str:
         raise UsageError(f"optimization level must be 0..3, got {level}")
     if level == 0:
         return ""
+    # Exact cleanups run to convergence first: fusions introduce contrib ops that onnx shape
+    # inference cannot see through, so shape glue must be folded before they appear.
+    cleanup = "fixpoint(fold-constants,simplify-shapes,rules{level=1},dce){max-iterations=32}"
+    if level == 1:
+        return f"{cleanup},legalize"
     return (
+        f"{cleanup},"
         f"fixpoint(fold-constants,simplify-shapes,rules{{level={level}}},dce){{max-iterations=10}}"
         ",legalize"
     )
