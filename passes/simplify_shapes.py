@@ -59,6 +59,21 @@ class _Values:
         v = constant_value(t, MAX_ELEMENTS)
         return v is not None and v.ndim == 0
 
+    def get_or_opaque(self, t: Tensor) -> tuple[list[Dim], bool] | None:
+        """Known elements, or -- for a small int tensor computed some other way (a Mul of two
+        dims, say) -- one opaque symbol per element, equal to nothing else."""
+        known = self.get(t)
+        if known is not None:
+            return known, self.is_scalar(t)
+        shape = t.shape
+        if t.dtype is None or np.dtype(t.dtype).kind not in "iu" or shape is None:
+            return None
+        if len(shape) == 0:
+            return [("opaque", id(t), 0)], True
+        if len(shape) == 1 and isinstance(shape[0], int) and 0 < shape[0] <= MAX_ELEMENTS:
+            return [("opaque", id(t), i) for i in range(shape[0])], False
+        return None
+
     def set(self, t: Tensor, elems: list[Dim], scalar: bool = False) -> None:
         self.elems[id(t)] = elems
         self.scalar[id(t)] = scalar
@@ -112,15 +127,16 @@ def _propagate(node: Node, vals: _Values) -> None:
         start, end = int(params[0].reshape(-1)[0]), int(params[1].reshape(-1)[0])
         vals.set(out, list(data[slice(start, end, step)]) if step != 0 else data)
     elif op == "Concat" and int(node.attrs.get("axis", 0)) in (0, -1):
-        parts = [vals.get(t) for t in ins]
-        if all(p is not None for p in parts) and not any(vals.is_scalar(t) for t in ins):
-            vals.set(out, [e for p in parts for e in p])
+        parts = [vals.get_or_opaque(t) for t in ins]
+        if all(p is not None and not p[1] for p in parts) and any(vals.get(t) for t in ins):
+            vals.set(out, [e for p, _ in parts for e in p])
     elif op == "Unsqueeze":
-        data = vals.get(ins[0])
+        got = vals.get_or_opaque(ins[0])
+        data = got[0] if got is not None else None
         axes = constant_value(ins[1], MAX_ELEMENTS) if len(ins) > 1 else node.attrs.get("axes")
         if (
             data is not None
-            and vals.is_scalar(ins[0])
+            and got[1]
             and axes is not None
             and list(np.asarray(axes).reshape(-1)) in ([0], [-1])
         ):
