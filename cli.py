@@ -37,7 +37,7 @@ from .opt.lint import freeze_initializers as freeze_model
 from .opt.lint import lint as lint_model
 from .opt.manager import PASSES, RULES
 from .opt.parity import check_parity, load_inputs, parse_shapes, parse_tolerances
-from .opt.pipeline import LEVEL_NAMES
+from .opt.pipeline import LEVEL_NAMES, preset, with_kernels
 from .opt.reference import upcast_to_float64
 from .opt.report_html import render_html
 from .opt.target import TARGETS
@@ -162,6 +162,14 @@ def optimize(
         Path | None, typer.Option("--html", help="Write a self-contained HTML report.")
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success.")] = False,
+    kernels: Annotated[
+        bool,
+        typer.Option(
+            "--kernels",
+            help="Also fuse element-wise chains into generated C/CUDA kernels "
+            "(fuse-elementwise; needs gcc/nvcc; the bundle ships kernels/).",
+        ),
+    ] = False,
 ) -> None:
     """Optimize MODEL for a target; write OUT_DIR/model.onnx and OUT_DIR/report.json."""
     with handled():
@@ -172,6 +180,8 @@ def optimize(
         shapes = parse_shapes(shape)
         feeds = load_inputs(inputs) if inputs else None
         show = fmt == Format.text and not quiet and sys.stdout.isatty()
+        if kernels:
+            pipeline = with_kernels(preset(level) if pipeline is None else pipeline)
         with _progress(show) as say:
             optimized, report = run_optimize(
                 src,

@@ -21,6 +21,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from .customops import register_libraries
 from .errors import UsageError
 from .parity import Session, make_inputs
 
@@ -66,6 +67,7 @@ def _session(model: onnx.ModelProto, level: str, threads: int) -> tuple[Any, flo
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     so.log_severity_level = 4
+    register_libraries(so, model)
     t0 = time.perf_counter()
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     return sess, (time.perf_counter() - t0) * 1000

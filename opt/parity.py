@@ -28,6 +28,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from .customops import register_libraries
 from .errors import GraphoptError, UsageError
 from .io import PROTOBUF_LIMIT, write_model_files
 
@@ -150,6 +151,7 @@ class Session:
             )
         self._tmp = None
         try:
+            register_libraries(so, model, providers[0] if providers else "CPUExecutionProvider")
             if model.ByteSize() < PROTOBUF_LIMIT:
                 self.sess = ort.InferenceSession(
                     model.SerializeToString(), so, providers=list(providers)

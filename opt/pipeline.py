@@ -43,6 +43,22 @@ def preset(level: int) -> str:
     )
 
 
+KERNELS_PASS = "fuse-elementwise"
+
+
+def with_kernels(text: str) -> str:
+    """``text`` with the opt-in kernel generation pass (``optimize --kernels``): before a final
+    ``legalize`` (so legalize sees the fused nodes), else at the end; unchanged if present."""
+    if KERNELS_PASS in _tokens(text):
+        return text
+    text = text.strip()
+    if not text:
+        return KERNELS_PASS
+    if text == "legalize" or text.endswith(",legalize"):
+        return text[: -len("legalize")] + f"{KERNELS_PASS},legalize"
+    return f"{text},{KERNELS_PASS}"
+
+
 _TOKEN = re.compile(r"\s*([A-Za-z0-9_.\-]+|[(),{}=])")
 
 

@@ -1,3 +1,5 @@
-"""Target profiles; importing this package registers them (see :mod:`graphopt.opt.target`)."""
+"""Target profiles; importing this package registers them (see :mod:`graphopt.opt.target`).
 
-from . import profiles  # noqa: F401
+It also registers the custom-op resolver of generated kernels (:mod:`.codegen`)."""
+
+from . import codegen, profiles  # noqa: F401

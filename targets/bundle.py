@@ -21,6 +21,12 @@ module adds, in the same staging directory (so the whole bundle appears in one r
   outputs on them (onnxruntime CPU, optimizations disabled).
 * ``memory_plan.json``: activation memory at the parity shapes, with and without buffer reuse
   (:mod:`graphopt.targets.memory`).
+* ``kernels/`` (models with ``graphopt.fused`` nodes, ``optimize --kernels``): the generated
+  kernels' source, ABI header, ``build.sh``, the library built there, the build log and
+  ``kernels.json`` (:mod:`graphopt.targets.codegen.library`); the manifest's ``kernels``
+  section lists them with their gate numbers (cuda: ptxas resources, ``"device": "not-run"``),
+  and the session config's ``custom_op_libraries`` names the library per provider, which
+  :func:`load_session` registers.
 
 :func:`load_session` builds the session exactly as the manifest and session config say; the
 bundle is checked with it before it is moved into place (golden outputs within the target's
@@ -158,6 +164,23 @@ def write_bundle_files(out_dir: Path, model: onnx.ModelProto, report) -> dict[st
     plan["measured_shapes"] = measured
     (out_dir / MEMORY_PLAN).write_text(json.dumps(plan, indent=2, sort_keys=True))
     session = session_config(target, model)
+    kernels = _write_kernels(out_dir, model, target, report)
+    if kernels:
+        files["kernels"] = "kernels/kernels.json"
+        session["custom_op_libraries"] = {
+            provider: lib["path"] for provider, lib in sorted(kernels["libraries"].items())
+        }
+        session["reasons"]["custom_op_libraries"] = (
+            "the model has graphopt.fused nodes: load_session registers the library of the "
+            "provider it runs on (register_custom_ops_library)"
+        )
+        session["kernel_threads"] = 1
+        session["reasons"]["kernel_threads"] = (
+            "OpenMP team size of the generated cpu kernels (GRAPHOPT_KERNEL_THREADS while "
+            "load_session creates the session; 0 = OpenMP's default): a team beside "
+            "onnxruntime's intra-op pool oversubscribes the cores (measured in "
+            "examples/kernels/README.md)"
+        )
     (out_dir / SESSION_CONFIG).write_text(json.dumps(session, indent=2, sort_keys=True))
     nodes, coverage = _node_kernels(target, model, view)
     manifest: dict[str, Any] = {
@@ -200,11 +223,40 @@ def write_bundle_files(out_dir: Path, model: onnx.ModelProto, report) -> dict[st
         "latency": None,
         "verified": {},
         "nodes": nodes,
+        "kernels": kernels or None,
     }
+    _kernel_latencies(nodes, kernels)
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
     manifest["verified"], manifest["latency"] = _verify(out_dir, manifest, session, target, report)
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
     return files
+
+
+def _write_kernels(out_dir: Path, model: onnx.ModelProto, target: Target, report) -> dict:
+    """``kernels/`` for the model's generated (graphopt.fused) kernels: built here, listed in
+    the manifest; per fused node, the latency its gate measured."""
+    from graphopt.targets.codegen.library import write_kernels
+    from graphopt.targets.codegen.toolchain import BuildError
+
+    try:
+        section = write_kernels(out_dir, model, target.name, report.remarks)
+    except BuildError as e:
+        raise GraphoptError(f"cannot build the bundle's generated kernels: {e}") from None
+    return section
+
+
+def _kernel_latencies(nodes: list[dict], kernels: dict | None) -> None:
+    for entry in nodes:
+        if entry["domain"] != "graphopt.fused" or not kernels:
+            continue
+        for k in kernels["kernels"]:
+            bench = ((k.get("gates") or {}).get("benchmark")) or {}
+            if k["op_type"] == entry["op"] and bench:
+                entry["latency_us"] = bench.get("fused_us")
+                entry["latency_note"] = (
+                    f"generated kernel, measured by its gate at {k['gates'].get('shape')} "
+                    f"(1 thread; unfused chain {bench.get('unfused_us')} us)"
+                )
 
 
 def _measure_unknown(out_dir: Path, model: onnx.ModelProto, view, golden: dict) -> int:
@@ -557,17 +609,47 @@ def load_session(
         so.intra_op_num_threads = int(config["intra_op_num_threads"])
     for key, value in sorted((config.get("session_config_entries") or {}).items()):
         so.add_session_config_entry(key, str(value))
+    _register_kernels(path, manifest, config, so, wanted, verify_hash)
     try:
-        return ort.InferenceSession(
-            str(model_path),
-            so,
-            providers=wanted,
-            disabled_optimizers=list(config.get("disabled_optimizers") or []),
-        )
+        with _kernel_threads(config.get("kernel_threads")):
+            return ort.InferenceSession(
+                str(model_path),
+                so,
+                providers=wanted,
+                disabled_optimizers=list(config.get("disabled_optimizers") or []),
+            )
     except Exception as e:  # noqa: BLE001 - onnxruntime raises several unrelated types
         text = str(e).strip()
         first = text.splitlines()[0] if text else type(e).__name__
         raise GraphoptError(f"onnxruntime cannot load the bundle: {first}") from None
+
+
+def _kernel_threads(n):
+    """Generated kernels read their thread count when onnxruntime creates them."""
+    from contextlib import nullcontext
+
+    from graphopt.targets.codegen.gates import kernel_threads
+
+    return nullcontext() if n is None else kernel_threads(int(n))
+
+
+def _register_kernels(path: Path, manifest: dict, config: dict, so, wanted, verify_hash) -> None:
+    """Register the bundle's generated-kernel library for the provider the session runs on
+    (the CUDA one when CUDAExecutionProvider is used, else the CPU one)."""
+    libs = config.get("custom_op_libraries") or {}
+    if not libs:
+        return
+    provider = next((p for p in wanted if p in libs), "CPUExecutionProvider")
+    rel = libs.get(provider)
+    if rel is None:
+        raise GraphoptError(f"the bundle has no generated-kernel library for {provider}")
+    lib = path / rel
+    if not lib.is_file():
+        raise GraphoptError(f"the bundle's kernel library {rel} is missing (run its build.sh)")
+    info = ((manifest.get("kernels") or {}).get("libraries") or {}).get(provider) or {}
+    if verify_hash and info.get("sha256") and _sha256(lib) != info["sha256"]:
+        raise GraphoptError(f"{rel} does not match the manifest's sha256 (rebuilt elsewhere?)")
+    so.register_custom_ops_library(str(lib))
 
 
 def run_bundle(

@@ -30,6 +30,9 @@ from graphopt.opt.ir import Node, Tensor, Variable, type_string
 from graphopt.opt.target import TARGETS, Target
 
 OK = "ok"
+#: domains of kernels graphopt generates itself, and the providers their libraries serve
+#: (targets/codegen: the node exists only when its kernel was built and passed the gates)
+GENERATED_DOMAINS = {"graphopt.fused": ("CPUExecutionProvider", "CUDAExecutionProvider")}
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,7 @@ class Resolution:
     dtype: str | None
     since: int | None = None
     end: int | None = None
-    kind: str = "kernel"  # kernel | function-body | function-body-unchecked | fallback | none
+    kind: str = "kernel"  # kernel | function-body(-unchecked) | fallback | generated | none
     message: str = ""
 
     @property
@@ -235,6 +238,20 @@ def _resolve_own(
             None,
             "constant",
             "a constant: loaded as data, no kernel runs",
+        )
+    if domain in GENERATED_DOMAINS and provider in GENERATED_DOMAINS[domain]:
+        return Resolution(
+            OK,
+            target.name,
+            provider,
+            op,
+            domain,
+            opset,
+            dtype,
+            1,
+            None,
+            "generated",
+            "a kernel graphopt generated (custom-op library in the bundle's kernels/)",
         )
     if dtype == "tensor(float16)" and target.fp16_via_float:
         exact = _resolve_own(replace(target, fp16_via_float=False), op, domain, opset, dtype, depth)

@@ -1,0 +1,203 @@
+"""The gates a generated kernel passes before a fusion is kept.
+
+For one candidate (a chain of ONNX nodes and the kernel that replaces it) at a concrete shape:
+
+1. numerics: the fused node (custom-op library in onnxruntime) against the unfused chain run by
+   onnxruntime as written (optimizations off), and against a float64 numpy evaluation of the
+   expression, both within the target's tolerance for the dtype;
+2. vectorization: gcc reported the kernel's loop vectorized (cpu, float32);
+3. benchmark: the fused model is faster than the unfused chain in onnxruntime at
+   ``ORT_ENABLE_ALL`` with one intra-op thread (and one kernel thread), medians of interleaved
+   runs -- onnxruntime's own fusions of the chain (e.g. x·σ(x) -> QuickGelu) are in the baseline;
+   the pass runs it on the chain alone and on the chain with its neighbours (see
+   ``passes/fuse_elementwise.py``), the latter deciding.
+
+Each gate says why it failed with the numbers; the pass turns that into a missed remark.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from graphopt.opt.parity import compare_outputs
+
+from .expr import evaluate
+from .spec import KernelSpec
+
+BENCH_BUDGET_S = 0.6
+BENCH_MIN_PAIRS = 7
+BENCH_MAX_PAIRS = 60
+
+
+@dataclass
+class GateResult:
+    ok: bool
+    code: str = "fired"
+    message: str = ""
+    numbers: dict[str, Any] = field(default_factory=dict)
+
+
+@contextmanager
+def kernel_threads(n: int):
+    """Generated kernels read GRAPHOPT_KERNEL_THREADS when onnxruntime creates them."""
+    old = os.environ.get("GRAPHOPT_KERNEL_THREADS")
+    os.environ["GRAPHOPT_KERNEL_THREADS"] = str(n)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("GRAPHOPT_KERNEL_THREADS", None)
+        else:
+            os.environ["GRAPHOPT_KERNEL_THREADS"] = old
+
+
+def session(
+    model: onnx.ModelProto, level: str, threads: int = 1, library: str | None = None
+) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 4
+    if library:
+        so.register_custom_ops_library(library)
+        with kernel_threads(threads):
+            return ort.InferenceSession(model.SerializeToString(), so, ["CPUExecutionProvider"])
+    return ort.InferenceSession(model.SerializeToString(), so, ["CPUExecutionProvider"])
+
+
+def make_feeds(names: list[str], shape: list[int], dtype, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {n: (rng.standard_normal(shape) * 3).astype(dtype) for n in names}
+
+
+def numerics(
+    spec: KernelSpec,
+    unfused: onnx.ModelProto,
+    fused: onnx.ModelProto,
+    feeds: dict[str, np.ndarray],
+    params: list[np.ndarray],
+    library: str,
+    tolerances: dict[str, tuple[float, float]],
+) -> GateResult:
+    out = unfused.graph.output[0].name
+    ref = session(unfused, "ORT_DISABLE_ALL").run([out], feeds)[0]
+    got = session(fused, "ORT_DISABLE_ALL", library=library).run(None, feeds)[0]
+    xs = [feeds[i.name] for i in fused.graph.input]
+    f64 = evaluate(
+        spec.expr, [x.astype(np.float64) for x in xs], [p.astype(np.float64) for p in params]
+    )
+    d_ort = compare_outputs(["y"], [ref], [got], tolerances)[0]
+    d_f64 = compare_outputs(["y"], [f64], [got], tolerances)[0]
+    d_base = compare_outputs(["y"], [f64], [ref], tolerances)[0]
+    numbers = {
+        "max_abs_vs_onnxruntime": d_ort.max_abs,
+        "max_abs_vs_float64": d_f64.max_abs,
+        "onnxruntime_max_abs_vs_float64": d_base.max_abs,
+        "rtol": d_ort.rtol,
+        "atol": d_ort.atol,
+    }
+    if not d_ort.ok:
+        return GateResult(
+            False,
+            "numerics",
+            f"differs from the unfused chain in onnxruntime: max abs {d_ort.max_abs:.3g} "
+            f"(tolerance {d_ort.atol:g} + {d_ort.rtol:g}·scale)",
+            numbers,
+        )
+    if not d_f64.ok:
+        return GateResult(
+            False,
+            "numerics",
+            f"differs from the float64 reference: max abs {d_f64.max_abs:.3g} "
+            f"(onnxruntime's chain: {d_base.max_abs:.3g})",
+            numbers,
+        )
+    return GateResult(True, numbers=numbers)
+
+
+def benchmark(
+    unfused: onnx.ModelProto,
+    fused: onnx.ModelProto,
+    feeds: dict[str, np.ndarray],
+    library: str,
+    *,
+    budget_s: float = BENCH_BUDGET_S,
+) -> GateResult:
+    """Medians of interleaved runs at ORT_ENABLE_ALL, one thread each."""
+    base = session(unfused, "ORT_ENABLE_ALL")
+    mine = session(fused, "ORT_ENABLE_ALL", library=library)
+    base_ops = _ops_after_ort(unfused)
+    runs: list[list[float]] = [[], []]
+    sessions = [base, mine]
+    for s in sessions:
+        for _ in range(3):
+            s.run(None, feeds)
+    t_start = time.perf_counter()
+    while len(runs[0]) < BENCH_MAX_PAIRS and (
+        len(runs[0]) < BENCH_MIN_PAIRS or time.perf_counter() - t_start < budget_s
+    ):
+        for k, s in enumerate(sessions):
+            t0 = time.perf_counter()
+            s.run(None, feeds)
+            runs[k].append(time.perf_counter() - t0)
+    unfused_us = statistics.median(runs[0]) * 1e6
+    fused_us = statistics.median(runs[1]) * 1e6
+    numbers = {
+        "unfused_us": round(unfused_us, 2),
+        "fused_us": round(fused_us, 2),
+        "speedup": round(unfused_us / fused_us, 3) if fused_us else None,
+        "runs": len(runs[0]),
+        "onnxruntime_level": "ORT_ENABLE_ALL",
+        "threads": 1,
+        "onnxruntime_ops": base_ops,
+    }
+    if not fused_us < unfused_us:
+        return GateResult(
+            False,
+            "slower",
+            f"generated kernel {fused_us:.1f} us vs {unfused_us:.1f} us for the unfused chain in "
+            f"onnxruntime ({' + '.join(base_ops) or 'no ops'}; ORT_ENABLE_ALL, 1 thread, median "
+            f"of {len(runs[0])})",
+            numbers,
+        )
+    return GateResult(True, numbers=numbers)
+
+
+def _ops_after_ort(model: onnx.ModelProto) -> list[str]:
+    """The op types onnxruntime runs for ``model`` at ORT_ENABLE_ALL (its own fusions applied)."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory(prefix="graphopt-ortopt-") as d:
+        path = Path(d) / "opt.onnx"
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.intra_op_num_threads = 1
+        so.log_severity_level = 4
+        so.optimized_model_filepath = str(path)
+        try:
+            ort.InferenceSession(model.SerializeToString(), so, ["CPUExecutionProvider"])
+            return [n.op_type for n in onnx.load(str(path)).graph.node]
+        except Exception:  # noqa: BLE001 - informational only
+            return []
+
+
+def median_us(sess: ort.InferenceSession, feeds: dict[str, np.ndarray], runs: int = 30) -> float:
+    for _ in range(3):
+        sess.run(None, feeds)
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        sess.run(None, feeds)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
