@@ -404,7 +404,9 @@ def verify(path: str, net: Net, tolerance: float) -> dict[str, float]:
                 raise AssertionError(f"{label} {name}: shape {got.shape} != torch {want.shape}")
             for dim, size in zip(declared[name], got.shape):
                 if isinstance(dim, int) and dim != size:
-                    raise AssertionError(f"{label} {name}: shape {got.shape} != declared {declared[name]}")
+                    raise AssertionError(
+                        f"{label} {name}: shape {got.shape} != declared {declared[name]}"
+                    )
             if not np.isfinite(got).all():
                 raise AssertionError(f"{label} {name}: non-finite values")
         err = rel_l2(outs[0], ref[0].numpy())

@@ -4,7 +4,8 @@
 
 mobilenet_bn.onnx  MobileNetV2/V3-style CNN, Conv->BatchNormalization pairs kept, [N,3,64,64]
 bert_tiny.onnx     transformers BertModel, 2 layers, hidden 128, [batch, seq] int64 inputs
-esrgan_tiny.onnx   ESRGAN-style super-resolution, x2 PixelShuffle spelled Reshape->Transpose->Reshape
+esrgan_tiny.onnx   ESRGAN-style super-resolution, x2 PixelShuffle spelled
+                   Reshape->Transpose->Reshape
 
 All TorchScript exporter (dynamo=False), opset 17, seeded random weights, dynamic batch axis.
 Each is checked with onnx.checker and run in onnxruntime against torch.
@@ -44,7 +45,9 @@ def _activation(kind: str) -> nn.Module:
     return {"relu6": nn.ReLU6, "hswish": nn.Hardswish}[kind]()
 
 
-def conv_bn_act(cin: int, cout: int, k: int, stride: int = 1, groups: int = 1, act: str | None = None):
+def conv_bn_act(
+    cin: int, cout: int, k: int, stride: int = 1, groups: int = 1, act: str | None = None
+):
     layers = [
         nn.Conv2d(cin, cout, k, stride, (k - 1) // 2, groups=groups, bias=False),
         nn.BatchNorm2d(cout),
@@ -221,7 +224,6 @@ def build_bert_tiny() -> Net:
     model = BertModel(config)
     perturb_constant_params(model)
     names = ["input_ids", "attention_mask"]
-    axes = {"batch": 0, "seq": 1}
     return Net(
         module=Wrapper(model, names, ["last_hidden_state", "pooler_output"]),
         inputs=text_inputs(config.vocab_size, tuple(names)),

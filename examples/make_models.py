@@ -1,6 +1,7 @@
 """Regenerate the corpus of real-architecture ONNX models (not committed).
 
-    /work/venv-torch/bin/python examples/make_models.py --out /work/models [--only NAME,...] [--list]
+    /work/venv-torch/bin/python examples/make_models.py --out /work/models \
+        [--only NAME,...] [--list]
 
 Every model is built from an architecture or config with seeded random weights (nothing is
 downloaded) and written as OUT/NAME.onnx (one external-data file only past 2 GB), with
@@ -229,7 +230,9 @@ MODELS: dict[str, Spec] = {
     "vit_hf": Spec(build_vit_hf),
     "whisper_tiny_encoder": Spec(build_whisper_tiny_encoder),
     "esrgan": Spec(build_esrgan),
-    "resnet50_fp16": Spec(torchvision_net("resnet50"), "resnet50", "fp16", keep_bn=True, tolerance=FP16_TOL),
+    "resnet50_fp16": Spec(
+        torchvision_net("resnet50"), "resnet50", "fp16", keep_bn=True, tolerance=FP16_TOL
+    ),
     "bert_base_fp16": Spec(build_bert_base, "bert_base", "fp16", tolerance=FP16_TOL),
     "gpt2_fp16": Spec(build_gpt2, "gpt2", "fp16", tolerance=FP16_TOL),
     "resnet50_dynamo": Spec(torchvision_net("resnet50"), "resnet50", "dynamo"),
@@ -319,7 +322,8 @@ def main() -> int:
         return worker(args.worker, args.out, args.reuse_base, args.result)
     if args.list:
         for name, spec in MODELS.items():
-            detail = spec.exporter + (" keep-BN" if spec.keep_bn else "") + (" kiai" if spec.kiai else "")
+            detail = (spec.exporter + (" keep-BN" if spec.keep_bn else "")
+                      + (" kiai" if spec.kiai else ""))
             print(f"{name:<22} {detail}")
         return 0
     names = list(MODELS)
