@@ -42,11 +42,29 @@ QUICK_MODELS = REPO / "examples"
 
 # Order in which known models are run (others follow alphabetically).
 MODEL_ORDER = [
-    "mobilenet_bn", "esrgan_tiny", "bert_tiny",
-    "resnet50", "mobilenet_v3_large", "efficientnet_b0", "convnext_tiny", "vit_b_16", "swin_t",
-    "bert_base", "distilbert", "gpt2", "t5_small", "vit_hf", "whisper_tiny_encoder", "esrgan",
-    "resnet50_fp16", "bert_base_fp16", "gpt2_fp16", "resnet50_dynamo", "bert_base_dynamo",
-    "resnet50_kiai", "bert_base_kiai",
+    "mobilenet_bn",
+    "esrgan_tiny",
+    "bert_tiny",
+    "resnet50",
+    "mobilenet_v3_large",
+    "efficientnet_b0",
+    "convnext_tiny",
+    "vit_b_16",
+    "swin_t",
+    "bert_base",
+    "distilbert",
+    "gpt2",
+    "t5_small",
+    "vit_hf",
+    "whisper_tiny_encoder",
+    "esrgan",
+    "resnet50_fp16",
+    "bert_base_fp16",
+    "gpt2_fp16",
+    "resnet50_dynamo",
+    "bert_base_dynamo",
+    "resnet50_kiai",
+    "bert_base_kiai",
 ]
 
 ALL_TOOLS = [
@@ -57,7 +75,7 @@ ALL_TOOLS = [
     "onnxslim",
     "onnxoptimizer",
     "onnxscript",
-    "onnxscript-ort",     # onnxscript.optimizer + onnxscript ort_fusions (not in the default set)
+    "onnxscript-ort",  # onnxscript.optimizer + onnxscript ort_fusions (not in the default set)
     "ort-basic",
     "ort-extended",
     "ort-transformers",
@@ -76,7 +94,7 @@ TRANSFORMER_CONFIGS = {
     "t5_small": ("t5", 8, 512),
     "vit_hf": ("vit", 12, 768),
     "vit_b_16": ("vit", 12, 768),
-    "swin_t": ("swin", 0, 0),            # heads differ per stage (3/6/12/24): let it detect
+    "swin_t": ("swin", 0, 0),  # heads differ per stage (3/6/12/24): let it detect
     "whisper_tiny_encoder": ("bert", 6, 384),
 }
 VARIANT_SUFFIXES = ("_fp16", "_dynamo", "_kiai")
@@ -92,7 +110,7 @@ def _first_error_line(text: str) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     for ln in lines:
         if ln.startswith("BENCH-ERROR: "):
-            return ln[len("BENCH-ERROR: "):][:300]
+            return ln[len("BENCH-ERROR: ") :][:300]
     # a Python traceback ends with the exception line; a CLI prints one line
     for ln in reversed(lines):
         if not ln.startswith(("Traceback", "File ", "warnings.warn", "^")):
@@ -109,8 +127,11 @@ def _transformer_config(name: str, sidecar: dict):
                 cfg = TRANSFORMER_CONFIGS.get(base[: -len(suf)])
                 break
     if "model_type" in sidecar:
-        cfg = (sidecar["model_type"], int(sidecar.get("num_heads", 0)),
-               int(sidecar.get("hidden_size", 0)))
+        cfg = (
+            sidecar["model_type"],
+            int(sidecar.get("num_heads", 0)),
+            int(sidecar.get("hidden_size", 0)),
+        )
     return cfg
 
 
@@ -119,8 +140,13 @@ def _save_proto(model, out: Path) -> None:
 
     out.parent.mkdir(parents=True, exist_ok=True)
     if model.ByteSize() > TWO_GB:
-        onnx.save_model(model, str(out), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=out.name + ".data")
+        onnx.save_model(
+            model,
+            str(out),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=out.name + ".data",
+        )
     else:
         onnx.save_model(model, str(out))
 
@@ -196,14 +222,18 @@ def _worker_optimize(tool: str, src: str, dst: str, cfg_json: str) -> int:
             import onnxruntime as ort
 
             so = ort.SessionOptions()
-            so.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-                                           if tool == "ort-basic"
-                                           else ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED)
+            so.graph_optimization_level = (
+                ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+                if tool == "ort-basic"
+                else ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+            )
             so.optimized_model_filepath = str(out)
             so.intra_op_num_threads = 1
             if os.path.getsize(src) > TWO_GB:
                 so.add_session_config_entry(
-                    "session.optimized_model_external_initializers_file_name", out.name + ".data")
+                    "session.optimized_model_external_initializers_file_name",
+                    out.name + ".data",
+                )
             ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
         elif tool == "ort-transformers":
             try:
@@ -222,8 +252,13 @@ def _worker_optimize(tool: str, src: str, dst: str, cfg_json: str) -> int:
             if not cfg.get("transformer"):
                 raise RuntimeError("n/a")
             model_type, heads, hidden = cfg["transformer"]
-            m = optimize_model(src, model_type=model_type, num_heads=heads, hidden_size=hidden,
-                               use_gpu=False)
+            m = optimize_model(
+                src,
+                model_type=model_type,
+                num_heads=heads,
+                hidden_size=hidden,
+                use_gpu=False,
+            )
             m.save_model_to_file(str(out), use_external_data_format=m.model.ByteSize() > TWO_GB)
         else:
             raise RuntimeError(f"unknown tool {tool}")
@@ -256,14 +291,18 @@ def _worker_measure(timeout: float, result: str, cmd: list[str]) -> int:
         if p.returncode != 0:
             if p.returncode < 0:
                 rec["error"] = f"killed by signal {-p.returncode}" + (
-                    " (out of memory?)" if p.returncode == -9 else "")
+                    " (out of memory?)" if p.returncode == -9 else ""
+                )
             else:
                 rec["error"] = f"exit {p.returncode}: {_first_error_line(p.stderr)}"
     except subprocess.TimeoutExpired as e:
         rec["rc"] = None
         rec["error"] = f"timeout after {timeout:.0f} s"
-        rec["stderr"] = (e.stderr or b"")[-4000:].decode("utf-8", "replace") \
-            if isinstance(e.stderr, bytes) else (e.stderr or "")[-4000:]
+        rec["stderr"] = (
+            (e.stderr or b"")[-4000:].decode("utf-8", "replace")
+            if isinstance(e.stderr, bytes)
+            else (e.stderr or "")[-4000:]
+        )
     rec["wall_s"] = time.perf_counter() - t0
     # Linux: ru_maxrss of children = peak RSS of the largest waited-for descendant, in KiB
     rec["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024.0
@@ -281,8 +320,12 @@ def _make_feed(sess, shapes: dict, seed: int = 0):
 
     rng = np.random.default_rng(seed)
     np_types = {
-        "tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
-        "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_,
+        "tensor(float)": np.float32,
+        "tensor(float16)": np.float16,
+        "tensor(double)": np.float64,
+        "tensor(int64)": np.int64,
+        "tensor(int32)": np.int32,
+        "tensor(bool)": np.bool_,
     }
     feed = {}
     for i in sess.get_inputs():
@@ -308,19 +351,29 @@ def _make_feed(sess, shapes: dict, seed: int = 0):
     return feed
 
 
-def _parity(ref_names, ref_outs, names, outs) -> dict:
+def _parity(ref_names, ref_outs, names, outs, fp16_model: bool = False) -> dict:
+    """Every output vs the original's: ok when max|err| <= tol * max|ref|, tol 1e-4, or 1e-2 when
+    the output is fp16 or the model computes in fp16 (fp16 weights behind fp32 I/O)."""
     import numpy as np
 
     if len(outs) != len(ref_outs):
-        return {"ok": False, "error": f"{len(outs)} outputs, original has {len(ref_outs)}"}
+        return {
+            "ok": False,
+            "error": f"{len(outs)} outputs, original has {len(ref_outs)}",
+        }
     by_name = dict(zip(names, outs))
     worst = 0.0
+    per_output = []
+    first_error = None
     for rn, r, o_pos in zip(ref_names, ref_outs, outs):
         o = by_name.get(rn, o_pos)
         r = np.asarray(r)
         o = np.asarray(o)
         if r.shape != o.shape:
-            return {"ok": False, "error": f"output {rn}: shape {list(o.shape)} vs {list(r.shape)}"}
+            return {
+                "ok": False,
+                "error": f"output {rn}: shape {list(o.shape)} vs {list(r.shape)}",
+            }
         if r.dtype.kind in "iub":
             if not np.array_equal(r, o):
                 return {"ok": False, "error": f"output {rn}: integer values differ"}
@@ -332,14 +385,18 @@ def _parity(ref_names, ref_outs, names, outs) -> dict:
         finite = ~np.isnan(rf)
         scale = float(np.max(np.abs(rf[finite]))) if finite.any() else 0.0
         err = float(np.max(np.abs(rf[finite] - of[finite]))) if finite.any() else 0.0
-        tol = 1e-2 if r.dtype == np.float16 or o.dtype == np.float16 else 1e-4
+        tol = 1e-2 if fp16_model or r.dtype == np.float16 or o.dtype == np.float16 else 1e-4
         rel = err / max(scale, 1e-6)
-        if rel > tol:
-            return {"ok": False, "rel_err": rel,
-                    "error": f"output {rn}: max abs err {err:.3g} = {rel:.2g}x scale {scale:.3g}"
-                             f" (tol {tol:g})"}
+        per_output.append({"name": rn, "max_abs": err, "scale": scale, "rel": rel, "tol": tol})
+        if rel > tol and first_error is None:
+            first_error = (
+                f"output {rn}: max abs err {err:.3g} = {rel:.2g}x scale {scale:.3g} (tol {tol:g})"
+            )
         worst = max(worst, rel)
-    return {"ok": True, "rel_err": worst}
+    res = {"ok": first_error is None, "rel_err": worst, "outputs": per_output}
+    if first_error:
+        res["error"] = first_error
+    return res
 
 
 def _worker_latency(spec_path: str, result_path: str) -> int:
@@ -364,6 +421,7 @@ def _worker_latency(spec_path: str, result_path: str) -> int:
         Path(result_path).write_text(json.dumps(res, indent=1))
 
     # graph stats
+    fp16_model = False
     for v in variants:
         try:
             m = onnx.load(v["path"], load_external_data=False)
@@ -371,17 +429,30 @@ def _worker_latency(spec_path: str, result_path: str) -> int:
             for n in m.graph.node:
                 k = n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}.{n.op_type}"
                 ops[k] = ops.get(k, 0) + 1
-            res[v["tool"]].update(nodes=len(m.graph.node), ops=dict(sorted(ops.items())),
-                                  opset={o.domain or "ai.onnx": o.version for o in m.opset_import},
-                                  bytes=_model_bytes(Path(v["path"]), m))
+            res[v["tool"]].update(
+                nodes=len(m.graph.node),
+                ops=dict(sorted(ops.items())),
+                opset={o.domain or "ai.onnx": o.version for o in m.opset_import},
+                bytes=_model_bytes(Path(v["path"]), m),
+            )
+            if v is variants[0]:
+                fp16 = any(t.data_type == onnx.TensorProto.FLOAT16 for t in m.graph.initializer)
+                fp16 = fp16 or any(
+                    n.op_type == "Cast"
+                    and any(a.name == "to" and a.i == onnx.TensorProto.FLOAT16 for a in n.attribute)
+                    for n in m.graph.node
+                )
+                res[v["tool"]]["fp16_model"] = fp16_model = fp16
             del m
         except Exception as e:  # noqa: BLE001
             res[v["tool"]]["stats_error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
     gc.collect()
     save()
 
-    levels = {"DISABLE_ALL": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-              "ENABLE_ALL": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
+    levels = {
+        "DISABLE_ALL": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "ENABLE_ALL": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }
 
     def options(level):
         so = ort.SessionOptions()
@@ -413,7 +484,8 @@ def _worker_latency(spec_path: str, result_path: str) -> int:
                         dt = time.perf_counter() - t0
                         samples.append(dt * 1e3)
                         t_spent += dt
-                        if len(samples) >= spec["create_reps"] or t_spent > 3.0:
+                        reps = spec["create_reps"] if level == "ENABLE_ALL" else 1
+                        if len(samples) >= reps or t_spent > 3.0:
                             break
                         del s
                         gc.collect()
@@ -423,8 +495,9 @@ def _worker_latency(spec_path: str, result_path: str) -> int:
                     names = {x.name for x in s.get_inputs()}
                     missing = names - set(feed)
                     if missing:
-                        raise RuntimeError(f"requires inputs not in the original: "
-                                           f"{sorted(missing)}")
+                        raise RuntimeError(
+                            f"requires inputs not in the original: {sorted(missing)}"
+                        )
                     f = {k: a for k, a in feed.items() if k in names}
                     outs = s.run(None, f)  # first run: also warm-up
                     onames = [o.name for o in s.get_outputs()]
@@ -433,10 +506,13 @@ def _worker_latency(spec_path: str, result_path: str) -> int:
                             ref = (onames, outs)
                             res[v["tool"]]["parity"] = {"ok": True, "rel_err": 0.0}
                         elif ref is not None:
-                            res[v["tool"]]["parity"] = _parity(ref[0], ref[1], onames, outs)
+                            res[v["tool"]]["parity"] = _parity(
+                                ref[0], ref[1], onames, outs, fp16_model
+                            )
                     elif ref is not None and i != 0:
-                        res[v["tool"]]["parity_enable_all"] = _parity(ref[0], ref[1], onames,
-                                                                      outs)
+                        res[v["tool"]]["parity_enable_all"] = _parity(
+                            ref[0], ref[1], onames, outs, fp16_model
+                        )
                     del outs
                     sessions[i] = s
                     feeds[i] = f
@@ -460,7 +536,10 @@ def _worker_latency(spec_path: str, result_path: str) -> int:
             n_runs = runs
             est = min(warm)
             if est > 0:
-                n_runs = max(runs, min(spec["max_runs"], math.ceil(spec["min_time_s"] * 1e3 / est)))
+                n_runs = max(
+                    runs,
+                    min(spec["max_runs"], math.ceil(spec["min_time_s"] * 1e3 / est)),
+                )
             times: dict[int, list[float]] = {i: [] for i in order}
             for r in range(n_runs):
                 k = r % len(order)
@@ -473,9 +552,21 @@ def _worker_latency(spec_path: str, result_path: str) -> int:
                 ts = times[i]
                 med = statistics.median(ts)
                 p90 = float(np.percentile(ts, 90))
+                # paired estimate: the variant and the original ran in the same round, so their
+                # ratio cancels load that drifts between rounds (other processes, thermal)
+                paired = [a / b for a, b in zip(ts, times[0])]
                 res[variants[i]["tool"]][level] = {
-                    "median_ms": med, "p90_ms": p90, "runs": len(ts),
-                    "ratio": med / base, "base_median_ms": base,
+                    "median_ms": med,
+                    "p90_ms": p90,
+                    "runs": len(ts),
+                    "ratio": statistics.median(paired),
+                    "ratio_of_medians": med / base,
+                    "ratio_p10_p90": [
+                        float(np.percentile(paired, 10)),
+                        float(np.percentile(paired, 90)),
+                    ],
+                    "base_median_ms": base,
+                    "times_ms": [round(t, 3) for t in ts],
                 }
             del sessions, feeds
             gc.collect()
@@ -507,29 +598,84 @@ def _discover(models_dir: Path, only: list[str] | None, min_age_s: float = 20.0)
     return found
 
 
+GRAPHOPT_PYTHONPATH: str | None = None  # set by --graphopt-source snapshot
+
+
+def _snapshot_graphopt(dest: Path) -> Path:
+    """Copy graphopt's package files (the layout pyproject maps: the repository root is the
+    package) so that one run sees one graphopt even while the checkout is being edited."""
+    pkg = dest / "graphopt"
+    shutil.rmtree(dest, ignore_errors=True)
+    pkg.mkdir(parents=True)
+    for f in REPO.glob("*.py"):
+        shutil.copy2(f, pkg / f.name)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for d in ("opt", "passes", "rules", "targets"):
+        if (REPO / d).is_dir():
+            shutil.copytree(REPO / d, pkg / d, ignore=ignore)
+    return dest
+
+
 def _optimize_cmd(tool: str, src: Path, out_dir: Path, cfg: dict) -> tuple[list[str], Path]:
     py = sys.executable
     if tool.startswith("graphopt-O"):
-        level = tool[len("graphopt-O"):]
+        level = tool[len("graphopt-O") :]
         exe = Path(py).parent / "graphopt"
-        base = [str(exe)] if exe.exists() else [py, "-m", "graphopt.cli"]
-        return (base + ["optimize", str(src), "-o", str(out_dir), "--target", "cpu", "-O", level,
-                        "--no-check", "--quiet"], out_dir / "model.onnx")
+        if GRAPHOPT_PYTHONPATH or not exe.exists():
+            base = [py, "-m", "graphopt.cli"]
+        else:
+            base = [str(exe)]
+        return (
+            base
+            + [
+                "optimize",
+                str(src),
+                "-o",
+                str(out_dir),
+                "--target",
+                "cpu",
+                "-O",
+                level,
+                "--no-check",
+                "--quiet",
+            ],
+            out_dir / "model.onnx",
+        )
     out = out_dir / "model.onnx"
-    return [py, str(Path(__file__).resolve()), "_optimize", tool, str(src), str(out),
-            json.dumps(cfg)], out
+    return [
+        py,
+        str(Path(__file__).resolve()),
+        "_optimize",
+        tool,
+        str(src),
+        str(out),
+        json.dumps(cfg),
+    ], out
 
 
 def _run_measured(cmd: list[str], timeout: float) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         rpath = f.name
     try:
-        wrapper = [sys.executable, str(Path(__file__).resolve()), "_measure", str(timeout), rpath,
-                   "--"] + cmd
-        subprocess.run(wrapper, timeout=timeout + 120)
+        wrapper = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "_measure",
+            str(timeout),
+            rpath,
+            "--",
+        ] + cmd
+        env = None
+        if GRAPHOPT_PYTHONPATH:
+            env = dict(os.environ, PYTHONPATH=GRAPHOPT_PYTHONPATH)
+        subprocess.run(wrapper, timeout=timeout + 120, env=env)
         return json.loads(Path(rpath).read_text())
     except Exception as e:  # noqa: BLE001
-        return {"rc": None, "error": f"wrapper failed: {type(e).__name__}: {e}", "cmd": cmd}
+        return {
+            "rc": None,
+            "error": f"wrapper failed: {type(e).__name__}: {e}",
+            "cmd": cmd,
+        }
     finally:
         Path(rpath).unlink(missing_ok=True)
 
@@ -548,20 +694,51 @@ def _groups(n_variants: int, model_bytes: int, mem_factor: float) -> list[list[i
     if n_variants <= fit:
         return [list(range(n_variants))]
     k = fit - 1
-    return [[0] + others[j:j + k] for j in range(0, len(others), k)]
+    return [[0] + others[j : j + k] for j in range(0, len(others), k)]
 
 
 def _versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"python": platform.python_version()}
-    for pkg in ["graphopt", "onnx", "onnxruntime", "onnx-graphsurgeon", "onnxsim", "onnxslim",
-                "onnxoptimizer", "onnxscript", "onnx-ir", "numpy", "psutil"]:
+    for pkg in [
+        "graphopt",
+        "onnx",
+        "onnxruntime",
+        "onnx-graphsurgeon",
+        "onnxsim",
+        "onnxslim",
+        "onnxoptimizer",
+        "onnxscript",
+        "onnx-ir",
+        "numpy",
+        "psutil",
+    ]:
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:
             out[pkg] = "not installed"
     return out
+
+
+def _git_state() -> str:
+    """graphopt's checkout: commit and number of modified/untracked files (read-only git)."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.splitlines()
+        return f"{head}" + (f" + {len(dirty)} uncommitted files" if dirty else " (clean)")
+    except Exception as e:  # noqa: BLE001
+        return f"unknown ({type(e).__name__})"
 
 
 def _machine() -> str:
@@ -613,7 +790,19 @@ def _status(r: dict) -> str:
         return "—"
     if p.get("ok"):
         return f"ok ({p.get('rel_err', 0):.1e})"
+    if r.get("session_error_DISABLE_ALL"):
+        return "FAIL in onnxruntime: " + r["session_error_DISABLE_ALL"]
     return "MISMATCH: " + p.get("error", "")
+
+
+def _ratio_cell(lat: dict) -> str:
+    if not lat:
+        return "—"
+    cell = f"{lat['ratio']:.3f}"
+    spread = lat.get("ratio_p10_p90")
+    if spread and lat["ratio"] != 1.0:
+        cell += f" [{spread[0]:.2f}, {spread[1]:.2f}]"
+    return cell
 
 
 def render_model(name: str, mres: dict, tools: list[str]) -> str:
@@ -622,19 +811,25 @@ def render_model(name: str, mres: dict, tools: list[str]) -> str:
     dis = orig.get("DISABLE_ALL", {})
     ena = orig.get("ENABLE_ALL", {})
     lines.append(f"### {name}\n")
-    info = (f"`{mres['path']}`, {mres['bytes'] / 1e6:.1f} MB, inputs "
-            + ", ".join(f"{k}={v}" for k, v in mres["shapes"].items()))
+    info = f"`{mres['path']}`, {mres['bytes'] / 1e6:.1f} MB, inputs " + ", ".join(
+        f"{k}={v}" for k, v in mres["shapes"].items()
+    )
     if dis or ena:
-        info += (f"; original: DISABLE_ALL {_fmt(dis.get('median_ms'), '{:.1f}')} ms "
-                 f"(p90 {_fmt(dis.get('p90_ms'), '{:.1f}')}), ENABLE_ALL "
-                 f"{_fmt(ena.get('median_ms'), '{:.1f}')} ms (p90 {_fmt(ena.get('p90_ms'), '{:.1f}')})"
-                 f", {ena.get('runs', dis.get('runs', 0))} interleaved runs per variant")
+        info += (
+            f"; original: DISABLE_ALL {_fmt(dis.get('median_ms'), '{:.1f}')} ms "
+            f"(p90 {_fmt(dis.get('p90_ms'), '{:.1f}')}), ENABLE_ALL "
+            f"{_fmt(ena.get('median_ms'), '{:.1f}')} ms "
+            f"(p90 {_fmt(ena.get('p90_ms'), '{:.1f}')})"
+            f", {ena.get('runs', dis.get('runs', 0))} interleaved runs per variant"
+        )
     if len(mres.get("groups", [])) > 1:
         info += f"; measured in {len(mres['groups'])} memory groups, each with the original"
     lines.append(info + "\n")
-    lines.append("| tool | nodes | size MB | optimize s | peak RSS MB | latency ratio DISABLE_ALL "
-                 "| latency ratio ENABLE_ALL | ENABLE_ALL med / p90 ms | session-create ms "
-                 "| parity |")
+    lines.append(
+        "| tool | nodes | size MB | optimize s | peak RSS MB | latency ratio DISABLE_ALL "
+        "| latency ratio ENABLE_ALL | ENABLE_ALL med / p90 ms | session-create ms "
+        "| parity |"
+    )
     lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for t, r in _rows_for(mres, tools):
         if r.get("na"):
@@ -642,13 +837,13 @@ def render_model(name: str, mres: dict, tools: list[str]) -> str:
             continue
         d = r.get("DISABLE_ALL", {})
         e = r.get("ENABLE_ALL", {})
-        ratio_d = _fmt(d.get("ratio"), "{:.3f}")
-        ratio_e = _fmt(e.get("ratio"), "{:.3f}")
+        ratio_d = _ratio_cell(d)
+        ratio_e = _ratio_cell(e)
         if r.get("session_error_DISABLE_ALL") and not d:
             ratio_d = "error"
         if r.get("session_error_ENABLE_ALL") and not e:
             ratio_e = "error"
-        med = (f"{e['median_ms']:.1f} / {e['p90_ms']:.1f}" if e else "—")
+        med = f"{e['median_ms']:.1f} / {e['p90_ms']:.1f}" if e else "—"
         status = _status(r)
         if r.get("session_error_ENABLE_ALL") and r.get("parity", {}).get("ok"):
             status += "; ENABLE_ALL: " + r["session_error_ENABLE_ALL"]
@@ -656,28 +851,34 @@ def render_model(name: str, mres: dict, tools: list[str]) -> str:
         if pa is not None and not pa.get("ok") and r.get("parity", {}).get("ok"):
             status += "; at ENABLE_ALL: " + pa.get("error", "mismatch")
         status = status.replace("|", "\\|")
+        size = r["bytes"] / 1e6 if r.get("bytes") else None
         lines.append(
-            f"| {t} | {_fmt(r.get('nodes'), '{:d}')} | {_fmt(r.get('bytes') and r['bytes'] / 1e6, '{:.1f}')}"
+            f"| {t} | {_fmt(r.get('nodes'), '{:d}')} | {_fmt(size, '{:.1f}')}"
             f" | {_fmt(r.get('opt_s'), '{:.2f}') if t != 'none' else ''}"
             f" | {_fmt(r.get('peak_rss_mb'), '{:.0f}') if t != 'none' else ''}"
             f" | {ratio_d} | {ratio_e} | {med} | {_fmt(r.get('create_ms_ENABLE_ALL'), '{:.0f}')}"
-            f" | {status} |")
+            f" | {status} |"
+        )
     lines.append("")
     return "\n".join(lines)
 
 
 def _usable(r: dict) -> bool:
-    return (not r.get("na") and not r.get("opt_error") and r.get("parity", {}).get("ok", False))
+    return not r.get("na") and not r.get("opt_error") and r.get("parity", {}).get("ok", False)
 
 
 def render_summary(results: dict, tools: list[str]) -> str:
     lines = ["## Summary\n"]
-    lines.append("Geo-mean of latency ratios (optimized/original, same run) over the models where "
-                 "the tool's output ran and matched; median node reduction (1 − nodes/original); "
-                 "`n` = models counted.\n")
-    lines.append("| tool | n | geo-mean ratio DISABLE_ALL | geo-mean ratio ENABLE_ALL "
-                 "| median node reduction | median optimize s | max peak RSS MB "
-                 "| fewest nodes (models) | fastest ENABLE_ALL (models) | failures |")
+    lines.append(
+        "Geo-mean of latency ratios (optimized/original, same run) over the models where "
+        "the tool's output ran and matched; median node reduction (1 − nodes/original); "
+        "`n` = models counted.\n"
+    )
+    lines.append(
+        "| tool | n | geo-mean ratio DISABLE_ALL | geo-mean ratio ENABLE_ALL "
+        "| median node reduction | median optimize s | max peak RSS MB "
+        "| fewest nodes (models) | fastest ENABLE_ALL (models) | failures |"
+    )
     lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     best_nodes: dict[str, int] = {}
     best_lat: dict[str, int] = {}
@@ -719,10 +920,13 @@ def render_summary(results: dict, tools: list[str]) -> str:
             f" | {_fmt(statistics.median(red) * 100 if red else None, '{:.1f} %')}"
             f" | {_fmt(statistics.median(opt_s) if opt_s and t != 'none' else None, '{:.2f}')}"
             f" | {_fmt(max(rss) if rss and t != 'none' else None, '{:.0f}')}"
-            f" | {best_nodes.get(t, 0)} | {best_lat.get(t, 0)} | {fails} |")
+            f" | {best_nodes.get(t, 0)} | {best_lat.get(t, 0)} | {fails} |"
+        )
     lines.append("")
-    lines.append("Ties in node count credit every tied tool; “fastest” is the single lowest "
-                 "ENABLE_ALL ratio (differences within ±2–3 % are noise).\n")
+    lines.append(
+        "Ties in node count credit every tied tool; “fastest” is the single lowest "
+        "ENABLE_ALL ratio (differences within ±2–3 % are noise).\n"
+    )
     fails = []
     for name, mres in results.items():
         for t, r in mres["tools"].items():
@@ -730,11 +934,20 @@ def render_summary(results: dict, tools: list[str]) -> str:
                 continue
             if r.get("opt_error"):
                 fails.append(f"- {name} / {t}: optimize failed: {r['opt_error']}")
+            elif r.get("session_error_DISABLE_ALL"):
+                fails.append(
+                    f"- {name} / {t}: output fails in onnxruntime: {r['session_error_DISABLE_ALL']}"
+                )
             elif r.get("parity") and not r["parity"].get("ok"):
                 fails.append(f"- {name} / {t}: output does not match: {r['parity'].get('error')}")
-            if r.get("session_error_ENABLE_ALL") and not r.get("opt_error"):
-                fails.append(f"- {name} / {t}: session at ENABLE_ALL failed: "
-                             f"{r['session_error_ENABLE_ALL']}")
+            if (
+                r.get("session_error_ENABLE_ALL")
+                and not r.get("opt_error")
+                and not r.get("session_error_DISABLE_ALL")
+            ):
+                fails.append(
+                    f"- {name} / {t}: session at ENABLE_ALL failed: {r['session_error_ENABLE_ALL']}"
+                )
         if mres.get("error"):
             fails.append(f"- {name}: {mres['error']}")
     lines.append("### Failures\n")
@@ -745,8 +958,10 @@ def render_summary(results: dict, tools: list[str]) -> str:
 
 def render_ops(results: dict) -> str:
     """Per model: op types whose counts differ between graphopt-O2 and the other outputs."""
-    lines = ["## Op histograms (main graph) where outputs differ from graphopt-O2\n",
-             "Counts per op type; only op types whose count differs between the columns.\n"]
+    lines = [
+        "## Op histograms (main graph) where outputs differ from graphopt-O2\n",
+        "Counts per op type; only op types whose count differs between the columns.\n",
+    ]
     for name, mres in results.items():
         tr = mres["tools"]
         g = tr.get("graphopt-O2")
@@ -761,8 +976,9 @@ def render_ops(results: dict) -> str:
         lines.append("| op | " + " | ".join(cols) + " |")
         lines.append("|---|" + "---:|" * len(cols))
         for k in keys:
-            lines.append(f"| {k} | " + " | ".join(str(tr[t].get("ops", {}).get(k, 0))
-                                                  for t in cols) + " |")
+            lines.append(
+                f"| {k} | " + " | ".join(str(tr[t].get("ops", {}).get(k, 0)) for t in cols) + " |"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -771,18 +987,36 @@ def render_report(meta: dict, results: dict, tools: list[str]) -> str:
     out = [f"# graphopt side-by-side benchmark — {meta['date']}\n"]
     out.append(f"- command: `{meta['command']}`")
     out.append(f"- machine: {meta['machine']}")
+    if meta.get("graphopt_checkout_start"):
+        end = meta.get("graphopt_checkout_end")
+        out.append(
+            f"- graphopt checkout (editable install): {meta['graphopt_checkout_start']} at "
+            f"start"
+            + (f", {end} at the end" if end and end != meta["graphopt_checkout_start"] else "")
+            + (f"; ran: {meta['graphopt_source']}" if meta.get("graphopt_source") else "")
+        )
     out.append("- versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()))
     out.append(f"- models: `{meta['models_dir']}` ({len(results)}); tools: {', '.join(tools)}")
-    out.append(f"- latency: onnxruntime CPUExecutionProvider, intra_op_num_threads=1, "
-               f"{meta['runs']} interleaved (round-robin, rotating start) runs per variant after "
-               f"{meta['warmup']} warm-up runs, at ORT_DISABLE_ALL (the graph as written) and "
-               f"ORT_ENABLE_ALL; ratio = median(variant) / median(original) in the same process")
-    out.append("- optimize s: wall time of the tool's process (interpreter start + imports + "
-               "load + optimize + save); peak RSS: getrusage(RUSAGE_CHILDREN).ru_maxrss of that "
-               f"process; timeout {meta['timeout']:.0f} s")
-    out.append("- parity: outputs on the same inputs vs the original at ORT_DISABLE_ALL; ok when "
-               "max|err| <= 1e-4 x max|reference| (1e-2 for fp16 outputs); integer ids in "
-               "[0, 100), masks ones, token types zeros, floats standard normal (seed 0)")
+    out.append(
+        f"- latency: onnxruntime CPUExecutionProvider, intra_op_num_threads=1, "
+        f">= {meta['runs']} interleaved rounds (round-robin, rotating start; fast models get "
+        f"more rounds, >= {meta.get('min_time', 0):g} s per variant) after "
+        f"{meta['warmup']} warm-up runs, at ORT_DISABLE_ALL (the graph as written) and "
+        f"ORT_ENABLE_ALL; ratio = median over rounds of t(variant) / t(original) of the same "
+        f"round, [p10, p90] of those per-round ratios in brackets (a spread wider than the "
+        f"difference from 1 is noise)"
+    )
+    out.append(
+        "- optimize s: wall time of the tool's process (interpreter start + imports + "
+        "load + optimize + save); peak RSS: getrusage(RUSAGE_CHILDREN).ru_maxrss of that "
+        f"process; timeout {meta['timeout']:.0f} s"
+    )
+    out.append(
+        "- parity: outputs on the same inputs vs the original at ORT_DISABLE_ALL; ok when "
+        "max|err| <= 1e-4 x max|reference| (1e-2 for fp16 outputs and for models that "
+        "compute in fp16); integer ids in "
+        "[0, 100), masks ones, token types zeros, floats standard normal (seed 0)"
+    )
     out.append(f"- total wall time: {meta.get('total_s', 0) / 60:.1f} min")
     if meta.get("notes"):
         for n in meta["notes"]:
@@ -797,41 +1031,120 @@ def render_report(meta: dict, results: dict, tools: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", type=Path, default=None,
-                    help=f"folder of NAME.onnx + NAME.json (default {DEFAULT_MODELS}; "
-                         f"--quick: {QUICK_MODELS})")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--models",
+        type=Path,
+        default=None,
+        help=f"folder of NAME.onnx + NAME.json (default {DEFAULT_MODELS}; --quick: {QUICK_MODELS})",
+    )
     ap.add_argument("--only", default=None, help="comma-separated model names")
-    ap.add_argument("--quick", action="store_true",
-                    help="the small example models of the repository (mobilenet_bn, esrgan_tiny, "
-                         "bert_tiny)")
-    ap.add_argument("--tools", default=",".join(DEFAULT_TOOLS),
-                    help=f"comma-separated, from: {', '.join(ALL_TOOLS)} (none is always run)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="the small example models of the repository (mobilenet_bn, esrgan_tiny, bert_tiny)",
+    )
+    ap.add_argument(
+        "--tools",
+        default=",".join(DEFAULT_TOOLS),
+        help=f"comma-separated, from: {', '.join(ALL_TOOLS)} (none is always run)",
+    )
     ap.add_argument("--runs", type=int, default=30, help="timed runs per variant and level")
-    ap.add_argument("--warmup", type=int, default=3, help="warm-up runs per variant and level")
-    ap.add_argument("--min-time", type=float, default=2.0,
-                    help="fast models get more rounds than --runs, so that each variant is timed "
-                         "for at least this many seconds per level (up to --max-runs)")
+    ap.add_argument("--warmup", type=int, default=2, help="warm-up runs per variant and level")
+    ap.add_argument(
+        "--min-time",
+        type=float,
+        default=2.0,
+        help="fast models get more rounds than --runs, so that each variant is timed "
+        "for at least this many seconds per level (up to --max-runs)",
+    )
     ap.add_argument("--max-runs", type=int, default=1000, help="cap for --min-time")
-    ap.add_argument("--create-reps", type=int, default=3,
-                    help="session creations per variant at each level (median; capped at ~3 s)")
+    ap.add_argument(
+        "--create-reps",
+        type=int,
+        default=3,
+        help="session creations per variant at ENABLE_ALL (median; capped at ~3 s)",
+    )
     ap.add_argument("--timeout", type=float, default=600.0, help="per-tool optimize timeout, s")
-    ap.add_argument("--latency-timeout", type=float, default=3600.0,
-                    help="timeout for one model's latency process, s")
-    ap.add_argument("--mem-factor", type=float, default=3.0,
-                    help="assumed memory per loaded session, as a multiple of the model size")
-    ap.add_argument("--cpu", type=int, default=None,
-                    help="pin the latency process to this CPU (default: the last one)")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="results markdown (default examples/benchmark/results/"
-                         "RESULTS-<date>[-quick].md); raw JSON is written next to it")
-    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "graphopt-bench",
-                    help="scratch folder for optimized models")
+    ap.add_argument(
+        "--latency-timeout",
+        type=float,
+        default=3600.0,
+        help="timeout for one model's latency process, s",
+    )
+    ap.add_argument(
+        "--mem-factor",
+        type=float,
+        default=2.0,
+        help="assumed memory per loaded session, as a multiple of the model size",
+    )
+    ap.add_argument(
+        "--cpu",
+        type=int,
+        default=None,
+        help="pin the latency process to this CPU (default: the last one)",
+    )
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="results markdown (default examples/benchmark/results/"
+        "RESULTS-<date>[-quick].md); raw JSON is written next to it",
+    )
+    ap.add_argument(
+        "--work",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "graphopt-bench",
+        help="scratch folder for optimized models",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the optimized models")
-    ap.add_argument("--no-rescan", action="store_true",
-                    help="do not pick up models that appear in --models during the run")
+    ap.add_argument(
+        "--no-rescan",
+        action="store_true",
+        help="do not pick up models that appear in --models during the run",
+    )
+    ap.add_argument(
+        "--graphopt-source",
+        default="snapshot",
+        help="snapshot (default): copy graphopt's sources into --work at start and run that copy "
+        "for the whole run; installed: run whatever graphopt the venv imports at each call; "
+        "DIR: an existing snapshot (DIR/graphopt), e.g. to rerun some models with the same code",
+    )
+    ap.add_argument(
+        "--render",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="RESULTS.json",
+        help="only re-render the markdown from raw results files (to --out, default next to the "
+        "first); with several, later files replace earlier ones model by model, and their "
+        "commands are listed as notes; the merged JSON is written next to --out",
+    )
     args = ap.parse_args(argv)
+    if args.render:
+        data = json.loads(args.render[0].read_text())
+        for extra in args.render[1:]:
+            more = json.loads(extra.read_text())
+            data["results"].update(more["results"])
+            data["meta"].setdefault("notes", []).append(
+                f"rerun of {', '.join(more['results'])} merged from {extra.name}: "
+                f"`{more['meta']['command']}` ({more['meta']['date']}; graphopt "
+                f"{more['meta'].get('graphopt_source', '?')})"
+            )
+        tools = ["none"] + [
+            t
+            for t in ALL_TOOLS
+            if t != "none" and any(t in m["tools"] for m in data["results"].values())
+        ]
+        out_md = args.out or args.render[0].with_suffix(".md")
+        out_md.write_text(render_report(data["meta"], data["results"], tools))
+        if len(args.render) > 1:
+            out_md.with_suffix(".json").write_text(json.dumps(data, indent=1))
+        print(f"wrote {out_md}")
+        return 0
 
     t_start = time.perf_counter()
     models_dir = args.models or (QUICK_MODELS if args.quick else DEFAULT_MODELS)
@@ -850,17 +1163,40 @@ def main(argv: list[str] | None = None) -> int:
 
     meta = {
         "date": _dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
-        "command": " ".join([Path(sys.executable).as_posix(), "examples/benchmark/bench.py"]
-                            + (argv if argv is not None else sys.argv[1:])),
-        "machine": _machine(), "versions": _versions(), "models_dir": str(models_dir),
-        "runs": args.runs, "warmup": args.warmup, "timeout": args.timeout, "notes": [],
+        "command": " ".join(
+            [Path(sys.executable).as_posix(), "examples/benchmark/bench.py"]
+            + (argv if argv is not None else sys.argv[1:])
+        ),
+        "machine": _machine(),
+        "versions": _versions(),
+        "models_dir": str(models_dir),
+        "graphopt_checkout_start": _git_state(),
+        "runs": args.runs,
+        "min_time": args.min_time,
+        "warmup": args.warmup,
+        "timeout": args.timeout,
+        "notes": [],
     }
+    global GRAPHOPT_PYTHONPATH
+    if args.graphopt_source == "snapshot" and any(t.startswith("graphopt") for t in tools):
+        snap = _snapshot_graphopt(args.work / "_graphopt_snapshot")
+        GRAPHOPT_PYTHONPATH = str(snap)
+        meta["graphopt_source"] = f"snapshot of {REPO} taken at start, in {snap}/graphopt"
+    elif args.graphopt_source not in ("snapshot", "installed"):
+        snap = Path(args.graphopt_source).resolve()
+        if not (snap / "graphopt" / "cli.py").exists():
+            ap.error(f"--graphopt-source {snap}: no graphopt/cli.py there")
+        GRAPHOPT_PYTHONPATH = str(snap)
+        meta["graphopt_source"] = f"existing snapshot {snap}/graphopt"
+    else:
+        meta["graphopt_source"] = "installed (imported at each call)"
     results: dict[str, dict] = {}
     done: set[str] = set()
     skipped: list[str] = []
 
     def write():
         meta["total_s"] = time.perf_counter() - t_start
+        meta["graphopt_checkout_end"] = _git_state()
         out_md.parent.mkdir(parents=True, exist_ok=True)
         out_md.write_text(render_report(meta, results, tools))
         out_json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
@@ -891,7 +1227,7 @@ def main(argv: list[str] | None = None) -> int:
                     queue.append(item)
     write()
     text = out_md.read_text()
-    summary = text[text.find("## Summary"):text.find("## Per model")]
+    summary = text[text.find("## Summary") : text.find("## Per model")]
     print("\n" + summary)
     print(f"results: {out_md}\nraw:     {out_json}")
     return 0
@@ -901,7 +1237,12 @@ def bench_model(name: str, path: Path, side: Path, tools: list[str], args, cpu: 
     sidecar = json.loads(side.read_text())
     shapes = sidecar.get("inputs", {})
     tcfg = _transformer_config(name, sidecar)
-    mres: dict = {"path": str(path), "bytes": path.stat().st_size, "shapes": shapes, "tools": {}}
+    mres: dict = {
+        "path": str(path),
+        "bytes": path.stat().st_size,
+        "shapes": shapes,
+        "tools": {},
+    }
     work = args.work / name
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -918,7 +1259,11 @@ def bench_model(name: str, path: Path, side: Path, tools: list[str], args, cpu: 
             continue
         cfg = {"transformer": list(tcfg) if tcfg else None}
         if tool == "ort-transformers":
-            r["config"] = {"model_type": tcfg[0], "num_heads": tcfg[1], "hidden_size": tcfg[2]}
+            r["config"] = {
+                "model_type": tcfg[0],
+                "num_heads": tcfg[1],
+                "hidden_size": tcfg[2],
+            }
         cmd, out = _optimize_cmd(tool, path, work / tool, cfg)
         m = _run_measured(cmd, args.timeout)
         r["opt_s"] = m.get("wall_s")
@@ -927,6 +1272,18 @@ def bench_model(name: str, path: Path, side: Path, tools: list[str], args, cpu: 
         if m.get("error") is None and not out.exists():
             m["error"] = "no output written"
         if m.get("error"):
+            rep_path = work / tool / "report.json"
+            if tool.startswith("graphopt") and rep_path.exists():
+                # graphopt writes its report even when it exits non-zero (--quiet: no message)
+                try:
+                    rep = json.loads(rep_path.read_text())
+                    if rep.get("converged") is False:
+                        m["error"] += (
+                            f" [report.json: pipeline did not converge, "
+                            f"{rep.get('nodes_before')} -> {rep.get('nodes_after')} nodes]"
+                        )
+                except Exception:  # noqa: BLE001
+                    pass
             r["opt_error"] = m["error"]
             r["stderr_tail"] = m.get("stderr", "")[-2000:]
             print(f"  {tool:17s} FAIL {m['error']}", flush=True)
@@ -946,20 +1303,36 @@ def bench_model(name: str, path: Path, side: Path, tools: list[str], args, cpu: 
 
     groups = _groups(len(variants), path.stat().st_size, args.mem_factor)
     mres["groups"] = [[variants[i]["tool"] for i in g] for g in groups]
-    spec = {"variants": variants, "shapes": shapes, "runs": args.runs, "warmup": args.warmup,
-            "create_reps": args.create_reps, "groups": groups, "cpu": cpu,
-            "min_time_s": args.min_time, "max_runs": args.max_runs}
+    spec = {
+        "variants": variants,
+        "shapes": shapes,
+        "runs": args.runs,
+        "warmup": args.warmup,
+        "create_reps": args.create_reps,
+        "groups": groups,
+        "cpu": cpu,
+        "min_time_s": args.min_time,
+        "max_runs": args.max_runs,
+    }
     spec_path = work / "spec.json"
     res_path = work / "latency.json"
     spec_path.write_text(json.dumps(spec))
     t0 = time.perf_counter()
-    cmd = [sys.executable, str(Path(__file__).resolve()), "_latency", str(spec_path), str(res_path)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "_latency",
+        str(spec_path),
+        str(res_path),
+    ]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.latency_timeout)
         if p.returncode != 0:
-            mres["error"] = (f"latency process exit {p.returncode}"
-                             + (" (killed: out of memory?)" if p.returncode == -9 else "")
-                             + f": {_first_error_line(p.stderr)}")
+            mres["error"] = (
+                f"latency process exit {p.returncode}"
+                + (" (killed: out of memory?)" if p.returncode == -9 else "")
+                + f": {_first_error_line(p.stderr)}"
+            )
     except subprocess.TimeoutExpired:
         mres["error"] = f"latency process timed out after {args.latency_timeout:.0f} s"
     mres["latency_s"] = time.perf_counter() - t0
@@ -975,8 +1348,11 @@ def bench_model(name: str, path: Path, side: Path, tools: list[str], args, cpu: 
             continue
         d = r.get("DISABLE_ALL", {}).get("ratio")
         e = r.get("ENABLE_ALL", {}).get("ratio")
-        print(f"  {tool:17s} nodes {r.get('nodes', '?')!s:>6} (orig {o.get('nodes', '?')})  "
-              f"DIS {_fmt(d, '{:.3f}')}  ALL {_fmt(e, '{:.3f}')}  {_status(r)}", flush=True)
+        print(
+            f"  {tool:17s} nodes {r.get('nodes', '?')!s:>6} (orig {o.get('nodes', '?')})  "
+            f"DIS {_fmt(d, '{:.3f}')}  ALL {_fmt(e, '{:.3f}')}  {_status(r)}",
+            flush=True,
+        )
     print(f"  latency phase {mres['latency_s']:.0f} s", flush=True)
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
@@ -988,7 +1364,7 @@ if __name__ == "__main__":
         sys.exit(_worker_optimize(*sys.argv[2:6]))
     if len(sys.argv) > 1 and sys.argv[1] == "_measure":
         i = sys.argv.index("--")
-        sys.exit(_worker_measure(float(sys.argv[2]), sys.argv[3], sys.argv[i + 1:]))
+        sys.exit(_worker_measure(float(sys.argv[2]), sys.argv[3], sys.argv[i + 1 :]))
     if len(sys.argv) > 1 and sys.argv[1] == "_latency":
         sys.exit(_worker_latency(sys.argv[2], sys.argv[3]))
     sys.exit(main())
