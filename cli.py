@@ -228,7 +228,28 @@ def optimize(
         if not code and not all(e.ok for e in results):
             code = errors.EXIT_TARGET
         if code:
+            err.print(f"error: {_exit_reason(report, results, code)}", soft_wrap=True)
             raise typer.Exit(code)
+
+
+def _exit_reason(report, expectations, code: int) -> str:
+    """One line for a non-zero exit, printed even with --quiet or --format json."""
+    if code == errors.EXIT_PARITY:
+        bad = [
+            o.name
+            for p in (report.parity, report.parity_float64)
+            if p
+            for o in p.outputs
+            if not o.ok
+        ]
+        return f"parity failed (outputs: {', '.join(bad) or 'see report.json'})"
+    failures = [r for r in report.remarks if r.kind == "failure"]
+    if failures:
+        return f"{failures[0].rule}: {failures[0].code}: {failures[0].message}" + (
+            f" (+{len(failures) - 1} more in report.json)" if len(failures) > 1 else ""
+        )
+    unmet = [e.text for e in expectations if not e.ok]
+    return f"expectations not met: {', '.join(unmet)}" if unmet else f"exit {code}"
 
 
 def _check_output_dir(src: Path, dest: Path) -> None:
