@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .expr import Expr
-from .ort_abi import HEADER
+from .ort_abi import HEADER, OP_CALLBACKS
 from .spec import ELEM, KernelSpec
 
 SOURCE = "graphopt_fused.c"
@@ -434,25 +434,7 @@ static OrtStatus* go_create(const OrtCustomOp* op, const OrtApi* api, const OrtK
 static void go_destroy(void* kernel) { free(kernel); }
 static const char* go_name(const OrtCustomOp* op) { return ((const go_op*)op)->name; }
 static const char* go_provider(const OrtCustomOp* op) { (void)op; return %(provider)s; }
-static int go_in_type(const OrtCustomOp* op, size_t i) { (void)i; return ((const go_op*)op)->elem; }
-static size_t go_in_count(const OrtCustomOp* op) {
-  const go_op* o = (const go_op*)op;
-  return (size_t)(o->n_in + o->n_par);
-}
-static int go_out_type(const OrtCustomOp* op, size_t i) {
-  (void)i;
-  return ((const go_op*)op)->elem;
-}
-static size_t go_out_count(const OrtCustomOp* op) { (void)op; return 1; }
-static int go_required(const OrtCustomOp* op, size_t i) {
-  (void)op, (void)i;
-  return GO_IO_REQUIRED;
-}
-static int go_mem_default(const OrtCustomOp* op, size_t i) {
-  (void)op, (void)i;
-  return GO_MEM_DEFAULT;
-}
-static int go_one(const OrtCustomOp* op) { (void)op; return 1; }
+%(callbacks)s
 
 #define GO_OP(NAME, NIN, NPAR, AXIS, ELEM, RUN) \
   { { GO_ORT_API_VERSION, NULL, go_name, go_provider, go_in_type, go_in_count, go_out_type, \
@@ -536,7 +518,10 @@ def generate(specs: list[KernelSpec], *, math: str = "own", provider: str | None
     text += OWN_MATH if math == "own" else LIBM_MATH
     if math == "libm":  # -ffast-math: the approximations need no IEEE corner cases either
         text += "\n/* built with -ffast-math: libm calls vectorize through glibc's libmvec */\n"
-    text += RUNTIME % {"provider": '"' + provider + '"' if provider else "NULL"}
+    text += RUNTIME % {
+        "provider": '"' + provider + '"' if provider else "NULL",
+        "callbacks": OP_CALLBACKS,
+    }
     src = CSource("", {}, math)
     for k, spec in enumerate(ordered):
         code, line = _kernel_code(k, spec, text.count("\n"))

@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from .cpu import _check_name, c_statements, literal  # noqa: F401  (literal used in f-strings)
-from .ort_abi import HEADER
+from .ort_abi import HEADER, OP_CALLBACKS
 from .spec import ELEM, KernelSpec
 
 SOURCE = "graphopt_fused_cuda.cu"
@@ -161,25 +161,7 @@ static OrtStatus* go_create(const OrtCustomOp* op, const OrtApi* api, const OrtK
 static void go_destroy(void* kernel) { free(kernel); }
 static const char* go_name(const OrtCustomOp* op) { return ((const go_op*)op)->name; }
 static const char* go_provider(const OrtCustomOp* op) { (void)op; return "CUDAExecutionProvider"; }
-static int go_in_type(const OrtCustomOp* op, size_t i) { (void)i; return ((const go_op*)op)->elem; }
-static size_t go_in_count(const OrtCustomOp* op) {
-  const go_op* o = (const go_op*)op;
-  return (size_t)(o->n_in + o->n_par);
-}
-static int go_out_type(const OrtCustomOp* op, size_t i) {
-  (void)i;
-  return ((const go_op*)op)->elem;
-}
-static size_t go_out_count(const OrtCustomOp* op) { (void)op; return 1; }
-static int go_required(const OrtCustomOp* op, size_t i) {
-  (void)op, (void)i;
-  return GO_IO_REQUIRED;
-}
-static int go_mem_default(const OrtCustomOp* op, size_t i) {
-  (void)op, (void)i;
-  return GO_MEM_DEFAULT;
-}
-static int go_one(const OrtCustomOp* op) { (void)op; return 1; }
+%(callbacks)s
 
 static int go_grid(int64_t n) {
   int64_t g = (n + %(block)d - 1) / %(block)d;
@@ -225,7 +207,7 @@ def generate(specs: list[KernelSpec]) -> CudaSource:
         "#include <cuda_runtime.h>\n#include <cuda_fp16.h>\n"
         '#include "graphopt_ort_abi.h"\n'
     )
-    text += DEVICE_MATH + RUNTIME % {"block": BLOCK}
+    text += DEVICE_MATH + RUNTIME % {"block": BLOCK, "callbacks": OP_CALLBACKS}
     src = CudaSource("", {}, ordered)
     for k, spec in enumerate(ordered):
         _check_name(spec.op_type)

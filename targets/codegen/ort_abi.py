@@ -135,3 +135,28 @@ typedef struct OrtCustomOp {
 #endif /* GRAPHOPT_ORT_ABI_H */
 """
 )
+
+
+#: OrtCustomOp callbacks shared by the CPU and CUDA libraries: each op's inputs and single
+#: output have the op's element type, and every input is required.
+OP_CALLBACKS = r"""
+static int go_in_type(const OrtCustomOp* op, size_t i) { (void)i; return ((const go_op*)op)->elem; }
+static size_t go_in_count(const OrtCustomOp* op) {
+  const go_op* o = (const go_op*)op;
+  return (size_t)(o->n_in + o->n_par);
+}
+static int go_out_type(const OrtCustomOp* op, size_t i) {
+  (void)i;
+  return ((const go_op*)op)->elem;
+}
+static size_t go_out_count(const OrtCustomOp* op) { (void)op; return 1; }
+static int go_required(const OrtCustomOp* op, size_t i) {
+  (void)op, (void)i;
+  return GO_IO_REQUIRED;
+}
+static int go_mem_default(const OrtCustomOp* op, size_t i) {
+  (void)op, (void)i;
+  return GO_MEM_DEFAULT;
+}
+static int go_one(const OrtCustomOp* op) { (void)op; return 1; }
+""".strip("\n")
