@@ -6,7 +6,9 @@ kebab-case code plus a sentence, and a pure *rewrite* that builds the replacemen
 
 * Structure that does not match is silent (the rule simply does not apply there).
 * A guard that fails after the structure matched is a *missed* remark: the user sees which
-  clause of the contract failed at which node.
+  clause of the contract failed at which node.  So is a non-structural :class:`NoMatch` raised by
+  a rule's own ``match`` once it has recognized the pattern's core (attention's Softmax between
+  two MatMuls) but not the exporter's spelling around it.
 * Only :class:`NoMatch` is caught; any other exception is a bug and surfaces.
 
 The driver is a greedy work queue over nodes in topological order, with rules indexed by root op
@@ -362,7 +364,12 @@ def _try_rule(
     try:
         try:
             m = rule.match(node, cx)
-        except NoMatch:
+        except NoMatch as e:
+            if not e.structural:  # recognized as the pattern's core, then an unknown spelling
+                stats.missed += 1
+                cx.remarks.add(
+                    Remark("missed", pass_name, rule.name, e.code, [node.name], e.message, e.args_)
+                )
             return None
         stats.attempts += 1
         try:

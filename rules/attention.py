@@ -141,6 +141,10 @@ class _Dims:
             d = t.shape[axis]
             if isinstance(d, (int, np.integer)) and d >= 0:
                 return ("int", int(d))
+            if isinstance(d, str) and d and not d.startswith("unk__"):
+                # onnx shape inference names a dim after an input's only when it proved them
+                # equal (a broadcast against an unknown dim yields a fresh ``unk__`` name)
+                return ("param", d)
         if isinstance(t, Constant):
             return ("int", int(t.shape[axis])) if axis < len(t.shape) else own
         if not t.inputs:  # graph input
@@ -331,12 +335,73 @@ def _split_heads(t: Tensor | None, perm: list[int]) -> dict | None:
         inner = _transpose(inputs(outer)[0], _PERM_BNSH) if outer is not None else None
         if inner is not None:
             tr, chain = inner, [outer, inner]
+        else:
+            chain = _k_through_3d(t)
+            tr = chain[-1] if chain else None
     if tr is None:
-        return None
+        return _split_heads_sbd(t, perm)
     rs = producer(inputs(tr)[0], "Reshape")
     if rs is None:
         return None
-    return {"x": inputs(rs)[0], "reshape": rs, "transposes": chain}
+    return {"x": inputs(rs)[0], "reshape": rs, "transposes": chain, "layout": "bsd"}
+
+
+def _split_heads_sbd(t: Tensor | None, perm: list[int]) -> dict | None:
+    """Sequence-first heads (torch.nn.MultiheadAttention): x is [S,B,D] and ::
+
+    Reshape(Transpose(Reshape(x, [S, -1, H]), (1,0,2)), [B, N, S, H])   [→ (0,1,3,2) for K]
+    """
+    chain = []
+    if perm == _PERM_BNHS:
+        outer = _transpose(t, [0, 1, 3, 2])
+        if outer is None:
+            return None
+        chain.append(outer)
+        t = inputs(outer)[0]
+    merge = producer(t, "Reshape")
+    tr = _transpose(inputs(merge)[0], [1, 0, 2]) if merge is not None else None
+    rs = producer(inputs(tr)[0], "Reshape") if tr is not None else None
+    if rs is None:
+        return None
+    return {
+        "x": inputs(rs)[0],
+        "reshape": rs,
+        "transposes": chain + [merge, tr],
+        "layout": "sbd",
+        "merge": merge,
+    }
+
+
+def _k_through_3d(t: Tensor | None) -> list[Node]:
+    """Kᵀ as the dynamo exporter writes it, heads folded into the batch for a 3-D transpose::
+
+        Reshape(Transpose(Reshape(y, [-1, T, H]), (0,2,1)), [B, N, H, T]),  y = [B,N,T,H]
+
+    The nodes (consumers first, ending with the Transpose that makes ``y``) when both Reshape
+    targets provably have those elements, else []."""
+    outer = producer(t, "Reshape")
+    flip = _transpose(inputs(outer)[0], [0, 2, 1]) if outer is not None else None
+    inner = producer(inputs(flip)[0], "Reshape") if flip is not None else None
+    base = _transpose(inputs(inner)[0], _PERM_BNSH) if inner is not None else None
+    if base is None:
+        return []
+    dims = _Dims()
+    y = base.outputs[0]
+    k = [dims.key(y, i) for i in range(4)]
+    ie = shape_elements(inputs(inner)[1], dims)
+    oe = shape_elements(inputs(outer)[1], dims)
+    if ie is None or oe is None or len(ie) != 3 or len(oe) != 4:
+        return []
+    if ie != [("int", -1), k[2], k[3]]:
+        return []
+    want = [k[0], k[1], k[3], k[2]]
+    free = [i for i, e in enumerate(oe) if e == ("int", -1)]
+    if len(free) > 1 or any(e != w for i, (e, w) in enumerate(zip(oe, want)) if i not in free):
+        return []
+    return [outer, flip, inner, base]
+
+
+_SCALED = ("MatMul", "Transpose", "Reshape")  # what a scale factor multiplies, never is
 
 
 def _strip_scale(t: Tensor | None) -> tuple[Tensor | None, list[tuple[Tensor, bool]], list[Node]]:
@@ -348,7 +413,7 @@ def _strip_scale(t: Tensor | None) -> tuple[Tensor | None, list[tuple[Tensor, bo
     if node.op == "Div":
         return ins[0], [(ins[1], True)], [node]
     for u, c in ((ins[0], ins[1]), (ins[1], ins[0])):
-        if producer(u, ("MatMul", "Transpose")) is not None and producer(c, "Transpose") is None:
+        if producer(u, _SCALED) is not None and producer(c, _SCALED[1:]) is None:
             return u, [(c, False)], [node]
     return t, [], []
 
@@ -356,7 +421,7 @@ def _strip_scale(t: Tensor | None) -> tuple[Tensor | None, list[tuple[Tensor, bo
 def _match(root: Node) -> dict:
     b: dict = {"out_reshape": root}
     ctx_t = inputs(root)[0]
-    tr_out = _transpose(ctx_t, _PERM_BNSH)
+    tr_out = producer(ctx_t, "Transpose")
     if tr_out is None:
         raise no_match()
     b["out_transpose"] = tr_out
@@ -382,6 +447,13 @@ def _match(root: Node) -> dict:
     if sm is None:
         raise no_match()
     b["softmax"] = sm
+    # Softmax between two MatMuls: attention; an unknown spelling from here on is a missed remark
+    out_perm = list(tr_out.attrs.get("perm", []))
+    out_layout = {tuple(_PERM_BNSH): "bsd", (2, 0, 1, 3): "sbd"}.get(tuple(out_perm))
+    if out_layout is None:
+        raise _unknown(
+            f"the heads are merged by Transpose{tuple(out_perm)}, not (0,2,1,3) or (2,0,1,3)"
+        )
     z = inputs(sm)[0]
     # mask: Add(s, M) | Where(c, s, v) | Add(Where(c, s, v), M) | none
     mask = where_mask = None
@@ -401,7 +473,7 @@ def _match(root: Node) -> dict:
     scores, factors, scale_nodes = _strip_scale(z)
     mm = producer(scores, "MatMul")
     if mm is None:
-        raise no_match()
+        raise _unknown(f"the Softmax input '{z.name}' is not a scaled, masked MatMul of Q and Kᵀ")
     b["qk"] = mm
     qs, ks = inputs(mm)
     q_t, q_f, q_nodes = _strip_scale(qs)
@@ -409,16 +481,22 @@ def _match(root: Node) -> dict:
     q = _split_heads(q_t, _PERM_BNSH)
     k = _split_heads(k_t, _PERM_BNHS)
     v = _split_heads(vt, _PERM_BNSH)
-    if q is None or k is None or v is None:
-        raise no_match()
+    for name, part, t in (("Q", q, q_t), ("Kᵀ", k, k_t), ("V", v, vt)):
+        if part is None:
+            raise _unknown(
+                f"{name} '{t.name}' is not split into heads by a Reshape and Transpose the rule "
+                "knows (batch-first, sequence-first, or the 3-D Kᵀ of dynamo exports)"
+            )
     for i, n in enumerate(scale_nodes + q_nodes + k_nodes):
         b[f"scale{i}"] = n
     # consumers before producers, so the driver can drop each once its readers are gone
-    b.update(q_transpose=q["transposes"][0], v_transpose=v["transposes"][0])
-    for i, n in enumerate(k["transposes"]):
-        b[f"k_transpose{i}"] = n
+    for r, part in (("q", q), ("k", k), ("v", v)):
+        for i, n in enumerate(part["transposes"]):
+            b[f"{r}_transpose{i}"] = n
     b.update(q_reshape=q["reshape"], k_reshape=k["reshape"], v_reshape=v["reshape"])
     return {
+        "layout": {"q": q["layout"], "k": k["layout"], "v": v["layout"], "out": out_layout},
+        "merges": {r: part.get("merge") for r, part in (("q", q), ("k", k), ("v", v))},
         "b": b,
         "q": q["x"],
         "k": k["x"],
@@ -430,15 +508,22 @@ def _match(root: Node) -> dict:
     }
 
 
+def _unknown(message: str) -> NoMatch:
+    return NoMatch("unrecognized-layout", message)
+
+
 def _is_scores(t: Tensor | None) -> bool:
     """Q·Kᵀ (possibly scaled): a MatMul whose right operand is a transposed tensor."""
     mm = producer(_strip_scale(t)[0], "MatMul")
-    return mm is not None and producer(_strip_scale(inputs(mm)[1])[0], "Transpose") is not None
+    right = _strip_scale(inputs(mm)[1])[0] if mm is not None else None
+    return producer(right, ("Transpose", "Reshape")) is not None
 
 
 # ---------------------------------------------------------------------------- rule
-def _heads(target: Tensor, x: Tensor, dims: _Dims) -> tuple[int, int] | str:
+def _heads(reshape: Node, x: Tensor, dims: _Dims) -> tuple[int, int] | str:
     """(N, H) of ``Reshape(x [B,S,D], target)`` splitting D into heads, or why not."""
+    target = inputs(reshape)[1]
+    copy = () if reshape.attrs.get("allowzero", 0) else (("int", 0),)  # 0 copies the input dim
     elems = shape_elements(target, dims)
     if elems is None:
         return f"the reshape target '{target.name}' is computed at run time and not resolvable"
@@ -456,11 +541,42 @@ def _heads(target: Tensor, x: Tensor, dims: _Dims) -> tuple[int, int] | str:
         return f"heads and head size {[n, h]} are not static"
     if width is not None and ints[0] * ints[1] != width:
         return f"{ints[0]}×{ints[1]} heads do not split the hidden size {width}"
-    b_ok = elems[0] in (("int", 0), dims.key(x, 0))
-    s_ok = elems[1] in (("int", 0), dims.key(x, 1), ("int", -1))
+    b_ok = elems[0] in (*copy, dims.key(x, 0))
+    s_ok = elems[1] in (*copy, dims.key(x, 1), ("int", -1))
     if not (b_ok and s_ok):
         return f"the reshape target {elems[:2]} does not keep the batch and sequence dims"
     return ints[0], ints[1]
+
+
+def _heads_sbd(split: Node, merge: Node, x: Tensor, dims: _Dims) -> tuple[int, int] | str:
+    """(N, H) of the sequence-first split ``Reshape(Transpose(Reshape(x [S,B,D], [S,-1,H]),
+    (1,0,2)), [B,N,S,H])``, or why not."""
+    ea = shape_elements(inputs(split)[1], dims)
+    eb = shape_elements(inputs(merge)[1], dims)
+    if ea is None or eb is None:
+        return "a sequence-first reshape target is computed at run time and not resolvable"
+    if len(ea) != 3 or len(eb) != 4:
+        return f"the sequence-first reshape targets have {len(ea)} and {len(eb)} elements, not 3, 4"
+    width = x.shape[-1] if x.shape is not None and len(x.shape) == 3 else None
+    if not isinstance(width, (int, np.integer)):
+        return f"the hidden size of '{x.name}' is not static"
+    copy = () if split.attrs.get("allowzero", 0) else (("int", 0),)
+    h, n = ea[2], eb[1]
+    if h[0] != "int" or n[0] != "int" or h[1] <= 0 or n[1] <= 0 or eb[3] != h:
+        return f"heads and head size {[n, h]} are not static and consistent"
+    if n[1] * h[1] != width:
+        return f"{n[1]}×{h[1]} heads do not split the hidden size {width}"
+    seq, batch = dims.key(x, 0), dims.key(x, 1)
+    if ea[0] not in (*copy, seq) or ea[1] != ("int", -1):
+        return f"the reshape target {ea} does not keep the sequence dim and fold batch × heads"
+    if eb[2] != seq or eb[0] not in (("int", -1), batch):
+        return f"the reshape target {eb} does not unfold batch × heads"
+    return n[1], h[1]
+
+
+def _axis(m, r: str, which: str) -> int:
+    """The batch or sequence axis of the [B,S,D] or [S,B,D] source of q, k or v."""
+    return (which == "seq") ^ (m.layout[r] == "sbd")
 
 
 @register_rule
@@ -495,7 +611,9 @@ class FuseMultiHeadAttention(Rule):
             f"the Softmax normalizes over axis {axis} (opset {cx.ir.opset}), not over the keys",
         )
         heads = [
-            _heads(inputs(m.bindings[f"{r}_reshape"])[1], t, dims)
+            _heads(m.bindings[f"{r}_reshape"], t, dims)
+            if m.layout[r] == "bsd"
+            else _heads_sbd(m.bindings[f"{r}_reshape"], m.merges[r], t, dims)
             for r, t in (("q", q), ("k", k), ("v", v))
         ]
         bad = [h for h in heads if isinstance(h, str)]
@@ -587,9 +705,11 @@ class FuseMultiHeadAttention(Rule):
         want = [dims.key(ctx, i) for i in range(4)]
         t = m.tensors
         alts = [
-            {dims.key(x, 0) for x in (m.q, t["qt"], t["scores"], t["p"], t["ctx"])},
+            {dims.key(m.q, _axis(m, "q", "batch"))}
+            | {dims.key(x, 0) for x in (t["qt"], t["scores"], t["p"], t["ctx"])},
             {dims.key(x, 1) for x in (t["qt"], t["scores"], t["p"], t["ctx"])},
-            {dims.key(m.q, 1)} | {dims.key(x, 2) for x in (t["qt"], t["scores"], t["p"], t["ctx"])},
+            {dims.key(m.q, _axis(m, "q", "seq"))}
+            | {dims.key(x, 2) for x in (t["qt"], t["scores"], t["p"], t["ctx"])},
             {dims.key(x, 3) for x in (t["qt"], t["vt"], t["ctx"])},
         ]
         minus_one = sum(e == ("int", -1) for e in elems)
@@ -605,15 +725,27 @@ class FuseMultiHeadAttention(Rule):
     def _out_direct(self, m, dims: _Dims) -> bool:
         """Whether the output Reshape provably yields [B,S,N·H]; else it is kept after MHA."""
         elems = shape_elements(inputs(m.root)[1], dims)
-        if elems is None or len(elems) != 3:
+        if elems is None or len(elems) != 3 or m.layout["out"] == "sbd":
+            # kept after the kernel: a 0 past axis 1 would copy a dim of [B|S,S|B,N,H] that the
+            # kernel's [B|S,S|B,D] does not have
             target = constant_value(inputs(m.root)[1])
-            if target is not None and (len(target) != 3 or 0 in list(target)[2:]):
-                raise no_match()
+            rank = 4 if m.layout["out"] == "sbd" else 3
+            require(
+                target is None or 0 not in list(target)[2:] or m.root.attrs.get("allowzero", 0),
+                "reshape-not-identity",
+                f"the merging Reshape copies a head dim with 0 in {list(target)}",
+            )
+            require(
+                m.layout["out"] == "sbd" or target is None or len(target) == rank,
+                "reshape-not-identity",
+                f"the merging Reshape to {list(target)} does not yield [B,S,D]",
+            )
             return False
         if elems[2] == ("int", 0):
             raise no_match()
-        b_ok = elems[0] in (("int", 0), dims.key(m.q, 0))
-        s_ok = elems[1] in (("int", 0), dims.key(m.q, 1))
+        copy = () if m.root.attrs.get("allowzero", 0) else (("int", 0),)
+        b_ok = elems[0] in (*copy, dims.key(m.q, _axis(m, "q", "batch")))
+        s_ok = elems[1] in (*copy, dims.key(m.q, _axis(m, "q", "seq")))
         width = m.v.shape[-1] if m.v.shape is not None else None
         d_ok = elems[2] == ("int", -1) or (
             isinstance(width, (int, np.integer)) and elems[2] == ("int", int(width))
@@ -654,8 +786,8 @@ class FuseMultiHeadAttention(Rule):
         direct = (
             m.where_mask is None
             and _rank(m.mask) == 4
-            and dims.key(m.mask, 2) == dims.key(m.q, 1)
-            and dims.key(m.mask, 3) == dims.key(m.k, 1)
+            and dims.key(m.mask, 2) == dims.key(m.q, _axis(m, "q", "seq"))
+            and dims.key(m.mask, 3) == dims.key(m.k, _axis(m, "k", "seq"))
         )
         return {"direct": direct}
 
@@ -686,6 +818,12 @@ class FuseMultiHeadAttention(Rule):
         if m.qkv_bias is not None:
             q, k, v, vec, _adds = m.qkv_bias
             bias = b.const(vec, "qkv_bias")
+        q, k, v = (
+            b.op("Transpose", [t], {"perm": [1, 0, 2]}, name=f"{m.root.name}/{r}_batch_first")
+            if m.layout[r] == "sbd"
+            else t
+            for r, t in (("q", q), ("k", k), ("v", v))
+        )
         m.stash(mha_q=q, mha_k=k)
         attention_bias = None
         if m.bias_plan is not None:
@@ -712,6 +850,8 @@ class FuseMultiHeadAttention(Rule):
             isnan.dtype = np.dtype(bool)
             zero = b.const(np.zeros((), dtype=dtype_of(m.q)), "zero")
             out = b.op("Where", [isnan, zero, out], like=out, name=f"{m.root.name}/nan_to_zero")
+        if m.layout["out"] == "sbd":
+            out = b.op("Transpose", [out], {"perm": [1, 0, 2]}, name=f"{m.root.name}/seq_first")
         if not m.out_direct:
             out = b.op(
                 "Reshape",

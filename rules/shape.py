@@ -7,6 +7,8 @@ left to keep the output's name (still one node instead of two).
 * ``collapse-reshape-chain``: Reshape/Squeeze/Unsqueeze/Flatten feeding a Reshape with a constant
   target, or any such chain whose final shape is static → one Reshape (or nothing).
 * ``fuse-casts``: Cast∘Cast → one Cast when the middle type holds every value exactly.
+* ``shape-through-transpose``: a dim read from a Transpose's shape is read from its input, so a
+  Transpose kept alive only to be measured (T5's key length) can go.
 """
 
 from __future__ import annotations
@@ -41,6 +43,45 @@ class FuseTransposes(Rule):
         if m.perm == sorted(m.perm):
             return [m.x]
         return [b.op("Transpose", [m.x], {"perm": m.perm}, like=m.root.outputs[0])]
+
+
+@register_rule
+class ShapeThroughTranspose(Rule):
+    name = "shape-through-transpose"
+    root = "Gather"
+    level = 1
+    exclusive = False
+    summary = "Gather(Shape(Transpose(x, perm)), i) → Gather(Shape(x), perm[i])"
+    pattern = Op("Gather", Op("Shape", Op("Transpose", "x", name="tr"), name="shape"), "idx")
+
+    def check(self, m, cx):
+        perm = m.tr.attrs.get("perm")
+        idx = constant_value(m.idx)
+        require(perm is not None, "implicit-perm", "a Transpose without perm needs a known rank")
+        require(
+            idx is not None and idx.dtype.kind in "iu" and idx.size <= 16,
+            "non-constant-param",
+            "the gathered dim index is computed at run time",
+        )
+        require(m.root.attrs.get("axis", 0) == 0, "structure", "Gather of a shape is on axis 0")
+        rank = len(perm)
+        start = int(m.shape.attrs.get("start", 0))
+        end = m.shape.attrs.get("end")
+        start = min(max(start + rank if start < 0 else start, 0), rank)
+        end = rank if end is None else min(max(int(end) + rank if end < 0 else int(end), 0), rank)
+        dims = list(perm)[start:end]
+        flat = idx.reshape(-1).astype(np.int64)
+        require(
+            all(-len(dims) <= i < len(dims) for i in flat),
+            "index-out-of-range",
+            f"index {flat.tolist()} is outside the {len(dims)} dims of the shape",
+        )
+        m.stash(picked=np.array([dims[int(i)] for i in flat], np.int64).reshape(idx.shape))
+
+    def rewrite(self, m, b):
+        shape = b.op("Shape", [m.x], name=f"{m.shape.name}/of_input")
+        idx = b.const(m.picked, "dim")
+        return [b.op("Gather", [shape, idx], {"axis": 0}, like=m.root.outputs[0])]
 
 
 SHAPE_ONLY = ("Reshape", "Squeeze", "Unsqueeze", "Flatten")

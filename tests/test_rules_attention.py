@@ -37,11 +37,16 @@ def attention(
     softmax_out=False,
     mid_reshape=False,
     softmax_axis=-1,
+    layout="bsd",
 ):
-    """One self-attention block as the PyTorch exporters write it (see rules/attention.py)."""
+    """One self-attention block as the PyTorch exporters write it (see rules/attention.py).
+
+    ``layout="sbd"`` is torch.nn.MultiheadAttention's sequence-first spelling (x is [S,B,D]);
+    ``k_form="dynamo"`` the 3-D Kᵀ of the dynamo exporter."""
     elem = TensorProto.FLOAT16 if dtype == np.float16 else TensorProto.FLOAT
     rng = np.random.default_rng(0)
-    inputs = [vi("x", ["batch", "seq", D], elem)]
+    dims = ["seq", "batch"] if layout == "sbd" else ["batch", "seq"]
+    inputs = [vi("x", [*dims, D], elem)]
     inits = [
         const("heads", heads, np.int64),
         const("merge", out_target, np.int64),
@@ -69,11 +74,47 @@ def attention(
                 helper.make_node("MatMul", ["x", f"W{n}"], [f"{n}0"]),
                 helper.make_node("Add", [f"b{n}", f"{n}0"], [n]),
             ]
-    for n in "qkv":
-        nodes.append(helper.make_node("Reshape", [n, "heads"], [f"{n}4"]))
-    nodes.append(helper.make_node("Transpose", ["q4"], ["Q"], perm=[0, 2, 1, 3]))
-    nodes.append(helper.make_node("Transpose", ["v4"], ["V"], perm=[0, 2, 1, 3]))
-    if k_form == "direct":
+    if layout == "sbd":  # Reshape [S,-1,H] → Transpose(1,0,2) → Reshape [-1,N,S,H]
+        inits += [const("m1", [-1], np.int64), const("nh", [N], np.int64)]
+        inits.append(const("hsz", [H], np.int64))
+        nodes += [
+            helper.make_node("Shape", ["x"], ["slen"], start=0, end=1),
+            helper.make_node("Concat", ["slen", "m1", "hsz"], ["fold"], axis=0),
+            helper.make_node("Concat", ["m1", "nh", "slen", "hsz"], ["unfold"], axis=0),
+        ]
+        for n, out in (("q", "Q"), ("k", "K4"), ("v", "V")):
+            nodes += [
+                helper.make_node("Reshape", [n, "fold"], [f"{n}3"]),
+                helper.make_node("Transpose", [f"{n}3"], [f"{n}3t"], perm=[1, 0, 2]),
+                helper.make_node("Reshape", [f"{n}3t", "unfold"], [out]),
+            ]
+        nodes.append(helper.make_node("Transpose", ["K4"], ["KT"], perm=[0, 1, 3, 2]))
+    else:
+        for n in "qkv":
+            nodes.append(helper.make_node("Reshape", [n, "heads"], [f"{n}4"]))
+        nodes.append(helper.make_node("Transpose", ["q4"], ["Q"], perm=[0, 2, 1, 3]))
+        nodes.append(helper.make_node("Transpose", ["v4"], ["V"], perm=[0, 2, 1, 3]))
+    if layout == "sbd":
+        pass
+    elif k_form == "dynamo":  # [B,N,S,H] → [-1,S,H] → (0,2,1) → [B,N,H,S], targets from Shape
+        inits += [
+            const("km1", [-1], np.int64),
+            const("k_2", [-2], np.int64),
+            const("kmin", [np.iinfo(np.int64).min], np.int64),
+            const("kh", [H], np.int64),
+        ]
+        nodes += [
+            helper.make_node("Transpose", ["k4"], ["K"], perm=[0, 2, 1, 3]),
+            helper.make_node("Shape", ["K"], ["ks"], start=0),
+            helper.make_node("Slice", ["ks", "k_2", "km1"], ["kslen"]),
+            helper.make_node("Slice", ["ks", "kmin", "k_2"], ["kbn"]),
+            helper.make_node("Concat", ["km1", "kslen", "kh"], ["k3"], axis=0),
+            helper.make_node("Concat", ["kbn", "kh", "kslen"], ["k4t"], axis=0),
+            helper.make_node("Reshape", ["K", "k3"], ["K3"], allowzero=1),
+            helper.make_node("Transpose", ["K3"], ["K3T"], perm=[0, 2, 1]),
+            helper.make_node("Reshape", ["K3T", "k4t"], ["KT"], allowzero=1),
+        ]
+    elif k_form == "direct":
         nodes.append(helper.make_node("Transpose", ["k4"], ["KT"], perm=[0, 2, 3, 1]))
     else:
         nodes += [
@@ -173,8 +214,9 @@ def attention(
             helper.make_node("Reshape", ["ctx", "mid"], ["ctx2"]),
         ]
         ctx = "ctx2"
+    out_perm = [2, 0, 1, 3] if layout == "sbd" else [0, 2, 1, 3]
     nodes += [
-        helper.make_node("Transpose", [ctx], ["ctxT"], perm=[0, 2, 1, 3]),
+        helper.make_node("Transpose", [ctx], ["ctxT"], perm=out_perm),
         helper.make_node("Reshape", ["ctxT", "merge"], ["attn"]),
         helper.make_node("MatMul", ["attn", "Wo"], ["y"]),
     ]
@@ -251,6 +293,41 @@ def test_gpt2_packed_qkv_and_causal_mask():
     assert "Softmax" not in h and "Transpose" not in h
     node = mha_node(out)
     assert list(node.input[:3]) == ["q", "k", "v"]
+
+
+def test_dynamo_three_d_k_transpose_fuses():
+    """torch.onnx dynamo (SDPA decomposed): Kᵀ through a [-1,S,H] reshape, targets from Shape."""
+    out, report = assert_optimized(attention(k_form="dynamo", scale="split", mask=None))
+    h = hist(out)
+    assert h["com.microsoft.MultiHeadAttention"] == 1
+    assert "Softmax" not in h and "Transpose" not in h and "Reshape" not in h
+
+
+@pytest.mark.parametrize("mask", [None, "padding"])
+def test_sequence_first_attention_fuses(mask):
+    """torch.nn.MultiheadAttention (torchvision ViT): x is [S,B,D], heads folded into the batch."""
+    m = attention(layout="sbd", scale="split", mask=mask)
+    rng = np.random.default_rng(2)
+    feed = {"x": rng.standard_normal((5, 3, D)).astype(np.float32)}  # S=5, B=3: no symmetry
+    if mask:
+        feed["mask_bias"] = rng.standard_normal((3, 1, 1, 5)).astype(np.float32)
+    out, report = assert_optimized(m, inputs=feed)
+    h = hist(out)
+    assert h["com.microsoft.MultiHeadAttention"] == 1 and "Softmax" not in h
+    assert h["Transpose"] == 4  # q, k, v to batch-first, the result back to sequence-first
+
+
+def test_unknown_head_split_is_missed_with_its_reason():
+    """Softmax between two MatMuls is attention: an unknown spelling is a remark, not silence."""
+    m = attention(layout="sbd", mask=None)
+    for node in m.graph.node:  # a (1,0,2) fold that no longer swaps batch and heads
+        if node.op_type == "Transpose" and list(node.attribute[0].ints) == [1, 0, 2]:
+            node.op_type = "Identity"
+            del node.attribute[:]
+    x = np.random.default_rng(0).standard_normal((4, 1, D)).astype(np.float32)
+    out, report = run(m, inputs={"x": x})
+    assert "unrecognized-layout" in codes(report, RULE)
+    assert "Softmax" in hist(out) and report.parity.ok
 
 
 # ------------------------------------------------------------------------- guards

@@ -141,3 +141,44 @@ def test_narrowing_cast_pair_is_kept_with_reason():
     out, report = run(m, level=1)
     assert ops(out)["Cast"] == 2
     assert codes(report, "fuse-casts") == ["narrowing-cast"]
+
+
+@pytest.mark.parametrize("start", [0, 1, -3])
+def test_dim_of_a_transpose_is_read_from_its_input(start):
+    """T5: a Transpose kept only to measure the key length goes; the dim is the same one."""
+    m = model(
+        [
+            helper.make_node("Transpose", ["x"], ["t"], perm=[0, 2, 1]),
+            helper.make_node("Shape", ["t"], ["s"], start=start),
+            helper.make_node("Gather", ["s", "i"], ["d"], axis=0),
+            helper.make_node("Unsqueeze", ["d", "ax"], ["d1"]),
+            helper.make_node("Concat", ["d1", "m1"], ["target"], axis=0),
+            helper.make_node("Reshape", ["x", "target"], ["y"]),
+        ],
+        [vi("x", ["a", "b", "c"])],
+        [vi("y", None)],
+        [
+            const("i", 1 - (start > 0), np.int64),
+            const("ax", [0], np.int64),
+            const("m1", [-1], np.int64),
+        ],
+    )
+    x = np.random.default_rng(0).standard_normal((2, 3, 5)).astype(np.float32)
+    out, report = assert_optimized(m, level=1, inputs={"x": x})
+    assert "Transpose" not in ops(out)
+    assert codes(report, "shape-through-transpose", "passed") == ["fired"]
+
+
+def test_dim_index_out_of_range_is_missed():
+    m = model(
+        [
+            helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0]),
+            helper.make_node("Shape", ["t"], ["s"], start=1),
+            helper.make_node("Gather", ["s", "i"], ["y"], axis=0),
+        ],
+        [vi("x", ["a", "b"])],
+        [vi("y", None, TensorProto.INT64)],
+        [const("i", [0, 1], np.int64)],
+    )
+    out, report = run(m, level=1, check=False)
+    assert codes(report, "shape-through-transpose") == ["index-out-of-range"]
