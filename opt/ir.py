@@ -16,6 +16,8 @@ Only ``opt/`` touches graphsurgeon objects raw; passes and rules use the helpers
 
 from __future__ import annotations
 
+import copy
+
 import contextlib
 import heapq
 import itertools
@@ -71,6 +73,9 @@ class ModelIR:
             stripped.graph.input.extend(i for i in model.graph.input if i.name not in init_names)
             model = stripped
         self.graph: gs.Graph = gs.import_onnx(model)
+        # graphsurgeon keeps the input's opset_import field itself and appends to it on export:
+        # a copy keeps the caller's model untouched
+        self.graph.import_domains = [copy.deepcopy(o) for o in model.opset_import] or None
         self.root = self.graph
         self.base_dir = base_dir
         if base_dir is not None:

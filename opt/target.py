@@ -42,6 +42,10 @@ class Target:
     prefers: dict[str, str] = field(default_factory=dict)
     #: why each preference holds (a measurement or a source), shown by `graphopt targets show`
     prefers_why: dict[str, str] = field(default_factory=dict)
+    #: attribute values a kernel accepts where it accepts fewer than the op's schema:
+    #: op -> attribute -> values (with the source in kernel_attributes_why)
+    kernel_attributes: dict[str, dict[str, tuple[str, ...]]] = field(default_factory=dict)
+    kernel_attributes_why: dict[str, str] = field(default_factory=dict)
     #: numerics-changing rewrites (rule names) this target accepts below -O3
     approximations: frozenset[str] = frozenset()
     #: every tensor must have a static shape (ahead-of-time compilers)

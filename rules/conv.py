@@ -7,6 +7,7 @@ Algebra (computed in float64, then stored in the weight dtype behind a precision
 * Conv+Mul: W' = W · c;  B' = B · c          (c broadcast per output channel only)
 * Conv+Add: B' = B + c                        (c broadcast per output channel only)
 * Pad+Conv: zero constant padding of spatial axes moves into Conv's ``pads``.
+* Conv [+ Z] + activation → com.microsoft.FusedConv where the target has that kernel.
 
 "Per output channel" is checked exactly: after right-aligning the constant with the Conv output
 (rank r), every axis but axis 1 must have size 1 and axis 1 must be 1 or C_out.  A width- or
@@ -14,6 +15,8 @@ height-broadcast constant is refused ("not-per-channel"): folding it would chang
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import numpy as np
 
@@ -25,6 +28,7 @@ from graphopt.opt.precision import (
     require_representable,
 )
 from graphopt.opt.rewrite import (
+    Match,
     Op,
     Rule,
     applies_only_if,
@@ -33,6 +37,8 @@ from graphopt.opt.rewrite import (
     require_constant,
     value,
 )
+from graphopt.rules.activation import MS, float_type, inputs, producer, scalar
+from graphopt.rules.attention import same_dim
 
 
 def _float_weights(m) -> np.dtype:
@@ -294,3 +300,159 @@ class FusePadConv(Rule):
         attrs["pads"] = m.new_pads
         inputs = [m.X, m.W] + ([m.B] if m.B is not None else [])
         return [b.op("Conv", inputs, attrs, like=m.root.outputs[0], name=f"{m.conv.name}/pad")]
+
+
+# ------------------------------------------------------ Conv [+ Z] + activation → FusedConv
+class FuseConvActivation(Rule):
+    """``act(Conv(X, W, B) [+ Z])`` → ``com.microsoft.FusedConv(X, W, B, Z; activation)``.
+
+    Lowered only where the target has a FusedConv kernel for the dtype and accepts the
+    activation (``Target.kernel_attributes``; onnxruntime CUDA runs only Relu).  ``Z`` (the
+    residual of ResNet blocks) must have exactly the Conv output's shape: the kernel adds it
+    element by element, without broadcasting.  At onnxruntime's ALL level the CPU provider fuses
+    Conv+activation itself, but not the residual Add; below ALL it does neither.
+    """
+
+    level = 2
+    exclusive = True
+    act_params: ClassVar[tuple[tuple[str, float], ...]] = ()  # attribute, default
+
+    def match(self, node, cx):
+        applies_only_if(cx.target.has_kernel("FusedConv", MS))
+        y = inputs(node)[0]
+        conv, add, z = producer(y, "Conv"), None, None
+        if conv is None:
+            add = producer(y, "Add")
+            applies_only_if(add is not None)
+            a0, a1 = inputs(add)
+            for c_t, z_t in ((a0, a1), (a1, a0)):
+                c = producer(c_t, "Conv")
+                if c is not None and z_t is not c_t:
+                    conv, z = c, z_t
+                    break
+            applies_only_if(conv is not None)
+        found = {"act": node, "conv": conv, "z": z}
+        if add is not None:
+            found["add"] = add
+        return Match(node, found)
+
+    def check(self, m, cx):
+        y = m.conv.outputs[0]
+        tname = float_type(y)
+        require(
+            cx.target.has_kernel("FusedConv", MS, 1, tname),
+            "no-kernel",
+            f"target {cx.target.name} has no FusedConv kernel for {tname}",
+            dtype=tname,
+        )
+        allowed = cx.target.kernel_attributes.get("FusedConv", {}).get("activation")
+        require(
+            allowed is None or self.root in allowed,
+            "unsupported-activation",
+            f"target {cx.target.name}'s FusedConv runs only {', '.join(allowed or ())}",
+            activation=self.root,
+        )
+        if m.z is not None:
+            require(
+                dtype_of(m.z) == dtype_of(y),
+                "dtype-mismatch",
+                "the added tensor differs in dtype from the Conv output",
+            )
+            same = (
+                m.z.shape is not None
+                and y.shape is not None
+                and len(m.z.shape) == len(y.shape)
+                and all(same_dim(m.z, i, y, i) for i in range(len(y.shape)))
+            )
+            require(
+                same,
+                "shape-mismatch",
+                f"'{m.z.name}' {m.z.shape} is not provably the Conv output's shape {y.shape}; "
+                "FusedConv adds Z without broadcasting",
+            )
+        m.stash(params=self.params(m))
+
+    def params(self, m) -> list[float]:
+        return [float(m.root.attrs.get(a, d)) for a, d in self.act_params]
+
+    def rewrite(self, m, b):
+        attrs = dict(m.conv.attrs)
+        attrs["activation"] = self.root
+        if m.params:
+            attrs["activation_params"] = m.params
+        ins = inputs(m.conv)
+        bias = ins[2] if len(ins) > 2 else None
+        fused_ins = [ins[0], ins[1], bias] + ([m.z] if m.z is not None else [])
+        while fused_ins[-1] is None:
+            fused_ins.pop()
+        out = b.op(
+            "FusedConv",
+            fused_ins,
+            attrs,
+            domain=MS,
+            like=m.root.outputs[0],
+            name=f"{m.conv.name}/{self.root}",
+        )
+        return [out]
+
+
+@register_rule
+class FuseConvRelu(FuseConvActivation):
+    name = "fuse-conv-relu"
+    root = "Relu"
+    summary = "Conv [+ Z] + Relu → com.microsoft.FusedConv"
+
+
+@register_rule
+class FuseConvSigmoid(FuseConvActivation):
+    name = "fuse-conv-sigmoid"
+    root = "Sigmoid"
+    summary = "Conv [+ Z] + Sigmoid → com.microsoft.FusedConv"
+
+
+@register_rule
+class FuseConvTanh(FuseConvActivation):
+    name = "fuse-conv-tanh"
+    root = "Tanh"
+    summary = "Conv [+ Z] + Tanh → com.microsoft.FusedConv"
+
+
+@register_rule
+class FuseConvLeakyRelu(FuseConvActivation):
+    name = "fuse-conv-leaky-relu"
+    root = "LeakyRelu"
+    summary = "Conv [+ Z] + LeakyRelu → com.microsoft.FusedConv"
+    act_params = (("alpha", 0.01),)
+
+
+@register_rule
+class FuseConvHardSigmoid(FuseConvActivation):
+    name = "fuse-conv-hard-sigmoid"
+    root = "HardSigmoid"
+    summary = "Conv [+ Z] + HardSigmoid → com.microsoft.FusedConv"
+    act_params = (("alpha", 0.2), ("beta", 0.5))
+
+
+@register_rule
+class FuseConvClip(FuseConvActivation):
+    name = "fuse-conv-clip"
+    root = "Clip"
+    summary = "Conv [+ Z] + Clip (ReLU6) → com.microsoft.FusedConv"
+
+    def params(self, m) -> list[float]:
+        if len(m.root.inputs) <= 1 and ("min" in m.root.attrs or "max" in m.root.attrs):
+            bounds = [m.root.attrs.get("min"), m.root.attrs.get("max")]  # opset < 11
+        else:
+            ins = inputs(m.root)[1:3] + [None, None]
+            bounds = []
+            for t in ins[:2]:
+                if t is None:
+                    bounds.append(None)
+                    continue
+                v = scalar(t)
+                require(v is not None, "non-constant-param", "a Clip bound is not a constant")
+                bounds.append(v)
+        big = float(np.finfo(np.float32).max)
+        lo = -big if bounds[0] is None else float(bounds[0])
+        hi = big if bounds[1] is None else float(bounds[1])
+        return [lo, hi]

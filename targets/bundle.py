@@ -436,10 +436,11 @@ def _primary(node: onnx.NodeProto, view, opset: int | None) -> str | None:
 
 def _workspace(target: Target, node: onnx.NodeProto, view) -> int | None:
     """Scratch memory of a kernel, where it is cheap to know: 0 for element-wise and layout ops;
-    the im2col buffer of an onnxruntime CPU (MLAS) Conv; None otherwise."""
+    the im2col buffer of an onnxruntime CPU (MLAS) Conv or FusedConv; None otherwise."""
     if node.op_type in ELEMENTWISE:
         return 0
-    if node.op_type != "Conv" or "CPUExecutionProvider" not in target.providers[:1]:
+    conv = (node.op_type, node.domain or "") in (("Conv", ""), ("FusedConv", "com.microsoft"))
+    if not conv or "CPUExecutionProvider" not in target.providers[:1]:
         return None
     w = view.get(node.input[1]) if len(node.input) > 1 else None
     y = view.get(node.output[0])

@@ -34,7 +34,7 @@ def test_optimize_expectations_and_junit(tmp_path):
             "-o",
             str(tmp_path / "o"),
             "--expect",
-            "Conv>=20,BatchNormalization==0",
+            "com.microsoft.FusedConv>=10,BatchNormalization==0",
             "--junit",
             str(junit),
             "-q",
@@ -43,7 +43,7 @@ def test_optimize_expectations_and_junit(tmp_path):
     assert res.exit_code == 0, res.output
     suite = ET.parse(junit).getroot()
     names = [c.get("name") for c in suite.iter("testcase")]
-    assert "expect.Conv>=20" in names and any(n.startswith("parity[original].") for n in names)
+    assert "expect.com.microsoft.FusedConv>=10" in names and any(n.startswith("parity[original].") for n in names)
     assert suite.get("failures") == "0"
     # A deliberately failing expectation: exit 4, recorded as a JUnit failure.
     res = runner.invoke(

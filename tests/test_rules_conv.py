@@ -189,3 +189,87 @@ def test_fp16_refold_is_an_O3_decision(rng):
     assert codes(report, "fuse-conv-bn") == ["precision-refold"] and report.parity.ok
     out3, report3 = run(m, level=3)
     assert ops(out3) == {"Conv": 1} and report3.parity.ok
+
+
+# ---------------------------------------------------------- Conv [+ Z] + activation → FusedConv
+def conv_act(rng, act="Relu", *, residual=None, dtype=np.float32, act_attrs=None, clip=None):
+    """Conv → [Add(Z)] → activation; ``residual`` is Z's shape (None: no Add)."""
+    elem = TensorProto.FLOAT16 if dtype == np.float16 else TensorProto.FLOAT
+    inputs = [vi("x", ["n", 4, 8, 8], elem)]
+    inits = [const("W", rng.standard_normal((8, 4, 3, 3)) * 0.3, dtype)]
+    nodes = [helper.make_node("Conv", ["x", "W"], ["c"], pads=[1, 1, 1, 1], name="conv")]
+    y = "c"
+    if residual is not None:
+        inputs.append(vi("z", residual, elem))
+        nodes.append(helper.make_node("Add", ["z", "c"], ["a"], name="add"))
+        y = "a"
+    act_ins = [y]
+    if clip is not None:
+        inits += [const("lo", clip[0], dtype), const("hi", clip[1], dtype)]
+        act_ins += ["lo", "hi"]
+    nodes.append(helper.make_node(act, act_ins, ["y"], name="act", **(act_attrs or {})))
+    return model(nodes, inputs, [vi("y", None, elem)], inits)
+
+
+def fused_attr(out, name):
+    node = next(n for n in out.graph.node if n.op_type == "FusedConv")
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), None)
+
+
+@pytest.mark.parametrize(
+    "act, attrs, clip, params",
+    [
+        ("Relu", None, None, None),
+        ("Sigmoid", None, None, None),
+        ("LeakyRelu", {"alpha": 0.2}, None, [0.2]),
+        ("HardSigmoid", None, None, [0.2, 0.5]),
+        ("Clip", None, (0.0, 6.0), [0.0, 6.0]),
+    ],
+)
+def test_conv_activation_becomes_fused_conv(act, attrs, clip, params, rng):
+    out, report = assert_optimized(conv_act(rng, act, act_attrs=attrs, clip=clip))
+    assert ops(out) == {"FusedConv": 1}
+    assert fused_attr(out, "activation") == act.encode()
+    got = fused_attr(out, "activation_params")
+    assert (got is None and params is None) or got == pytest.approx(params)
+
+
+def test_residual_add_becomes_z(rng):
+    """ResNet's conv3 + identity → Relu: one FusedConv with the identity as Z."""
+    m = conv_act(rng, residual=["n", 8, 8, 8])
+    x = rng.standard_normal((2, 4, 8, 8)).astype(np.float32)
+    z = rng.standard_normal((2, 8, 8, 8)).astype(np.float32)
+    out, _ = assert_optimized(m, inputs={"x": x, "z": z})
+    assert ops(out) == {"FusedConv": 1}
+    node = out.graph.node[0]
+    assert list(node.input) == ["x", "W", "", "z"]
+
+
+def test_broadcast_residual_is_missed(rng):
+    out, report = run(conv_act(rng, residual=[1, 8, 1, 1]))
+    assert codes(report, "fuse-conv-relu") == ["shape-mismatch"]
+    assert ops(out) == {"Conv": 1, "Add": 1, "Relu": 1} and report.parity.ok
+
+
+def test_cuda_runs_only_relu_in_fused_conv(rng):
+    out, report = run(conv_act(rng, "Sigmoid"), target="cuda", check=False)
+    assert codes(report, "fuse-conv-sigmoid") == ["unsupported-activation"]
+    out, _ = run(conv_act(rng, "Relu"), target="cuda", check=False)
+    assert ops(out) == {"FusedConv": 1}
+
+
+def test_fp16_on_cpu_has_no_fused_conv_and_tensorrt_is_silent(rng):
+    out, report = run(conv_act(rng, dtype=np.float16), check=False)
+    assert codes(report, "fuse-conv-relu") == ["no-kernel"]
+    out, report = run(conv_act(rng), target="tensorrt", check=False)
+    assert ops(out) == {"Conv": 1, "Relu": 1} and not codes(report, "fuse-conv-relu")
+
+
+def test_conv_output_read_elsewhere_is_missed(rng):
+    """EfficientNet's SiLU: the Conv output feeds the Sigmoid and the Mul."""
+    m = conv_act(rng, "Sigmoid")
+    m.graph.node.append(helper.make_node("Mul", ["c", "y"], ["silu"], name="mul"))
+    m.graph.output[0].name = "silu"
+    out, report = run(m)
+    assert codes(report, "fuse-conv-sigmoid") == ["shared-intermediate"]
+    assert report.parity.ok
