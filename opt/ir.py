@@ -16,9 +16,8 @@ Only ``opt/`` touches graphsurgeon objects raw; passes and rules use the helpers
 
 from __future__ import annotations
 
-import copy
-
 import contextlib
+import copy
 import heapq
 import itertools
 import math
