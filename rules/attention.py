@@ -115,7 +115,7 @@ def _rank(t: Tensor | None) -> int | None:
     return len(t.shape) if t is not None and t.shape is not None else None
 
 
-class _Dims:
+class Dims:
     """What each dimension of a tensor provably equals, as a key: ``("int", n)``, a graph input's
     named dim ``("param", name)``, or ``("dim", tensor, axis)`` — the dim itself, when nothing
     better is known.  Two equal keys mean equal dims at run time; unequal keys mean "unknown"."""
@@ -249,9 +249,9 @@ class _Dims:
         return found.pop() if len(found) == 1 else own
 
 
-def shape_elements(t: Tensor | None, dims: _Dims | None = None) -> list[Key] | None:
+def shape_elements(t: Tensor | None, dims: Dims | None = None) -> list[Key] | None:
     """The elements of a small int64 shape tensor as dim keys (constants as ``("int", v)``)."""
-    dims = dims or _Dims()
+    dims = dims or Dims()
     if t is None:
         return None
     v = constant_value(t)
@@ -310,7 +310,7 @@ def shape_elements(t: Tensor | None, dims: _Dims | None = None) -> list[Key] | N
 
 def same_dim(a: Tensor, i: int, b: Tensor, j: int) -> bool:
     """Whether dim ``i`` of ``a`` provably equals dim ``j`` of ``b`` at run time."""
-    d = _Dims()
+    d = Dims()
     return d.key(a, i) == d.key(b, j)
 
 
@@ -385,7 +385,7 @@ def _k_through_3d(t: Tensor | None) -> list[Node]:
     base = _transpose(inputs(inner)[0], _PERM_BNSH) if inner is not None else None
     if base is None:
         return []
-    dims = _Dims()
+    dims = Dims()
     y = base.outputs[0]
     k = [dims.key(y, i) for i in range(4)]
     ie = shape_elements(inputs(inner)[1], dims)
@@ -520,7 +520,7 @@ def _is_scores(t: Tensor | None) -> bool:
 
 
 # ---------------------------------------------------------------------------- rule
-def _heads(reshape: Node, x: Tensor, dims: _Dims) -> tuple[int, int] | str:
+def _heads(reshape: Node, x: Tensor, dims: Dims) -> tuple[int, int] | str:
     """(N, H) of ``Reshape(x [B,S,D], target)`` splitting D into heads, or why not."""
     target = inputs(reshape)[1]
     copy = () if reshape.attrs.get("allowzero", 0) else (("int", 0),)  # 0 copies the input dim
@@ -548,7 +548,7 @@ def _heads(reshape: Node, x: Tensor, dims: _Dims) -> tuple[int, int] | str:
     return ints[0], ints[1]
 
 
-def _heads_sbd(split: Node, merge: Node, x: Tensor, dims: _Dims) -> tuple[int, int] | str:
+def _heads_sbd(split: Node, merge: Node, x: Tensor, dims: Dims) -> tuple[int, int] | str:
     """(N, H) of the sequence-first split ``Reshape(Transpose(Reshape(x [S,B,D], [S,-1,H]),
     (1,0,2)), [B,N,S,H])``, or why not."""
     ea = shape_elements(inputs(split)[1], dims)
@@ -594,7 +594,7 @@ class FuseMultiHeadAttention(Rule):
 
     # --------------------------------------------------------------------- guards
     def check(self, m, cx):
-        dims = _Dims()
+        dims = Dims()
         q, k, v = m.q, m.k, m.v
         for t in (q, k, v):
             require(
@@ -694,7 +694,7 @@ class FuseMultiHeadAttention(Rule):
         default = 1.0 / math.sqrt(head_size)
         return None if abs(total - default) <= 1e-6 * default else total
 
-    def _mid_is_identity(self, m, dims: _Dims) -> bool:
+    def _mid_is_identity(self, m, dims: Dims) -> bool:
         mid = m.bindings.get("mid_reshape")
         if mid is None:
             return True
@@ -722,7 +722,7 @@ class FuseMultiHeadAttention(Rule):
                 return False
         return True
 
-    def _out_direct(self, m, dims: _Dims) -> bool:
+    def _out_direct(self, m, dims: Dims) -> bool:
         """Whether the output Reshape provably yields [B,S,N·H]; else it is kept after MHA."""
         elems = shape_elements(inputs(m.root)[1], dims)
         if elems is None or len(elems) != 3 or m.layout["out"] == "sbd":
@@ -752,7 +752,7 @@ class FuseMultiHeadAttention(Rule):
         )
         return b_ok and s_ok and d_ok
 
-    def _mask(self, m, cx, dims: _Dims) -> dict | None:
+    def _mask(self, m, cx, dims: Dims) -> dict | None:
         """How to build attention_bias: {'mask', 'where', 'direct'} or None (no mask)."""
         if m.mask is None and m.where_mask is None:
             return None
@@ -843,8 +843,13 @@ class FuseMultiHeadAttention(Rule):
             like=like,
             name=f"{m.root.name}/MultiHeadAttention",
         )
-        if not m.out_direct:
-            out.dtype = m.root.outputs[0].dtype
+        out.dtype = m.root.outputs[0].dtype
+        if all(s is not None and len(s) == 3 for s in (m.q.shape, m.v.shape)):
+            out.shape = [  # [B, S, D_v] from the sources' dims: D_v is static there
+                m.q.shape[_axis(m, "q", "batch")],
+                m.q.shape[_axis(m, "q", "seq")],
+                m.v.shape[-1],
+            ]
         if "nan_where" in m.bindings:
             isnan = b.op("IsNaN", [out], like=out, name=f"{m.root.name}/IsNaN")
             isnan.dtype = np.dtype(bool)
@@ -949,4 +954,4 @@ def _shape_source(t: Tensor) -> Tensor | None:
     return inputs(node)[0] if node is not None else None
 
 
-__all__ = ["same_dim", "shape_elements"]
+__all__ = ["Dims", "same_dim", "shape_elements"]

@@ -1,4 +1,5 @@
-"""MatMul+Add → Gemm (level 2), only where Gemm is legal and safe.
+"""MatMul+Add → Gemm (level 2), only where Gemm is legal and safe; a Gemm flattened between two
+Reshapes → MatMul+Add.
 
 Gemm is rank-2 only: ``Y = A·B + C`` with A [M,K], B [K,N] and C unidirectionally broadcastable
 to [M,N].  A rank-3 MatMul+Add (every transformer's linear layer) is left alone and the reason
@@ -9,9 +10,12 @@ that its Gemm kernel accumulates in fp32.
 
 from __future__ import annotations
 
-from graphopt.opt.ir import dtype_of, static_shape, type_string
+import numpy as np
+
+from graphopt.opt.ir import constant_value, dtype_of, static_shape, type_string
 from graphopt.opt.manager import register_rule
-from graphopt.opt.rewrite import Op, Rule, require
+from graphopt.opt.rewrite import Op, Rule, opt, require
+from graphopt.rules.attention import Dims, shape_elements
 
 
 def _rank(t) -> int | None:
@@ -71,3 +75,98 @@ class MatMulAddToGemm(Rule):
 
     def rewrite(self, m, b):
         return [b.op("Gemm", [m.A, m.B, m.C], like=m.root.outputs[0], name=f"{m.matmul.name}/gemm")]
+
+
+@register_rule
+class FlattenedGemmToMatMul(Rule):
+    """``Reshape(Gemm(Reshape(x, [-1, K]), W, C), [*x.shape[:-1], N])`` → ``MatMul(x, W) + C``.
+
+    GPT-2's Conv1D and other exporters flatten the leading dims around a Gemm and rebuild them
+    from ``Shape(x)`` glue (Shape, Gather, Unsqueeze, Concat per layer).  A MatMul broadcasts over
+    the leading dims itself, so the two Reshapes and their glue go.  The rebuilt target must be
+    provably x's leading dims followed by N; W must be a constant (a transposed one is stored
+    transposed when nothing else reads it).  In float16/bfloat16 the bias would be added after
+    rounding instead of inside the accumulation, so only float32/float64 are rewritten.
+    """
+
+    name = "flattened-gemm-to-matmul"
+    root = "Reshape"
+    summary = "Reshape → Gemm → Reshape back → MatMul (+ Add)"
+    pattern = Op(
+        "Reshape",
+        Op("Gemm", Op("Reshape", "x", "flat", name="inner"), "W", opt("C"), name="gemm"),
+        "target",
+    )
+
+    def check(self, m, cx):
+        a = m.gemm.attrs
+        require(
+            not a.get("transA", 0) and a.get("alpha", 1.0) == 1.0 and a.get("beta", 1.0) == 1.0,
+            "gemm-attributes",
+            "the Gemm transposes A or scales by alpha/beta",
+        )
+        r = _rank(m.x)
+        k = m.x.shape[-1] if r else None
+        require(
+            r is not None and r >= 3 and isinstance(k, int),
+            "unknown-shape",
+            f"'{m.x.name}' is not of known rank ≥ 3 with a static last dim",
+        )
+        dims = Dims()
+        flat = shape_elements(m.flat, dims)
+        require(
+            flat in ([("int", -1), ("int", k)],),
+            "reshape-not-flatten",
+            f"the inner Reshape to {flat} is not [-1, {k}]",
+        )
+        w = constant_value(m.W)
+        require(w is not None and w.ndim == 2, "non-constant-param", "the Gemm's B is not constant")
+        trans_b = bool(a.get("transB", 0))
+        n = w.shape[0] if trans_b else w.shape[1]
+        require(
+            (w.shape[1] if trans_b else w.shape[0]) == k,
+            "shape-mismatch",
+            f"B {list(w.shape)} does not take {k} inputs",
+        )
+        require(
+            not trans_b or len(m.W.outputs) == 1,
+            "shared-weight",
+            f"the transposed weight '{m.W.name}' is read elsewhere; transposing it would copy it",
+        )
+        want = [dims.key(m.x, i) for i in range(r - 1)] + [("int", int(n))]
+        target = shape_elements(m.target, dims)
+        copy = () if m.root.attrs.get("allowzero", 0) else (("int", 0),)
+        ok = (
+            target is not None
+            and len(target) == r
+            and all(
+                e == w_ or (i < r - 1 and e in copy) for i, (e, w_) in enumerate(zip(target, want))
+            )
+        )
+        require(
+            ok,
+            "reshape-not-identity",
+            f"the outer Reshape to {target} does not provably restore {want}",
+        )
+        if m.C is not None:
+            c = m.C.shape
+            require(
+                c is not None and len(c) <= 2 and all(d == 1 for d in c[:-1]),
+                "bias-broadcast",
+                f"the Gemm's C {c} is not a row vector",
+            )
+        dt = dtype_of(m.x)
+        require(
+            dt is not None and dt.name in ("float32", "float64"),
+            "precision-accumulation",
+            f"in {dt} the bias would be added after rounding, not inside the accumulation",
+        )
+        m.stash(weight=(np.ascontiguousarray(w.T) if trans_b else None))
+
+    def rewrite(self, m, b):
+        w = m.W if m.weight is None else b.const(m.weight, f"{m.W.name}_t")
+        like = m.root.outputs[0]
+        y = b.op("MatMul", [m.x, w], like=like)  # the row-vector bias does not broadcast it
+        if m.C is None:
+            return [y]
+        return [b.op("Add", [y, m.C], like=like)]

@@ -48,3 +48,59 @@ def test_fp16_guard_uses_target_accumulation(rng):
         pytest.skip("pinned CUDA table lacks fp16 Gemm")
     out, report = run(mm_add(rng, [3, 4], [5], dtype=np.float16), target="cuda", check=False)
     assert ops(out) == {"Gemm": 1}  # CUDA declares fp32 accumulation for Gemm
+
+
+# ------------------------------------------------ Reshape → Gemm → Reshape back → MatMul + Add
+def conv1d(rng, *, trans_b=False, shared_weight=False, swap_target=False, dtype=np.float32):
+    """GPT-2's Conv1D: x [B,S,K] flattened to [-1,K], Gemm, then [B,S,N] rebuilt from Shape(x)."""
+    elem = TensorProto.FLOAT16 if dtype == np.float16 else TensorProto.FLOAT
+    k, n = 4, 6
+    w = rng.standard_normal((n, k) if trans_b else (k, n))
+    inits = [
+        const("W", w, dtype),
+        const("C", rng.standard_normal(n), dtype),
+        const("flat", [-1, k], np.int64),
+        const("i0", 0, np.int64),
+        const("i1", 1, np.int64),
+        const("ax", [0], np.int64),
+        const("nn", [n], np.int64),
+    ]
+    first, second = ("d1", "d0") if swap_target else ("d0", "d1")
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Gather", ["s", "i0"], ["g0"], axis=0),
+        helper.make_node("Gather", ["s", "i1"], ["g1"], axis=0),
+        helper.make_node("Unsqueeze", ["g0", "ax"], ["d0"]),
+        helper.make_node("Unsqueeze", ["g1", "ax"], ["d1"]),
+        helper.make_node("Concat", [first, second, "nn"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "flat"], ["x2"]),
+        helper.make_node("Gemm", ["x2", "W", "C"], ["y2"], transB=int(trans_b)),
+        helper.make_node("Reshape", ["y2", "target"], ["y"]),
+    ]
+    outputs = [vi("y", None, elem)]
+    if shared_weight:
+        nodes.append(helper.make_node("Identity", ["W"], ["w_out"]))
+        outputs.append(vi("w_out", None, elem))
+    return model(nodes, [vi("x", ["b", "s", k], elem)], outputs, inits)
+
+
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_flattened_gemm_becomes_matmul(trans_b, rng):
+    x = rng.standard_normal((2, 3, 4)).astype(np.float32)
+    out, report = assert_optimized(conv1d(rng, trans_b=trans_b), inputs={"x": x})
+    assert ops(out) == {"MatMul": 1, "Add": 1}
+    assert codes(report, "flattened-gemm-to-matmul", "passed") == ["fired"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, code",
+    [
+        ({"swap_target": True}, "reshape-not-identity"),
+        ({"trans_b": True, "shared_weight": True}, "shared-weight"),
+        ({"dtype": np.float16}, "precision-accumulation"),
+    ],
+)
+def test_flattened_gemm_guards(kwargs, code, rng):
+    out, report = run(conv1d(rng, **kwargs), check=False)
+    assert code in codes(report, "flattened-gemm-to-matmul")
+    assert ops(out)["Gemm"] == 1
