@@ -33,12 +33,12 @@ def preset(level: int) -> str:
         return ""
     # Exact cleanups run to convergence first: fusions introduce contrib ops that onnx shape
     # inference cannot see through, so shape glue must be folded before they appear.
-    cleanup = "fixpoint(fold-constants,simplify-shapes,rules{level=1},dce){max-iterations=32}"
+    cleanup = "fixpoint(fold-constants,simplify-shapes,cse,rules{level=1},dce){max-iterations=32}"
     if level == 1:
         return f"{cleanup},legalize"
     return (
         f"{cleanup},"
-        f"fixpoint(fold-constants,simplify-shapes,rules{{level={level}}},dce){{max-iterations=10}}"
+        f"fixpoint(fold-constants,simplify-shapes,cse,rules{{level={level}}},dce){{max-iterations=10}}"
         ",legalize"
     )
 

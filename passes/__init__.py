@@ -1,3 +1,3 @@
 """Whole-graph passes; importing this package registers them with the pass manager."""
 
-from . import dce, fold_constants, fuse_elementwise, legalize, simplify_shapes  # noqa: F401
+from . import cse, dce, fold_constants, fuse_elementwise, legalize, simplify_shapes  # noqa: F401
