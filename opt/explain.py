@@ -40,6 +40,14 @@ HINTS = {
     "training-mode": "the node runs in training mode; export with model.eval()",
     "narrowing-cast": "the round trip loses values (e.g. float→int→float), so it is kept",
     "mask-used": "the Dropout mask is read; export in eval mode",
+    "unrecognized-layout": "a Softmax between two MatMuls (attention) whose Q/K/V head split or "
+    "head merge is spelled in a way the rule does not know; the message names the tensor",
+    "unsupported-activation": "the target's fused kernel does not run this activation; it stays a "
+    "separate node",
+    "shape-mismatch": "the operands' shapes are not provably what the fused kernel requires "
+    "(e.g. a broadcast residual); export with static shapes or pass --shape",
+    "shared-weight": "another node reads the weight, so it cannot be stored transposed in place",
+    "reshape-not-identity": "a Reshape in the pattern is not provably a no-op for these shapes",
 }
 
 

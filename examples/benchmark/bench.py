@@ -70,6 +70,7 @@ MODEL_ORDER = [
 ALL_TOOLS = [
     "none",
     "graphopt-O2",
+    "graphopt-O2-bundle",  # the same model, run with the bundle's session_config.json
     "graphopt-O1",
     "onnxsim",
     "onnxslim",
@@ -463,8 +464,11 @@ def _worker_latency(spec_path: str, result_path: str) -> int:
         so.log_severity_level = 3
         return so
 
-    def create(path, level):
-        return ort.InferenceSession(path, options(level), providers=["CPUExecutionProvider"])
+    def create(v, level):
+        so = options(level)
+        for key, value in v.get("session_config", {}).items():
+            so.add_session_config_entry(key, value)
+        return ort.InferenceSession(v["path"], so, providers=["CPUExecutionProvider"])
 
     feed = None
     ref = None  # (names, outputs) of the original at DISABLE_ALL
@@ -480,7 +484,7 @@ def _worker_latency(spec_path: str, result_path: str) -> int:
                     t_spent = 0.0
                     while True:
                         t0 = time.perf_counter()
-                        s = create(v["path"], level)
+                        s = create(v, level)
                         dt = time.perf_counter() - t0
                         samples.append(dt * 1e3)
                         t_spent += dt
@@ -1256,6 +1260,16 @@ def bench_model(name: str, path: Path, side: Path, tools: list[str], args, cpu: 
             continue
         if tool == "none":
             variants.append({"tool": tool, "path": str(path)})
+            continue
+        if tool == "graphopt-O2-bundle":  # graphopt-O2's model under its bundle's session config
+            base = next((v for v in variants if v["tool"] == "graphopt-O2"), None)
+            cfg_path = work / "graphopt-O2" / "session_config.json"
+            if base is None or not cfg_path.exists():
+                r["opt_error"] = "needs a graphopt-O2 bundle in the same run"
+                continue
+            entries = json.loads(cfg_path.read_text()).get("session_config_entries", {})
+            r.update(same_model_as="graphopt-O2", session_config=entries)
+            variants.append({"tool": tool, "path": base["path"], "session_config": entries})
             continue
         cfg = {"transformer": list(tcfg) if tcfg else None}
         if tool == "ort-transformers":
