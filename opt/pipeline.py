@@ -32,14 +32,16 @@ def preset(level: int) -> str:
     if level == 0:
         return ""
     # Exact cleanups run to convergence first: fusions introduce contrib ops that onnx shape
-    # inference cannot see through, so shape glue must be folded before they appear.
+    # inference cannot see through, so shape glue must be folded before they appear.  After the
+    # fusions one more cse merges what they repeated per layer (constants, shape reads); inside
+    # that fixpoint it would cost a whole extra iteration on large graphs for that alone.
     cleanup = "fixpoint(fold-constants,simplify-shapes,cse,rules{level=1},dce){max-iterations=32}"
     if level == 1:
         return f"{cleanup},legalize"
     return (
         f"{cleanup},"
-        f"fixpoint(fold-constants,simplify-shapes,cse,rules{{level={level}}},dce){{max-iterations=10}}"
-        ",legalize"
+        f"fixpoint(fold-constants,simplify-shapes,rules{{level={level}}},dce){{max-iterations=10}}"
+        ",cse,legalize"
     )
 
 

@@ -50,7 +50,15 @@ def _attr_key(value) -> object:
 
 
 def _constant_key(t: Constant) -> tuple | None:
-    """(dtype, shape, digest) of a numeric constant of at most 4096 elements, else None."""
+    """(dtype, shape, digest) of a numeric constant of at most 4096 elements, else None;
+    remembered on the constant (its values never change in place)."""
+    cached = getattr(t, "_cse_key", False)
+    if cached is False:
+        cached = t._cse_key = _compute_constant_key(t)
+    return cached
+
+
+def _compute_constant_key(t: Constant) -> tuple | None:
     try:
         numeric = np.dtype(t.dtype).kind in "biufc"
     except TypeError:
