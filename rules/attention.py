@@ -339,11 +339,44 @@ def _split_heads(t: Tensor | None, perm: list[int]) -> dict | None:
             chain = _k_through_3d(t)
             tr = chain[-1] if chain else None
     if tr is None:
-        return _split_heads_sbd(t, perm)
+        return _split_heads_sbd(t, perm) or _split_heads_packed(t, perm)
     rs = producer(inputs(tr)[0], "Reshape")
     if rs is None:
         return None
     return {"x": inputs(rs)[0], "reshape": rs, "transposes": chain, "layout": "bsd"}
+
+
+_PERM_PACKED = [2, 0, 3, 1, 4]
+
+
+def _split_heads_packed(t: Tensor | None, perm: list[int]) -> dict | None:
+    """One packed projection split three ways (timm ViT, Swin, DeiT: ``qkv.reshape(B, N, 3,
+    heads, hd).permute(2, 0, 3, 1, 4)`` then ``unbind(0)``)::
+
+        Gather(Transpose(Reshape(x, [B, S, 3, N, H]), (2,0,3,1,4)), i)   [→ (0,1,3,2) for K]
+    """
+    chain = []
+    if perm == _PERM_BNHS:
+        outer = _transpose(t, [0, 1, 3, 2])
+        if outer is None:
+            return None
+        chain.append(outer)
+        t = inputs(outer)[0]
+    gather = producer(t, "Gather")
+    if gather is None or int(gather.attrs.get("axis", 0)) != 0:
+        return None
+    index = scalar(inputs(gather)[1])
+    tr = _transpose(inputs(gather)[0], _PERM_PACKED)
+    rs = producer(inputs(tr)[0], "Reshape") if tr is not None else None
+    if rs is None or index not in (0.0, 1.0, 2.0) or constant_value(inputs(gather)[1]).ndim:
+        return None
+    return {
+        "x": inputs(rs)[0],
+        "reshape": rs,
+        "transposes": chain + [gather, tr],
+        "layout": "packed",
+        "index": int(index),
+    }
 
 
 def _split_heads_sbd(t: Tensor | None, perm: list[int]) -> dict | None:
@@ -401,7 +434,7 @@ def _k_through_3d(t: Tensor | None) -> list[Node]:
     return [outer, flip, inner, base]
 
 
-_SCALED = ("MatMul", "Transpose", "Reshape")  # what a scale factor multiplies, never is
+_SCALED = ("MatMul", "Transpose", "Reshape", "Gather")  # what a scale multiplies, never is
 
 
 def _strip_scale(t: Tensor | None) -> tuple[Tensor | None, list[tuple[Tensor, bool]], list[Node]]:
@@ -485,8 +518,15 @@ def _match(root: Node) -> dict:
         if part is None:
             raise _unknown(
                 f"{name} '{t.name}' is not split into heads by a Reshape and Transpose the rule "
-                "knows (batch-first, sequence-first, or the 3-D Kᵀ of dynamo exports)"
+                "knows (batch-first, sequence-first, packed, or the 3-D Kᵀ of dynamo exports)"
             )
+    packed = [part.get("layout") == "packed" for part in (q, k, v)]
+    if any(packed) and not (
+        all(packed)
+        and q["x"] is k["x"] is v["x"]
+        and [q["index"], k["index"], v["index"]] == [0, 1, 2]
+    ):
+        raise _unknown("Q, K and V are not the parts 0, 1, 2 of one packed projection")
     for i, n in enumerate(scale_nodes + q_nodes + k_nodes):
         b[f"scale{i}"] = n
     # consumers before producers, so the driver can drop each once its readers are gone
@@ -546,6 +586,31 @@ def _heads(reshape: Node, x: Tensor, dims: Dims) -> tuple[int, int] | str:
     if not (b_ok and s_ok):
         return f"the reshape target {elems[:2]} does not keep the batch and sequence dims"
     return ints[0], ints[1]
+
+
+def _heads_packed(reshape: Node, x: Tensor, dims: Dims) -> tuple[int, int] | str:
+    """(N, H) of ``Reshape(x [B,S,3·N·H], [B, S, 3, N, H])``, or why not."""
+    elems = shape_elements(inputs(reshape)[1], dims)
+    if elems is None or len(elems) != 5:
+        return f"the packed reshape target {elems} is not [B, S, 3, N, H]"
+    width = x.shape[-1] if x.shape is not None and len(x.shape) == 3 else None
+    copy = () if reshape.attrs.get("allowzero", 0) else (("int", 0),)
+    three, n, h = elems[2:]
+    ints = [e[1] if e[0] == "int" else None for e in (three, n, h)]
+    if isinstance(width, (int, np.integer)) and ints[0] == 3:  # one -1 among N, H
+        if ints[1] == -1 and ints[2] is not None and ints[2] > 0:
+            ints[1] = int(width) // (3 * ints[2])
+        elif ints[2] == -1 and ints[1] is not None and ints[1] > 0:
+            ints[2] = int(width) // (3 * ints[1])
+    if ints[0] != 3 or ints[1] is None or ints[2] is None or min(ints[1:]) <= 0:
+        return f"the packed reshape target {elems} does not split into 3 × N × H"
+    if not isinstance(width, (int, np.integer)) or 3 * ints[1] * ints[2] != width:
+        return f"3×{ints[1]}×{ints[2]} does not split the packed width {width}"
+    b_ok = elems[0] in (*copy, dims.key(x, 0))
+    s_ok = elems[1] in (*copy, dims.key(x, 1), ("int", -1))
+    if not (b_ok and s_ok) or elems[:2] == [("int", -1), ("int", -1)]:
+        return f"the packed reshape target {elems[:2]} does not keep the batch and sequence dims"
+    return ints[1], ints[2]
 
 
 def _heads_sbd(split: Node, merge: Node, x: Tensor, dims: Dims) -> tuple[int, int] | str:
@@ -610,9 +675,10 @@ class FuseMultiHeadAttention(Rule):
             "softmax-axis",
             f"the Softmax normalizes over axis {axis} (opset {cx.ir.opset}), not over the keys",
         )
+        split = {"bsd": _heads, "packed": _heads_packed}
         heads = [
-            _heads(m.bindings[f"{r}_reshape"], t, dims)
-            if m.layout[r] == "bsd"
+            split[m.layout[r]](m.bindings[f"{r}_reshape"], t, dims)
+            if m.layout[r] in split
             else _heads_sbd(m.bindings[f"{r}_reshape"], m.merges[r], t, dims)
             for r, t in (("q", q), ("k", k), ("v", v))
         ]
@@ -636,6 +702,8 @@ class FuseMultiHeadAttention(Rule):
             "reshape-not-identity",
             "the Reshape between the two attention MatMuls is not provably a no-op",
         )
+        hidden = n * h if m.layout["v"] == "packed" else m.v.shape[-1]
+        m.stash(hidden=hidden)
         out_direct = self._out_direct(m, dims)
         bias = self._mask(m, cx, dims)
         lowering(cx, [("MultiHeadAttention", MS, None, {})], tname, "MultiHeadAttention")
@@ -746,7 +814,7 @@ class FuseMultiHeadAttention(Rule):
         copy = () if m.root.attrs.get("allowzero", 0) else (("int", 0),)
         b_ok = elems[0] in (*copy, dims.key(m.q, _axis(m, "q", "batch")))
         s_ok = elems[1] in (*copy, dims.key(m.q, _axis(m, "q", "seq")))
-        width = m.v.shape[-1] if m.v.shape is not None else None
+        width = m.hidden
         d_ok = elems[2] == ("int", -1) or (
             isinstance(width, (int, np.integer)) and elems[2] == ("int", int(width))
         )
@@ -792,7 +860,17 @@ class FuseMultiHeadAttention(Rule):
         return {"direct": direct}
 
     def _qkv_bias(self, m, cx) -> tuple | None:
-        """(query, key, value, packed bias) when q/k/v are MatMul + constant-vector Adds."""
+        """(query, key, value, packed bias) when q/k/v are MatMul + constant-vector Adds; for
+        a packed projection (source, None, None, bias) with the source the MatMul output."""
+        if m.layout["q"] == "packed":
+            add = producer(m.q, "Add")
+            sc = split_const(add) if add is not None else None
+            if sc is None or producer(sc[0], "MatMul") is None or len(m.q.outputs) != 1:
+                return None
+            vec = constant_value(sc[1])
+            if vec.ndim != 1 or vec.size != 3 * m.hidden or vec.dtype != dtype_of(m.q):
+                return None
+            return sc[0], None, None, vec, (add,)
         parts = []
         for t in (m.q, m.k, m.v):
             add = producer(t, "Add")
@@ -818,6 +896,8 @@ class FuseMultiHeadAttention(Rule):
         if m.qkv_bias is not None:
             q, k, v, vec, _adds = m.qkv_bias
             bias = b.const(vec, "qkv_bias")
+        if m.layout["q"] == "packed":
+            q, k, v = self._unpack(m, b, q)
         q, k, v = (
             b.op("Transpose", [t], {"perm": [1, 0, 2]}, name=f"{m.root.name}/{r}_batch_first")
             if m.layout[r] == "sbd"
@@ -844,11 +924,11 @@ class FuseMultiHeadAttention(Rule):
             name=f"{m.root.name}/MultiHeadAttention",
         )
         out.dtype = m.root.outputs[0].dtype
-        if all(s is not None and len(s) == 3 for s in (m.q.shape, m.v.shape)):
+        if m.q.shape is not None and len(m.q.shape) == 3:
             out.shape = [  # [B, S, D_v] from the sources' dims: D_v is static there
                 m.q.shape[_axis(m, "q", "batch")],
                 m.q.shape[_axis(m, "q", "seq")],
-                m.v.shape[-1],
+                m.hidden,
             ]
         if "nan_where" in m.bindings:
             isnan = b.op("IsNaN", [out], like=out, name=f"{m.root.name}/IsNaN")
@@ -866,6 +946,21 @@ class FuseMultiHeadAttention(Rule):
                 name=f"{m.root.name}/merge_heads",
             )
         return [out]
+
+    def _unpack(self, m, b, packed: Tensor) -> list[Tensor]:
+        """Split the [B, S, 3·D] projection into q, k, v of [B, S, D] each."""
+        sizes = np.full(3, m.hidden, dtype=np.int64)
+        ins, attrs = [packed], {"axis": 2}
+        if b.ir.opset >= 13:
+            ins.append(b.const(sizes, "qkv_sizes"))
+        else:
+            attrs["split"] = [int(x) for x in sizes]
+        parts = b.op("Split", ins, attrs, outputs=3, name=f"{m.root.name}/unpack_qkv")
+        for t in parts:
+            t.dtype = dtype_of(m.q)
+            if m.q.shape is not None and len(m.q.shape) == 3:
+                t.shape = [m.q.shape[0], m.q.shape[1], m.hidden]
+        return parts
 
     def _attention_bias(self, m, b, opset: int) -> Tensor:
         dt = dtype_of(m.q)

@@ -42,6 +42,7 @@ def attention(
     """One self-attention block as the PyTorch exporters write it (see rules/attention.py).
 
     ``layout="sbd"`` is torch.nn.MultiheadAttention's sequence-first spelling (x is [S,B,D]);
+    ``layout="packed"`` timm/Swin's one projection reshaped to [B,S,3,N,H] and unbound;
     ``k_form="dynamo"`` the 3-D Kᵀ of the dynamo exporter."""
     elem = TensorProto.FLOAT16 if dtype == np.float16 else TensorProto.FLOAT
     rng = np.random.default_rng(0)
@@ -74,7 +75,26 @@ def attention(
                 helper.make_node("MatMul", ["x", f"W{n}"], [f"{n}0"]),
                 helper.make_node("Add", [f"b{n}", f"{n}0"], [n]),
             ]
-    if layout == "sbd":  # Reshape [S,-1,H] → Transpose(1,0,2) → Reshape [-1,N,S,H]
+    if layout == "packed":  # Reshape [B,S,3,N,H] → Transpose(2,0,3,1,4) → Gather 0/1/2
+        inits += [
+            const("Wpk", rng.standard_normal((D, 3 * D)) * 0.3, dtype),
+            const("bpk", rng.standard_normal(3 * D), dtype),
+            const("five", [0, 0, 3, N, -1], np.int64),
+            const("i0", 0, np.int64),
+            const("i1", 1, np.int64),
+            const("i2", 2, np.int64),
+        ]
+        nodes += [
+            helper.make_node("MatMul", ["x", "Wpk"], ["pk0"]),
+            helper.make_node("Add", ["pk0", "bpk"], ["pk"]),
+            helper.make_node("Reshape", ["pk", "five"], ["pk5"]),
+            helper.make_node("Transpose", ["pk5"], ["pkT"], perm=[2, 0, 3, 1, 4]),
+            helper.make_node("Gather", ["pkT", "i0"], ["Q"], axis=0),
+            helper.make_node("Gather", ["pkT", "i1"], ["K4"], axis=0),
+            helper.make_node("Gather", ["pkT", "i2"], ["V"], axis=0),
+            helper.make_node("Transpose", ["K4"], ["KT"], perm=[0, 1, 3, 2]),
+        ]
+    elif layout == "sbd":  # Reshape [S,-1,H] → Transpose(1,0,2) → Reshape [-1,N,S,H]
         inits += [const("m1", [-1], np.int64), const("nh", [N], np.int64)]
         inits.append(const("hsz", [H], np.int64))
         nodes += [
@@ -94,7 +114,7 @@ def attention(
             nodes.append(helper.make_node("Reshape", [n, "heads"], [f"{n}4"]))
         nodes.append(helper.make_node("Transpose", ["q4"], ["Q"], perm=[0, 2, 1, 3]))
         nodes.append(helper.make_node("Transpose", ["v4"], ["V"], perm=[0, 2, 1, 3]))
-    if layout == "sbd":
+    if layout in ("sbd", "packed"):
         pass
     elif k_form == "dynamo":  # [B,N,S,H] → [-1,S,H] → (0,2,1) → [B,N,H,S], targets from Shape
         inits += [
@@ -315,6 +335,19 @@ def test_sequence_first_attention_fuses(mask):
     h = hist(out)
     assert h["com.microsoft.MultiHeadAttention"] == 1 and "Softmax" not in h
     assert h["Transpose"] == 4  # q, k, v to batch-first, the result back to sequence-first
+
+
+@pytest.mark.parametrize("scale", ["div", "split"])
+def test_packed_qkv_unbind_fuses(scale):
+    """timm ViT / Swin: one projection → [B,S,3,N,H] → permute → unbind; its bias moves in."""
+    rng = np.random.default_rng(3)
+    feed = {"x": rng.standard_normal((2, 5, D)).astype(np.float32)}
+    feed["mask_bias"] = rng.standard_normal((2, 1, 1, 5)).astype(np.float32)
+    out, report = assert_optimized(attention(layout="packed", scale=scale), inputs=feed)
+    h = hist(out)
+    assert h["com.microsoft.MultiHeadAttention"] == 1 and h["Split"] == 1
+    assert "Softmax" not in h and "Gather" not in h and "Transpose" not in h
+    assert mha_node(out).input[3]  # the packed bias
 
 
 def test_unknown_head_split_is_missed_with_its_reason():
