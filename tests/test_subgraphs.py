@@ -136,3 +136,41 @@ def test_symbolic_dims_survive():
     assert dims == ["batch", "seq", 8]
     dims = [d.dim_param or d.dim_value for d in out.graph.output[0].type.tensor_type.shape.dim]
     assert dims == ["batch", "seq", 8]
+
+
+def _body_ops(g: onnx.GraphProto) -> dict[str, int]:
+    """Op counts of every If/Loop body below ``g``, by body name."""
+    out = {}
+    for n in g.node:
+        for a in n.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                out[a.g.name] = len(a.g.node)
+                out.update(_body_ops(a.g))
+    return out
+
+
+@pytest.mark.parametrize("sr", [16000, 8000])
+def test_silero_like_vad_with_if_and_loop(sr):
+    """examples/vad_tiny.onnx (examples/make_vad.py): an If on the sample rate, a Loop running
+    an LSTM cell per frame whose weights the export re-slices from constants every frame.  Both
+    branches keep parity, the Loop body sheds its per-frame weight glue, dims stay symbolic."""
+    from conftest import EXAMPLES
+
+    src = onnx.load(str(EXAMPLES / "vad_tiny.onnx"))
+    rng = np.random.default_rng(0)
+    feed = {
+        "audio": rng.standard_normal((2, 4000)).astype(np.float32),
+        "sr": np.array(sr, dtype=np.int64),
+        "h": rng.standard_normal((2, 32)).astype(np.float32),
+        "c": rng.standard_normal((2, 32)).astype(np.float32),
+    }
+    out, report = assert_optimized(src, inputs=feed)
+    before, after = _body_ops(src.graph), _body_ops(out.graph)
+    loop = next(n for n in out.graph.node if n.op_type == "Loop")
+    body = loop.attribute[0].g
+    assert len(body.node) < before[body.name] / 4  # 88 → 13: Slice/Concat of weights folded
+    assert not [n for n in body.node if n.op_type in ("Constant", "Concat")]
+    assert {"If", "Loop"} <= set(ops(out)) and ops(out).get("FusedConv") == 2
+    dims = [d.dim_param for d in out.graph.input[0].type.tensor_type.shape.dim]
+    assert dims == ["batch", "samples"]
+    assert sum(after.values()) < sum(before.values())
