@@ -279,9 +279,10 @@ def toposort(graph: gs.Graph) -> None:
     get = producer_of.get
     for n in nodes:
         reads = n.inputs
-        if any(isinstance(v, (gs.Graph, list)) for v in n.attrs.values()):
+        subs = subgraphs(n) if n.attrs else ()
+        if subs:
             reads = list(reads)
-            for sub in subgraphs(n):
+            for sub in subs:
                 reads += [t for inner in walk_nodes(sub) for t in inner.inputs]
         mine = {get(id(t)) for t in reads}
         mine.discard(None)

@@ -5,9 +5,12 @@
 
 from __future__ import annotations
 
+import functools
+import gc
 import os
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,6 +90,30 @@ class Report:
         }
 
 
+@contextmanager
+def _sparse_collection():
+    """Collect cycles less often while optimizing.  A large graph is millions of small objects
+    (nodes, tensors, protos) alive for the whole run; with the default thresholds the cyclic
+    collector rescans them again and again: 25-30 % of -O2's time on a 50k-node graph.  Cycles
+    are still collected, only in fewer, larger batches."""
+    old = gc.get_threshold()
+    gc.set_threshold(max(old[0], 50_000), max(old[1], 20), max(old[2], 100))
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
+
+
+def _collecting_sparsely(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _sparse_collection():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@_collecting_sparsely
 def optimize(
     model: onnx.ModelProto | str | os.PathLike,
     *,
