@@ -20,7 +20,8 @@ HINTS = {
     "--freeze-initializers -o FROZEN.onnx` and optimize that",
     "shared-intermediate": "another node reads the intermediate result; fusing would compute it "
     "twice. Nothing to fix unless that reader is dead code",
-    "rank-not-2": "Gemm is rank-2 only; onnxruntime fuses rank-3 MatMul+Add itself at session time",
+    "rank-not-2": "Gemm is rank-2 only; a batched MatMul + bias Add stays two nodes (onnxruntime "
+    "keeps them too), nothing to fix",
     "no-kernel": "the target's kernel table has no such kernel; see `graphopt targets show T`",
     "precision-overflow": "the folded values do not fit the weight dtype; keep this layer in fp32 "
     "or fix the tiny BatchNorm running_var",

@@ -3,7 +3,8 @@ Reshapes → MatMul+Add.
 
 Gemm is rank-2 only: ``Y = A·B + C`` with A [M,K], B [K,N] and C unidirectionally broadcastable
 to [M,N].  A rank-3 MatMul+Add (every transformer's linear layer) is left alone and the reason
-is said; onnxruntime fuses those itself at session time.  In fp16/bf16 the fusion changes where
+is said (onnxruntime 1.32 keeps them as MatMul + Add too: its MatMulAddFusion is rank-2 only,
+and a Reshape-Gemm-Reshape spelling measured no faster).  In fp16/bf16 the fusion changes where
 the bias is added relative to the accumulation, so it is allowed only when the target declares
 that its Gemm kernel accumulates in fp32.
 """
@@ -35,7 +36,7 @@ class MatMulAddToGemm(Rule):
             ra == 2 and rb == 2,
             "rank-not-2",
             f"MatMul '{m.matmul.name}' has operands of rank {ra} and {rb}; Gemm needs rank 2 "
-            "(MatMul+Add stays; onnxruntime fuses it at session time)",
+            "(MatMul+Add stays)",
         )
         out = static_shape(m.y)
         c = m.C.shape
