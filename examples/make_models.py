@@ -237,6 +237,11 @@ MODELS: dict[str, Spec] = {
     "gpt2_fp16": Spec(build_gpt2, "gpt2", "fp16", tolerance=FP16_TOL),
     "resnet50_dynamo": Spec(torchvision_net("resnet50"), "resnet50", "dynamo"),
     "bert_base_dynamo": Spec(build_bert_base, "bert_base", "dynamo"),
+    "gpt2_dynamo": Spec(build_gpt2, "gpt2", "dynamo"),
+    "vit_hf_dynamo": Spec(build_vit_hf, "vit_hf", "dynamo"),
+    "whisper_tiny_encoder_dynamo": Spec(
+        build_whisper_tiny_encoder, "whisper_tiny_encoder", "dynamo"
+    ),
     "resnet50_kiai": Spec(torchvision_net("resnet50"), "resnet50", keep_bn=True, kiai=True),
     "bert_base_kiai": Spec(build_bert_base, "bert_base", kiai=True),
 }

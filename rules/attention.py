@@ -581,11 +581,21 @@ def _heads(reshape: Node, x: Tensor, dims: Dims) -> tuple[int, int] | str:
         return f"heads and head size {[n, h]} are not static"
     if width is not None and ints[0] * ints[1] != width:
         return f"{ints[0]}×{ints[1]} heads do not split the hidden size {width}"
-    b_ok = elems[0] in (*copy, dims.key(x, 0))
     s_ok = elems[1] in (*copy, dims.key(x, 1), ("int", -1))
+    b_ok = elems[0] in (*copy, dims.key(x, 0)) or _inferred_batch(elems, 2, copy, dims.key(x, 1))
     if not (b_ok and s_ok):
         return f"the reshape target {elems[:2]} does not keep the batch and sequence dims"
     return ints[0], ints[1]
+
+
+def _inferred_batch(elems: list[Key], first_head: int, copy: tuple, seq: Key) -> bool:
+    """Whether a -1 batch is forced to be the batch: the sequence dim is provably kept and the
+    head dims are explicit positive numbers (dynamo writes [-1, S, N, H])."""
+    return (
+        elems[0] == ("int", -1)
+        and elems[1] in (*copy, seq)
+        and all(e[0] == "int" and e[1] > 0 for e in elems[first_head:])
+    )
 
 
 def _heads_packed(reshape: Node, x: Tensor, dims: Dims) -> tuple[int, int] | str:
@@ -606,7 +616,7 @@ def _heads_packed(reshape: Node, x: Tensor, dims: Dims) -> tuple[int, int] | str
         return f"the packed reshape target {elems} does not split into 3 × N × H"
     if not isinstance(width, (int, np.integer)) or 3 * ints[1] * ints[2] != width:
         return f"3×{ints[1]}×{ints[2]} does not split the packed width {width}"
-    b_ok = elems[0] in (*copy, dims.key(x, 0))
+    b_ok = elems[0] in (*copy, dims.key(x, 0)) or _inferred_batch(elems, 2, copy, dims.key(x, 1))
     s_ok = elems[1] in (*copy, dims.key(x, 1), ("int", -1))
     if not (b_ok and s_ok) or elems[:2] == [("int", -1), ("int", -1)]:
         return f"the packed reshape target {elems[:2]} does not keep the batch and sequence dims"
@@ -797,16 +807,10 @@ class FuseMultiHeadAttention(Rule):
             # kept after the kernel: a 0 past axis 1 would copy a dim of [B|S,S|B,N,H] that the
             # kernel's [B|S,S|B,D] does not have
             target = constant_value(inputs(m.root)[1])
-            rank = 4 if m.layout["out"] == "sbd" else 3
             require(
                 target is None or 0 not in list(target)[2:] or m.root.attrs.get("allowzero", 0),
                 "reshape-not-identity",
                 f"the merging Reshape copies a head dim with 0 in {list(target)}",
-            )
-            require(
-                m.layout["out"] == "sbd" or target is None or len(target) == rank,
-                "reshape-not-identity",
-                f"the merging Reshape to {list(target)} does not yield [B,S,D]",
             )
             return False
         if elems[2] == ("int", 0):

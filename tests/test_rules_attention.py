@@ -456,3 +456,16 @@ def test_bert_tiny_every_layer_fuses():
     assert h["Expand"] == 4  # 3 of the embeddings + one attention_bias shared by both layers
     assert report.parity.ran and report.parity.ok
     assert max(o.max_abs for o in report.parity.outputs) < 1e-5
+
+
+def test_dynamo_vit_and_gpt2_targets_fuse():
+    """dynamo writes the head split as [-1, S, N, H] (static S) and GPT-2's merge as [-1, D]:
+    the -1 is forced to be the batch, and a 2-D merge stays after the kernel."""
+    m = attention(heads=(-1, 5, N, H), out_target=(-1, D), mask=None)
+    m.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 5
+    del m.graph.value_info[:]
+    x = np.random.default_rng(4).standard_normal((3, 5, D)).astype(np.float32)
+    out, report = assert_optimized(m, inputs={"x": x})
+    h = hist(out)
+    assert h["com.microsoft.MultiHeadAttention"] == 1 and h["Reshape"] == 1
+    assert "Softmax" not in h and "Transpose" not in h
