@@ -274,8 +274,14 @@ def _exit_code(report, checked: bool) -> int:
         return errors.EXIT_PARITY
     for p in parities:
         if checked and not p.ran:
+            hint = (
+                " (random inputs, symbolic dims at default sizes: give real sizes with "
+                "--shape NAME=D0,D1,... or real inputs with --inputs FILE.npz)"
+                if p.error and "failed to run" in p.error
+                else ""
+            )
             err.print(
-                f"[yellow]warning:[/] parity vs {p.reference} not run: {p.error}",
+                f"[yellow]warning:[/] parity vs {p.reference} not run: {p.error}{hint}",
                 markup=True,
                 soft_wrap=True,
             )
