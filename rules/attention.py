@@ -349,19 +349,23 @@ def _split_heads(t: Tensor | None, perm: list[int]) -> dict | None:
 _PERM_PACKED = [2, 0, 3, 1, 4]
 
 
+def _untranspose_k(t: Tensor | None, perm: list[int]) -> tuple[Tensor | None, list[Node]]:
+    """For Kᵀ (perm (0,2,3,1)): the K under its final (0,1,3,2) Transpose, and that node."""
+    if perm != _PERM_BNHS:
+        return t, []
+    outer = _transpose(t, [0, 1, 3, 2])
+    return (inputs(outer)[0], [outer]) if outer is not None else (None, [])
+
+
 def _split_heads_packed(t: Tensor | None, perm: list[int]) -> dict | None:
     """One packed projection split three ways (timm ViT, Swin, DeiT: ``qkv.reshape(B, N, 3,
     heads, hd).permute(2, 0, 3, 1, 4)`` then ``unbind(0)``)::
 
         Gather(Transpose(Reshape(x, [B, S, 3, N, H]), (2,0,3,1,4)), i)   [→ (0,1,3,2) for K]
     """
-    chain = []
-    if perm == _PERM_BNHS:
-        outer = _transpose(t, [0, 1, 3, 2])
-        if outer is None:
-            return None
-        chain.append(outer)
-        t = inputs(outer)[0]
+    t, chain = _untranspose_k(t, perm)
+    if t is None:
+        return None
     gather = producer(t, "Gather")
     if gather is None or int(gather.attrs.get("axis", 0)) != 0:
         return None
@@ -384,13 +388,9 @@ def _split_heads_sbd(t: Tensor | None, perm: list[int]) -> dict | None:
 
     Reshape(Transpose(Reshape(x, [S, -1, H]), (1,0,2)), [B, N, S, H])   [→ (0,1,3,2) for K]
     """
-    chain = []
-    if perm == _PERM_BNHS:
-        outer = _transpose(t, [0, 1, 3, 2])
-        if outer is None:
-            return None
-        chain.append(outer)
-        t = inputs(outer)[0]
+    t, chain = _untranspose_k(t, perm)
+    if t is None:
+        return None
     merge = producer(t, "Reshape")
     tr = _transpose(inputs(merge)[0], [1, 0, 2]) if merge is not None else None
     rs = producer(inputs(tr)[0], "Reshape") if tr is not None else None
