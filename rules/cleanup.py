@@ -210,6 +210,28 @@ class EliminateNoopPad(Forward):
 
 
 @register_rule
+class EliminateNoopSlice(Forward):
+    name = "eliminate-noop-slice"
+    root = "Slice"
+    summary = "Slice that keeps every element (start 0, end past the static dim, step 1)"
+    pattern = Op("Slice", "src", "starts", "ends", opt("axes"), opt("steps"))
+
+    def forward_check(self, m, cx):
+        shape = m.src.shape
+        vals = [constant_value(t) if t is not None else None for t in (m.starts, m.ends)]
+        applies_only_if(shape is not None and all(v is not None for v in vals))
+        starts, ends = (np.asarray(v).reshape(-1) for v in vals)
+        rank = len(shape)
+        axes = constant_value(m.axes) if m.axes is not None else np.arange(len(starts))
+        steps = constant_value(m.steps) if m.steps is not None else np.ones(len(starts))
+        applies_only_if(axes is not None and steps is not None and len(axes) == len(starts))
+        for a, st, en, step in zip(np.asarray(axes).reshape(-1), starts, ends, np.asarray(steps)):
+            dim = shape[int(a) % rank] if -rank <= int(a) < rank else None
+            applies_only_if(isinstance(dim, (int, np.integer)) and step == 1)
+            applies_only_if((st == 0 or st <= -dim) and en >= dim)
+
+
+@register_rule
 class EliminateSingleConcat(Forward):
     name = "eliminate-single-concat"
     root = "Concat"

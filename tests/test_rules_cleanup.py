@@ -182,3 +182,32 @@ def test_dim_index_out_of_range_is_missed():
     )
     out, report = run(m, level=1, check=False)
     assert codes(report, "shape-through-transpose") == ["index-out-of-range"]
+
+
+@pytest.mark.parametrize(
+    "starts, ends, steps, removed",
+    [
+        ([0, 0], [8, 2**63 - 1], [1, 1], True),  # Swin's crop after a zero pad: every element
+        ([-8, 0], [8, 5], [1, 1], True),
+        ([0, 0], [7, 5], [1, 1], False),  # drops a row
+        ([0, 0], [8, 5], [2, 1], False),  # strided
+    ],
+)
+def test_slice_keeping_every_element_is_removed(starts, ends, steps, removed):
+    m = model(
+        [
+            helper.make_node("Relu", ["x"], ["r"]),
+            helper.make_node("Slice", ["r", "st", "en", "ax", "sp"], ["s"]),
+            helper.make_node("Relu", ["s"], ["y"]),
+        ],
+        [vi("x", ["n", 8, 5])],
+        [vi("y", None)],
+        [
+            const("st", starts, np.int64),
+            const("en", ends, np.int64),
+            const("ax", [1, 2], np.int64),
+            const("sp", steps, np.int64),
+        ],
+    )
+    out, _ = assert_optimized(m, level=1)
+    assert ("Slice" not in ops(out)) == removed
