@@ -36,6 +36,7 @@ from .opt.io import (
 from .opt.lint import freeze_initializers as freeze_model
 from .opt.lint import lint as lint_model
 from .opt.manager import PASSES, RULES
+from .opt.optimizer import sparse_collection
 from .opt.parity import check_parity, load_inputs, parse_shapes, parse_tolerances
 from .opt.pipeline import LEVEL_NAMES, preset, with_kernels
 from .opt.reference import upcast_to_float64
@@ -172,7 +173,7 @@ def optimize(
     ] = False,
 ) -> None:
     """Optimize MODEL for a target; write OUT_DIR/model.onnx and OUT_DIR/report.json."""
-    with handled():
+    with handled(), sparse_collection():  # writing the bundle of a large graph too
         src = model.resolve()
         dest = (output or _default_out(model, target)).resolve()
         _check_output_dir(src, dest)

@@ -91,7 +91,7 @@ class Report:
 
 
 @contextmanager
-def _sparse_collection():
+def sparse_collection():
     """Collect cycles less often while optimizing.  A large graph is millions of small objects
     (nodes, tensors, protos) alive for the whole run; with the default thresholds the cyclic
     collector rescans them again and again: 25-30 % of -O2's time on a 50k-node graph.  Cycles
@@ -107,7 +107,7 @@ def _sparse_collection():
 def _collecting_sparsely(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with _sparse_collection():
+        with sparse_collection():
             return fn(*args, **kwargs)
 
     return wrapper
