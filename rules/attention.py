@@ -25,6 +25,11 @@ becomes ``MultiHeadAttention(q, k, v, bias?, , attention_bias?; num_heads=N[, sc
   the same ones).  A ``Where(cond, scores, v)`` mask becomes ``Where(cond, 0, v)`` added to the
   bias — exact only for ``v ≤ −1e30`` (then ``s + v == v`` in fp32).  Unknown rank, rank > 4, a
   non-float additive mask or a milder Where value: ``mask-shape``.
+* Swin's shifted windows add a per-window mask through a regrouping of the scores,
+  ``Reshape(Reshape(s + M, [b, nW, N, S, T]) + W, [B, N, S, T])`` with B = b·nW.  The kernel
+  cannot broadcast over the windows, so the bias ``M + W`` ([1, nW, N|1, S, T]) is expanded over
+  the b images at run time and flattened to [B, N, S, T].  The regroup must have static nW, S
+  and T, and M and W must not vary per image: else ``mask-shape``.
 * Bias Adds of q/k/v with constant vectors move into the ``bias`` input.
 * SDPA exports guard fully masked rows (softmax of all −inf is NaN) with ``Where(IsNaN(P), 0, P)``;
   the kernel yields NaN there too, so the same guard is applied to the fused output, where it
@@ -488,6 +493,11 @@ def _match(root: Node) -> dict:
             f"the heads are merged by Transpose{tuple(out_perm)}, not (0,2,1,3) or (2,0,1,3)"
         )
     z = inputs(sm)[0]
+    # shifted windows (Swin): Reshape(Reshape(z0, [b, nW, N, S, T]) + M5, [B, N, S, T])
+    window = _window_regroup(z)
+    if window is not None:
+        b.update(win_merge=window["merge"], win_add=window["add"], win_split=window["split"])
+        z = inputs(window["split"])[0]
     # mask: Add(s, M) | Where(c, s, v) | Add(Where(c, s, v), M) | none
     mask = where_mask = None
     add = producer(z, "Add")
@@ -543,9 +553,39 @@ def _match(root: Node) -> dict:
         "v": v["x"],
         "mask": mask,
         "where_mask": where_mask,
+        "window_mask": window["mask"] if window is not None else None,
         "factors": factors + q_f + k_f,
         "tensors": {"ctx": ctx, "scores": scores, "p": p, "qt": q_t, "vt": vt},
     }
+
+
+def _window_regroup(z: Tensor) -> dict | None:
+    """``z`` = Reshape(Add(Reshape(z0, 5-D), M5), 4-D) with ``z0`` scores (maybe masked)."""
+    merge = producer(z, "Reshape")
+    add = producer(inputs(merge)[0], "Add") if merge is not None else None
+    if add is None:
+        return None
+    for s_t, m_t in (inputs(add), inputs(add)[::-1]):
+        split = producer(s_t, "Reshape")
+        if split is None or _rank(s_t) != 5 or _rank(z) != 4:
+            continue
+        z0 = inputs(split)[0]
+        m_add, m_where = producer(z0, "Add"), producer(z0, "Where")
+        if (
+            _is_scores(z0)
+            or (m_add is not None and any(_is_scores(t) for t in inputs(m_add)))
+            or (m_where is not None and _is_scores(inputs(m_where)[1]))
+        ):
+            return {"merge": merge, "add": add, "split": split, "mask": m_t}
+    return None
+
+
+def _pins(target: list[Key], dims: list[Key]) -> bool:
+    """Whether Reshape ``target`` keeps ``dims``: equal keys, or a static size where the dim is
+    symbolic (softmax(P)·V then runs only when the dim has that size)."""
+    return all(
+        t == d or (t[0] == "int" and t[1] > 0 and d[0] != "int") for t, d in zip(target, dims)
+    )
 
 
 def _unknown(message: str) -> NoMatch:
@@ -826,7 +866,7 @@ class FuseMultiHeadAttention(Rule):
 
     def _mask(self, m, cx, dims: Dims) -> dict | None:
         """How to build attention_bias: {'mask', 'where', 'direct'} or None (no mask)."""
-        if m.mask is None and m.where_mask is None:
+        if m.mask is None and m.where_mask is None and m.window_mask is None:
             return None
         qdt = dtype_of(m.q)
         if m.where_mask is not None:
@@ -855,6 +895,8 @@ class FuseMultiHeadAttention(Rule):
                 "mask-shape",
                 f"the additive mask is {dtype_of(m.mask)}, the scores are {qdt}",
             )
+        if m.window_mask is not None:
+            return {"direct": True, "window": self._window(m, dims, qdt)}
         direct = (
             m.where_mask is None
             and _rank(m.mask) == 4
@@ -862,6 +904,42 @@ class FuseMultiHeadAttention(Rule):
             and dims.key(m.mask, 3) == dims.key(m.k, _axis(m, "k", "seq"))
         )
         return {"direct": direct}
+
+    def _window(self, m, dims: Dims, qdt) -> list[int]:
+        """[nW, N, S, T] of a shifted-window regroup whose mask can be tiled over the batch."""
+        scores = m.tensors["scores"]
+        want = [dims.key(scores, i) for i in (1, 2, 3)]
+        split = shape_elements(inputs(m.bindings["win_split"])[1], dims)
+        merge = shape_elements(inputs(m.bindings["win_merge"])[1], dims)
+        static = split is not None and all(e[0] == "int" and e[1] > 0 for e in split[1:])
+        require(
+            static and len(split) == 5 and _pins(split[2:], want),
+            "mask-shape",
+            f"the window regroup {split} does not split the batch of scores {want} into a static "
+            "number of windows",
+        )
+        require(
+            merge is not None and len(merge) == 4 and _pins(merge[1:], want),
+            "mask-shape",
+            f"the window regroup is not merged back into the scores' layout ({merge})",
+        )
+        mask = m.window_mask
+        require(
+            _rank(mask) is not None
+            and _rank(mask) <= 5
+            and (_rank(mask) < 5 or mask.shape[0] == 1)
+            and dtype_of(mask) == qdt,
+            "mask-shape",
+            f"the window mask '{mask.name}' is not a {qdt} tensor of rank ≤ 5 shared by every "
+            "image",
+        )
+        for t in (m.mask, m.where_mask[0] if m.where_mask is not None else None):
+            require(
+                t is None or _rank(t) is not None and (_rank(t) < 4 or t.shape[0] == 1),
+                "mask-shape",
+                f"the mask '{t.name if t is not None else ''}' varies over the windows' batch",
+            )
+        return [e[1] for e in split[1:]]
 
     def _qkv_bias(self, m, cx) -> tuple | None:
         """(query, key, value, packed bias) when q/k/v are MatMul + constant-vector Adds; for
@@ -976,9 +1054,14 @@ class FuseMultiHeadAttention(Rule):
             parts.append(b.op("Where", [cond, zero, fill], name=f"{m.root.name}/causal_bias"))
         if m.mask is not None:
             parts.append(m.mask)
+        if m.window_mask is not None:
+            parts.append(m.window_mask)
         bias = parts[0]
-        if len(parts) == 2:
-            bias = b.op("Add", parts, name=f"{m.root.name}/attention_bias")
+        for i, part in enumerate(parts[1:]):
+            bias = b.op("Add", [bias, part], name=f"{m.root.name}/attention_bias{i or ''}")
+            bias.dtype = dt  # known, so that a sum of constant masks folds right away
+        if m.bias_plan.get("window"):
+            return self._tile_windows(m, b, bias, opset)
         if m.bias_plan["direct"]:
             return bias
         cached = self._shared_expand(m, bias, b)
@@ -992,13 +1075,28 @@ class FuseMultiHeadAttention(Rule):
         shape = b.op("Concat", [ones, *lens], {"axis": 0}, name=f"{m.root.name}/bias_shape")
         return b.op("Expand", [bias, shape], name=f"{m.root.name}/attention_bias_expand")
 
-    def _seq_len(self, b, t: Tensor, opset: int, name: str) -> Tensor:
+    def _tile_windows(self, m, b, bias: Tensor, opset: int) -> Tensor:
+        """The [1, nW, N|1, S, T] window bias repeated over the images: [B, N, S, T]."""
+        n_win, heads, s, t = m.bias_plan["window"]
+        batch = self._seq_len(b, m.mha_q, opset, f"{m.root.name}/windows", axis=0)
+        images = b.op(
+            "Div",
+            [batch, b.const(np.array([n_win], dtype=np.int64), "num_windows")],
+            name=f"{m.root.name}/images",
+        )
+        tail = b.const(np.array([n_win, heads, s, t], dtype=np.int64), "window_bias_dims")
+        shape = b.op("Concat", [images, tail], {"axis": 0}, name=f"{m.root.name}/window_shape")
+        tiled = b.op("Expand", [bias, shape], name=f"{m.root.name}/window_bias")
+        flat = b.const(np.array([-1, heads, s, t], dtype=np.int64), "bias_shape")
+        return b.op("Reshape", [tiled, flat], name=f"{m.root.name}/window_bias_flat")
+
+    def _seq_len(self, b, t: Tensor, opset: int, name: str, axis: int = 1) -> Tensor:
         if opset >= 15:
-            return b.op("Shape", [t], {"start": 1, "end": 2}, name=name)
+            return b.op("Shape", [t], {"start": axis, "end": axis + 1}, name=name)
         shape = b.op("Shape", [t], name=name)
         return b.op(
             "Slice",
-            [shape, b.const(np.array([1]), "one"), b.const(np.array([2]), "two")],
+            [shape, b.const(np.array([axis]), "start"), b.const(np.array([axis + 1]), "end")],
             name=f"{name}/slice",
         )
 

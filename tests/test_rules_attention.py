@@ -202,6 +202,25 @@ def attention(
             helper.make_node("Where", ["causal", s, "fill"], ["zc"]),
             helper.make_node("Add", ["zc", "mask_bias"], ["z"]),
         ]
+    elif mask in ("window", "window-per-image"):  # Swin shifted windows: regroup by window
+        n_win, seq = 2, 5
+        per_image = mask == "window-per-image"
+        inits += [
+            const("relpos", rng.standard_normal((1, N, seq, seq)), dtype),
+            const("win5", [-1, n_win, N, seq, seq], np.int64),
+            const("win4", [-1, N, seq, seq], np.int64),
+        ]
+        if per_image:  # a mask that differs per image cannot be tiled
+            inputs.append(vi("wmask", ["images", n_win, 1, seq, seq], elem))
+        else:
+            wm = np.where(rng.random((1, n_win, 1, seq, seq)) < 0.3, -100.0, 0.0)
+            inits.append(const("wmask", wm, dtype))
+        nodes += [
+            helper.make_node("Add", [s, "relpos"], ["zr"]),
+            helper.make_node("Reshape", ["zr", "win5"], ["z5"]),
+            helper.make_node("Add", ["z5", "wmask"], ["z5m"]),
+            helper.make_node("Reshape", ["z5m", "win4"], ["z"]),
+        ]
     else:
         nodes.append(helper.make_node("Identity", [s], ["z"]))
     nodes.append(helper.make_node("Softmax", ["z"], ["P"], axis=softmax_axis))
@@ -348,6 +367,28 @@ def test_packed_qkv_unbind_fuses(scale):
     assert h["com.microsoft.MultiHeadAttention"] == 1 and h["Split"] == 1
     assert "Softmax" not in h and "Gather" not in h and "Transpose" not in h
     assert mha_node(out).input[3]  # the packed bias
+
+
+def test_shifted_window_mask_is_tiled_over_the_images():
+    """Swin's shifted blocks add a per-window mask through a 5-D regrouping of the scores."""
+    rng = np.random.default_rng(4)
+    feed = {"x": rng.standard_normal((6, 5, D)).astype(np.float32)}  # 3 images × 2 windows
+    out, report = assert_optimized(attention(layout="packed", mask="window"), inputs=feed)
+    h = hist(out)
+    assert h["com.microsoft.MultiHeadAttention"] == 1 and "Softmax" not in h
+    assert h["Expand"] == 1  # the [1, nW, N, S, T] bias repeated over the images
+    assert len(mha_node(out).input) == 6 and mha_node(out).input[5]
+
+
+def test_window_mask_that_varies_per_image_is_missed():
+    rng = np.random.default_rng(5)
+    feed = {
+        "x": rng.standard_normal((4, 5, D)).astype(np.float32),
+        "wmask": rng.standard_normal((2, 2, 1, 5, 5)).astype(np.float32),
+    }
+    out, report = run(attention(layout="packed", mask="window-per-image"), inputs=feed)
+    assert codes(report, RULE) == ["mask-shape"]
+    assert "Softmax" in hist(out) and report.parity.ok
 
 
 def test_unknown_head_split_is_missed_with_its_reason():
