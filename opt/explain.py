@@ -37,7 +37,7 @@ HINTS = {
     "fold-size-limit": "folding would store a large generated constant; raise --fold-size-limit "
     "if the bigger file is acceptable",
     "not-per-channel": "the constant broadcasts along spatial/batch axes, not per output channel: "
-    "folding it into the Conv would change results",
+    "folding it into the Conv or MatMul weights would change results",
     "training-mode": "the node runs in training mode; export with model.eval()",
     "narrowing-cast": "the round trip loses values (e.g. float→int→float), so it is kept",
     "mask-used": "the Dropout mask is read; export in eval mode",
@@ -47,7 +47,8 @@ HINTS = {
     "separate node",
     "shape-mismatch": "the operands' shapes are not provably what the fused kernel requires "
     "(e.g. a broadcast residual); export with static shapes or pass --shape",
-    "shared-weight": "another node reads the weight, so it cannot be stored transposed in place",
+    "shared-weight": "another node reads the weight, so it cannot be stored transposed or scaled "
+    "in place without copying it",
     "reshape-not-identity": "a Reshape in the pattern is not provably a no-op for these shapes",
 }
 

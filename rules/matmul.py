@@ -1,5 +1,5 @@
 """MatMul+Add → Gemm (level 2), only where Gemm is legal and safe; a Gemm flattened between two
-Reshapes → MatMul+Add.
+Reshapes → MatMul+Add; a per-column scale after a linear layer (layer scale) → its weights.
 
 Gemm is rank-2 only: ``Y = A·B + C`` with A [M,K], B [K,N] and C unidirectionally broadcastable
 to [M,N].  A rank-3 MatMul+Add (every transformer's linear layer) is left alone and the reason
@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from graphopt.opt.ir import constant_value, dtype_of, static_shape, type_string
+from graphopt.opt.ir import Constant, constant_value, dtype_of, static_shape, type_string
 from graphopt.opt.manager import register_rule
-from graphopt.opt.rewrite import Op, Rule, opt, require
+from graphopt.opt.precision import require_refold_allowed, require_representable
+from graphopt.opt.rewrite import Match, Op, Rule, applies_only_if, opt, require
+from graphopt.rules.activation import inputs, no_match, producer
 from graphopt.rules.attention import Dims, shape_elements
 
 
@@ -171,3 +173,139 @@ class FlattenedGemmToMatMul(Rule):
         if m.C is None:
             return [y]
         return [b.op("Add", [y, m.C], like=like)]
+
+
+def _axis_vector(c: np.ndarray, out_rank: int, axis: int, n: int) -> np.ndarray | None:
+    """``c`` as a vector along ``axis`` of a rank-``out_rank`` tensor with n there, or None if
+    it varies along another axis or would broadcast the tensor to a larger rank."""
+    if c.ndim > out_rank:
+        return None
+    shape = (1,) * (out_rank - c.ndim) + c.shape
+    if any(d != 1 for i, d in enumerate(shape) if i != axis):
+        return None
+    if c.size == 1:
+        return np.full(n, c.reshape(-1)[0])
+    return c.reshape(-1) if shape[axis] == n else None
+
+
+@register_rule
+class FoldLinearScale(Rule):
+    """``(x·W [+ b]) [→ Transpose] · c`` → ``x·(W·c) [+ b·c] [→ Transpose]``, c a constant per
+    output column.
+
+    ConvNeXt, CaiT and DeiT-III scale each residual branch by a learned vector γ right after the
+    last linear layer ("layer scale"; torchvision's ConvNeXt applies it after permuting back to
+    NCHW, so a Transpose may sit between).  The multiplication moves into the weights: one pass
+    over the activations fewer per block.  W must be a 2-D constant read only here (folding a
+    shared weight would copy it); the values are computed in float64 and stored behind the
+    precision guards of the Conv folds.
+    """
+
+    name = "fold-linear-scale"
+    root = "Mul"
+    summary = "per-column constant Mul after MatMul (+ bias) → folded into W and b"
+
+    def match(self, node, cx):
+        for y, c in (inputs(node), inputs(node)[::-1]):
+            if not isinstance(c, Constant):
+                continue
+            found = {"mul": node, "transpose": producer(y, "Transpose"), "c": c}
+            if found["transpose"] is not None:
+                y = inputs(found["transpose"])[0]
+            add, bias = producer(y, "Add"), None
+            if add is not None:
+                for mm_out, bias in (inputs(add), inputs(add)[::-1]):
+                    if producer(mm_out, "MatMul") is not None and isinstance(bias, Constant):
+                        break
+                else:
+                    continue
+                y = mm_out
+            mm = producer(y, "MatMul")
+            if mm is None or not isinstance(inputs(mm)[1], Constant):
+                continue
+            found.update(add=add, b=bias if add is not None else None, matmul=mm)
+            return Match(node, {**found, "x": inputs(mm)[0], "W": inputs(mm)[1]})
+        raise no_match()
+
+    def check(self, m, cx):
+        w = constant_value(m.W)
+        out = m.mul.outputs[0]
+        rank = len(out.shape) if out.shape is not None else None
+        applies_only_if(w.ndim == 2 and rank is not None and rank >= 2)
+        n = w.shape[1]
+        dt = dtype_of(m.W)
+        require(
+            dt.kind == "f" and all(dtype_of(t) == dt for t in (m.c, m.b) if t is not None),
+            "dtype-mismatch",
+            f"the scale, bias and weights are not all one float dtype ({dt})",
+        )
+        axis = rank - 1
+        if m.transpose is not None:
+            perm = list(m.transpose.attrs.get("perm", range(rank)[::-1]))
+            axis = perm.index(rank - 1)
+        vec = _axis_vector(constant_value(m.c), rank, axis, n)
+        require(
+            vec is not None,
+            "not-per-channel",
+            f"the scale '{m.c.name}' of shape {list(constant_value(m.c).shape)} does not "
+            f"broadcast over the {n} output columns only",
+        )
+        bias = None
+        if m.b is not None:
+            add_rank = len(m.add.outputs[0].shape or ())
+            bias = _axis_vector(constant_value(m.b), add_rank, add_rank - 1, n)
+            require(
+                bias is not None,
+                "bias-broadcast",
+                f"the bias '{m.b.name}' does not broadcast over the output columns only",
+            )
+        for node in (m.matmul, m.add, m.transpose):
+            t = node.outputs[0] if node is not None else None
+            require(
+                t is None or len(t.outputs) == 1 and not cx.ir.is_graph_output(t),
+                "shared-intermediate",
+                f"'{t.name if t is not None else ''}' is also read elsewhere; the unscaled value "
+                "would be lost",
+            )
+        require(
+            len(m.W.outputs) == 1,
+            "shared-weight",
+            f"the weight '{m.W.name}' is read elsewhere; folding would copy it",
+        )
+        scale = vec.astype(np.float64)
+        w_new = require_representable(w.astype(np.float64) * scale, dt, "MatMul weights")
+        b_new = None
+        if bias is not None:
+            b_new = require_representable(bias.astype(np.float64) * scale, dt, "MatMul bias")
+        require_refold_allowed(cx, dt, "MatMul weights", int(w_new.size))
+        m.stash(w_new=w_new, b_new=b_new)
+
+    def rewrite(self, m, b):
+        like = m.root.outputs[0]
+        name = m.matmul.name or "MatMul"
+        last = m.transpose is None and m.b_new is None
+        y = b.op(
+            "MatMul",
+            [m.x, b.const(m.w_new, "W")],
+            like=like if last else None,
+            name=f"{name}/scaled",
+        )
+        y.dtype = like.dtype
+        if m.b_new is not None:
+            last = m.transpose is None
+            y = b.op(
+                "Add",
+                [y, b.const(m.b_new, "b")],
+                like=like if last else None,
+                name=f"{name}/scaled_bias",
+            )
+            y.dtype = like.dtype
+        if m.transpose is not None:
+            y = b.op(
+                "Transpose",
+                [y],
+                dict(m.transpose.attrs),
+                like=like,
+                name=f"{m.transpose.name or 'Transpose'}/scaled",
+            )
+        return [y]

@@ -114,12 +114,14 @@ def test_real_benchmark_records_its_numbers():
 
 
 def test_output_names_kept_and_second_runtime_input(faster):
-    """A residual add reads a second runtime tensor of the same shape (layer-scale tail)."""
+    """A residual add reads a second runtime tensor of the same shape (a gated layer-scale tail;
+    without the Tanh the scale would fold into W: fold-linear-scale)."""
     rng = np.random.default_rng(1)
     nodes = [
         helper.make_node("MatMul", ["x", "W"], ["h"], name="fc"),
         helper.make_node("Add", ["h", "b"], ["hb"], name="bias"),
-        helper.make_node("Mul", ["hb", "gamma"], ["hs"], name="scale"),
+        helper.make_node("Tanh", ["hb"], ["ht"], name="gate"),
+        helper.make_node("Mul", ["ht", "gamma"], ["hs"], name="scale"),
         helper.make_node("Add", ["x", "hs"], ["y"], name="residual"),
     ]
     inits = [
@@ -366,7 +368,8 @@ def test_consecutive_regions_both_fused(faster):
         nodes += [
             helper.make_node("MatMul", [cur, f"{p}.w"], [f"{p}.h"], name=f"{p}/fc"),
             helper.make_node("Add", [f"{p}.h", f"{p}.bias"], [f"{p}.hb"], name=f"{p}/bias"),
-            helper.make_node("Mul", [f"{p}.hb", f"{p}.g"], [f"{p}.hs"], name=f"{p}/scale"),
+            helper.make_node("Tanh", [f"{p}.hb"], [f"{p}.ht"], name=f"{p}/gate"),
+            helper.make_node("Mul", [f"{p}.ht", f"{p}.g"], [f"{p}.hs"], name=f"{p}/scale"),
             helper.make_node("Add", [cur, f"{p}.hs"], [f"{p}.out"], name=f"{p}/res"),
         ]
         inits += [

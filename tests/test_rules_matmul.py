@@ -104,3 +104,48 @@ def test_flattened_gemm_guards(kwargs, code, rng):
     out, report = run(conv1d(rng, **kwargs), check=False)
     assert code in codes(report, "flattened-gemm-to-matmul")
     assert ops(out)["Gemm"] == 1
+
+
+# ----------------------------------------------------- layer scale folded into the linear layer
+def layer_scale(rng, *, permute=False, scale_shape=None, bias=True, shared_weight=False):
+    """ConvNeXt's MLP tail: x [B,H,W,K] · W (+ b), optionally permuted back to NCHW, times γ."""
+    k, n = 4, 6
+    inits = [const("W", rng.standard_normal((k, n))), const("b", rng.standard_normal(n))]
+    shape = scale_shape or ([n, 1, 1] if permute else [n])
+    inits.append(const("gamma", rng.uniform(0.1, 2.0, shape)))
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["y0"], name="mm")]
+    y = "y0"
+    if bias:
+        nodes.append(helper.make_node("Add", ["b", "y0"], ["y1"], name="bias"))
+        y = "y1"
+    if permute:
+        nodes.append(helper.make_node("Transpose", [y], ["yt"], perm=[0, 3, 1, 2], name="nchw"))
+        y = "yt"
+    nodes.append(helper.make_node("Mul", ["gamma", y], ["out"], name="scale"))
+    outputs = [vi("out", None)]
+    if shared_weight:
+        nodes.append(helper.make_node("MatMul", ["x", "W"], ["other"], name="mm2"))
+        outputs.append(vi("other", None))
+    return model(nodes, [vi("x", ["batch", 3, 5, k])], outputs, inits)
+
+
+@pytest.mark.parametrize("permute", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_layer_scale_folds_into_the_weights(permute, bias, rng):
+    out, report = assert_optimized(layer_scale(rng, permute=permute, bias=bias))
+    assert "Mul" not in ops(out)
+    assert codes(report, "fold-linear-scale", kind="passed") == ["fired"]
+
+
+@pytest.mark.parametrize(
+    "kwargs,code",
+    [
+        ({"permute": True, "scale_shape": [1, 1, 5]}, "not-per-channel"),  # along width
+        ({"scale_shape": [5, 6]}, "not-per-channel"),  # varies along another axis
+        ({"shared_weight": True}, "shared-weight"),
+    ],
+)
+def test_layer_scale_guards(kwargs, code, rng):
+    out, report = run(layer_scale(rng, **kwargs))
+    assert codes(report, "fold-linear-scale") == [code]
+    assert "Mul" in ops(out) and report.parity.ok
