@@ -171,6 +171,15 @@ def optimize(
             "(fuse-elementwise; needs gcc/nvcc; the bundle ships kernels/).",
         ),
     ] = False,
+    opset: Annotated[
+        int | None,
+        typer.Option(
+            "--opset",
+            min=1,
+            help="Upgrade the model to this ONNX opset first (e.g. 23 for RMSNormalization); "
+            "parity still compares with the original.",
+        ),
+    ] = None,
 ) -> None:
     """Optimize MODEL for a target; write OUT_DIR/model.onnx and OUT_DIR/report.json."""
     with handled(), sparse_collection():  # writing the bundle of a large graph too
@@ -199,6 +208,7 @@ def optimize(
                 progress=say,
                 reference=reference.value,
                 output_tolerances=parse_tolerances(tolerance),
+                opset=opset,
             )
             say("writing")
             _write_bundle(dest, optimized, report)

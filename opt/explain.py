@@ -50,6 +50,8 @@ HINTS = {
     "shared-weight": "another node reads the weight, so it cannot be stored transposed or scaled "
     "in place without copying it",
     "reshape-not-identity": "a Reshape in the pattern is not provably a no-op for these shapes",
+    "opset-too-old": "the fused op is standard only from a newer opset; `graphopt optimize "
+    "--opset N` upgrades the model first (parity still compares with the original)",
 }
 
 

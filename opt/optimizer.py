@@ -27,6 +27,7 @@ from .pipeline import parse, preset, to_text
 from .reference import upcast_to_float64
 from .remarks import Remark
 from .target import get_target
+from .upgrade import upgrade_opset
 
 Progress = Callable[[str], None]
 
@@ -131,6 +132,7 @@ def optimize(
     reference: str = "original",
     output_tolerances: dict[str, tuple[float, float]] | None = None,
     base_dir: str | os.PathLike | None = None,
+    opset: int | None = None,
 ) -> tuple[onnx.ModelProto, Report]:
     """Optimize a model for a target; return the optimized model and the report.
 
@@ -138,7 +140,9 @@ def optimize(
     values); ``base_dir`` says where a given ModelProto's external references resolve.
 
     ``reference`` chooses what parity compares with: the ``original`` model, its ``float64``
-    upcast (catches fp16 overflow that CPU kernels hide), or ``both``.
+    upcast (catches fp16 overflow that CPU kernels hide), or ``both``.  ``opset`` lifts the
+    model to that default-domain opset before the pipeline runs (parity still compares with
+    the original).
     """
     if reference not in ("original", "float64", "both"):
         raise UsageError(f"reference must be original, float64 or both (got '{reference}')")
@@ -151,6 +155,22 @@ def optimize(
         base_dir = Path(model).resolve().parent
         model = load_model(model, lazy_external=True)
     _check_input_names(model, shapes, inputs)
+    work, upgrade_remarks = model, []
+    if opset is not None:
+        say(f"upgrading to opset {opset}")
+        work, before = upgrade_opset(model, opset)
+        if work is not model:
+            upgrade_remarks.append(
+                Remark(
+                    "analysis",
+                    "upgrade-opset",
+                    "upgrade-opset",
+                    "opset-upgraded",
+                    (),
+                    f"default-domain opset {before} → {opset} (onnx version converter) before "
+                    "the pipeline; parity compares with the original",
+                )
+            )
     tgt = get_target(target)
     text = preset(level) if pipeline is None else pipeline
     passes = parse(text)
@@ -164,7 +184,7 @@ def optimize(
         ranges, range_remarks = _guarded_ranges(model, inputs, shapes, seed, base_dir)
 
     def execute(limit: int | None, skip: frozenset = frozenset()):
-        ir = ModelIR(model, base_dir)
+        ir = ModelIR(work, base_dir)
         cx = PassContext(
             target=tgt,
             level=level,
@@ -175,7 +195,7 @@ def optimize(
             ranges=ranges,
             skip=skip,
         )
-        for r in range_remarks:
+        for r in range_remarks + upgrade_remarks:
             cx.remarks.add(r)
         for p in passes:
             say(f"running {p.text()}")

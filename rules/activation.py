@@ -147,6 +147,22 @@ def lowering(
         f"{d + '.' if d else ''}{op}" + (f" (opset ≥ {v})" if not d and v else "")
         for op, d, v, _ in choices
     )
+    newer = [
+        (op, v)
+        for op, d, v, _ in choices
+        if not d and v and opset < v and cx.target.has_kernel(op, "", v, tname)
+    ]
+    if newer:
+        op, v = newer[0]
+        raise NoMatch(
+            "opset-too-old",
+            f"{what} → {op} needs opset ≥ {v}, the model is at opset {opset} and target "
+            f"{cx.target.name} has no other kernel for it in {tname} (tried {names}); "
+            f"`--opset {v}` upgrades the model first",
+            dtype=tname,
+            opset=opset,
+            needs=v,
+        )
     raise NoMatch(
         "no-kernel",
         f"target {cx.target.name} has no kernel for {what} in {tname} at opset {opset} "

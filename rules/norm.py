@@ -236,7 +236,8 @@ class FuseLayerNorm(Rule):
         require(
             cx.ir.opset >= 17,
             "opset-too-old",
-            f"LayerNormalization is a standard op from opset 17; the model is opset {cx.ir.opset}",
+            f"LayerNormalization is a standard op from opset 17; the model is opset {cx.ir.opset} "
+            "(`--opset 17` upgrades it first)",
         )
         tname = _check_precision(cx, m.x, "LayerNormalization")
         lowering(cx, [("LayerNormalization", "", 17, {})], tname, "LayerNormalization")

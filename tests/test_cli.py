@@ -122,6 +122,8 @@ def test_truncated_model(conv_model, tmp_path):
         ["--shape", "x"],
         ["--shape", "q=1,2"],
         ["--bogus"],
+        ["--opset", "13"],  # below the model's 17: never downgraded
+        ["--opset", "99"],  # newer than onnx knows
     ],
 )
 def test_usage_errors_exit_2(conv_model, tmp_path, args):
@@ -167,3 +169,15 @@ def test_rules_and_targets_lists():
     assert {"fuse-conv-bn", "matmul-add-to-gemm", "fold-constants", "dce"} <= names
     res = invoke("targets", "--format", "json")
     assert {t["name"] for t in json.loads(res.stdout)} >= {"cpu", "cuda"}
+
+
+def test_opset_upgrade_is_reported(conv_model, tmp_path):
+    res = invoke("optimize", conv_model, "-o", tmp_path / "o", "--opset", "21", "--format", "json")
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.output)
+    assert [r["code"] for r in report["remarks"] if r["rule"] == "upgrade-opset"] == [
+        "opset-upgraded"
+    ]
+    out = onnx.load(tmp_path / "o" / "model.onnx")
+    assert next(i.version for i in out.opset_import if i.domain == "") == 21
+    assert report["parity"]["ok"]

@@ -267,11 +267,23 @@ def test_rms_norm_fuses_at_opset_23(div, square):
     assert attr(out, "RMSNormalization", "epsilon") == pytest.approx(1e-6)
 
 
-def test_rms_norm_before_opset_23_has_no_kernel():
-    """onnxruntime registers SimplifiedLayerNormalization only in the ONNX domain (invalid ONNX)."""
+def test_rms_norm_before_opset_23_says_how_to_upgrade():
+    """onnxruntime registers SimplifiedLayerNormalization only in the ONNX domain (invalid ONNX),
+    so before opset 23 there is no kernel; the remark names the --opset that has one."""
     out, report = run(rms_model(opset=18))
-    assert codes(report, "fuse-rms-norm") == ["no-kernel"]
+    assert codes(report, "fuse-rms-norm") == ["opset-too-old"]
+    (r,) = [r for r in report.remarks if r.rule == "fuse-rms-norm"]
+    assert r.args["needs"] == 23 and "--opset 23" in r.message
     assert report.parity.ok
+
+
+def test_rms_norm_fuses_after_an_opset_upgrade():
+    m = rms_model(opset=18)
+    out, report = assert_optimized(m, opset=23)
+    assert hist(out) == {"RMSNormalization": 1}
+    assert next(i.version for i in out.opset_import if i.domain == "") == 23
+    assert next(i.version for i in m.opset_import if i.domain == "") == 18  # input untouched
+    assert [r.code for r in report.remarks if r.rule == "upgrade-opset"] == ["opset-upgraded"]
 
 
 def test_rms_norm_axes_not_last_is_missed():
