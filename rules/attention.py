@@ -36,6 +36,9 @@ becomes ``MultiHeadAttention(q, k, v, bias?, , attention_bias?; num_heads=N[, sc
   zeros the same rows (it would also zero a NaN that V alone carries; the original keeps that one).
 * It is assumed, as every exporter guarantees, that the mask does not broadcast the scores to a
   larger shape; a model that did would get a run-time error from the kernel, not wrong numbers.
+* ``slower-on-target`` where the key length is static and below the bound from which the
+  target's kernel was measured to pay (onnxruntime CPU: 128 keys; Swin's 49-key windows ran
+  slower fused);
 * ``no-kernel`` where the target lacks MultiHeadAttention for the dtype; ``shared-intermediate``
   when a tensor inside the pattern (other than through Shape) is read elsewhere;
   ``softmax-axis`` when the Softmax is not over the last (key) axis; ``unknown-shape`` when q, k
@@ -757,6 +760,7 @@ class FuseMultiHeadAttention(Rule):
         out_direct = self._out_direct(m, dims)
         bias = self._mask(m, cx, dims)
         lowering(cx, [("MultiHeadAttention", MS, None, {})], tname, "MultiHeadAttention")
+        self._check_pays(m, cx)
         m.stash(
             num_heads=n,
             head_size=h,
@@ -764,6 +768,21 @@ class FuseMultiHeadAttention(Rule):
             out_direct=out_direct,
             qkv_bias=self._qkv_bias(m, cx),
             bias_plan=bias,
+        )
+
+    def _check_pays(self, m, cx) -> None:
+        """Refuse a static key length below the one from which the target's kernel pays."""
+        bound, why = cx.target.slower_below.get("MultiHeadAttention", (0, ""))
+        keys = m.k.shape[_axis(m, "k", "seq")]
+        require(
+            not isinstance(keys, (int, np.integer)) or keys >= bound,
+            "slower-on-target",
+            lambda: (
+                f"MultiHeadAttention over {keys} keys is slower than the unfused attention "
+                f"on target {cx.target.name} below {bound} keys: {why}"
+            ),
+            keys=int(keys) if isinstance(keys, (int, np.integer)) else None,
+            bound=bound,
         )
 
     def _check_exclusive(self, m, cx) -> None:

@@ -27,6 +27,7 @@ def describe_target(name: str) -> dict[str, Any]:
         "tolerances": {k: list(v) for k, v in sorted(t.tolerances.items())},
         "fp32_accumulation": dict(t.fp32_accumulation),
         "measured_slower": dict(t.measured_slower),
+        "slower_below": {k: list(v) for k, v in sorted(t.slower_below.items())},
         "session": dict(t.session),
         "device_available": t.device_available,
     }

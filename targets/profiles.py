@@ -79,6 +79,15 @@ PIXEL_SHUFFLE_CPU = (
     "2.36 vs 8.54 ms; both CRD and DCR); whole esrgan_tiny 14.4 vs 14.6 ms"
 )
 
+ATTENTION_CPU = (
+    "measured (examples/benchmark/attention_shapes.py, onnxruntime 1.32.0 CPU, 1 thread, "
+    "ORT_ENABLE_ALL, 40 interleaved runs; MultiHeadAttention / the exporter's attention): "
+    "Swin-T windows of 49 keys 1.02-1.09x (64 windows, 3 heads of 32: 2545 vs 2326 us), 16 "
+    "keys 1.01-1.17x, 64 keys 1.01-1.11x; from 128 keys on it pays: BERT-base S=128 0.99x "
+    "(batch 8: 0.96x), ViT-B/16 (197) 0.85x, Whisper-tiny (1500) 0.86x; whole Swin-T with its "
+    "12 attentions fused ran 1.014-1.026x against none fused"
+)
+
 #: onnxruntime session settings shared by the onnxruntime-based targets (see targets/bundle.py)
 ORT_SESSION = {
     "graph_optimization_level": "ORT_ENABLE_ALL",
@@ -103,6 +112,7 @@ CPU = register_target(
             "float16/bfloat16 included (the live registry lists the (T, float) pairs), and "
             "computes mean and inverse std-dev in U",
         },
+        slower_below={"MultiHeadAttention": (128, ATTENTION_CPU)},
         measured_slower={
             "SkipLayerNormalization": "onnxruntime 1.32.0 CPU, fp32, 1 intra-op thread, "
             "ORT_ENABLE_ALL, 30x5 interleaved runs on this project's 2-vCPU build machine: "

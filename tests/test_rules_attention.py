@@ -480,6 +480,21 @@ def test_fp16_on_cuda_fuses():
     assert hist(out)["com.microsoft.MultiHeadAttention"] == 1
 
 
+def test_short_static_sequence_is_slower_on_cpu():
+    """onnxruntime's CPU kernel pays from 128 keys on (examples/benchmark/attention_shapes.py);
+    a static shorter one (Swin's 49-key windows) stays unfused there, with the numbers."""
+    m = attention(mask=None)
+    m.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 49
+    del m.graph.value_info[:]
+    out, report = run(m)
+    assert codes(report, RULE) == ["slower-on-target"]
+    (r,) = [r for r in report.remarks if r.rule == RULE]
+    assert r.args["keys"] == 49 and r.args["bound"] == 128 and "Swin" in r.message
+    assert "Softmax" in hist(out) and report.parity.ok
+    out, _ = run(m, target="cuda", check=False)  # no such measurement for the cuda kernel
+    assert hist(out)["com.microsoft.MultiHeadAttention"] == 1
+
+
 def test_attention_probabilities_as_output_are_missed():
     out, report = run(attention(softmax_out=True))
     assert codes(report, RULE) == ["shared-intermediate"]
@@ -502,10 +517,10 @@ def test_bert_tiny_every_layer_fuses():
 def test_dynamo_vit_and_gpt2_targets_fuse():
     """dynamo writes the head split as [-1, S, N, H] (static S) and GPT-2's merge as [-1, D]:
     the -1 is forced to be the batch, and a 2-D merge stays after the kernel."""
-    m = attention(heads=(-1, 5, N, H), out_target=(-1, D), mask=None)
-    m.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 5
+    m = attention(heads=(-1, 128, N, H), out_target=(-1, D), mask=None)
+    m.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 128
     del m.graph.value_info[:]
-    x = np.random.default_rng(4).standard_normal((3, 5, D)).astype(np.float32)
+    x = np.random.default_rng(4).standard_normal((3, 128, D)).astype(np.float32)
     out, report = assert_optimized(m, inputs={"x": x})
     h = hist(out)
     assert h["com.microsoft.MultiHeadAttention"] == 1 and h["Reshape"] == 1
