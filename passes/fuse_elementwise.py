@@ -10,7 +10,10 @@ What is fused (the top-level graph; subgraph bodies are left alone in this versi
   Softplus, HardSwish, Clip (constant bounds), LeakyRelu, Elu, HardSigmoid, Pow (constant
   exponent in {±1, ±0.5, 2, 3, 4}); binary Add, Sub, Mul, Div, Max, Min -- in float32 (cpu) or
   float32/float16 (cuda), whose operands are each either a runtime tensor of the output's exact
-  shape or a constant that is a scalar or holds one value per channel along a single axis;
+  shape or a constant that is a scalar or holds one value per channel along a single axis, or
+  any other float constant that broadcasts to a *static* output shape of at most
+  ``MAX_BROADCAST_ELEMENTS`` (YOLO's anchor grids): that one is expanded to the output shape and
+  read as one more input (memory traffic like a runtime operand, no index arithmetic);
 * grouped into maximal regions: a producer joins its consumer's region when every reader of its
   output is in the region and it is not a graph output, so a region has one value leaving it;
   regions read any number of same-shaped runtime tensors (x·σ(x·s+t) reads x twice, a residual
@@ -123,6 +126,26 @@ def _channel_axis(c: Constant, out_shape) -> int | None:
     return i - r
 
 
+#: elements a broadcast constant may be expanded to (it becomes a full-shape kernel input)
+MAX_BROADCAST_ELEMENTS = 1 << 20
+
+
+def _broadcast_const(c: Constant, out_shape) -> bool:
+    """Whether constant ``c`` (neither a scalar nor per-channel) can be expanded to the static
+    ``out_shape`` and read as one more full-shape input: YOLO's anchor grids and strides."""
+    if np.dtype(c.dtype).kind != "f" or not all(
+        isinstance(d, (int, np.integer)) for d in out_shape
+    ):
+        return False
+    shape = [int(d) for d in out_shape]
+    if int(np.prod(shape)) > MAX_BROADCAST_ELEMENTS:
+        return False
+    try:
+        return list(np.broadcast_shapes(tuple(c.shape), tuple(shape))) == shape
+    except ValueError:
+        return False
+
+
 def _dtype(t: Tensor) -> str | None:
     try:
         return np.dtype(t.dtype).name if t.dtype is not None else None
@@ -175,9 +198,8 @@ def fusible(node: Node, target: str) -> bool:
     chain = 0
     for t in operands:
         if isinstance(t, Constant):
-            if _scalar(t) is None and (
-                _channel_axis(t, shape) is None or np.dtype(t.dtype).kind != "f"
-            ):
+            per_channel = _channel_axis(t, shape) is not None and np.dtype(t.dtype).kind == "f"
+            if _scalar(t) is None and not per_channel and not _broadcast_const(t, shape):
                 return False
         elif isinstance(t, Variable):
             if not _dims_equal(t.shape, shape) or _dtype(t) != dtype:
@@ -196,6 +218,8 @@ class Region:
     xs: list[Tensor] = field(default_factory=list)
     ps: list[Constant] = field(default_factory=list)
     axis: int = 0
+    #: broadcast constants (by id) expanded to the output shape, read as inputs in ``xs``
+    expanded: dict[int, Constant] = field(default_factory=dict)
     expr: Expr | None = None
     spec: KernelSpec | None = None
     problem: tuple[str, str] | None = None
@@ -261,6 +285,8 @@ def build_expr(region: Region) -> None:
             s = _scalar(t)
             if s is not None:
                 return Expr.const(s)
+            if _channel_axis(t, out_shape) is None:  # a broadcast constant, expanded
+                return expanded(t)
             axes.add(_channel_axis(t, out_shape))
             for k, p in enumerate(region.ps):
                 if p is t:
@@ -272,6 +298,14 @@ def build_expr(region: Region) -> None:
                 return Expr.x(k)
         region.xs.append(t)
         return Expr.x(len(region.xs) - 1)
+
+    def expanded(t: Constant) -> Expr:
+        if id(t) not in region.expanded:
+            full = np.broadcast_to(np.asarray(t.values), [int(d) for d in out_shape])
+            value = np.ascontiguousarray(full.astype(region.dtype))
+            region.expanded[id(t)] = Constant(f"{t.name}_expanded", value)
+            region.xs.append(region.expanded[id(t)])
+        return Expr.x(next(k for k, x in enumerate(region.xs) if x is region.expanded[id(t)]))
 
     def value(t: Tensor) -> Expr:
         if isinstance(t, Variable) and t.inputs and id(t.inputs[0]) in inside:
@@ -419,7 +453,8 @@ def chain_models(ir: ModelIR, region: Region, shape: list[int]):
             if isinstance(t, Constant) and t.name not in seen:
                 seen.add(t.name)
                 inits.append(OnnxExporter.export_tensor_proto(t))
-    xs = [_value_info(x.name, spec.dtype, shape) for x in region.xs]
+    xs = [_value_info(x.name, spec.dtype, shape) for x in region.xs if isinstance(x, Variable)]
+    expanded = [OnnxExporter.export_tensor_proto(c) for c in region.expanded.values()]
     y = _value_info(region.out.name, spec.dtype, shape)
     nodes = [OnnxExporter.export_node(n) for n in region.nodes]
     unfused = onnx.helper.make_model(
@@ -436,7 +471,7 @@ def chain_models(ir: ModelIR, region: Region, shape: list[int]):
         **spec.attrs(),
     )
     fused = onnx.helper.make_model(
-        onnx.helper.make_graph([node], "fused", xs, [y], pinit),
+        onnx.helper.make_graph([node], "fused", xs, [y], pinit + expanded),
         opset_imports=opsets + [onnx.helper.make_opsetid(DOMAIN, 1)],
     )
     fused.ir_version = unfused.ir_version
@@ -505,6 +540,7 @@ def context_models(ir: ModelIR, cx: PassContext, region: Region, fused_node: onn
         onnx.numpy_helper.from_array(np.asarray(p.values).reshape(-1), f"p{k}")
         for k, p in enumerate(region.ps)
     ]
+    params += [OnnxExporter.export_tensor_proto(c) for c in region.expanded.values()]
     unfused = onnx.helper.make_model(
         onnx.helper.make_graph(before + chain + after, "ctx", vis, outputs, inits),
         opset_imports=opsets,
@@ -647,7 +683,8 @@ class FuseElementwise(Pass):
                     numbers,
                 )
         unfused, fused, params = chain_models(ir, r, shape)
-        feeds = gates.make_feeds([x.name for x in r.xs], shape, np.dtype(spec.dtype))
+        runtime = [x.name for x in r.xs if isinstance(x, Variable)]
+        feeds = gates.make_feeds(runtime, shape, np.dtype(spec.dtype))
         tol = cx.target.tolerances or None
         num = gates.numerics(spec, unfused, fused, feeds, params, str(lib.path), tol)
         numbers["numerics"] = num.numbers
@@ -721,7 +758,12 @@ class FuseElementwise(Pass):
         params = [
             b.const(np.asarray(p.values).reshape(-1), base=f"p{k}") for k, p in enumerate(r.ps)
         ]
-        xs = [self._current(x) for x in r.xs]  # an input may be an earlier region's output
+        xs = [  # an input may be an earlier region's output
+            b.const(np.asarray(x.values), base="expanded")
+            if isinstance(x, Constant)
+            else self._current(x)
+            for x in r.xs
+        ]
         new = b.op(
             r.spec.op_type,
             xs + params,

@@ -137,6 +137,47 @@ def test_output_names_kept_and_second_runtime_input(faster):
     assert report.parity.ok
 
 
+def yolo_decode(n=8400):
+    """YOLOv8's box decode after the DFL: (anchor − lt, anchor + rb) → centre and size, times
+    the stride; anchors [2, n] and strides [1, n] broadcast over the [1, 2, n] distances."""
+    rng = np.random.default_rng(2)
+    inits = [
+        const("anchors", rng.uniform(0, 80, (2, n))),
+        const("strides", rng.choice([8.0, 16.0, 32.0], (1, n))),
+        const("two", 2.0),
+    ]
+    nodes = [
+        helper.make_node("Sub", ["anchors", "lt"], ["x1y1"], name="x1y1"),
+        helper.make_node("Add", ["anchors", "rb"], ["x2y2"], name="x2y2"),
+        helper.make_node("Add", ["x1y1", "x2y2"], ["s"], name="sum"),
+        helper.make_node("Div", ["s", "two"], ["c"], name="centre"),
+        helper.make_node("Mul", ["c", "strides"], ["y"], name="scale"),
+    ]
+    shape = [1, 2, n]
+    return model(nodes, [vi("lt", shape), vi("rb", shape)], [vi("y", shape)], inits)
+
+
+def test_broadcast_constants_are_expanded_into_inputs(faster):
+    """A constant that is neither a scalar nor per-channel (YOLO's anchor grid) is expanded to
+    the static output shape and read as one more input of the kernel."""
+    out, report = run(yolo_decode(), pipeline=PIPE)
+    (node,) = fused_ops(out)
+    assert ops(out) == {node.op_type: 1}
+    assert len(node.input) == 4  # lt, rb, the expanded anchors, the strides along the last axis
+    init = {t.name: t for t in out.graph.initializer}
+    assert [list(init[i].dims) for i in node.input if i in init] == [[1, 2, 8400], [8400]]
+    assert attrs(node)["channel_axis"] == -1
+    assert report.parity.ran and report.parity.ok, report.parity
+
+
+def test_broadcast_constant_needs_a_static_shape():
+    m = yolo_decode(16)
+    for t in (m.graph.input[0], m.graph.input[1], m.graph.output[0]):
+        t.type.tensor_type.shape.dim[0].dim_param = "batch"
+    out, report = run(m, pipeline=PIPE)
+    assert not fused_ops(out)  # the anchors cannot be expanded to a symbolic batch
+
+
 def test_short_chains_are_left_alone():
     nodes = [
         helper.make_node("Sigmoid", ["x"], ["s"], name="sig"),

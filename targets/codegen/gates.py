@@ -92,7 +92,8 @@ def numerics(
     out = unfused.graph.output[0].name
     ref = session(unfused, "ORT_DISABLE_ALL").run([out], feeds)[0]
     got = session(fused, "ORT_DISABLE_ALL", library=library).run(None, feeds)[0]
-    xs = [feeds[i.name] for i in fused.graph.input]
+    consts = {t.name: onnx.numpy_helper.to_array(t) for t in fused.graph.initializer}
+    xs = [feeds.get(n, consts.get(n)) for n in fused.graph.node[0].input[: spec.inputs]]
     f64 = evaluate(
         spec.expr, [x.astype(np.float64) for x in xs], [p.astype(np.float64) for p in params]
     )
