@@ -863,6 +863,10 @@ def _render_target(data: dict) -> None:
     for key, value in p["prefers"].items():
         why = p["prefers_why"].get(key)
         out.print(f"  prefers {key}: {value}" + (f"  ({why})" if why else ""))
+    for op, why in p["measured_slower"].items():
+        out.print(f"  slower: {op}  ({why})")
+    for op, (bound, why) in p["slower_below"].items():
+        out.print(f"  slower below {bound}: {op}  ({why})")
     out.print(f"  tolerances: {p['tolerances']}")
     doc = data.get("document") or {}
     if doc:
