@@ -1,4 +1,4 @@
-"""Activation fusions (level 2): GELU (erf and tanh forms), bias + GELU, QuickGelu / SiLU.
+"""Activation fusions (level 2): GELU (erf, tanh), bias + GELU, QuickGelu / SiLU, HardSwish, Mish.
 
 What exporters write, and what it becomes (lowered per target from its kernel table):
 
@@ -13,6 +13,12 @@ What exporters write, and what it becomes (lowered per target from its kernel ta
 * QuickGelu  ``x·σ(α·x)`` (α = 1.702 in CLIP-style models; α = 1 is SiLU) →
   ``com.microsoft.QuickGelu(alpha=α)``.  α is an attribute of the fused op, so any scalar α is
   exact: there is no constant to mismatch, only a scalar to require.
+* HardSwish  ``x·HardSigmoid(x, α=⅙, β=½)`` (Paddle before opset 14) or ``x·Clip(x+3, 0, 6)/6``
+  (older PyTorch exports) → ``HardSwish`` (opset ≥ 14) where the target has its kernel:
+  onnxruntime's cuda provider does, its cpu provider does not (it would expand the op's
+  function body back into HardSigmoid + Mul), so on cpu the miss says ``no-kernel``.
+* Mish       ``x·tanh(softplus(x))``, softplus as an op or ``log(exp(x)+1)`` → ``Mish`` (opset ≥
+  18), where the target has it (TensorRT; not onnxruntime).
 
 Guards, each a missed remark with a stable code: ``constant-mismatch`` (a GELU constant is off by
 more than 1e-4 relative — the value seen is in the remark), ``non-scalar-param``, ``no-kernel``
@@ -406,6 +412,154 @@ class FuseQuickGelu(Rule):
                 name=f"{m.root.name}/QuickGelu",
             )
         ]
+
+
+def _hard_gate(t: Tensor | None, x: Tensor) -> list[Node] | None:
+    """The nodes of ``clip(x/6 + 1/2, 0, 1)`` spelled as Paddle and PyTorch exporters do, with
+    ``t`` its value: HardSigmoid(x, α=1/6, β=½), or Div(Clip(x + 3, 0, 6), 6) and its Mul-by-⅙
+    variant; None if ``t`` is not that gate of ``x``."""
+    hs = producer(t, "HardSigmoid")
+    if hs is not None:
+        a = hs.attrs
+        if (
+            inputs(hs)[0] is x
+            and near(a.get("alpha", 0.2), 1 / 6)
+            and near(a.get("beta", 0.5), 0.5)
+        ):
+            return [hs]
+        return None
+    scale = producer(t, ("Div", "Mul"))
+    parts = split_const(scale) if scale is not None else None
+    if parts is None:
+        return None
+    k = scalar(parts[1])
+    if k is None or not near(k, 6.0 if scale.op == "Div" else 1 / 6):
+        return None
+    clip = _relu6(parts[0])
+    if clip is None:
+        return None
+    add = producer(inputs(clip[0])[0], "Add")
+    shift = split_const(add) if add is not None else None
+    if (
+        shift is None
+        or shift[0] is not x
+        or scalar(shift[1]) is None
+        or not near(scalar(shift[1]), 3.0)
+    ):
+        return None
+    return [scale, *clip, add]
+
+
+def _relu6(t: Tensor | None) -> list[Node] | None:
+    """``clip(u, 0, 6)`` as Clip (attributes or inputs): [clip]; else None."""
+    clip = producer(t, "Clip")
+    if clip is None:
+        return None
+    ins = inputs(clip) + [None, None]
+    lo = clip.attrs.get("min", scalar(ins[1]) if ins[1] is not None else None)
+    hi = clip.attrs.get("max", scalar(ins[2]) if ins[2] is not None else None)
+    if lo is None or hi is None or lo != 0.0 or not near(hi, 6.0):
+        return None
+    return [clip]
+
+
+@register_rule
+class FuseHardSwish(Rule):
+    """``x · clip(x/6 + ½, 0, 1)`` → ``HardSwish(x)`` (opset ≥ 14).
+
+    Paddle writes it as ``x · HardSigmoid(x, α=⅙, β=½)`` before opset 14, PyTorch's older exports
+    as ``x · Clip(x + 3, 0, 6) / 6`` (the division on either side of the product).  One kernel
+    instead of two or four passes; onnxruntime fuses none of these spellings itself.  Before
+    opset 14 the miss says ``--opset 14``.
+    """
+
+    name = "fuse-hard-swish"
+    root = "Mul"
+    summary = "x·HardSigmoid(x, ⅙, ½) or x·Clip(x+3, 0, 6)·⅙ → HardSwish"
+
+    def match(self, node, cx):
+        ins = inputs(node)
+        if len(ins) != 2:
+            raise no_match()
+        if node.op == "Mul":  # x · gate(x)
+            for x, g in ((ins[0], ins[1]), (ins[1], ins[0])):
+                gate = _hard_gate(g, x) if not isinstance(x, Constant) else None
+                if gate is not None:
+                    return Match(node, {"mul": node, **_named(gate), "x": x})
+        # (x · clip(x + 3, 0, 6)) / 6 or · ⅙
+        parts = split_const(node)
+        k = scalar(parts[1]) if parts is not None else None
+        prod = producer(parts[0], "Mul") if parts is not None else None
+        if prod is None or k is None or not near(k, 6.0 if node.op == "Div" else 1 / 6):
+            raise no_match()
+        a, b = inputs(prod)
+        for x, c in ((a, b), (b, a)):
+            clip = _relu6(c)
+            add = producer(inputs(clip[0])[0], "Add") if clip is not None else None
+            shift = split_const(add) if add is not None else None
+            if shift is not None and shift[0] is x and near(scalar(shift[1]) or 0.0, 3.0):
+                return Match(
+                    node, {"scale": node, "mul": prod, "clip": clip[0], "add": add, "x": x}
+                )
+        raise no_match()
+
+    def check(self, m, cx):
+        tname = float_type(m.x)
+        lowering(cx, [("HardSwish", "", 14, {})], tname, "HardSwish")
+
+    def rewrite(self, m, b):
+        like = m.root.outputs[0]
+        return [b.op("HardSwish", [m.x], like=like, name=f"{m.root.name}/HardSwish")]
+
+
+@register_rule
+class FuseHardSwishDiv(FuseHardSwish):
+    name = "fuse-hard-swish-div"
+    root = "Div"
+    summary = "x·Clip(x+3, 0, 6)/6 → HardSwish"
+
+
+def _named(nodes: list[Node]) -> dict:
+    return {f"gate{i}": n for i, n in enumerate(nodes)}
+
+
+@register_rule
+class FuseMish(Rule):
+    """``x · tanh(softplus(x))`` → ``Mish(x)`` (opset ≥ 18); softplus as Softplus or as
+    ``log(exp(x) + 1)``.  The fused kernel is the more robust one: ``exp`` overflows for large x
+    in the spelled-out form (inf → tanh 1 → x, the same result in fp32, but not in fp16)."""
+
+    name = "fuse-mish"
+    root = "Mul"
+    summary = "x·tanh(softplus(x)) → Mish"
+
+    def match(self, node, cx):
+        ins = inputs(node)
+        if len(ins) != 2:
+            raise no_match()
+        for x, t in ((ins[0], ins[1]), (ins[1], ins[0])):
+            tanh = producer(t, "Tanh")
+            if tanh is None or isinstance(x, Constant):
+                continue
+            u = inputs(tanh)[0]
+            sp = producer(u, "Softplus")
+            if sp is not None and inputs(sp)[0] is x:
+                return Match(node, {"mul": node, "tanh": tanh, "softplus": sp, "x": x})
+            log = producer(u, "Log")
+            add = producer(inputs(log)[0], "Add") if log is not None else None
+            one = split_const(add) if add is not None else None
+            exp = producer(one[0], "Exp") if one is not None else None
+            if exp is not None and inputs(exp)[0] is x and scalar(one[1]) == 1.0:
+                found = {"mul": node, "tanh": tanh, "log": log, "add": add, "exp": exp, "x": x}
+                return Match(node, found)
+        raise no_match()
+
+    def check(self, m, cx):
+        lowering(cx, [("Mish", "", 18, {})], float_type(m.x), "Mish")
+
+    def rewrite(self, m, b):
+        like = m.root.outputs[0]
+        return [b.op("Mish", [m.x], like=like, name=f"{m.root.name}/Mish")]
 
 
 def bias_vector(c: Constant, width: int | None) -> np.ndarray | None:

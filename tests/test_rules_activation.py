@@ -301,3 +301,89 @@ def test_bert_tiny_gelu_count_and_parity():
     assert h["com.microsoft.BiasGelu"] == 2 and "Erf" not in h  # one per layer, 2 layers
     assert codes(report, "fuse-gelu-erf", "passed") == ["fired"] * 2
     assert report.parity.ran and report.parity.ok
+
+
+# ----------------------------------------------------------------- HardSwish, Mish
+def hard_swish(form, opset=14):
+    """The spellings of x·clip(x/6 + ½, 0, 1): Paddle's HardSigmoid gate, PyTorch's Clip ones."""
+    inits = [const("three", 3.0), const("zero", 0.0), const("six", 6.0), const("sixth", 1 / 6)]
+    clip = [
+        helper.make_node("Add", ["x", "three"], ["x3"]),
+        helper.make_node("Clip", ["x3", "zero", "six"], ["c"]),
+    ]
+    nodes = {
+        "hardsigmoid": [
+            helper.make_node("HardSigmoid", ["x"], ["g"], alpha=1 / 6, beta=0.5),
+            helper.make_node("Mul", ["x", "g"], ["y"]),
+        ],
+        "clip-div": clip
+        + [
+            helper.make_node("Mul", ["x", "c"], ["p"]),
+            helper.make_node("Div", ["p", "six"], ["y"]),
+        ],
+        "clip-mul": clip
+        + [
+            helper.make_node("Mul", ["c", "x"], ["p"]),
+            helper.make_node("Mul", ["p", "sixth"], ["y"]),
+        ],
+        "gate-div": clip
+        + [
+            helper.make_node("Div", ["c", "six"], ["g"]),
+            helper.make_node("Mul", ["g", "x"], ["y"]),
+        ],
+    }[form]
+    return model(nodes, [vi("x", ["n", D])], [vi("y", ["n", D])], inits, opset=opset)
+
+
+@pytest.mark.parametrize("form", ["hardsigmoid", "clip-div", "clip-mul", "gate-div"])
+def test_hard_swish_spellings_fuse(form):
+    """On cuda, whose kernel table has HardSwish (parity runs the result on onnxruntime's cpu,
+    which expands the op's function body)."""
+    x = np.linspace(-5, 5, 4 * D, dtype=np.float32).reshape(4, D)  # both clip edges
+    out, _ = assert_optimized(hard_swish(form), inputs={"x": x}, target="cuda")
+    assert hist(out) == {"HardSwish": 1}
+
+
+def test_hard_swish_on_cpu_has_no_kernel():
+    """onnxruntime's cpu provider has no HardSwish kernel: it would run the op's function body,
+    HardSigmoid + Mul, which is what Paddle wrote."""
+    out, report = run(hard_swish("hardsigmoid"))
+    assert codes(report, "fuse-hard-swish") == ["no-kernel"]
+
+
+def test_hard_swish_before_opset_14_names_the_upgrade():
+    out, report = run(hard_swish("hardsigmoid", opset=11), target="cuda")
+    assert codes(report, "fuse-hard-swish") == ["opset-too-old"]
+    assert hist(out) == {"HardSigmoid": 1, "Mul": 1}
+    out, report = run(hard_swish("hardsigmoid", opset=11), target="cuda", opset=14)
+    assert hist(out) == {"HardSwish": 1} and report.parity.ok
+
+
+def test_hard_sigmoid_gate_with_other_constants_is_left_alone():
+    m = hard_swish("hardsigmoid")
+    m.graph.node[0].attribute[0].f = 0.2  # plain HardSigmoid(α=0.2): a squeeze-excite gate
+    out, report = run(m, target="cuda")
+    assert "HardSwish" not in hist(out) and not codes(report, "fuse-hard-swish")
+
+
+@pytest.mark.parametrize("softplus", ["op", "log-exp"])
+def test_mish_fuses(softplus):
+    inits = [const("one", 1.0)]
+    sp = (
+        [helper.make_node("Softplus", ["x"], ["s"])]
+        if softplus == "op"
+        else [
+            helper.make_node("Exp", ["x"], ["e"]),
+            helper.make_node("Add", ["e", "one"], ["e1"]),
+            helper.make_node("Log", ["e1"], ["s"]),
+        ]
+    )
+    nodes = sp + [
+        helper.make_node("Tanh", ["s"], ["t"]),
+        helper.make_node("Mul", ["x", "t"], ["y"]),
+    ]
+    m = model(nodes, [vi("x", ["n", D])], [vi("y", ["n", D])], inits, 18)
+    out, _ = assert_optimized(m, target="tensorrt")  # the target whose table has Mish
+    assert hist(out) == {"Mish": 1}
+    out, report = run(m)
+    assert codes(report, "fuse-mish") == ["no-kernel"]  # onnxruntime cpu: none
