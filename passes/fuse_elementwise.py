@@ -18,7 +18,8 @@ What is fused (the top-level graph; subgraph bodies are left alone in this versi
   output is in the region and it is not a graph output, so a region has one value leaving it;
   regions read any number of same-shaped runtime tensors (x·σ(x·s+t) reads x twice, a residual
   add reads a second tensor);
-* regions of at least 3 nodes, all per-channel constants along one axis, whose expression is not
+* regions of at least 3 nodes (or 2 that gate a tensor by a function of itself, ``x·g(x)``), all
+  per-channel constants along one axis, whose expression is not
   one op the target runs as a single kernel at the model's opset (HardSwish, Gelu, FastGelu,
   QuickGelu, Mish: a ``target-has-kernel`` remark instead; ``HardSwish`` spelled
   Add/Clip/Mul/Div in an opset-11 Paddle export has no single kernel there and is fused).
@@ -57,7 +58,19 @@ from graphopt.targets.codegen.spec import DOMAIN, KernelSpec
 from graphopt.targets.codegen.toolchain import BuildError
 
 PASS = "fuse-elementwise"
-MIN_NODES = 3
+MIN_NODES = 3  # two-node regions only when they gate a tensor by a function of itself
+
+
+def _big_enough(r: Region) -> bool:
+    """Three nodes or more; or two where one runtime tensor is read by both (``x·g(x)``:
+    HardSwish spelled x·HardSigmoid(x) before opset 14, which no onnxruntime kernel runs whole)."""
+    if len(r.nodes) >= MIN_NODES:
+        return True
+    if len(r.nodes) != 2:
+        return False
+    first, second = r.nodes
+    return any(t is u and isinstance(t, Variable) for t in first.inputs for u in second.inputs)
+
 
 UNARY = {
     "Relu": "relu",
@@ -577,7 +590,7 @@ class FuseElementwise(Pass):
             return False
         infer_shapes(ir)
         stats = cx.rule_stats(PASS)
-        regions = [r for r in find_regions(ir, target) if len(r.nodes) >= MIN_NODES]
+        regions = [r for r in find_regions(ir, target) if _big_enough(r)]
         if not regions:
             return False
         opsets = {

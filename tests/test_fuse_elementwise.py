@@ -180,12 +180,37 @@ def test_broadcast_constant_needs_a_static_shape():
 
 def test_short_chains_are_left_alone():
     nodes = [
+        helper.make_node("Relu", ["x"], ["r"], name="relu"),
+        helper.make_node("Neg", ["r"], ["y"], name="neg"),
+    ]
+    m = model(nodes, [vi("x", [1, 4, 8])], [vi("y", [1, 4, 8])])
+    out, report = run(m, pipeline="fuse-elementwise")
+    assert not fused_ops(out) and not remarks(report)
+
+
+def test_two_node_gate_that_is_one_kernel_is_left_to_onnxruntime():
+    """x·σ(x) is two nodes reading x twice, but onnxruntime runs it as QuickGelu."""
+    nodes = [
         helper.make_node("Sigmoid", ["x"], ["s"], name="sig"),
         helper.make_node("Mul", ["x", "s"], ["y"], name="silu"),
     ]
     m = model(nodes, [vi("x", [1, 4, 8])], [vi("y", [1, 4, 8])])
     out, report = run(m, pipeline="fuse-elementwise")
-    assert not fused_ops(out) and not remarks(report)
+    assert not fused_ops(out)
+    assert [r.code for r in remarks(report)] == ["target-has-kernel"]
+
+
+def test_paddle_hard_swish_two_nodes_fuse_before_opset_14(faster):
+    """Paddle writes HardSwish as x·HardSigmoid(x, ⅙, ½) at opset 11: no single kernel there."""
+    nodes = [
+        helper.make_node("HardSigmoid", ["x"], ["g"], alpha=1 / 6, beta=0.5, name="gate"),
+        helper.make_node("Mul", ["x", "g"], ["y"], name="hswish"),
+    ]
+    m = model(nodes, [vi("x", [1, 8, 16, 16])], [vi("y", [1, 8, 16, 16])], opset=11)
+    out, report = run(m, pipeline="fuse-elementwise")
+    (node,) = fused_ops(out)
+    assert attrs(node)["expr"] == b"mul(x0,hardsigmoid(x0,0.16666667,0.5))"
+    assert report.parity.ok
 
 
 def test_shared_intermediate_splits_regions():
