@@ -4,6 +4,7 @@ When a chain cancels out entirely between a graph input and a graph output, one 
 left to keep the output's name (still one node instead of two).
 
 * ``fuse-transposes``: Transpose∘Transpose → one Transpose (or nothing).
+* ``transpose-through-binary``: a Transpose of ``a ⊕ Transpose⁻¹(b)`` moves onto ``a``.
 * ``collapse-reshape-chain``: Reshape/Squeeze/Unsqueeze/Flatten feeding a Reshape with a constant
   target, or any such chain whose final shape is static → one Reshape (or nothing).
 * ``fuse-casts``: Cast∘Cast → one Cast when the middle type holds every value exactly.
@@ -43,6 +44,61 @@ class FuseTransposes(Rule):
         if m.perm == sorted(m.perm):
             return [m.x]
         return [b.op("Transpose", [m.x], {"perm": m.perm}, like=m.root.outputs[0])]
+
+
+ELEMENTWISE_BINARY = ("Add", "Sub", "Mul", "Div")
+
+
+@register_rule
+class TransposeThroughBinary(Rule):
+    """``T_p(a ⊕ T_q(b))`` with ``p∘q`` the identity → ``T_p(a) ⊕ b``: one Transpose instead of
+    two.  torchvision's ConvNeXt permutes each block's branch back to NCHW for the residual Add,
+    and the next stage's LayerNorm2d permutes the sum to NHWC again; the permute moves onto the
+    residual operand instead (a constant operand is transposed by folding).  ``T_q(b)`` and the
+    sum must be read only here; ``a`` must have the full rank (no broadcast re-alignment)."""
+
+    name = "transpose-through-binary"
+    root = "Transpose"
+    level = 1
+    summary = "Transpose(a ⊕ Transpose⁻¹(b)) → Transpose(a) ⊕ b"
+
+    def match(self, node, cx):
+        ins = node.inputs
+        op = ins[0].inputs[0] if ins and ins[0].inputs else None
+        if op is None or op.op not in ELEMENTWISE_BINARY or len(op.inputs) != 2:
+            raise NoMatch("structure", "not a binary op", structural=True)
+        perm = node.attrs.get("perm")
+        for k in (0, 1):
+            t = op.inputs[k]
+            inner = t.inputs[0] if t.inputs else None
+            if inner is None or inner.op != "Transpose" or perm is None:
+                continue
+            q = inner.attrs.get("perm")
+            if q is not None and len(q) == len(perm) and [q[i] for i in perm] == sorted(perm):
+                return Match(node, {"outer": node, "op": op, "inner": inner, "k": k})
+        raise NoMatch("structure", "no inverse Transpose under the op", structural=True)
+
+    def check(self, m, cx):
+        perm = list(m.outer.attrs["perm"])
+        a = m.op.inputs[1 - m.k]
+        for t in (m.op.outputs[0], m.inner.outputs[0]):
+            require(
+                len(t.outputs) == 1 and not cx.ir.is_graph_output(t),
+                "shared-intermediate",
+                f"'{t.name}' is also read elsewhere",
+            )
+        require(
+            a.shape is not None and len(a.shape) == len(perm),
+            "rank-mismatch",
+            f"'{a.name}' is not of rank {len(perm)}: transposing it would re-align a broadcast",
+        )
+        m.stash(perm=perm, a=a, b=m.inner.inputs[0])
+
+    def rewrite(self, m, b):
+        ta = b.op("Transpose", [m.a], {"perm": m.perm}, name=f"{m.outer.name}/operand")
+        ta.dtype = m.a.dtype
+        ins = [ta, m.b] if m.k == 1 else [m.b, ta]
+        return [b.op(m.op.op, ins, like=m.outer.outputs[0], name=f"{m.op.name}/moved")]
 
 
 @register_rule

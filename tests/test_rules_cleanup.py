@@ -86,6 +86,36 @@ def test_transposes_fuse_and_cancel():
     assert ops(out) == {"Transpose": 1, "Relu": 1}
 
 
+def convnext_boundary(k=1, op="Add", shared=False, residual_rank=4):
+    """A block's branch permuted back to NCHW, the residual op, the next LayerNorm2d's permute."""
+    res_shape = [1, 3, 4, 5][-residual_rank:]
+    branch = helper.make_node("Transpose", ["b"], ["bt"], perm=[0, 3, 1, 2], name="back")
+    ins = ["r", "bt"] if k == 1 else ["bt", "r"]
+    nodes = [
+        branch,
+        helper.make_node(op, ins, ["s"], name="residual"),
+        helper.make_node("Transpose", ["s"], ["y"], perm=[0, 2, 3, 1], name="to_nhwc"),
+    ]
+    outputs = [vi("y", None)] + ([vi("s", None)] if shared else [])
+    return model(nodes, [vi("r", res_shape), vi("b", [1, 4, 5, 3])], outputs)
+
+
+@pytest.mark.parametrize("k", [0, 1])
+@pytest.mark.parametrize("op", ["Add", "Sub", "Mul", "Div"])
+def test_transpose_moves_through_a_binary_op(k, op):
+    out, report = assert_optimized(convnext_boundary(k, op), level=1)
+    assert ops(out) == {"Transpose": 1, op: 1}
+    assert out.graph.node[0].input == ["r"]  # the residual operand is permuted instead
+    assert codes(report, "transpose-through-binary", "passed") == ["fired"]
+
+
+def test_transpose_through_binary_guards():
+    out, report = run(convnext_boundary(shared=True), level=1)
+    assert ops(out)["Transpose"] == 2  # the sum is also a graph output
+    out, report = run(convnext_boundary(residual_rank=1), level=1)
+    assert codes(report, "transpose-through-binary") == ["rank-mismatch"]
+
+
 def test_reshape_chain_collapses():
     m = chain(
         [

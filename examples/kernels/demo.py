@@ -267,13 +267,16 @@ def silu_vs_quickgelu(shape, seconds) -> dict:
 
 
 # ---------------------------------------------------------------------------- driver
-def run_model(name, model, out_dir: Path, seconds: float, cuda: bool) -> dict:
+def run_model(
+    name, model, out_dir: Path, seconds: float, cuda: bool, shapes: dict | None = None
+) -> dict:
     row: dict = {"model": name, "nodes": len(model.graph.node)}
     t0 = time.perf_counter()
-    optimized, report = graphopt.optimize(model, pipeline=with_kernels(preset(2)))
+    optimized, report = graphopt.optimize(model, pipeline=with_kernels(preset(2)), shapes=shapes)
     row["optimize_s"] = round(time.perf_counter() - t0, 2)
     plain, _ = graphopt.optimize(model, level=2, check=False)
     row["parity_ok"] = report.parity.ok
+    row["parity_max_rel"] = max((o.max_rel for o in report.parity.outputs), default=None)
     row["nodes_after"] = len(optimized.graph.node)
     row["fused_nodes"] = sum(1 for n in optimized.graph.node if n.domain == DOMAIN)
     kernels = []
@@ -322,9 +325,9 @@ def run_model(name, model, out_dir: Path, seconds: float, cuda: bool) -> dict:
     # whole model: original (ORT_ENABLE_ALL) vs graphopt -O2 vs graphopt -O2 + kernels
     lib = str(bundle / "kernels" / "cpu" / "libgraphopt_fused.so") if row["fused_nodes"] else None
     feeds = {
-        i.name: RNG.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(
-            np.float32
-        )
+        i.name: RNG.standard_normal(
+            (shapes or {}).get(i.name) or [d.dim_value for d in i.type.tensor_type.shape.dim]
+        ).astype(np.float32)
         for i in model.graph.input
     }
     for threads in (1, 2):
@@ -375,6 +378,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="where the bundles go (default: a temp dir)")
     ap.add_argument("--quick", action="store_true", help="shorter timing loops")
+    ap.add_argument(
+        "--models",
+        help="instead of the built-in models: every NAME.onnx of this folder with a NAME.json "
+        'sidecar {"inputs": {name: shape}} (e.g. the output of make_yolo.py, make_paddle_ocr.py)',
+    )
+    ap.add_argument("--only", help="comma-separated model names of --models")
+    ap.add_argument("--json", help="results file (default results/demo.json)")
     args = ap.parse_args()
     if find_compiler("cc") is None:
         print("no gcc: nothing to demonstrate (the pass would skip with a no-compiler remark)")
@@ -382,13 +392,23 @@ def main() -> int:
     seconds = 1.0 if args.quick else 3.0
     out_dir = Path(args.out or tempfile.mkdtemp(prefix="graphopt-kernels-"))
     cuda = find_compiler("nvcc") is not None
-    models = {
-        "masm_64x80x80": masm(64, 80),
-        "masm_32x320x320": masm(32, 320),
-        "paddle_lcnet_opset11": paddle_lcnet(),
-        "layerscale_tail_3136x96": layerscale_tail(),
-    }
-    rows = [run_model(n, m, out_dir, seconds, cuda) for n, m in models.items()]
+    shapes: dict = {}
+    if args.models:
+        only = set(args.only.split(",")) if args.only else None
+        models = {}
+        for f in sorted(Path(args.models).glob("*.onnx")):
+            side = f.with_suffix(".json")
+            if side.exists() and (only is None or f.stem in only):
+                models[f.stem] = onnx.load(f)
+                shapes[f.stem] = json.loads(side.read_text())["inputs"]
+    else:
+        models = {
+            "masm_64x80x80": masm(64, 80),
+            "masm_32x320x320": masm(32, 320),
+            "paddle_lcnet_opset11": paddle_lcnet(),
+            "layerscale_tail_3136x96": layerscale_tail(),
+        }
+    rows = [run_model(n, m, out_dir, seconds, cuda, shapes.get(n)) for n, m in models.items()]
     silu = [silu_vs_quickgelu(s, seconds) for s in ([1, 64, 80, 80], [1, 32, 320, 320])]
     result = {
         "machine": os.uname().machine,
@@ -400,7 +420,8 @@ def main() -> int:
     }
     res_dir = Path(__file__).parent / "results"
     res_dir.mkdir(exist_ok=True)
-    (res_dir / "demo.json").write_text(json.dumps(result, indent=2, sort_keys=True))
+    dest = Path(args.json) if args.json else res_dir / "demo.json"
+    dest.write_text(json.dumps(result, indent=2, sort_keys=True))
     print(markdown(result))
     print(f"\nbundles in {out_dir}")
     return 0
