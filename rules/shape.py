@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from graphopt.opt.ir import constant_value, dtype_of, static_shape
+from graphopt.opt.ir import Variable, constant_value, dtype_of, static_shape
 from graphopt.opt.manager import register_rule
 from graphopt.opt.rewrite import Match, NoMatch, Op, Rule, require
 
@@ -99,6 +99,111 @@ class TransposeThroughBinary(Rule):
         ta.dtype = m.a.dtype
         ins = [ta, m.b] if m.k == 1 else [m.b, ta]
         return [b.op(m.op.op, ins, like=m.outer.outputs[0], name=f"{m.op.name}/moved")]
+
+
+#: element-wise ops of one input, indifferent to the shape they run on
+UNARY_ELEMENTWISE = frozenset(
+    {
+        "Relu",
+        "Sigmoid",
+        "Tanh",
+        "Erf",
+        "Abs",
+        "Neg",
+        "Exp",
+        "Log",
+        "Sqrt",
+        "Reciprocal",
+        "Softplus",
+        "LeakyRelu",
+        "Elu",
+        "Selu",
+        "HardSigmoid",
+        "HardSwish",
+        "Mish",
+        "Gelu",
+        "FastGelu",
+        "QuickGelu",
+        "Clip",
+    }
+)
+
+
+@register_rule
+class ReshapeThroughUnary(Rule):
+    """``Reshape(u(Reshape(x, s1)), s2)`` → ``u(x)`` when ``s2`` gives x's own shape back and u
+    is element-wise: between two flat Gemms (``matmul-add-to-gemm`` on cpu) the activation runs
+    on the flat tensor and both Reshapes go."""
+
+    name = "reshape-through-unary"
+    root = "Reshape"
+    level = 1
+    summary = "Reshape(u(Reshape(x))) back to x's shape → u(x) for element-wise u"
+
+    def match(self, node, cx):
+        u = node.inputs[0].inputs[0] if node.inputs[0].inputs else None
+        inner = u.inputs[0].inputs[0] if u is not None and u.inputs and u.inputs[0].inputs else None
+        if (
+            u is None
+            or u.op not in UNARY_ELEMENTWISE
+            or u.domain not in ("", None, "ai.onnx", "com.microsoft")
+            or inner is None
+            or inner.op != "Reshape"
+            or any(isinstance(t, Variable) and t.name for t in u.inputs[1:])  # Clip bounds
+        ):
+            raise NoMatch("structure", "not Reshape(u(Reshape))", structural=True)
+        return Match(node, {"outer": node, "u": u, "inner": inner})
+
+    def check(self, m, cx):
+        x = m.inner.inputs[0]
+        for t in (m.inner.outputs[0], m.u.outputs[0]):
+            require(
+                len(t.outputs) == 1 and not cx.ir.is_graph_output(t),
+                "shared-intermediate",
+                f"'{t.name}' is also read elsewhere",
+            )
+        target = constant_value(m.outer.inputs[1])
+        shape = _shape_or_gemm(x)
+        require(
+            target is not None and shape is not None and len(target) == len(shape),
+            "reshape-not-identity",
+            "the outer Reshape's target is not a constant of x's rank",
+        )
+        free = [i for i, d in enumerate(shape) if not isinstance(d, (int, np.integer))]
+        ok = len(free) <= 1 and all(
+            (t == -1 and i in free) or (isinstance(d, (int, np.integer)) and t == d)
+            for i, (t, d) in enumerate(zip(target.tolist(), shape))
+        )
+        require(
+            ok,
+            "reshape-not-identity",
+            f"the Reshape to {target.tolist()} does not restore {list(shape)}",
+        )
+        m.stash(x=x)
+
+    def rewrite(self, m, b):
+        ins = [m.x, *m.u.inputs[1:]]
+        return [
+            b.op(
+                m.u.op,
+                ins,
+                dict(m.u.attrs),
+                domain=m.u.domain,
+                like=m.outer.outputs[0],
+                name=f"{m.u.name}/unreshaped",
+            )
+        ]
+
+
+def _shape_or_gemm(x) -> list | None:
+    """x's shape; for a Gemm output not yet inferred, [M, N] with N from the constant B."""
+    if x.shape is not None:
+        return list(x.shape)
+    gemm = x.inputs[0] if x.inputs else None
+    if gemm is None or gemm.op != "Gemm" or constant_value(gemm.inputs[1]) is None:
+        return None
+    w = constant_value(gemm.inputs[1])
+    return ["M", int(w.shape[0] if gemm.attrs.get("transB", 0) else w.shape[1])]
 
 
 @register_rule

@@ -29,10 +29,62 @@ def test_rank2_fuses(bias_shape, bias_first, rng):
     assert ops(out) == {"Gemm": 1}
 
 
-def test_rank3_is_missed_with_reason(rng):
-    out, report = run(mm_add(rng, [2, 3, 4], [5]))
+def test_rank3_with_dynamic_dims_is_missed_with_reason(rng):
+    out, report = run(mm_add(rng, [2, "seq", 4], [5]))
     assert ops(out) == {"MatMul": 1, "Add": 1}
     assert codes(report, "matmul-add-to-gemm") == ["rank-not-2"]
+    (r,) = [r for r in report.remarks if r.rule == "matmul-add-to-gemm"]
+    assert "every dim of the input but the first must be static" in r.message
+
+
+def test_rank3_with_static_tail_becomes_a_flat_gemm_on_cpu(rng):
+    """cpu prefers Reshape → Gemm(bias) → Reshape (targets/profiles.py, prefers linear-bias)."""
+    m = mm_add(rng, ["batch", 3, 4], [5])
+    x = rng.standard_normal((2, 3, 4)).astype(np.float32)
+    out, report = assert_optimized(m, inputs={"a": x})
+    assert ops(out) == {"Reshape": 2, "Gemm": 1}
+    out, report = run(m, target="cuda", check=False)  # cuda keeps MatMul + Add
+    assert ops(out) == {"MatMul": 1, "Add": 1}
+
+
+def mlp(rng, *, split_heads=False):
+    """Linear → GELU → Linear on [B, 3, 4] (static tail), or q of an attention head split."""
+    inits = [
+        const("W1", rng.standard_normal((4, 8))),
+        const("b1", rng.standard_normal(8)),
+        const("W2", rng.standard_normal((8, 4))),
+        const("b2", rng.standard_normal(4)),
+        const("heads", [0, 3, 2, 2], np.int64),
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["x", "W1"], ["h0"]),
+        helper.make_node("Add", ["h0", "b1"], ["h"]),
+    ]
+    if split_heads:
+        nodes.append(helper.make_node("Reshape", ["h", "heads"], ["y"]))
+    else:
+        nodes += [
+            helper.make_node("Gelu", ["h"], ["g"]),
+            helper.make_node("MatMul", ["g", "W2"], ["o0"]),
+            helper.make_node("Add", ["o0", "b2"], ["y"]),
+        ]
+    return model(nodes, [vi("x", ["batch", 3, 4])], [vi("y", None)], inits, opset=20)
+
+
+def test_mlp_runs_flat_between_its_two_reshapes(rng):
+    """The activation between two flat Gemms runs on the flat tensor (reshape-through-unary);
+    the bias stays in the Gemm, so no BiasGelu."""
+    x = rng.standard_normal((2, 3, 4)).astype(np.float32)
+    out, report = assert_optimized(mlp(rng), inputs={"x": x})
+    assert ops(out) == {"Reshape": 2, "Gemm": 2, "Gelu": 1}
+    assert codes(report, "reshape-through-unary", "passed") == ["fired"]
+
+
+def test_attention_projection_keeps_its_bias_for_the_kernel(rng):
+    out, report = run(mlp(rng, split_heads=True))
+    assert ops(out)["MatMul"] == 1
+    (r,) = [r for r in report.remarks if r.rule == "matmul-add-to-gemm"]
+    assert "attention heads" in r.message
 
 
 def test_fp16_on_cpu_has_no_gemm_kernel(rng):
