@@ -39,7 +39,12 @@ becomes ``MultiHeadAttention(q, k, v, bias?, , attention_bias?; num_heads=N[, sc
 * ``slower-on-target`` where the key length is static and below the bound from which the
   target's kernel was measured to pay (onnxruntime CPU: 128 keys; Swin's 49-key windows ran
   slower fused);
-* ``no-kernel`` where the target lacks MultiHeadAttention for the dtype; ``shared-intermediate``
+* a target without MultiHeadAttention but with the ONNX ``Attention`` op (opset ≥ 23; TensorRT)
+  gets that: 3-D q/k/v, ``q_num_heads``/``kv_num_heads``, the mask as ``attn_mask`` (made
+  [.., S, T] as for the contrib op: onnxruntime's kernel does not broadcast the query axis),
+  the q/k/v bias Adds kept in front (the op has no bias input);
+* ``no-kernel`` where the target lacks both for the dtype (``opset-too-old`` with the
+  ``--opset 23`` hint where only the ONNX op would do); ``shared-intermediate``
   when a tensor inside the pattern (other than through Shape) is read elsewhere;
   ``softmax-axis`` when the Softmax is not over the last (key) axis; ``unknown-shape`` when q, k
   or v is not known to be 3-D; ``reshape-not-identity`` when a Reshape between the two MatMuls
@@ -759,14 +764,21 @@ class FuseMultiHeadAttention(Rule):
         m.stash(hidden=hidden)
         out_direct = self._out_direct(m, dims)
         bias = self._mask(m, cx, dims)
-        lowering(cx, [("MultiHeadAttention", MS, None, {})], tname, "MultiHeadAttention")
-        self._check_pays(m, cx)
+        op, domain, _ = lowering(
+            cx,
+            [("MultiHeadAttention", MS, None, {}), ("Attention", "", 23, {})],
+            tname,
+            "attention",
+        )
+        if op == "MultiHeadAttention":
+            self._check_pays(m, cx)
         m.stash(
+            op=op,
             num_heads=n,
             head_size=h,
             scale_value=scale,
             out_direct=out_direct,
-            qkv_bias=self._qkv_bias(m, cx),
+            qkv_bias=self._qkv_bias(m, cx) if op == "MultiHeadAttention" else None,
             bias_plan=bias,
         )
 
@@ -1009,20 +1021,24 @@ class FuseMultiHeadAttention(Rule):
         attention_bias = None
         if m.bias_plan is not None:
             attention_bias = self._attention_bias(m, b, opset)
-        attrs = {"num_heads": int(m.num_heads)}
+        if m.op == "Attention":  # ONNX opset 23: 3-D inputs, heads as attributes, no bias
+            attrs = {"q_num_heads": int(m.num_heads), "kv_num_heads": int(m.num_heads)}
+            ins = [q, k, v] + ([attention_bias] if attention_bias is not None else [])
+        else:
+            attrs = {"num_heads": int(m.num_heads)}
+            ins = [q, k, v, bias, None, attention_bias]
+            while ins and ins[-1] is None:
+                ins.pop()
         if m.scale_value is not None:
             attrs["scale"] = float(m.scale_value)
-        ins = [q, k, v, bias, None, attention_bias]
-        while ins and ins[-1] is None:
-            ins.pop()
         like = m.root.outputs[0] if m.out_direct else None
         out = b.op(
-            "MultiHeadAttention",
+            m.op,
             ins,
             attrs,
-            domain=MS,
+            domain=MS if m.op == "MultiHeadAttention" else "",
             like=like,
-            name=f"{m.root.name}/MultiHeadAttention",
+            name=f"{m.root.name}/{m.op}",
         )
         out.dtype = m.root.outputs[0].dtype
         if m.q.shape is not None and len(m.q.shape) == 3:

@@ -470,9 +470,13 @@ def test_unprovable_reshape_between_the_matmuls_is_missed():
     assert report.parity.ok
 
 
-def test_fp16_on_cpu_has_no_kernel():
+def test_fp16_on_cpu_has_no_contrib_kernel():
+    """onnxruntime's cpu MultiHeadAttention is float32 only; its ONNX Attention (opset 23) has a
+    float16 kernel, so the remark names the upgrade."""
     out, report = run(attention(dtype=np.float16), check=False)
-    assert codes(report, RULE) == ["no-kernel"]
+    assert codes(report, RULE) == ["opset-too-old"]
+    (r,) = [r for r in report.remarks if r.rule == RULE]
+    assert "--opset 23" in r.message
 
 
 def test_fp16_on_cuda_fuses():
@@ -493,6 +497,20 @@ def test_short_static_sequence_is_slower_on_cpu():
     assert "Softmax" in hist(out) and report.parity.ok
     out, _ = run(m, target="cuda", check=False)  # no such measurement for the cuda kernel
     assert hist(out)["com.microsoft.MultiHeadAttention"] == 1
+
+
+@pytest.mark.parametrize("kw", [{}, {"layout": "packed"}, {"mask": "causal", "packed": True}])
+def test_standard_attention_op_where_the_target_has_no_contrib_kernel(kw):
+    """TensorRT's table has the ONNX Attention op (opset 23), not MultiHeadAttention: after an
+    opset upgrade the pattern becomes that."""
+    m = attention(**kw)
+    out, report = run(m, target="tensorrt")
+    assert codes(report, RULE) == ["opset-too-old"]
+    out, report = assert_optimized(m, target="tensorrt", opset=23)
+    h = hist(out)
+    assert h["Attention"] == 1 and "Softmax" not in h
+    node = next(n for n in out.graph.node if n.op_type == "Attention")
+    assert attr(out, "Attention", "q_num_heads") == N and len(node.input) in (3, 4)
 
 
 def test_attention_probabilities_as_output_are_missed():
