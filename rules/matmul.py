@@ -132,10 +132,22 @@ def flat_linear(x, w, c, add, cx) -> tuple[list[int], int] | str:
     wv, cv = constant_value(w), constant_value(c)
     if wv is None or cv is None or wv.ndim != 2 or cv.ndim != 1 or cv.shape[0] != wv.shape[1]:
         return "the weight and bias must be constants, the bias a vector of N"
-    readers = {r.op for r in add.outputs[0].outputs}
-    if readers & {"Reshape", "Split"}:
+    if _splits_heads(add.outputs[0]):
         return "its result is split into attention heads, whose kernel takes the bias"
     return [int(d) for d in tail], int(wv.shape[1])
+
+
+def _splits_heads(t, depth: int = 2) -> bool:
+    """Whether ``t`` reaches a Reshape or Split directly or through a scaling by a constant
+    (Whisper scales q before splitting it into heads)."""
+    for r in t.outputs:
+        if r.op in ("Reshape", "Split"):
+            return True
+        if r.op in ("Mul", "Div") and depth > 0:
+            other = [u for u in r.inputs if u is not t]
+            if other and isinstance(other[0], Constant) and _splits_heads(r.outputs[0], depth - 1):
+                return True
+    return False
 
 
 @register_rule

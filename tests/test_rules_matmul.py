@@ -47,7 +47,7 @@ def test_rank3_with_static_tail_becomes_a_flat_gemm_on_cpu(rng):
     assert ops(out) == {"MatMul": 1, "Add": 1}
 
 
-def mlp(rng, *, split_heads=False):
+def mlp(rng, *, split_heads=False, scaled=False):
     """Linear → GELU → Linear on [B, 3, 4] (static tail), or q of an attention head split."""
     inits = [
         const("W1", rng.standard_normal((4, 8))),
@@ -61,7 +61,10 @@ def mlp(rng, *, split_heads=False):
         helper.make_node("Add", ["h0", "b1"], ["h"]),
     ]
     if split_heads:
-        nodes.append(helper.make_node("Reshape", ["h", "heads"], ["y"]))
+        if scaled:  # Whisper scales q before splitting it into heads
+            inits.append(const("scale", 0.125))
+            nodes.append(helper.make_node("Mul", ["h", "scale"], ["hs"]))
+        nodes.append(helper.make_node("Reshape", ["hs" if scaled else "h", "heads"], ["y"]))
     else:
         nodes += [
             helper.make_node("Gelu", ["h"], ["g"]),
@@ -80,11 +83,12 @@ def test_mlp_runs_flat_between_its_two_reshapes(rng):
     assert codes(report, "reshape-through-unary", "passed") == ["fired"]
 
 
-def test_attention_projection_keeps_its_bias_for_the_kernel(rng):
-    out, report = run(mlp(rng, split_heads=True))
+@pytest.mark.parametrize("scaled", [False, True])
+def test_attention_projection_keeps_its_bias_for_the_kernel(scaled, rng):
+    out, report = run(mlp(rng, split_heads=True, scaled=scaled))
     assert ops(out)["MatMul"] == 1
-    (r,) = [r for r in report.remarks if r.rule == "matmul-add-to-gemm"]
-    assert "attention heads" in r.message
+    misses = [r for r in report.remarks if r.rule == "matmul-add-to-gemm"]
+    assert misses and all("attention heads" in r.message for r in misses)
 
 
 def test_fp16_on_cpu_has_no_gemm_kernel(rng):
