@@ -5,6 +5,7 @@ left to keep the output's name (still one node instead of two).
 
 * ``fuse-transposes``: Transpose∘Transpose → one Transpose (or nothing).
 * ``transpose-through-binary``: a Transpose of ``a ⊕ Transpose⁻¹(b)`` moves onto ``a``.
+* ``slices-to-split``: Slices that cut one axis of a tensor into consecutive pieces → one Split.
 * ``collapse-reshape-chain``: Reshape/Squeeze/Unsqueeze/Flatten feeding a Reshape with a constant
   target, or any such chain whose final shape is static → one Reshape (or nothing).
 * ``fuse-casts``: Cast∘Cast → one Cast when the middle type holds every value exactly.
@@ -18,7 +19,7 @@ import numpy as np
 
 from graphopt.opt.ir import Variable, constant_value, dtype_of, static_shape
 from graphopt.opt.manager import register_rule
-from graphopt.opt.rewrite import Match, NoMatch, Op, Rule, require
+from graphopt.opt.rewrite import Match, NoMatch, Op, Rule, applies_only_if, require
 
 
 @register_rule
@@ -193,6 +194,80 @@ class ReshapeThroughUnary(Rule):
                 name=f"{m.u.name}/unreshaped",
             )
         ]
+
+
+@register_rule
+class SlicesToSplit(Rule):
+    """Slices of one tensor that cut one axis into consecutive pieces → one Split.
+
+    torch traces ``chunk``/``split`` with computed bounds as one Slice per piece (YOLOv8's box
+    distances after the DFL); once the bounds are folded they are a Split's sizes.  Every Slice
+    of the tensor must take part: constant bounds on the same single axis, step 1, pieces that
+    tile the static dim exactly; none of their outputs a graph output.
+    """
+
+    name = "slices-to-split"
+    root = "Slice"
+    level = 1
+    exclusive = False
+    summary = "Slices that tile one axis of a tensor → one Split"
+
+    def match(self, node, cx):
+        x = node.inputs[0] if node.inputs else None
+        sibs = [c for c in x.outputs if c.op == "Slice"] if x is not None else []
+        if len(sibs) < 2 or sibs[0] is not node:  # tried once, from the first Slice
+            raise NoMatch("structure", "not the first of several Slices", structural=True)
+        return Match(node, {f"slice{i}": s for i, s in enumerate(sibs)})
+
+    def check(self, m, cx):
+        slices = [n for n in m.nodes()]
+        x = m.root.inputs[0]
+        pieces, axes = [], set()
+        for sl in slices:
+            ins = list(sl.inputs) + [None] * 5
+            vals = [constant_value(t) if t is not None and t.name else None for t in ins[1:5]]
+            applies_only_if(vals[0] is not None and vals[1] is not None and not sl.attrs)
+            rank = len(x.shape) if x.shape is not None else None
+            applies_only_if(rank is not None and vals[0].size == 1)
+            axis = int(vals[2].reshape(-1)[0]) if vals[2] is not None else 0
+            axis = axis + rank if axis < 0 else axis
+            step = int(vals[3].reshape(-1)[0]) if vals[3] is not None else 1
+            dim = x.shape[axis] if 0 <= axis < rank else None
+            applies_only_if(step == 1 and isinstance(dim, (int, np.integer)))
+            start, end = int(vals[0].reshape(-1)[0]), int(vals[1].reshape(-1)[0])
+            start = min(max(start + dim if start < 0 else start, 0), dim)
+            end = min(max(end + dim if end < 0 else end, 0), dim)
+            axes.add(axis)
+            pieces.append((start, end, sl))
+            applies_only_if(not cx.ir.is_graph_output(sl.outputs[0]))
+        pieces.sort(key=lambda p: p[0])
+        edges = [p[0] for p in pieces] + [pieces[-1][1]]
+        applies_only_if(
+            len(axes) == 1
+            and edges[0] == 0
+            and edges[-1] == int(dim)
+            and all(p[1] == q[0] and p[1] > p[0] for p, q in zip(pieces, pieces[1:]))
+        )
+        m.stash(axis=axes.pop(), pieces=pieces)
+
+    def rewrite(self, m, b):
+        sizes = [end - start for start, end, _ in m.pieces]
+        x = m.root.inputs[0]
+        ins, attrs = [x], {"axis": m.axis}
+        if b.ir.opset >= 13:
+            ins.append(b.const(np.array(sizes, np.int64), "split"))
+        else:
+            attrs["split"] = sizes
+        parts = b.op("Split", ins, attrs, outputs=len(sizes), name=f"{m.root.name}/split")
+        root_out = None
+        for (_, _, sl), part in zip(m.pieces, parts):
+            old = sl.outputs[0]
+            part.dtype, part.shape = old.dtype, old.shape
+            if sl is m.root:
+                root_out = part
+            else:
+                b.ir.replace_all_uses(old, part)
+        return [root_out]
 
 
 def _shape_or_gemm(x) -> list | None:

@@ -116,6 +116,35 @@ def test_transpose_through_binary_guards():
     assert codes(report, "transpose-through-binary") == ["rank-mismatch"]
 
 
+def chunks(bounds, axis=1, step=None):
+    """torch's chunk traced as Slices of x [2, 6, 4] along ``axis`` with folded bounds."""
+    inits, nodes = [const("ax", [axis], np.int64)], []
+    for i, (a, b) in enumerate(bounds):
+        inits += [const(f"s{i}", [a], np.int64), const(f"e{i}", [b], np.int64)]
+        ins = ["x", f"s{i}", f"e{i}", "ax"]
+        if step:
+            inits.append(const(f"st{i}", [step], np.int64))
+            ins.append(f"st{i}")
+        nodes.append(helper.make_node("Slice", ins, [f"p{i}"], name=f"slice{i}"))
+        nodes.append(helper.make_node("Relu", [f"p{i}"], [f"y{i}"], name=f"relu{i}"))
+    outputs = [vi(f"y{i}", None) for i in range(len(bounds))]
+    return model(nodes, [vi("x", [2, 6, 4])], outputs, inits)
+
+
+@pytest.mark.parametrize("bounds", [[(0, 3), (3, 6)], [(2, 6), (0, 2)], [(0, 1), (1, 4), (-2, 99)]])
+def test_slices_that_tile_an_axis_become_one_split(bounds):
+    out, report = assert_optimized(chunks(bounds), level=1)
+    assert ops(out) == {"Split": 1, "Relu": len(bounds)}
+
+
+@pytest.mark.parametrize(
+    "bounds, step", [([(0, 3), (4, 6)], None), ([(0, 4), (3, 6)], None), ([(0, 6), (0, 6)], 2)]
+)
+def test_slices_with_a_gap_overlap_or_step_stay(bounds, step):
+    out, _ = run(chunks(bounds, step=step), level=1)
+    assert "Split" not in ops(out)
+
+
 def test_reshape_chain_collapses():
     m = chain(
         [
