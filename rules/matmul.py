@@ -22,7 +22,7 @@ from graphopt.opt.ir import Constant, constant_value, dtype_of, static_shape, ty
 from graphopt.opt.manager import register_rule
 from graphopt.opt.precision import require_refold_allowed, require_representable
 from graphopt.opt.rewrite import Match, Op, Rule, applies_only_if, opt, require
-from graphopt.rules.activation import inputs, no_match, producer
+from graphopt.rules.activation import MS, inputs, no_match, producer
 from graphopt.rules.attention import Dims, shape_elements
 
 
@@ -419,3 +419,150 @@ class FoldLinearScale(Rule):
                 name=f"{m.transpose.name or 'Transpose'}/scaled",
             )
         return [y]
+
+
+# ------------------------------------------------------- FusedMatMul: transposes and scale
+def _swaps_last_two(node) -> bool:
+    perm = node.attrs.get("perm")
+    n = len(perm) if perm is not None else 0
+    return n >= 2 and list(perm) == [*range(n - 2), n - 1, n - 2]
+
+
+def _near_softmax(mm) -> bool:
+    """Whether MatMul ``mm`` is a step of an attention: its result reaches a Softmax through at
+    most six scale/mask/reshape nodes (Swin's window regroup has five), or its left operand
+    comes from one."""
+    frontier = [mm.outputs[0]]
+    for _ in range(7):
+        nxt = []
+        for t in frontier:
+            for r in t.outputs:
+                if r.op == "Softmax":
+                    return True
+                if r.op in ("Mul", "Div", "Add", "Where", "Reshape", "FusedMatMul"):
+                    nxt += r.outputs
+        frontier = nxt
+    a = inputs(mm)[0]
+    guard = producer(a, "Where")
+    return producer(inputs(guard)[2] if guard is not None else a, "Softmax") is not None
+
+
+def _attention_pending(mm, cx) -> bool:
+    """An attention step that ``fuse-attention`` may still take (it roots at the merging
+    Reshape, after this MatMul): left alone until that rule said why it did not fire."""
+    if not _near_softmax(mm):
+        return False
+    return not any(
+        r.rule == "fuse-attention" and r.kind == "missed" and mm.name in r.nodes
+        for r in list(cx.remarks)
+    )
+
+
+def _product(t):
+    """The MatMul or com.microsoft.FusedMatMul computing ``t``, or None."""
+    return producer(t, "MatMul") or producer(t, "FusedMatMul", MS)
+
+
+def _fused_matmul_kernel(cx, t) -> None:
+    dt = dtype_of(t)
+    tname = type_string(dt) if dt is not None else None
+    require(
+        tname is not None and cx.target.has_kernel("FusedMatMul", MS, 1, tname),
+        "no-kernel",
+        f"target {cx.target.name} has no com.microsoft.FusedMatMul kernel for {tname}",
+    )
+
+
+@register_rule
+class FuseMatMulTranspose(Rule):
+    """``MatMul(Transpose(a), b)`` / ``MatMul(a, Transpose(b))`` with the Transpose swapping the
+    last two axes → ``com.microsoft.FusedMatMul(a, b, transA|transB)``: the GEMM reads the
+    operand transposed, no copy.  An attention's Q·Kᵀ is left to ``fuse-attention`` first."""
+
+    name = "fuse-matmul-transpose"
+    root = "MatMul"
+    summary = "MatMul of a last-two-axes Transpose → FusedMatMul(transA/transB)"
+
+    def match(self, node, cx):
+        ins = inputs(node)
+        found = {}
+        for flag, t in (("transA", ins[0]), ("transB", ins[1])):
+            tr = producer(t, "Transpose")
+            if tr is not None and _swaps_last_two(tr) and len(t.outputs) == 1:
+                found[flag] = tr
+        if not found:
+            raise no_match()
+        return Match(node, {"matmul": node, **{f"t_{k}": v for k, v in found.items()}})
+
+    def check(self, m, cx):
+        applies_only_if(not _attention_pending(m.matmul, cx))
+        _fused_matmul_kernel(cx, m.matmul.outputs[0])
+
+    def rewrite(self, m, b):
+        a, c = inputs(m.matmul)
+        attrs = {"alpha": 1.0}
+        if "t_transA" in m.bindings:
+            a, attrs["transA"] = inputs(m.t_transA)[0], 1
+        if "t_transB" in m.bindings:
+            c, attrs["transB"] = inputs(m.t_transB)[0], 1
+        like = m.root.outputs[0]
+        return [
+            b.op("FusedMatMul", [a, c], attrs, domain=MS, like=like, name=f"{m.root.name}/fused")
+        ]
+
+
+@register_rule
+class FoldMatMulScale(Rule):
+    """``MatMul(a, b) · c`` or ``/ c`` with a scalar constant c → ``FusedMatMul(alpha=c)``
+    (an existing FusedMatMul's alpha is multiplied): the scale is applied inside the GEMM."""
+
+    name = "fold-matmul-scale"
+    root = "Mul"
+    summary = "MatMul · scalar → FusedMatMul(alpha)"
+
+    def match(self, node, cx):
+        ins = inputs(node)
+        if len(ins) != 2:
+            raise no_match()
+        for y, c in ((ins[0], ins[1]), (ins[1], ins[0])):
+            mm = _product(y)
+            if mm is not None and isinstance(c, Constant):
+                return Match(node, {"scale": node, "matmul": mm, "c": c})
+        raise no_match()
+
+    def check(self, m, cx):
+        c = constant_value(m.c)
+        applies_only_if(c is not None and c.size == 1 and c.dtype.kind == "f")
+        applies_only_if(not _attention_pending(m.matmul, cx))
+        require(
+            len(m.matmul.outputs[0].outputs) == 1
+            and not cx.ir.is_graph_output(m.matmul.outputs[0]),
+            "shared-intermediate",
+            f"the product '{m.matmul.outputs[0].name}' is also read unscaled",
+        )
+        _fused_matmul_kernel(cx, m.matmul.outputs[0])
+        k = float(c.reshape(()))
+        require(k != 0.0, "scale-mismatch", "the scale is zero")
+        alpha = float(m.matmul.attrs.get("alpha", 1.0)) if m.matmul.op == "FusedMatMul" else 1.0
+        m.stash(alpha=alpha * (1.0 / k if m.root.op == "Div" else k))
+
+    def rewrite(self, m, b):
+        attrs = dict(m.matmul.attrs) if m.matmul.op == "FusedMatMul" else {}
+        attrs["alpha"] = m.alpha
+        like = m.root.outputs[0]
+        ins = inputs(m.matmul)
+        return [b.op("FusedMatMul", ins, attrs, domain=MS, like=like, name=f"{m.root.name}/fused")]
+
+
+@register_rule
+class FoldMatMulDivScale(FoldMatMulScale):
+    name = "fold-matmul-div-scale"
+    root = "Div"
+    summary = "MatMul / scalar → FusedMatMul(alpha)"
+
+    def match(self, node, cx):
+        ins = inputs(node)
+        mm = _product(ins[0]) if len(ins) == 2 else None
+        if mm is None or not isinstance(ins[1], Constant):
+            raise no_match()
+        return Match(node, {"scale": node, "matmul": mm, "c": ins[1]})

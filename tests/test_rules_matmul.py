@@ -205,3 +205,55 @@ def test_layer_scale_guards(kwargs, code, rng):
     out, report = run(layer_scale(rng, **kwargs))
     assert codes(report, "fold-linear-scale") == [code]
     assert "Mul" in ops(out) and report.parity.ok
+
+
+# ------------------------------------------------------------------------------ FusedMatMul
+def transposed_product(rng, *, side="B", scale=None, softmax=False):
+    """a [2, 3, 4] · Transpose(b [2, 5, 4]) (or the transposed left side), optionally scaled."""
+    inits = [const("c", 0.125)]
+    if side == "B":
+        nodes = [
+            helper.make_node("Transpose", ["b"], ["bt"], perm=[0, 2, 1]),
+            helper.make_node("MatMul", ["a", "bt"], ["p"]),
+        ]
+        ins = [vi("a", [2, 3, 4]), vi("b", [2, 5, 4])]
+    else:
+        nodes = [
+            helper.make_node("Transpose", ["a"], ["at"], perm=[0, 2, 1]),
+            helper.make_node("MatMul", ["at", "b"], ["p"]),
+        ]
+        ins = [vi("a", [2, 4, 3]), vi("b", [2, 4, 5])]
+    y = "p"
+    if scale:
+        nodes.append(helper.make_node(scale, ["p", "c"], ["s"]))
+        y = "s"
+    if softmax:  # an attention score nobody fuses (no heads): the rules wait, then take it
+        nodes.append(helper.make_node("Softmax", [y], ["sm"], axis=-1))
+        y = "sm"
+    nodes[-1].output[0] = "y"
+    return model(nodes, ins, [vi("y", None)], inits)
+
+
+@pytest.mark.parametrize("side", ["A", "B"])
+@pytest.mark.parametrize("scale", [None, "Mul", "Div"])
+def test_transpose_and_scale_fold_into_fused_matmul(side, scale, rng):
+    out, report = assert_optimized(transposed_product(rng, side=side, scale=scale))
+    assert ops(out) == {"FusedMatMul": 1}
+    node = out.graph.node[0]
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs[f"trans{side}"] == 1
+    want = {None: 1.0, "Mul": 0.125, "Div": 8.0}[scale]
+    assert attrs["alpha"] == pytest.approx(want)
+
+
+def test_fused_matmul_only_where_the_target_has_it(rng):
+    out, report = run(transposed_product(rng), target="tensorrt")
+    assert "FusedMatMul" not in ops(out)
+    assert codes(report, "fuse-matmul-transpose") == ["no-kernel"]
+
+
+def test_attention_scores_are_left_to_the_attention_rule(rng):
+    """Q·Kᵀ feeding a Softmax waits for fuse-attention's verdict on it (here it never looks:
+    no head split), so the transpose stays for onnxruntime to fuse at load time."""
+    out, report = run(transposed_product(rng, scale="Mul", softmax=True))
+    assert ops(out)["MatMul"] == 1 and "FusedMatMul" not in ops(out)
