@@ -376,23 +376,23 @@ class FoldLinearScale(Rule):
     def rewrite(self, m, b):
         like = m.root.outputs[0]
         name = m.matmul.name or "MatMul"
-        if m.reshape is not None:
-            ins = [m.x, b.const(m.w_new, "W"), b.const(m.b_new, "b")]
-            y = b.op("Gemm", ins, name=f"{name}/scaled")
+        w = b.const(m.w_new, "W")
+        if m.reshape is not None:  # Gemm(x, W·c, b·c) → the same Reshape
+            steps = [("Gemm", [m.x, w, b.const(m.b_new, "b")], {}, "scaled")]
+            steps.append(("Reshape", [inputs(m.reshape)[1]], {}, "unflat"))
+        else:  # MatMul(x, W·c) [+ b·c]
+            steps = [("MatMul", [m.x, w], {}, "scaled")]
+            if m.b_new is not None:
+                steps.append(("Add", [b.const(m.b_new, "b")], {}, "scaled_bias"))
+        if m.transpose is not None:
+            steps.append(("Transpose", [], dict(m.transpose.attrs), "permuted"))
+        y = None
+        for i, (op, extra, attrs, suffix) in enumerate(steps):
+            ins = extra if y is None else [y, *extra]
+            last = i == len(steps) - 1
+            y = b.op(op, ins, attrs, like=like if last else None, name=f"{name}/{suffix}")
             y.dtype = like.dtype
-            last = m.transpose is None
-            target = inputs(m.reshape)[1]
-            y = b.op("Reshape", [y, target], like=like if last else None, name=f"{name}/unflat")
-            y.dtype = like.dtype
-            if m.transpose is not None:
-                y = b.op(
-                    "Transpose",
-                    [y],
-                    dict(m.transpose.attrs),
-                    like=like,
-                    name=f"{m.transpose.name or 'Transpose'}/scaled",
-                )
-            return [y]
+        return [y]
         last = m.transpose is None and m.b_new is None
         y = b.op(
             "MatMul",
