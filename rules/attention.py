@@ -498,7 +498,8 @@ def _match(root: Node) -> dict:
     out_layout = {tuple(_PERM_BNSH): "bsd", (2, 0, 1, 3): "sbd"}.get(tuple(out_perm))
     if out_layout is None:
         raise _unknown(
-            f"the heads are merged by Transpose{tuple(out_perm)}, not (0,2,1,3) or (2,0,1,3)"
+            f"the heads are merged by Transpose{tuple(out_perm)}, not (0,2,1,3) or (2,0,1,3)",
+            sm,
         )
     z = inputs(sm)[0]
     # shifted windows (Swin): Reshape(Reshape(z0, [b, nW, N, S, T]) + M5, [B, N, S, T])
@@ -524,7 +525,9 @@ def _match(root: Node) -> dict:
     scores, factors, scale_nodes = _strip_scale(z)
     mm = producer(scores, "MatMul")
     if mm is None:
-        raise _unknown(f"the Softmax input '{z.name}' is not a scaled, masked MatMul of Q and Kᵀ")
+        raise _unknown(
+            f"the Softmax input '{z.name}' is not a scaled, masked MatMul of Q and Kᵀ", sm
+        )
     b["qk"] = mm
     qs, ks = inputs(mm)
     q_t, q_f, q_nodes = _strip_scale(qs)
@@ -536,7 +539,8 @@ def _match(root: Node) -> dict:
         if part is None:
             raise _unknown(
                 f"{name} '{t.name}' is not split into heads by a Reshape and Transpose the rule "
-                "knows (batch-first, sequence-first, packed, or the 3-D Kᵀ of dynamo exports)"
+                "knows (batch-first, sequence-first, packed, or the 3-D Kᵀ of dynamo exports)",
+                sm,
             )
     packed = [part.get("layout") == "packed" for part in (q, k, v)]
     if any(packed) and not (
@@ -544,7 +548,7 @@ def _match(root: Node) -> dict:
         and q["x"] is k["x"] is v["x"]
         and [q["index"], k["index"], v["index"]] == [0, 1, 2]
     ):
-        raise _unknown("Q, K and V are not the parts 0, 1, 2 of one packed projection")
+        raise _unknown("Q, K and V are not the parts 0, 1, 2 of one packed projection", sm)
     for i, n in enumerate(scale_nodes + q_nodes + k_nodes):
         b[f"scale{i}"] = n
     # consumers before producers, so the driver can drop each once its readers are gone
@@ -596,8 +600,10 @@ def _pins(target: list[Key], dims: list[Key]) -> bool:
     )
 
 
-def _unknown(message: str) -> NoMatch:
-    return NoMatch("unrecognized-layout", message)
+def _unknown(message: str, softmax: Node) -> NoMatch:
+    """The miss of an attention whose spelling is not known; names its Softmax, so that rules
+    waiting for this verdict (FusedMatMul folds) can find it."""
+    return NoMatch("unrecognized-layout", message, softmax=softmax.name)
 
 
 def _is_scores(t: Tensor | None) -> bool:

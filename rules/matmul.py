@@ -428,34 +428,53 @@ def _swaps_last_two(node) -> bool:
     return n >= 2 and list(perm) == [*range(n - 2), n - 1, n - 2]
 
 
-def _near_softmax(mm) -> bool:
-    """Whether MatMul ``mm`` is a step of an attention: its result reaches a Softmax through at
-    most six scale/mask/reshape nodes (Swin's window regroup has five), or its left operand
-    comes from one."""
+def _softmax_of(mm):
+    """The Softmax of the attention MatMul ``mm`` is a step of: its result reaches it through at
+    most six scale/mask/reshape nodes (Swin's window regroup has five), or its left operand is
+    its probabilities; else None."""
     frontier = [mm.outputs[0]]
     for _ in range(7):
         nxt = []
         for t in frontier:
             for r in t.outputs:
                 if r.op == "Softmax":
-                    return True
+                    return r
                 if r.op in ("Mul", "Div", "Add", "Where", "Reshape", "FusedMatMul"):
                     nxt += r.outputs
         frontier = nxt
     a = inputs(mm)[0]
     guard = producer(a, "Where")
-    return producer(inputs(guard)[2] if guard is not None else a, "Softmax") is not None
+    return producer(inputs(guard)[2] if guard is not None else a, "Softmax")
 
 
 def _attention_pending(mm, cx) -> bool:
     """An attention step that ``fuse-attention`` may still take (it roots at the merging
     Reshape, after this MatMul): left alone until that rule said why it did not fire."""
-    if not _near_softmax(mm):
+    sm = _softmax_of(mm)
+    if sm is None or not _heads_merged_after(sm):
         return False
     return not any(
-        r.rule == "fuse-attention" and r.kind == "missed" and mm.name in r.nodes
+        r.rule == "fuse-attention"
+        and r.kind == "missed"
+        and (mm.name in r.nodes or r.args.get("softmax") == sm.name)
         for r in list(cx.remarks)
     )
+
+
+def _heads_merged_after(sm) -> bool:
+    """Whether the attention of Softmax ``sm`` ends the way fuse-attention roots it: P·V, then a
+    Transpose (maybe after a Reshape).  Without one (YOLO11's attention merges heads with a
+    Reshape only) that rule never looks, and the MatMuls are free to fold."""
+    ts = list(sm.outputs[0].outputs)
+    ts += [c for w in ts if w.op == "Where" for c in w.outputs[0].outputs]
+    for pv in ts:
+        if pv.op != "MatMul":
+            continue
+        after = list(pv.outputs[0].outputs)
+        after += [c for r in after if r.op == "Reshape" for c in r.outputs[0].outputs]
+        if any(n.op == "Transpose" for n in after):
+            return True
+    return False
 
 
 def _product(t):
@@ -502,13 +521,33 @@ class FuseMatMulTranspose(Rule):
         a, c = inputs(m.matmul)
         attrs = {"alpha": 1.0}
         if "t_transA" in m.bindings:
-            a, attrs["transA"] = inputs(m.t_transA)[0], 1
+            a, attrs["transA"] = self._operand(m.t_transA, attrs), 1
         if "t_transB" in m.bindings:
-            c, attrs["transB"] = inputs(m.t_transB)[0], 1
+            c, attrs["transB"] = self._operand(m.t_transB, attrs), 1
         like = m.root.outputs[0]
         return [
             b.op("FusedMatMul", [a, c], attrs, domain=MS, like=like, name=f"{m.root.name}/fused")
         ]
+
+    @staticmethod
+    def _operand(transpose, attrs: dict):
+        """The transposed tensor; a scalar scale right before the Transpose (YOLO11's q·s)
+        moves into alpha when nothing else reads the scaled tensor."""
+        t = inputs(transpose)[0]
+        mul = producer(t, "Mul")
+        if mul is None or len(t.outputs) != 1:
+            return t
+        for x, c in (inputs(mul), inputs(mul)[::-1]):
+            v = constant_value(c) if isinstance(c, Constant) else None
+            if (
+                v is not None
+                and v.size == 1
+                and v.dtype.kind == "f"
+                and not isinstance(x, Constant)
+            ):
+                attrs["alpha"] *= float(v.reshape(()))
+                return x
+        return t
 
 
 @register_rule

@@ -252,8 +252,8 @@ def test_fused_matmul_only_where_the_target_has_it(rng):
     assert codes(report, "fuse-matmul-transpose") == ["no-kernel"]
 
 
-def test_attention_scores_are_left_to_the_attention_rule(rng):
-    """Q·Kᵀ feeding a Softmax waits for fuse-attention's verdict on it (here it never looks:
-    no head split), so the transpose stays for onnxruntime to fuse at load time."""
+def test_scores_of_an_attention_without_a_head_merge_fold(rng):
+    """Q·Kᵀ feeding a Softmax whose P·V is not followed by a head-merging Transpose (YOLO11's
+    attention) is no pattern fuse-attention roots at: the folds take it."""
     out, report = run(transposed_product(rng, scale="Mul", softmax=True))
-    assert ops(out)["MatMul"] == 1 and "FusedMatMul" not in ops(out)
+    assert ops(out) == {"FusedMatMul": 1, "Softmax": 1}
