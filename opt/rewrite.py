@@ -57,6 +57,13 @@ def applies_only_if(cond: Any) -> None:
         raise NoMatch("structure", "condition not met", structural=True)
 
 
+def wait_for(rule: str, pending: Any) -> None:
+    """Not yet, while ``pending``: ``rule`` has not said whether it takes this pattern.  Silent;
+    the node is tried again once ``rule`` records a new remark."""
+    if pending:
+        raise NoMatch("waiting", f"waits for {rule}", structural=True, waiting_for=rule)
+
+
 # --------------------------------------------------------------------------- patterns
 class Pattern:
     """Base of pattern nodes; a pattern describes structure only, never constness or dtype."""
@@ -319,45 +326,56 @@ def _drain(
     budget: int,
 ) -> bool:
     changed = False
-    while queue:
-        node = queue.popleft()
-        queued.discard(id(node))
-        if not node.outputs:  # removed by an earlier rewrite
-            continue
-        for rule in index.get(node.op, ()):
-            new_nodes = _try_rule(ir, rule, node, cx, pass_name)
-            if new_nodes is None:
+    parked: list[tuple[Node, str, int]] = []  # (node, awaited rule, its verdicts when parked)
+    while True:
+        while queue:
+            node = queue.popleft()
+            queued.discard(id(node))
+            if not node.outputs:  # removed by an earlier rewrite
                 continue
-            changed = True
-            budget -= 1
-            if budget < 0:
-                cx.remarks.add(
-                    Remark(
-                        "failure",
-                        pass_name,
-                        rule.name,
-                        "did-not-converge",
-                        (node.name,),
-                        "rules keep rewriting the same nodes (two rules undo each other?); stopped",
-                        {"rule": rule.name},
+            for rule in index.get(node.op, ()):
+                new_nodes = _try_rule(ir, rule, node, cx, pass_name, parked)
+                if new_nodes is None:
+                    continue
+                changed = True
+                budget -= 1
+                if budget < 0:
+                    cx.remarks.add(
+                        Remark(
+                            "failure",
+                            pass_name,
+                            rule.name,
+                            "did-not-converge",
+                            (node.name,),
+                            "rules keep rewriting the same nodes (two rules undo each other?); "
+                            "stopped",
+                            {"rule": rule.name},
+                        )
                     )
-                )
-                return True
-            for n in new_nodes:
-                for t in n.outputs:
-                    for c in t.outputs:
-                        if c.op in index and id(c) not in queued:
-                            queue.append(c)
-                            queued.add(id(c))
-                if n.op in index and id(n) not in queued:
-                    queue.append(n)
-                    queued.add(id(n))
-            break
-    return changed
+                    return True
+                for n in new_nodes:
+                    for t in n.outputs:
+                        for c in t.outputs:
+                            if c.op in index and id(c) not in queued:
+                                queue.append(c)
+                                queued.add(id(c))
+                    if n.op in index and id(n) not in queued:
+                        queue.append(n)
+                        queued.add(id(n))
+                break
+        # nodes that waited for another rule's verdict go again once that rule said more
+        ready = [p for p in parked if cx.remarks.verdicts.get(p[1], 0) > p[2]]
+        if not ready:
+            return changed
+        parked = [p for p in parked if p not in ready]
+        for node, _, _ in ready:
+            if node.outputs and id(node) not in queued:
+                queue.append(node)
+                queued.add(id(node))
 
 
 def _try_rule(
-    ir: ModelIR, rule: Rule, node: Node, cx: PassContext, pass_name: str
+    ir: ModelIR, rule: Rule, node: Node, cx: PassContext, pass_name: str, parked: list
 ) -> list[Node] | None:
     t0 = time.perf_counter()
     stats = cx.rule_stats(rule.name)
@@ -377,7 +395,10 @@ def _try_rule(
                 check_exclusive(m, ir)
             rule.check(m, cx)
         except NoMatch as e:
-            if not e.structural:
+            if "waiting_for" in e.args_:
+                awaited = e.args_["waiting_for"]
+                parked.append((node, awaited, cx.remarks.verdicts.get(awaited, 0)))
+            elif not e.structural:
                 stats.missed += 1
                 cx.remarks.add(
                     Remark(
@@ -398,9 +419,15 @@ def _try_rule(
         for old, new in zip(list(node.outputs), replacements):
             if new is not None and new is not old:
                 ir.replace_all_uses(old, new)
-        for n in matched:
-            if n is node or all(not t.outputs and not ir.is_graph_output(t) for t in n.outputs):
-                ir.remove_node(n)
+        removed = True
+        while removed:  # a matched node may die only once its matched consumer is gone
+            removed = False
+            for n in matched:
+                if n.outputs and (
+                    n is node or all(not t.outputs and not ir.is_graph_output(t) for t in n.outputs)
+                ):
+                    ir.remove_node(n)
+                    removed = True
         stats.fired += 1
         cx.remarks.add(
             Remark(

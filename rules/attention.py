@@ -502,6 +502,8 @@ def _match(root: Node) -> dict:
             sm,
         )
     z = inputs(sm)[0]
+    if _scores_folded(z):
+        raise no_match()  # this rule already refused it; its verdict stays
     # shifted windows (Swin): Reshape(Reshape(z0, [b, nW, N, S, T]) + M5, [B, N, S, T])
     window = _window_regroup(z)
     if window is not None:
@@ -604,6 +606,21 @@ def _unknown(message: str, softmax: Node) -> NoMatch:
     """The miss of an attention whose spelling is not known; names its Softmax, so that rules
     waiting for this verdict (FusedMatMul folds) can find it."""
     return NoMatch("unrecognized-layout", message, softmax=softmax.name)
+
+
+def _scores_folded(t: Tensor) -> bool:
+    """Whether the scores reaching a Softmax come from a com.microsoft.FusedMatMul: the folds of
+    fuse-matmul-transpose and fold-matmul-scale, which wait for this rule to refuse."""
+    for _ in range(7):
+        node = t.inputs[0] if t.inputs else None
+        if node is None:
+            return False
+        if node.op == "FusedMatMul" and (node.domain or "") == MS:
+            return True
+        if node.op not in ("Add", "Where", "Mul", "Div", "Reshape"):
+            return False
+        t = inputs(node)[1] if node.op == "Where" else inputs(node)[0]
+    return False
 
 
 def _is_scores(t: Tensor | None) -> bool:
@@ -801,6 +818,7 @@ class FuseMultiHeadAttention(Rule):
             ),
             keys=int(keys) if isinstance(keys, (int, np.integer)) else None,
             bound=bound,
+            softmax=m.softmax.name,
         )
 
     def _check_exclusive(self, m, cx) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 from graphopt.opt.ir import Constant, constant_value, dtype_of, static_shape, type_string
 from graphopt.opt.manager import register_rule
 from graphopt.opt.precision import require_refold_allowed, require_representable
-from graphopt.opt.rewrite import Match, Op, Rule, applies_only_if, opt, require
+from graphopt.opt.rewrite import Match, Op, Rule, applies_only_if, opt, require, wait_for
 from graphopt.rules.activation import MS, inputs, no_match, producer
 from graphopt.rules.attention import Dims, shape_elements
 
@@ -42,6 +42,7 @@ class MatMulAddToGemm(Rule):
         flat = None
         if ra != 2 and rb == 2:
             flat = flat_linear(m.A, m.B, m.C, m.root, cx)
+            wait_for("fuse-attention", flat is FEEDS_PENDING_ATTENTION)
             require(
                 not isinstance(flat, str),
                 "rank-not-2",
@@ -119,8 +120,9 @@ def flat_linear(x, w, c, add, cx) -> tuple[list[int], int] | str:
 
     Measured on onnxruntime CPU (``prefers["linear-bias"]``): the bias is added inside the GEMM
     and a following Gelu stays a plain Gelu instead of BiasGelu.  Both Reshape targets must be
-    constants, so every dim of x but the first must be static.  Not for q/k/v projections (the
-    sum feeds a head-splitting Reshape or Split): the attention kernel takes their bias."""
+    constants, so every dim of x but the first must be static.  q/k/v projections wait for
+    ``fuse-attention`` (its kernel takes their bias) and flatten only where it refused the
+    attention for the target (Swin-T's 49-key windows on cpu are slower fused)."""
     if cx.target.prefers.get("linear-bias") != "gemm":
         return f"target {cx.target.name} prefers MatMul + Add"
     dt = dtype_of(x)
@@ -132,22 +134,47 @@ def flat_linear(x, w, c, add, cx) -> tuple[list[int], int] | str:
     wv, cv = constant_value(w), constant_value(c)
     if wv is None or cv is None or wv.ndim != 2 or cv.ndim != 1 or cv.shape[0] != wv.shape[1]:
         return "the weight and bias must be constants, the bias a vector of N"
-    if _splits_heads(add.outputs[0]):
-        return "its result is split into attention heads, whose kernel takes the bias"
+    steps = _attention_steps_fed(add.outputs[0])
+    if any(_attention_pending(mm, cx) for mm in steps):
+        return FEEDS_PENDING_ATTENTION
+    if not all(_attention_refused(mm, cx) or not _attention_rooted(mm) for mm in steps):
+        return "it projects q, k or v of an attention, whose fusion takes the bias"
     return [int(d) for d in tail], int(wv.shape[1])
 
 
-def _splits_heads(t, depth: int = 2) -> bool:
-    """Whether ``t`` reaches a Reshape or Split directly or through a scaling by a constant
-    (Whisper scales q before splitting it into heads)."""
-    for r in t.outputs:
-        if r.op in ("Reshape", "Split"):
-            return True
-        if r.op in ("Mul", "Div") and depth > 0:
-            other = [u for u in r.inputs if u is not t]
-            if other and isinstance(other[0], Constant) and _splits_heads(r.outputs[0], depth - 1):
-                return True
-    return False
+FEEDS_PENDING_ATTENTION = "it projects q, k or v of an attention that may still be fused"
+
+#: fuse-attention's refusals that hold whatever else is rewritten: the target's, not the spelling's
+_TARGET_REFUSALS = ("slower-on-target", "no-kernel")
+
+#: how a projection reaches its attention: head split, packed-q/k/v pick, scale
+_TO_HEADS = (
+    "Reshape",
+    "Split",
+    "Transpose",
+    "Unsqueeze",
+    "Squeeze",
+    "Gather",
+    "Slice",
+    "Mul",
+    "Div",
+)
+
+
+def _attention_steps_fed(t, depth: int = 8) -> list:
+    """The attention MatMuls (Q·Kᵀ or P·V) that ``t`` reaches as an operand through at most
+    ``depth`` head-splitting, packed-q/k/v and scaling nodes."""
+    found, frontier = [], [t]
+    for _ in range(depth):
+        nxt = []
+        for u in frontier:
+            for r in u.outputs:
+                if r.op in ("MatMul", "FusedMatMul") and _softmax_of(r) is not None:
+                    found.append(r)
+                elif r.op in _TO_HEADS:
+                    nxt += r.outputs
+        frontier = nxt
+    return found
 
 
 @register_rule
@@ -461,6 +488,24 @@ def _attention_pending(mm, cx) -> bool:
     )
 
 
+def _attention_rooted(mm) -> bool:
+    """Whether fuse-attention looks at the attention step ``mm`` at all."""
+    sm = _softmax_of(mm)
+    return sm is not None and _heads_merged_after(sm)
+
+
+def _attention_refused(mm, cx) -> bool:
+    """Whether fuse-attention refused the attention of ``mm`` because of the target."""
+    sm = _softmax_of(mm)
+    return any(
+        r.rule == "fuse-attention"
+        and r.kind == "missed"
+        and r.code in _TARGET_REFUSALS
+        and (mm.name in r.nodes or (sm is not None and r.args.get("softmax") == sm.name))
+        for r in list(cx.remarks)
+    )
+
+
 def _heads_merged_after(sm) -> bool:
     """Whether the attention of Softmax ``sm`` ends the way fuse-attention roots it: P·V, then a
     Transpose (maybe after a Reshape).  Without one (YOLO11's attention merges heads with a
@@ -514,7 +559,7 @@ class FuseMatMulTranspose(Rule):
         return Match(node, {"matmul": node, **{f"t_{k}": v for k, v in found.items()}})
 
     def check(self, m, cx):
-        applies_only_if(not _attention_pending(m.matmul, cx))
+        wait_for("fuse-attention", _attention_pending(m.matmul, cx))
         _fused_matmul_kernel(cx, m.matmul.outputs[0])
 
     def rewrite(self, m, b):
@@ -572,7 +617,7 @@ class FoldMatMulScale(Rule):
     def check(self, m, cx):
         c = constant_value(m.c)
         applies_only_if(c is not None and c.size == 1 and c.dtype.kind == "f")
-        applies_only_if(not _attention_pending(m.matmul, cx))
+        wait_for("fuse-attention", _attention_pending(m.matmul, cx))
         require(
             len(m.matmul.outputs[0].outputs) == 1
             and not cx.ir.is_graph_output(m.matmul.outputs[0]),

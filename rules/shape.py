@@ -343,11 +343,14 @@ class CollapseShapeChain(Rule):
         if final is None and m.root.op == "Reshape":
             target = constant_value(m.root.inputs[1])
             require(target is not None, "dynamic-shape", "Reshape target is computed at run time")
-            require(
-                not np.any(target == 0) or m.root.attrs.get("allowzero", 0) == 1,
-                "zero-dim-copy",
-                "Reshape target copies dims (0) from the intermediate tensor",
-            )
+            if np.any(target == 0) and not m.root.attrs.get("allowzero", 0):
+                target = _resolve_copies(target, m.root.inputs[0].shape)
+                require(
+                    target is not None,
+                    "zero-dim-copy",
+                    "Reshape target copies dims (0) of the intermediate tensor that are neither "
+                    "static nor the one dim left to infer",
+                )
             final = tuple(int(d) for d in target)
         require(final is not None, "dynamic-shape", "the chain's output shape is not static")
         require(0 not in final, "empty-tensor", "empty tensors are left alone")
@@ -358,6 +361,27 @@ class CollapseShapeChain(Rule):
             return [m.x]
         shape = b.const(np.array(m.final, dtype=np.int64), "shape")
         return [b.op("Reshape", [m.x, shape], like=m.root.outputs[0])]
+
+
+def _resolve_copies(target, dims) -> list[int] | None:
+    """Reshape ``target`` with each 0 (copy the input's dim) spelled out: the dim itself where
+    ``dims`` has it static, else -1 for one symbolic dim when the target infers no other; None
+    when neither works."""
+    if dims is None:
+        return None
+    out, free = [], -1 not in target
+    for i, t in enumerate(target):
+        d = dims[i] if i < len(dims) else None
+        if t != 0:
+            out.append(int(t))
+        elif isinstance(d, (int, np.integer)) and d > 0:
+            out.append(int(d))
+        elif free and d is not None:
+            out.append(-1)
+            free = False
+        else:
+            return None
+    return out
 
 
 @register_rule

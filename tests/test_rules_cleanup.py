@@ -164,6 +164,31 @@ def test_reshape_chain_collapses():
     assert ops(out) == {"Relu": 1, "Reshape": 1}
 
 
+@pytest.mark.parametrize(
+    "first, then, collapses",
+    [
+        ([-1, 6, 4], [0, 0, 2, 2], True),  # 0 copies the static 6; the batch dim becomes -1
+        ([-1, 24], [0, 4, -1], False),  # the batch copy and a -1 of its own: nothing to infer it
+    ],
+)
+def test_reshape_chain_with_copied_dims(first, then, collapses):
+    """A 0 in the outer target copies the intermediate's dim: spelled out when static, -1 when it
+    is the one dim left to infer (a flat Gemm's unflatten before an attention head split)."""
+    m = model(
+        [
+            helper.make_node("Relu", ["x"], ["r"]),
+            helper.make_node("Reshape", ["r", "s1"], ["a"]),
+            helper.make_node("Reshape", ["a", "s2"], ["y"]),
+        ],
+        [vi("x", ["batch", 24])],
+        [vi("y", None)],
+        [const("s1", first, np.int64), const("s2", then, np.int64)],
+    )
+    x = np.random.default_rng(0).standard_normal((3, 24)).astype(np.float32)
+    out, report = assert_optimized(m, inputs={"x": x}, level=1)
+    assert ops(out)["Reshape"] == (1 if collapses else 2)
+
+
 def test_squeeze_unsqueeze_cancels():
     m = chain(
         [

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 from onnx import TensorProto, helper
+from test_rules_attention import attention
 
 from conftest import assert_optimized, codes, const, model, ops, run, vi
 
@@ -47,30 +48,21 @@ def test_rank3_with_static_tail_becomes_a_flat_gemm_on_cpu(rng):
     assert ops(out) == {"MatMul": 1, "Add": 1}
 
 
-def mlp(rng, *, split_heads=False, scaled=False):
-    """Linear → GELU → Linear on [B, 3, 4] (static tail), or q of an attention head split."""
+def mlp(rng):
+    """Linear → GELU → Linear on [B, 3, 4] (static tail)."""
     inits = [
         const("W1", rng.standard_normal((4, 8))),
         const("b1", rng.standard_normal(8)),
         const("W2", rng.standard_normal((8, 4))),
         const("b2", rng.standard_normal(4)),
-        const("heads", [0, 3, 2, 2], np.int64),
     ]
     nodes = [
         helper.make_node("MatMul", ["x", "W1"], ["h0"]),
         helper.make_node("Add", ["h0", "b1"], ["h"]),
+        helper.make_node("Gelu", ["h"], ["g"]),
+        helper.make_node("MatMul", ["g", "W2"], ["o0"]),
+        helper.make_node("Add", ["o0", "b2"], ["y"]),
     ]
-    if split_heads:
-        if scaled:  # Whisper scales q before splitting it into heads
-            inits.append(const("scale", 0.125))
-            nodes.append(helper.make_node("Mul", ["h", "scale"], ["hs"]))
-        nodes.append(helper.make_node("Reshape", ["hs" if scaled else "h", "heads"], ["y"]))
-    else:
-        nodes += [
-            helper.make_node("Gelu", ["h"], ["g"]),
-            helper.make_node("MatMul", ["g", "W2"], ["o0"]),
-            helper.make_node("Add", ["o0", "b2"], ["y"]),
-        ]
     return model(nodes, [vi("x", ["batch", 3, 4])], [vi("y", None)], inits, opset=20)
 
 
@@ -83,12 +75,31 @@ def test_mlp_runs_flat_between_its_two_reshapes(rng):
     assert codes(report, "reshape-through-unary", "passed") == ["fired"]
 
 
-@pytest.mark.parametrize("scaled", [False, True])
-def test_attention_projection_keeps_its_bias_for_the_kernel(scaled, rng):
-    out, report = run(mlp(rng, split_heads=True, scaled=scaled))
-    assert ops(out)["MatMul"] == 1
-    misses = [r for r in report.remarks if r.rule == "matmul-add-to-gemm"]
-    assert misses and all("attention heads" in r.message for r in misses)
+def attention_of(keys, layout):
+    m = attention(mask=None, layout=layout)
+    m.graph.input[0].type.tensor_type.shape.dim[1].dim_value = keys
+    del m.graph.value_info[:]
+    return m
+
+
+@pytest.mark.parametrize("layout", ["bsd", "packed"])
+def test_attention_projections_keep_their_bias_for_the_kernel(layout):
+    """fuse-attention is waited for: the MultiHeadAttention kernel takes the q/k/v bias."""
+    out, report = run(attention_of(128, layout))
+    assert ops(out)["MultiHeadAttention"] == 1 and "Gemm" not in ops(out)
+    assert report.parity.ok
+
+
+@pytest.mark.parametrize("layout", ["bsd", "packed"])
+def test_projections_of_an_attention_left_unfused_become_flat_gemms(layout):
+    """Swin-T's 49-key windows stay unfused on cpu (slower-on-target); their projections then
+    take the bias inside the GEMM like any other linear layer."""
+    out, report = assert_optimized(attention_of(49, layout))
+    assert codes(report, "fuse-attention") == ["slower-on-target"]
+    assert ops(out)["Gemm"] == (3 if layout == "bsd" else 1)
+    assert "Add" not in ops(out)
+    # Kᵀ and the scale, also waiting for that verdict, fold into FusedMatMul
+    assert ops(out)["FusedMatMul"] == 1 and "Div" not in ops(out)
 
 
 def test_fp16_on_cpu_has_no_gemm_kernel(rng):

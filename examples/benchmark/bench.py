@@ -575,8 +575,65 @@ def _worker_latency(spec_path: str, result_path: str) -> int:
             del sessions, feeds
             gc.collect()
             save()
+    duel = _duel_pair(res)
+    if duel and spec.get("duel_s", 0) > 0 and feed is not None:
+        by_tool = {v["tool"]: v for v in variants}
+        try:
+            res["_duel"] = _duel(
+                [create(by_tool[t], "ENABLE_ALL") for t in duel], feed, spec, *duel
+            )
+        except Exception as e:  # noqa: BLE001
+            res["_duel"] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
     save()
     return 0
+
+
+def _duel_pair(res: dict) -> tuple[str, str] | None:
+    """(graphopt's variant, the fastest rival at ENABLE_ALL among those that matched)."""
+
+    def ratio(t):
+        r = res.get(t, {})
+        ok = r.get("parity", {}).get("ok") and not r.get("session_error_ENABLE_ALL")
+        return r.get("ENABLE_ALL", {}).get("ratio") if ok else None
+
+    mine = next((t for t in ("graphopt-O2-bundle", "graphopt-O2") if ratio(t)), None)
+    rivals = [(ratio(t), t) for t in res if not t.startswith(("graphopt", "none", "_"))]
+    rivals = [x for x in rivals if x[0]]
+    return (mine, min(rivals)[1]) if mine and rivals else None
+
+
+def _duel(sessions: list, feed: dict, spec: dict, mine: str, rival: str) -> dict:
+    """Just the two, alternating (the order flips every round) for ``duel_s`` seconds each:
+    the median of per-round ratios t(mine) / t(rival) with a bootstrap 95 % interval."""
+    import numpy as np
+
+    feeds = [
+        {k: a for k, a in feed.items() if k in {x.name for x in s.get_inputs()}} for s in sessions
+    ]
+    for _ in range(3):
+        for s, f in zip(sessions, feeds):
+            s.run(None, f)
+    times: list[list[float]] = [[], []]
+    t_end = time.perf_counter() + 2 * spec["duel_s"]
+    r = 0
+    while r < 30 or (time.perf_counter() < t_end and r < spec["max_runs"]):
+        for i in (0, 1) if r % 2 == 0 else (1, 0):
+            t0 = time.perf_counter()
+            sessions[i].run(None, feeds[i])
+            times[i].append((time.perf_counter() - t0) * 1e3)
+        r += 1
+    ratios = np.array(times[0]) / np.array(times[1])
+    boot = np.random.default_rng(0).integers(0, len(ratios), (2000, len(ratios)))
+    lo, hi = np.percentile(np.median(ratios[boot], axis=1), [2.5, 97.5])
+    return {
+        "mine": mine,
+        "rival": rival,
+        "rounds": r,
+        "ratio": float(np.median(ratios)),
+        "ci95": [float(lo), float(hi)],
+        "median_ms": [statistics.median(times[0]), statistics.median(times[1])],
+        "verdict": "faster" if hi < 1 else "slower" if lo > 1 else "tie",
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -954,9 +1011,39 @@ def render_summary(results: dict, tools: list[str]) -> str:
                 )
         if mres.get("error"):
             fails.append(f"- {name}: {mres['error']}")
+    duels = [(name, mres["duel"]) for name, mres in results.items() if mres.get("duel")]
+    if duels:
+        lines.append(_render_duels(duels))
     lines.append("### Failures\n")
     lines.extend(fails or ["none"])
     lines.append("")
+    return "\n".join(lines)
+
+
+def _render_duels(duels: list[tuple[str, dict]]) -> str:
+    lines = [
+        "### Head to head: graphopt against the fastest rival\n",
+        "Per model, graphopt's output and the rival whose output matched with the lowest "
+        "ENABLE_ALL ratio above, measured again alone: two sessions at ORT_ENABLE_ALL, "
+        "alternating with the order flipped every round (`--duel-time`). Ratio = median over "
+        "rounds of t(graphopt) / t(rival), with a bootstrap 95 % interval; *faster* or *slower* "
+        "only when the interval excludes 1.\n",
+        "| model | graphopt | rival | rounds | graphopt / rival [95 % interval] | verdict |",
+        "|---|---|---|---:|---|---|",
+    ]
+    tally: dict[str, int] = {}
+    for name, d in duels:
+        if d.get("error"):
+            lines.append(f"| {name} | | | | error: {d['error']} | |")
+            continue
+        lo, hi = d["ci95"]
+        tally[d["verdict"]] = tally.get(d["verdict"], 0) + 1
+        lines.append(
+            f"| {name} | {d['mine']} | {d['rival']} | {d['rounds']} "
+            f"| {d['ratio']:.3f} [{lo:.3f}, {hi:.3f}] | {d['verdict']} |"
+        )
+    lines.append("")
+    lines.append(", ".join(f"{k}: {v}" for k, v in sorted(tally.items())) + "\n")
     return "\n".join(lines)
 
 
@@ -1066,6 +1153,14 @@ def main(argv: list[str] | None = None) -> int:
         "for at least this many seconds per level (up to --max-runs)",
     )
     ap.add_argument("--max-runs", type=int, default=1000, help="cap for --min-time")
+    ap.add_argument(
+        "--duel-time",
+        type=float,
+        default=10.0,
+        help="then graphopt's output against the fastest matching rival alone, alternating, "
+        "for this many seconds each (>= 30 rounds) at ENABLE_ALL, for a ratio with a 95 %% "
+        "interval; 0: skip",
+    )
     ap.add_argument(
         "--create-reps",
         type=int,
@@ -1327,6 +1422,7 @@ def bench_model(name: str, path: Path, side: Path, tools: list[str], args, cpu: 
         "cpu": cpu,
         "min_time_s": args.min_time,
         "max_runs": args.max_runs,
+        "duel_s": args.duel_time,
     }
     spec_path = work / "spec.json"
     res_path = work / "latency.json"
@@ -1352,6 +1448,8 @@ def bench_model(name: str, path: Path, side: Path, tools: list[str], args, cpu: 
     mres["latency_s"] = time.perf_counter() - t0
     if res_path.exists():
         lat = json.loads(res_path.read_text())
+        if "_duel" in lat:
+            mres["duel"] = lat.pop("_duel")
         for tool, vals in lat.items():
             mres["tools"][tool].update(vals)
     if mres.get("error"):
