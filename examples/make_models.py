@@ -238,6 +238,8 @@ MODELS: dict[str, Spec] = {
     "resnet50_dynamo": Spec(torchvision_net("resnet50"), "resnet50", "dynamo"),
     "bert_base_dynamo": Spec(build_bert_base, "bert_base", "dynamo"),
     "gpt2_dynamo": Spec(build_gpt2, "gpt2", "dynamo"),
+    "distilbert_dynamo": Spec(build_distilbert, "distilbert", "dynamo"),
+    "t5_small_dynamo": Spec(build_t5_small, "t5_small", "dynamo"),
     "vit_hf_dynamo": Spec(build_vit_hf, "vit_hf", "dynamo"),
     "whisper_tiny_encoder_dynamo": Spec(
         build_whisper_tiny_encoder, "whisper_tiny_encoder", "dynamo"
