@@ -251,7 +251,7 @@ def optimize(
         nodes_after=len(optimized.graph.node),
         ops_before=ops_before,
         ops_after=op_histogram(optimized.graph.node),
-        remarks=list(cx.remarks),
+        remarks=cx.remarks.final(),
         passes=[
             {
                 "name": r.name,

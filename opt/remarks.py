@@ -48,6 +48,19 @@ class RemarkLog:
     def __iter__(self):
         return iter(self._by_key.values())
 
+    def final(self) -> list[Remark]:
+        """The remarks, less misses that a later fusion made moot: their anchor node is one whose
+        work that fusion took over (its ``absorbed`` nodes: a q/k/v bias Add taken into the
+        attention kernel is no longer a MatMul + Add that stays)."""
+        out: list[Remark] = []
+        absorbed: set[str] = set()
+        for r in reversed(list(self._by_key.values())):
+            absorbed.update(r.args.get("absorbed", ()) if r.kind == "passed" else ())
+            if r.kind == "missed" and r.nodes and r.nodes[0] in absorbed:
+                continue
+            out.append(r)
+        return out[::-1]
+
     def __len__(self) -> int:
         return len(self._by_key)
 

@@ -437,7 +437,8 @@ def _try_rule(
                 "fired",
                 _names(m, node),
                 f"{rule.summary or rule.name} at '{node.name}'",
-                {"created": [n.name for n in b.created]},
+                {"created": [n.name for n in b.created]}
+                | ({"absorbed": list(m.absorbed)} if "absorbed" in m.bindings else {}),
             )
         )
         return b.created

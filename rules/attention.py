@@ -795,15 +795,19 @@ class FuseMultiHeadAttention(Rule):
         )
         if op == "MultiHeadAttention":
             self._check_pays(m, cx)
+        qkv_bias = self._qkv_bias(m, cx) if op == "MultiHeadAttention" else None
         m.stash(
             op=op,
             num_heads=n,
             head_size=h,
             scale_value=scale,
             out_direct=out_direct,
-            qkv_bias=self._qkv_bias(m, cx) if op == "MultiHeadAttention" else None,
+            qkv_bias=qkv_bias,
             bias_plan=bias,
         )
+        if qkv_bias is not None:  # the bias Adds the kernel takes belong to the fusion
+            m.stash(**{f"bias_add_{i}": add for i, add in enumerate(qkv_bias[-1])})
+            m.stash(absorbed=[add.name for add in qkv_bias[-1]])
 
     def _check_pays(self, m, cx) -> None:
         """Refuse a static key length below the one from which the target's kernel pays."""
@@ -1031,7 +1035,7 @@ class FuseMultiHeadAttention(Rule):
         opset = b.ir.opset
         q, k, v, bias = m.q, m.k, m.v, None
         if m.qkv_bias is not None:
-            q, k, v, vec, _adds = m.qkv_bias
+            q, k, v, vec, _ = m.qkv_bias
             bias = b.const(vec, "qkv_bias")
         if m.layout["q"] == "packed":
             q, k, v = self._unpack(m, b, q)
