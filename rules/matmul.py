@@ -8,8 +8,8 @@ CPU, where the bias is then added inside the GEMM and a following Gelu stays a p
 instead of the slower BiasGelu; measured 1.5 % on Swin-T and ConvNeXt-T) and every dim but the
 first is static, so both targets are constants; an element-wise op between two such layers
 runs on the flat tensor (``reshape-through-unary`` removes the Reshape pair).  q/k/v
-projections (read by a head-splitting Reshape or Split) keep MatMul + Add: the attention kernel
-takes their bias.  Otherwise MatMul + Add stays, and the remark says why.  In fp16/bf16 the
+projections wait for ``fuse-attention``: its kernel takes their bias; where it refused the
+attention for the target, they flatten like any linear layer.  Otherwise MatMul + Add stays, and the remark says why.  In fp16/bf16 the
 fusion changes where the bias is added relative to the accumulation, so it is allowed only when
 the target declares that its Gemm kernel accumulates in fp32.
 """
