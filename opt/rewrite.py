@@ -12,7 +12,10 @@ kebab-case code plus a sentence, and a pure *rewrite* that builds the replacemen
 * Only :class:`NoMatch` is caught; any other exception is a bug and surfaces.
 
 The driver is a greedy work queue over nodes in topological order, with rules indexed by root op
-type.  After a rewrite, the new nodes and the readers of their outputs are queued again.
+type.  After a rewrite, the new nodes and the readers of their outputs are queued again.  A rule
+whose decision depends on another rule's verdict (a FusedMatMul fold inside an attention that
+``fuse-attention`` may still take) calls :func:`wait_for`: the node is parked, silently, and
+queued again once that rule has recorded a new remark.
 """
 
 from __future__ import annotations
