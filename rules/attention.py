@@ -608,6 +608,30 @@ def _unknown(message: str, softmax: Node) -> NoMatch:
     return NoMatch("unrecognized-layout", message, softmax=softmax.name)
 
 
+def _repeated_constant(t: Tensor | None) -> np.ndarray | None:
+    """The constant value of ``t``, also seen through an Expand (which only repeats it)."""
+    v = constant_value(t)
+    if v is None and producer(t, "Expand") is not None:
+        v = constant_value(inputs(producer(t, "Expand"))[0])
+    return v
+
+
+def _zero(t: Tensor | None, depth: int = 2) -> bool:
+    """Whether ``t`` is zeros for sure: a constant (maybe expanded) of zeros, or a Where whose
+    constant condition picks a branch of zeros everywhere."""
+    v = _repeated_constant(t)
+    if v is not None:
+        return v.size > 0 and not np.any(v)
+    where = producer(t, "Where")
+    if where is None or depth == 0:
+        return False
+    cond, a, b = inputs(where)
+    c = _repeated_constant(cond)
+    if c is None or c.size == 0 or (c.any() and not c.all()):
+        return False
+    return _zero(a if c.all() else b, depth - 1)
+
+
 def _scores_folded(t: Tensor) -> bool:
     """Whether the scores reaching a Softmax come from a com.microsoft.FusedMatMul: the folds of
     fuse-matmul-transpose and fold-matmul-scale, which wait for this rule to refuse."""
@@ -927,6 +951,8 @@ class FuseMultiHeadAttention(Rule):
         """How to build attention_bias: {'mask', 'where', 'direct'} or None (no mask)."""
         if m.mask is None and m.where_mask is None and m.window_mask is None:
             return None
+        if m.window_mask is None and m.where_mask is None and _zero(m.mask):
+            return None  # a mask of zeros (dynamo's ViT: Where(all-true, 0, min)) masks nothing
         qdt = dtype_of(m.q)
         if m.where_mask is not None:
             cond, value = m.where_mask

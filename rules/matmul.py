@@ -9,9 +9,10 @@ instead of the slower BiasGelu; measured 1.5 % on Swin-T and ConvNeXt-T) and eve
 first is static, so both targets are constants; an element-wise op between two such layers
 runs on the flat tensor (``reshape-through-unary`` removes the Reshape pair).  q/k/v
 projections wait for ``fuse-attention``: its kernel takes their bias; where it refused the
-attention for the target, they flatten like any linear layer.  Otherwise MatMul + Add stays, and the remark says why.  In fp16/bf16 the
-fusion changes where the bias is added relative to the accumulation, so it is allowed only when
-the target declares that its Gemm kernel accumulates in fp32.
+attention for the target, they flatten like any linear layer.  Otherwise MatMul + Add stays,
+and the remark says why.  In fp16/bf16 the fusion changes where the bias is added relative to
+the accumulation, so it is allowed only when the target declares that its Gemm kernel
+accumulates in fp32.
 """
 
 from __future__ import annotations

@@ -186,6 +186,20 @@ def attention(
             helper.make_node("Where", ["m4", "zero", "ninf"], ["mb"]),
             helper.make_node("Add", [s, "mb"], ["z"]),
         ]
+    elif mask == "all-true":  # dynamo ViT: Where(Expand(all-true, [B,1,1,1]), 0, min)
+        inits += [
+            const("all_true", np.ones((1, 1, 1, 1)), bool),
+            const("ones3", [1, 1, 1], np.int64),
+            const("zero", [0.0], dtype),
+            const("lowest", [np.finfo(np.float32).min], dtype),
+        ]
+        nodes += [
+            helper.make_node("Shape", ["x"], ["bdim"], start=0, end=1),
+            helper.make_node("Concat", ["bdim", "ones3"], ["mshape"], axis=0),
+            helper.make_node("Expand", ["all_true", "mshape"], ["keep"]),
+            helper.make_node("Where", ["keep", "zero", "lowest"], ["mb"]),
+            helper.make_node("Add", [s, "mb"], ["z"]),
+        ]
     elif mask in ("causal", "causal-mild"):  # GPT-2 (transformers 4.x): tril buffer slice
         fill = np.finfo(np.float32).min if mask == "causal" else -10000.0
         inputs.append(vi("mask_bias", ["batch", 1, 1, "seq"], elem))
@@ -287,6 +301,14 @@ def test_bert_attention_fuses(scale, k_form):
     assert attr(out, "MultiHeadAttention", "scale") is None  # 1/√H is the default
     assert len(node.input) == 6 and node.input[3] and not node.input[4]
     assert codes(report, RULE, "passed") == ["fired"]
+
+
+def test_mask_of_zeros_is_dropped():
+    """A mask that provably masks nothing (dynamo's ViT) is no attention_bias at all."""
+    out, report = assert_optimized(attention(mask="all-true"))
+    node = mha_node(out)
+    assert len(node.input) < 6 or node.input[5] == ""
+    assert not {"Where", "Expand"} & set(hist(out))
 
 
 def test_full_mask_is_used_directly():
