@@ -475,36 +475,34 @@ def _softmax_of(mm):
     return producer(inputs(guard)[2] if guard is not None else a, "Softmax")
 
 
-def _attention_pending(mm, cx) -> bool:
-    """An attention step that ``fuse-attention`` may still take (it roots at the merging
-    Reshape, after this MatMul): left alone until that rule said why it did not fire."""
+def _attention_misses(mm, cx) -> list[str]:
+    """The codes of fuse-attention's misses at the attention of step ``mm``."""
     sm = _softmax_of(mm)
-    if sm is None or not _heads_merged_after(sm):
-        return False
-    return not any(
-        r.rule == "fuse-attention"
-        and r.kind == "missed"
-        and (mm.name in r.nodes or r.args.get("softmax") == sm.name)
+    return [
+        r.code
         for r in list(cx.remarks)
-    )
+        if r.rule == "fuse-attention"
+        and r.kind == "missed"
+        and (mm.name in r.nodes or (sm is not None and r.args.get("softmax") == sm.name))
+    ]
 
 
 def _attention_rooted(mm) -> bool:
-    """Whether fuse-attention looks at the attention step ``mm`` at all."""
+    """Whether fuse-attention looks at the attention step ``mm`` at all (it roots at the
+    merging Reshape, after this MatMul)."""
     sm = _softmax_of(mm)
     return sm is not None and _heads_merged_after(sm)
 
 
+def _attention_pending(mm, cx) -> bool:
+    """An attention step that ``fuse-attention`` may still take: left alone until that rule
+    said why it did not fire."""
+    return _attention_rooted(mm) and not _attention_misses(mm, cx)
+
+
 def _attention_refused(mm, cx) -> bool:
     """Whether fuse-attention refused the attention of ``mm`` because of the target."""
-    sm = _softmax_of(mm)
-    return any(
-        r.rule == "fuse-attention"
-        and r.kind == "missed"
-        and r.code in _TARGET_REFUSALS
-        and (mm.name in r.nodes or (sm is not None and r.args.get("softmax") == sm.name))
-        for r in list(cx.remarks)
-    )
+    return any(code in _TARGET_REFUSALS for code in _attention_misses(mm, cx))
 
 
 def _heads_merged_after(sm) -> bool:
