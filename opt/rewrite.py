@@ -367,11 +367,12 @@ def _drain(
                         queued.add(id(n))
                 break
         # nodes that waited for another rule's verdict go again once that rule said more
-        ready = [p for p in parked if cx.remarks.verdicts.get(p[1], 0) > p[2]]
+        said = cx.remarks.verdicts
+        ready = [node for node, rule, seen in parked if said.get(rule, 0) > seen]
         if not ready:
             return changed
-        parked = [p for p in parked if p not in ready]
-        for node, _, _ in ready:
+        parked = [(node, rule, seen) for node, rule, seen in parked if said.get(rule, 0) <= seen]
+        for node in ready:
             if node.outputs and id(node) not in queued:
                 queue.append(node)
                 queued.add(id(node))
