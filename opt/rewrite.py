@@ -356,15 +356,12 @@ def _drain(
                         )
                     )
                     return True
-                for n in new_nodes:
-                    for t in n.outputs:
-                        for c in t.outputs:
-                            if c.op in index and id(c) not in queued:
-                                queue.append(c)
-                                queued.add(id(c))
-                    if n.op in index and id(n) not in queued:
-                        queue.append(n)
-                        queued.add(id(n))
+                _enqueue(
+                    [c for n in new_nodes for t in n.outputs for c in t.outputs] + new_nodes,
+                    queue,
+                    queued,
+                    index,
+                )
                 break
         # nodes that waited for another rule's verdict go again once that rule said more
         said = cx.remarks.verdicts
@@ -372,10 +369,15 @@ def _drain(
         if not ready:
             return changed
         parked = [(node, rule, seen) for node, rule, seen in parked if said.get(rule, 0) <= seen]
-        for node in ready:
-            if node.outputs and id(node) not in queued:
-                queue.append(node)
-                queued.add(id(node))
+        _enqueue([n for n in ready if n.outputs], queue, queued, index)
+
+
+def _enqueue(nodes: list[Node], queue: deque, queued: set, index: dict) -> None:
+    """Queue the nodes some rule roots at, each once."""
+    for n in nodes:
+        if n.op in index and id(n) not in queued:
+            queue.append(n)
+            queued.add(id(n))
 
 
 def _try_rule(
