@@ -18,6 +18,7 @@ import onnx
 from google.protobuf.message import DecodeError
 from onnx import external_data_helper
 
+from .compat import accept_on_load
 from .errors import ModelLoadError, ModelSaveError
 
 # Protobuf cannot serialize a message of 2 GiB or more; stay well below when deciding.
@@ -54,6 +55,7 @@ def load_model(
     _check_external_data(model, base, path)
     if has_external_data(model) and not lazy_external:
         external_data_helper.load_external_data_for_model(model, str(base))
+    accept_on_load(model)  # in memory: what onnxruntime runs and onnx's checker refuses
     if check:
         validate(model, path, by_path=has_external_data(model))
     return model

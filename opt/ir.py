@@ -4,8 +4,17 @@ graphsurgeon gives use-lists (``tensor.inputs`` = producer, ``tensor.outputs`` =
 stay in sync under mutation, which is what a rewrite engine needs.  It also drops information on
 import/export; :class:`ModelIR` keeps it and restores it:
 
-* model-level fields (ir_version, producer, metadata_props, doc_string, opset imports);
-* node ``metadata_props`` (restored by node name), plus provenance tags for nodes made by rules;
+* model-level fields (ir_version, producer, doc_string, metadata_props, training_info, opset
+  imports) and the model-local functions the graph does not call, verbatim;
+* model-local functions the graph calls are inlined on import (:mod:`graphopt.opt.compat` says
+  why); one the inliner refuses is kept verbatim;
+* node ``doc_string`` and ``metadata_props``, carried by the node object itself (two nodes of the
+  same name keep their own), plus provenance tags for nodes made by rules;
+* the declared interface: graph inputs' and outputs' doc_strings, and every ``dim_param`` the
+  model declared on them stays, even when the pipeline proved the dim static (except for inputs
+  legalize pinned on a static-shape target, see :meth:`ModelIR.pin_input`);
+* string tensors (graphsurgeon would write them as raw bytes, which ONNX forbids), and sequence,
+  map and optional types (graphsurgeon represents tensors only);
 * initializers that are also graph inputs (``keep_initializers_as_inputs``): graphsurgeon turns
   them into constants, silently changing the interface.  In IR >= 4 they are *overridable
   defaults*, so they stay graph inputs here (rules see them as non-constant and say so); in IR < 4
@@ -32,6 +41,8 @@ from onnx import numpy_helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
+from .compat import Note, function_id, inline_functions
+
 PROVENANCE_KEY = "graphopt.rule"
 
 gs.logger.G_LOGGER.severity = gs.logger.G_LOGGER.ERROR  # its warnings are not ours to print
@@ -45,14 +56,28 @@ Variable = gs.Variable
 class ModelIR:
     """One model being optimized: the graph and everything needed to write it back faithfully."""
 
-    def __init__(self, model: onnx.ModelProto, base_dir: str | os.PathLike | None = None):
+    def __init__(
+        self,
+        model: onnx.ModelProto,
+        base_dir: str | os.PathLike | None = None,
+        *,
+        inline: bool = True,
+    ):
+        """``inline=False`` keeps model-local functions (verbatim, opaque to the passes)."""
         self.original_ir_version = model.ir_version
+        #: what importing changed beyond the pipeline (see opt/compat.py)
+        self.notes: list[Note] = []
+        if inline:
+            model, self.notes = inline_functions(model)
         self.template = _model_shell(model)
-        self.node_metadata = {
-            n.name: {p.key: p.value for p in n.metadata_props}
-            for n in model.graph.node
-            if n.name and len(n.metadata_props)
+        #: model-local functions still in the model (kept verbatim): (domain, name) -> proto
+        self.functions = {function_id(f): f for f in model.functions}
+        #: graph inputs and outputs as the model declared them (doc_string, dim_params)
+        self.declared = {
+            vi.name: _declared(vi) for vi in list(model.graph.input) + list(model.graph.output)
         }
+        #: graph inputs legalize pinned to static shapes (their dim_params are not restored)
+        self.pinned: set[str] = set()
         input_names = {i.name for i in model.graph.input}
         overridable = model.ir_version >= 4
         self.input_defaults: dict[str, onnx.TensorProto] = {}
@@ -80,6 +105,7 @@ class ModelIR:
         if base_dir is not None:
             _map_external_values(self.graph, base_dir)
         _keep_unsupported_types(model.graph, self.graph)
+        _keep_node_annotations(model.graph, self.graph)
         self.provenance: dict[str, str] = {}
         #: bumped by the pass manager whenever a pass changes the graph; analyses key on it
         self.mutations = 0
@@ -99,8 +125,7 @@ class ModelIR:
         model.graph.CopyFrom(exported.graph)
         model.graph.name = self.template.graph.name or exported.graph.name
         model.graph.doc_string = self.template.graph.doc_string
-        del model.functions[:]
-        model.functions.extend(exported.functions)
+        self._restore_interface(model.graph)
         model.ir_version = max(self.original_ir_version, 4)
         # Opsets: keep the original imports, add any domain a rule introduced.
         have = {o.domain for o in model.opset_import}
@@ -112,12 +137,28 @@ class ModelIR:
             if name in present:
                 model.graph.initializer.append(tensor)
         for node in model.graph.node:
-            meta = dict(self.node_metadata.get(node.name, {}))
             if node.name in self.provenance:
-                meta[PROVENANCE_KEY] = self.provenance[node.name]
-            for key, value in sorted(meta.items()):
-                node.metadata_props.add(key=key, value=value)
+                kept = [p for p in node.metadata_props if p.key != PROVENANCE_KEY]
+                del node.metadata_props[:]
+                node.metadata_props.extend(kept)
+                node.metadata_props.add(key=PROVENANCE_KEY, value=self.provenance[node.name])
         return model
+
+    def _restore_interface(self, graph: onnx.GraphProto) -> None:
+        """Graph inputs and outputs keep their declared doc_string, type and dim_params."""
+        restore_outputs = not self.pinned  # a pinned (static-shape) model's outputs follow it
+        for vi in graph.input:
+            if vi.name in self.declared:
+                _restore_declared(vi, self.declared[vi.name], dims=vi.name not in self.pinned)
+        for vi in graph.output:
+            if vi.name in self.declared:
+                _restore_declared(vi, self.declared[vi.name], dims=restore_outputs)
+
+    def pin_input(self, tensor: Tensor, shape: list[int]) -> None:
+        """Give a graph input a static shape (a static-shape target's parity shape): the only
+        change of a declared input shape; the optimized model then declares ``shape``."""
+        tensor.shape = list(shape)
+        self.pinned.add(tensor.name)
 
     # ------------------------------------------------------------ inspection
     @property
@@ -374,10 +415,92 @@ def _export_node(node: Node) -> onnx.NodeProto:
         attrs += [a for name, a in kept.items() if name not in {x.name for x in proto.attribute}]
         del proto.attribute[:]
         proto.attribute.extend(attrs)
+    annotations = getattr(node, _NOTE_ATTR, None)
+    if annotations is not None:
+        proto.doc_string = annotations.doc_string
+        proto.metadata_props.extend(annotations.metadata_props)
     return proto
 
 
 OnnxExporter.export_node = staticmethod(_export_node)
+
+# graphsurgeon writes every constant it holds as raw bytes; ONNX stores strings in string_data
+# and packs int4/uint4 two to a byte.
+_gs_export_tensor_proto = OnnxExporter.export_tensor_proto
+_PACKED_TYPES = frozenset({"int4", "uint4", "int2", "uint2", "float4_e2m1fn"}) | {
+    f"float8_{k}" for k in ("e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz", "e8m0fnu")
+}
+
+
+def _export_tensor_proto(tensor: Constant) -> onnx.TensorProto:
+    if isinstance(tensor._values, LazyValues):
+        return _gs_export_tensor_proto(tensor)
+    values = np.asarray(tensor.values)
+    if values.dtype.name in _PACKED_TYPES:  # int4/fp8 (ml_dtypes): onnx packs them itself
+        return numpy_helper.from_array(values, tensor.name)
+    if values.dtype.kind not in "OSU":
+        return _gs_export_tensor_proto(tensor)
+    return onnx.helper.make_tensor(
+        tensor.name,
+        onnx.TensorProto.STRING,
+        list(values.shape),
+        [v if isinstance(v, bytes) else str(v).encode() for v in values.flat],
+    )
+
+
+OnnxExporter.export_tensor_proto = staticmethod(_export_tensor_proto)
+
+# Nodes carry their doc_string and metadata_props (graphsurgeon drops both) by identity: a
+# proto holding only those fields, restored by _export_node.
+_NOTE_ATTR = "graphopt_annotations"
+
+
+def _keep_node_annotations(proto: onnx.GraphProto, graph: gs.Graph) -> None:
+    for node, node_proto in zip(graph.nodes, proto.node):
+        if node_proto.doc_string or len(node_proto.metadata_props):
+            kept = onnx.NodeProto(doc_string=node_proto.doc_string)
+            kept.metadata_props.extend(node_proto.metadata_props)
+            setattr(node, _NOTE_ATTR, kept)
+        subs = [
+            sub
+            for a in node_proto.attribute
+            for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs)
+        ]
+        for sub, sub_proto in zip(node.subgraphs(), subs):
+            _keep_node_annotations(sub_proto, sub)
+
+
+def _declared(vi: onnx.ValueInfoProto) -> onnx.ValueInfoProto:
+    kept = onnx.ValueInfoProto()
+    kept.CopyFrom(vi)
+    return kept
+
+
+def _restore_declared(vi: onnx.ValueInfoProto, declared: onnx.ValueInfoProto, dims: bool) -> None:
+    """Put back what the model declared on a graph input/output: doc_string and metadata, the
+    whole type when the export has none, and (with ``dims``) every declared dim_param."""
+    vi.doc_string = declared.doc_string
+    if len(declared.metadata_props) and not len(vi.metadata_props):
+        vi.metadata_props.extend(declared.metadata_props)
+    if declared.type.WhichOneof("value") is None:
+        return
+    kind = vi.type.WhichOneof("value")
+    if kind is None or (kind == "tensor_type" and not vi.type.tensor_type.elem_type):
+        vi.type.CopyFrom(declared.type)
+        return
+    if not dims or kind != "tensor_type" or declared.type.WhichOneof("value") != kind:
+        return
+    want, have = declared.type.tensor_type, vi.type.tensor_type
+    if not want.HasField("shape"):
+        return
+    if not have.HasField("shape") or len(have.shape.dim) != len(want.shape.dim):
+        have.shape.CopyFrom(want.shape)
+        return
+    for d_have, d_want in zip(have.shape.dim, want.shape.dim):
+        if d_want.HasField("dim_param"):
+            d_have.dim_param = d_want.dim_param
+        if d_want.denotation:
+            d_have.denotation = d_want.denotation
 
 
 def _keep_unsupported_types(graph_proto: onnx.GraphProto, graph: gs.Graph) -> None:

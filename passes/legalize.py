@@ -6,7 +6,8 @@ a *failure* remark naming op, dtype and node, with a stable code:
 
 * ``no-kernel``: the target has no kernel for the op (e.g. Erf on the npu);
 * ``dtype-unsupported`` / ``opset-unsupported``: it has the op, not for this type / opset;
-* ``unknown-domain``: a custom or unknown domain the target cannot run;
+* ``unknown-domain``: a custom or unknown domain the target cannot run (a call of a model-local
+  function the IR kept is judged by its body instead, recursively: see targets/kernels.py);
 * ``cpu-fallback``: no kernel on the device, but the fallback target (cuda -> cpu) runs it.  A
   fallback island costs a device->host and a host->device copy per crossing tensor and inference,
   so it is reported as a failure too; an analysis remark per island says how many copies;
@@ -21,7 +22,8 @@ and folds away instead of counting as nodes the target cannot run.  A failure th
 rewrite would have fixed (a missed remark at the same node, e.g. the numerics-changing Gelu
 approximation below -O3) says so.
 
-The pass changes the graph only by pinning shapes.  ``optimize`` exits 4 when it reported a failure.
+The pass changes the graph only by pinning shapes (``ModelIR.pin_input``: the one change of a
+declared input shape the exported model keeps).  ``optimize`` exits 4 when it reported a failure.
 """
 
 from __future__ import annotations
@@ -92,8 +94,9 @@ class Legalize(Pass):
         blocked = self._blocked_rewrites(cx)
         fallback: list[Node] = []
         legal = 0
+        functions = getattr(ir, "functions", None)
         for node in nodes:
-            res = resolve_node(target, node, opsets)
+            res = resolve_node(target, node, opsets, functions)
             label = node_label(node)
             if res.status == OK:
                 legal += 1
@@ -186,7 +189,7 @@ class Legalize(Pass):
                 input=t.name,
                 shape=want,
             )
-            t.shape = want
+            ir.pin_input(t, want)
             changed = True
         if changed:  # shapes must be inferred again from the pinned inputs
             ir.mutations = getattr(ir, "mutations", 0) + 1
@@ -246,7 +249,7 @@ class Legalize(Pass):
             copies_out = _crossing_out(ir, group, inside)
             labels = [node_label(n) for n in group]
             for n in group:
-                res = resolve_node(target, n, opsets)
+                res = resolve_node(target, n, opsets, getattr(ir, "functions", None))
                 label = node_label(n)
                 cx.remark(
                     "failure",

@@ -13,6 +13,11 @@ A node is resolved against its target's kernel table by (op, domain, opset, dtyp
     function body, when every op of the body resolves (context-dependent bodies need types and
     are accepted unchecked, and say so);
   - on the target's ``fallback`` target (cuda -> cpu), which legalize reports as an island.
+* A call of a model-local function (``ModelProto.functions``, when the IR kept one) is judged by
+  its body, recursively through nested calls and subgraphs, at the function's own opset
+  imports: it runs when every body node does (element types are not checked there: the body's
+  types follow the call's), falls back when some body node only falls back, and otherwise fails
+  with the first body node's code, named in the message.
 
 Why this lives in ``targets/``: it reads target profiles and their documents; the ``legalize``
 pass (``passes/legalize.py``) and the bundle writer (``targets/bundle.py``) both use it.
@@ -26,6 +31,7 @@ from functools import lru_cache
 import numpy as np
 import onnx
 
+from graphopt.opt.compat import FunctionId, proto_nodes
 from graphopt.opt.ir import Node, Tensor, Variable, type_string
 from graphopt.opt.target import TARGETS, Target
 
@@ -346,10 +352,82 @@ def _function_body(
     return None
 
 
-def resolve_node(target: Target, node: Node, opsets: dict[str, int]) -> Resolution:
+def resolve_node(
+    target: Target,
+    node: Node,
+    opsets: dict[str, int],
+    functions: dict[FunctionId, onnx.FunctionProto] | None = None,
+) -> Resolution:
+    """How ``node`` runs on ``target``; ``functions``: the model-local functions by id."""
     domain = norm_domain(node.domain)
     opset = opsets.get(domain)
-    return resolve(target, node.op, domain, opset, primary_dtype(node, opset))
+    dtype = primary_dtype(node, opset)
+    if functions and (node.domain or "", node.op) in functions:
+        return resolve_call(target, (node.domain or "", node.op), functions, opsets, dtype)
+    return resolve(target, node.op, domain, opset, dtype)
+
+
+def resolve_call(
+    target: Target,
+    fid: FunctionId,
+    functions: dict[FunctionId, onnx.FunctionProto],
+    opsets: dict[str, int],
+    dtype: str | None = None,
+    _stack: tuple[FunctionId, ...] = (),
+) -> Resolution:
+    """A call of a model-local function, judged by its body (see the module docstring)."""
+    func = functions[fid]
+    domain, label = norm_domain(fid[0]), ".".join(p for p in fid if p)
+    inner = {**opsets, **model_opsets(func.opset_import)}
+    provider = provider_of(target)
+
+    def verdict(status: str, kind: str, message: str, prov: str = provider) -> Resolution:
+        return Resolution(
+            status,
+            target.name,
+            prov,
+            fid[1],
+            domain,
+            inner.get(domain),
+            dtype,
+            None,
+            None,
+            kind,
+            message,
+        )
+
+    fallback = None
+    for n in proto_nodes(func.node):
+        call = (n.domain, n.op_type)
+        if call in functions:
+            if call in _stack + (fid,):
+                return verdict("no-kernel", "none", f"model-local function {label} is recursive")
+            res = resolve_call(target, call, functions, inner, None, _stack + (fid,))
+        else:
+            res = resolve(target, n.op_type, n.domain, inner.get(norm_domain(n.domain)), None)
+        body_op = f"{norm_domain(n.domain) + '.' if norm_domain(n.domain) else ''}{n.op_type}"
+        if not res.runs:
+            return verdict(
+                res.status,
+                "none",
+                f"model-local function {label}: its body's {body_op} cannot run ({res.message})",
+            )
+        if res.status == "fallback" and fallback is None:
+            fallback = res
+    if fallback is not None:
+        return verdict(
+            "fallback",
+            "fallback",
+            f"model-local function {label}: part of its body runs on {fallback.provider}",
+            fallback.provider,
+        )
+    ops = sorted({n.op_type for n in proto_nodes(func.node)})
+    return verdict(
+        OK,
+        "local-function",
+        f"model-local function {label}: runs as its body ({', '.join(ops[:6])}"
+        f"{' ...' if len(ops) > 6 else ''}); body types not checked",
+    )
 
 
 def model_opsets(opset_imports) -> dict[str, int]:
