@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from . import compat
 from .errors import GraphoptError, UsageError
 from .io import has_external_data, load_model
 from .ir import ModelIR, op_histogram
@@ -195,7 +196,7 @@ def optimize(
             ranges=ranges,
             skip=skip,
         )
-        for r in range_remarks + upgrade_remarks:
+        for r in range_remarks + upgrade_remarks + compat.remarks(model, ir):
             cx.remarks.add(r)
         for p in passes:
             say(f"running {p.text()}")
@@ -334,6 +335,8 @@ def _keep_loadable(original, optimized, cx, execute, limit, say, base_dir, attem
     rewrite responsible, revert it, and say so in a failure remark."""
     error = _load_error(optimized, base_dir)
     if error is None or _load_error(original, base_dir) is not None:
+        return optimized, cx
+    if not cx.applied:  # no rewrite to revert: parity reports the refusal
         return optimized, cx
     skip: frozenset = frozenset()
     reverted = []

@@ -76,6 +76,8 @@ def test_ir3_initializer_not_listed_is_accepted_from_file(tmp_path):
     assert [n.code for n in notes] == ["ir-initializers-listed"] and "W" in notes[0].message
     out, report = _optimize_ok(path)
     assert out.ir_version == 4 and [i.name for i in out.graph.input] == ["x"]
+    load = [r.code for r in report.remarks if r.pass_name == "load" and r.kind == "analysis"]
+    assert load == ["ir-initializers-listed", "ir-version-raised"]
     x = np.ones((2, 3), np.float32)
     assert np.array_equal(_run(out, {"x": x})[0], _run(m, {"x": x})[0])
 
@@ -153,6 +155,7 @@ def test_local_functions_are_inlined_legal_and_fused():
     assert np.allclose(_run(out, {"x": np.ones((2, 8), np.float32)})[0], ref[0], atol=1e-5)
     codes = [r.code for r in compat.remarks(m, ModelIR(m))]
     assert codes == ["functions-inlined"]
+    assert "functions-inlined" in [r.code for r in report.remarks if r.pass_name == "load"]
 
 
 def test_nested_function_calls_inside_if_are_inlined():
