@@ -1,16 +1,34 @@
-"""Constant folding, shape folding included, with an output-size guard.
+"""Constant folding, shape folding included, with size, arithmetic and quantization guards.
 
 Every node whose inputs are all known at optimization time is evaluated by onnxruntime (all such
 nodes of one round in a single session) and replaced by its value.  ``Shape``/``Size`` of a tensor
 whose shape is static after shape inference are known too, so exporter shape glue
 (Shape→Gather→Unsqueeze→Concat→Reshape) collapses into a constant Reshape target.
 
-Never an accident: a node whose output would be larger than ``fold-size-limit`` bytes (default
-1 MiB) *and* more than twice its inputs -- ConstantOfShape / Expand / Tile building weights, as in
-the ONNX zoo's "light" models -- is not folded; the refusal is a missed remark with the sizes.
+Never an accident -- each refusal is a missed remark with its code:
+
+* ``fold-size-limit``: a node whose output would be larger than ``fold-size-limit`` bytes
+  (default 1 MiB) *and* more than twice its distinct constant inputs (ConstantOfShape / Expand /
+  Tile building weights, as in the ONNX zoo's "light" models; a Concat of one constant with
+  itself).  ConstantOfShape, Expand, Tile and Range are sized from their operands *before* they
+  are evaluated, so a 2 GiB ConstantOfShape is never allocated; other ops are sized from their
+  inferred static shapes when known.
+* ``fold-size-budget``: all folds together may not grow the model's constant bytes by more than
+  ``fold-size-limit`` (net of the constants they make dead), so chains (six Tile x2 in a row)
+  cannot grow the model step by step past the per-node limit.  The growth is counted over the
+  whole optimization, every fixpoint iteration and subgraph body included.
+* ``fold-division-by-zero`` / ``fold-integer-overflow``: integer Div and Mod are checked with
+  numpy before evaluation; a zero divisor or INT_MIN / -1 would kill the process (SIGFPE), even
+  in an If branch that never runs, so they are not evaluated.
+* Quantization (``opt/quant``): a DequantizeLinear is never folded, and so nothing computed from
+  its output is; a QuantizeLinear of a float constant folds to its integer constant (exact).
+  Nodes reading or producing int4/uint4/fp8 tensors are not evaluated (numpy has no such types).
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
 
 import numpy as np
 from onnx_graphsurgeon import Graph
@@ -18,6 +36,7 @@ from onnx_graphsurgeon import Graph
 from graphopt.opt.analysis import EvaluationError, evaluate, infer_shapes
 from graphopt.opt.ir import Constant, ModelIR, Node, Variable, static_shape
 from graphopt.opt.manager import Pass, PassContext, register_pass
+from graphopt.opt.quant import DEQUANTIZE
 
 DEFAULT_SIZE_LIMIT = 1 << 20
 
@@ -52,8 +71,15 @@ NEVER_FOLD = frozenset(
         "RegexFullMatch",
         "TfIdfVectorizer",
         "Identity",
+        DEQUANTIZE,
     }
 )
+#: ops whose output size is computed from their operands before they are evaluated
+GENERATORS = frozenset({"ConstantOfShape", "Expand", "Tile", "Range"})
+#: integer ops that trap (SIGFPE) on a zero divisor or INT_MIN / -1
+INTEGER_DIVISION = frozenset({"Div", "Mod"})
+#: key of the growth counter in the pass context's options (shared by every run of the pass)
+GROWTH_KEY = "fold_constants_growth"
 #: numpy dtypes onnxruntime hands back faithfully
 FOLDABLE_DTYPES = frozenset(
     np.dtype(t)
@@ -79,12 +105,29 @@ def _known(t) -> bool:
 
 
 def _dtype_ok(t) -> bool:
-    if isinstance(t, Constant):
-        return np.dtype(t.dtype) in FOLDABLE_DTYPES
+    """Whether onnxruntime hands the tensor's type back to numpy faithfully (not int4, fp8)."""
     try:
         return t.dtype is not None and np.dtype(t.dtype) in FOLDABLE_DTYPES
     except TypeError:
         return False
+
+
+@dataclass
+class _Growth:
+    """Net bytes of constants folding has added to the model so far (all runs of the pass)."""
+
+    used: int = 0
+
+
+@dataclass(frozen=True)
+class _Refusal:
+    code: str
+    message: str
+    args: dict = field(default_factory=dict)
+
+
+#: the verdict of a check that needs operands computed later in this round: retried next round
+DEFER = "defer"
 
 
 @register_pass
@@ -96,37 +139,79 @@ class FoldConstants(Pass):
     def run(self, ir: ModelIR, cx: PassContext) -> bool:
         infer_shapes(ir)
         limit = int(cx.options.get("fold_size_limit", DEFAULT_SIZE_LIMIT))
-        pending: set[int] = set()  # ids of tensors computed by this round's batch
+        growth = cx.options.setdefault(GROWTH_KEY, _Growth())
+        sizes: dict[int, int] = {}  # ids of tensors computed by this round's batch → bytes
         batch: list[Node] = []
         direct: list[tuple[Node, np.ndarray]] = []
+        projected = 0  # growth the batch is expected to add
         ir.toposort()
         for node in ir.graph.nodes:
-            if not node.outputs:
-                continue
-            if node.domain not in (None, "", "ai.onnx") or node.op in NEVER_FOLD:
-                continue
-            if any(a for a in node.attrs.values() if _is_graph_attr(a)):
+            if not self._candidate(node):
                 continue
             shape_value = _shape_value(node)
             if shape_value is not None:
                 direct.append((node, shape_value))
                 continue
-            if not all(_known(t) or id(t) in pending for t in node.inputs):
+            if not all(_known(t) or id(t) in sizes for t in node.inputs):
                 continue
-            if not all(_dtype_ok(t) for t in node.outputs if t.name):
+            if not all(_dtype_ok(t) for t in list(node.inputs) + list(node.outputs) if _named(t)):
+                continue  # int4/fp8 and other types numpy cannot hold
+            verdict = self._precheck(ir, node, sizes, limit, growth.used + projected)
+            if verdict == DEFER:
                 continue
-            if not all(_known(t) or id(t) in pending or _dtype_ok(t) for t in node.inputs):
+            if isinstance(verdict, _Refusal):
+                cx.remark(
+                    "missed",
+                    self.name,
+                    self.name,
+                    verdict.code,
+                    [node.name],
+                    verdict.message,
+                    **verdict.args,
+                )
                 continue
+            projected += verdict
             batch.append(node)
-            pending.update(id(t) for t in node.outputs)
 
         changed = False
         for node, v in direct:
-            changed |= self._materialize(ir, cx, node, [v], limit)
+            changed |= self._materialize(ir, cx, node, [v], limit, growth)
         if batch:
             for node, values in self._evaluate(ir, cx, batch):
-                changed |= self._materialize(ir, cx, node, values, limit)
+                changed |= self._materialize(ir, cx, node, values, limit, growth)
         return changed
+
+    @staticmethod
+    def _candidate(node: Node) -> bool:
+        if not node.outputs or node.domain not in (None, "", "ai.onnx"):
+            return False
+        if node.op in NEVER_FOLD:
+            return False
+        return not any(a for a in node.attrs.values() if _is_graph_attr(a))
+
+    def _precheck(
+        self, ir: ModelIR, node: Node, sizes: dict[int, int], limit: int, used: int
+    ) -> int | str | _Refusal:
+        """Before evaluation: the growth the fold adds, DEFER, or why it must not run."""
+        out_bytes = _estimate_output_bytes(node, sizes)
+        if out_bytes == DEFER:
+            return DEFER
+        if out_bytes is not None:
+            in_bytes, dying = _input_bytes(ir, node, sizes)
+            refusal = _size_refusal(node, out_bytes, in_bytes, dying, limit, used)
+            if refusal is not None:
+                return refusal
+        hazard = _arithmetic_hazard(node)
+        if hazard is not None:
+            return hazard
+        est = out_bytes if out_bytes is not None else 0
+        for t in node.outputs:
+            if _named(t):
+                shape = static_shape(t)
+                sizes[id(t)] = _nbytes(shape, t.dtype) if shape is not None else 0
+        if out_bytes is None:
+            return 0
+        return est - _input_bytes(ir, node, sizes)[1]
 
     def _evaluate(self, ir: ModelIR, cx: PassContext, batch: list[Node]):
         """Yield (node, output values) for the batch; one session, or node by node on error."""
@@ -176,32 +261,32 @@ class FoldConstants(Pass):
             yield node, [res.get(t.name) for t in node.outputs]
 
     def _materialize(
-        self, ir: ModelIR, cx: PassContext, node: Node, values: list, limit: int
+        self, ir: ModelIR, cx: PassContext, node: Node, values: list, limit: int, growth: _Growth
     ) -> bool:
         outs = list(node.outputs)
         if any(v is None or not isinstance(v, np.ndarray) for v, t in zip(values, outs) if t.name):
             return False
         if ir.in_subgraph and any(ir.is_graph_output(t) for t in outs):
             return False  # a body's outputs stay produced by nodes
+        if not all(_known(t) for t in node.inputs) and node.op not in ("Shape", "Size"):
+            return False  # an operand's own fold was refused: this one would bypass that
         out_bytes = sum(v.nbytes for v, t in zip(values, outs) if t.name)
-        in_bytes = sum(np.asarray(t.values).nbytes for t in node.inputs if isinstance(t, Constant))
-        if out_bytes > limit and out_bytes > 2 * in_bytes:
+        in_bytes, dying = _input_bytes(ir, node, {})
+        refusal = _size_refusal(node, out_bytes, in_bytes, dying, limit, growth.used)
+        if refusal is not None:
             cx.remark(
                 "missed",
                 self.name,
                 self.name,
-                "fold-size-limit",
+                refusal.code,
                 [node.name],
-                f"{node.op} '{node.name}' would become a {out_bytes / 2**20:.1f} MiB constant "
-                f"from {in_bytes} bytes of inputs (limit {limit / 2**20:.1f} MiB; raise it "
-                "with --fold-size-limit to fold anyway)",
-                output_bytes=out_bytes,
-                input_bytes=in_bytes,
-                limit=limit,
+                refusal.message,
+                **refusal.args,
             )
             return False
         if not cx.take_bisect_step(self.name, node.name):
             return False
+        growth.used += out_bytes - dying
         node.outputs.clear()
         node.inputs.clear()
         for t, v in zip(outs, values):
@@ -209,6 +294,153 @@ class FoldConstants(Pass):
                 t.to_constant(np.asarray(v, order="C"))
         cx.rule_stats(self.name).fired += 1
         return True
+
+
+def _named(t) -> bool:
+    return t is not None and bool(t.name)
+
+
+def _nbytes(shape, dtype) -> int:
+    try:
+        itemsize = np.dtype(dtype).itemsize
+    except TypeError:
+        itemsize = 1
+    return math.prod(int(d) for d in shape) * itemsize
+
+
+def _tensor_bytes(t, sizes: dict[int, int]) -> int:
+    if isinstance(t, Constant):
+        return _nbytes(t.shape, t.dtype)
+    return sizes.get(id(t), 0)
+
+
+def _input_bytes(ir: ModelIR, node: Node, sizes: dict[int, int]) -> tuple[int, int]:
+    """Bytes of the node's distinct constant (or batch-computed) inputs, and of those only this
+    node reads, which its fold makes dead."""
+    seen: dict[int, object] = {}
+    for t in node.inputs:
+        if _named(t) and (isinstance(t, Constant) or id(t) in sizes):
+            seen.setdefault(id(t), t)
+    total = dying = 0
+    for t in seen.values():
+        n = _tensor_bytes(t, sizes)
+        total += n
+        if all(c is node for c in t.outputs) and not ir.is_graph_output(t):
+            dying += n
+    return total, dying
+
+
+def _size_refusal(
+    node: Node, out_bytes: int, in_bytes: int, dying: int, limit: int, used: int
+) -> _Refusal | None:
+    mib = 2**20
+    if out_bytes > limit and out_bytes > 2 * in_bytes:
+        return _Refusal(
+            "fold-size-limit",
+            f"{node.op} '{node.name}' would become a {out_bytes / mib:.1f} MiB constant "
+            f"from {in_bytes} bytes of inputs (limit {limit / mib:.1f} MiB; raise it "
+            "with --fold-size-limit to fold anyway)",
+            {"output_bytes": out_bytes, "input_bytes": in_bytes, "limit": limit},
+        )
+    growth = out_bytes - dying
+    if growth > 0 and used + growth > limit:
+        return _Refusal(
+            "fold-size-budget",
+            f"folding {node.op} '{node.name}' ({out_bytes / mib:.2f} MiB) would grow the "
+            f"model's constants by {(used + growth) / mib:.2f} MiB in all, past the "
+            f"{limit / mib:.1f} MiB that folding may add (raise it with --fold-size-limit)",
+            {"output_bytes": out_bytes, "growth_bytes": used + growth, "limit": limit},
+        )
+    return None
+
+
+def _int_operand(t) -> np.ndarray | None:
+    if not isinstance(t, Constant):
+        return None
+    return np.asarray(t.values).reshape(-1).astype(np.int64)
+
+
+def _static_dims(t, sizes: dict[int, int]) -> tuple[int, ...] | None:
+    if isinstance(t, Constant):
+        return tuple(int(d) for d in t.shape)
+    return static_shape(t) if t is not None else None
+
+
+def _generator_shape(node: Node, sizes: dict[int, int]) -> tuple[int, ...] | str | None:
+    """Output shape of ConstantOfShape/Expand/Tile/Range from its operands (never evaluated);
+    DEFER while an operand is still being computed; None when the operands are invalid."""
+    ins = list(node.inputs)
+    if node.op == "ConstantOfShape":
+        dims = _int_operand(ins[0]) if ins else None
+        return DEFER if dims is None else tuple(max(int(d), 0) for d in dims)
+    if node.op == "Range":
+        if len(ins) < 3 or not all(isinstance(t, Constant) for t in ins[:3]):
+            return DEFER
+        start, stop, delta = (float(np.asarray(t.values).reshape(-1)[0]) for t in ins[:3])
+        if delta == 0 or not all(math.isfinite(v) for v in (start, stop, delta)):
+            return None
+        return (max(int(math.ceil((stop - start) / delta)), 0),)
+    if len(ins) < 2:
+        return None
+    x, param = _static_dims(ins[0], sizes), _int_operand(ins[1])
+    if param is None or x is None:
+        return DEFER
+    if node.op == "Tile":
+        if len(param) != len(x):
+            return None
+        return tuple(d * max(int(r), 0) for d, r in zip(x, param))
+    try:  # Expand broadcasts both ways
+        return tuple(np.broadcast_shapes(x, tuple(int(d) for d in param)))
+    except ValueError:
+        return None
+
+
+def _estimate_output_bytes(node: Node, sizes: dict[int, int]) -> int | str | None:
+    """Bytes the node's outputs will take, from shapes only; None when not known statically."""
+    named = [t for t in node.outputs if _named(t)]
+    if node.op in GENERATORS:
+        shape = _generator_shape(node, sizes)
+        if shape == DEFER or shape is None:
+            return shape
+        return _nbytes(shape, named[0].dtype)
+    shapes = [static_shape(t) for t in named]
+    if any(s is None for s in shapes):
+        return None
+    return sum(_nbytes(s, t.dtype) for s, t in zip(shapes, named))
+
+
+def _arithmetic_hazard(node: Node) -> str | _Refusal | None:
+    """Integer Div/Mod by zero or INT_MIN / -1: the runtime would die of SIGFPE evaluating it."""
+    if node.op not in INTEGER_DIVISION or len(node.inputs) < 2:
+        return None
+    a, b = node.inputs[0], node.inputs[1]
+    try:
+        dt = np.dtype(b.dtype)
+    except TypeError:
+        return None
+    if dt.kind not in "iu":
+        return None
+    if not (isinstance(a, Constant) and isinstance(b, Constant)):
+        return DEFER  # operands computed this round: checked next round, before evaluation
+    bv = np.asarray(b.values)
+    if np.any(bv == 0):
+        return _Refusal(
+            "fold-division-by-zero",
+            f"integer {node.op} '{node.name}' divides by zero; not evaluated (it would crash "
+            "the runtime) and left for run time",
+            {"dtype": dt.name},
+        )
+    if dt.kind == "i":
+        av = np.asarray(a.values)
+        lo = np.iinfo(dt).min
+        if np.any(av == lo) and np.any(bv == -1) and np.any((av == lo) & (bv == -1)):
+            return _Refusal(
+                "fold-integer-overflow",
+                f"integer {node.op} '{node.name}' computes {lo} / -1, which overflows "
+                f"{dt.name}; not evaluated (it would crash the runtime)",
+                {"dtype": dt.name},
+            )
+    return None
 
 
 def _is_graph_attr(a) -> bool:

@@ -1,0 +1,222 @@
+"""Folding guards: nothing folding evaluates may kill the process or blow up the model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+import graphopt
+from conftest import codes, const, model, ops, run, vi
+from graphopt.passes import fold_constants
+
+MIB = 2**20
+
+
+def _init_bytes(m) -> int:
+    from onnx import numpy_helper
+
+    return sum(numpy_helper.to_array(t).nbytes for t in m.graph.initializer)
+
+
+def _division(op: str, a, b, dtype) -> object:
+    """y = x + op(a, b) with constant integer a, b."""
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    nodes = [
+        helper.make_node(op, ["a", "b"], ["q"]),
+        helper.make_node("Add", ["x", "q"], ["y"]),
+    ]
+    return model(
+        nodes,
+        [vi("x", [len(a)], elem)],
+        [vi("y", [len(a)], elem)],
+        [const("a", a, dtype), const("b", b, dtype)],
+    )
+
+
+@pytest.mark.parametrize(
+    ("op", "a", "b", "dtype", "code"),
+    [
+        ("Div", [7, 8], [2, 0], np.int32, "fold-division-by-zero"),
+        ("Div", [7, 8], [0, 1], np.int64, "fold-division-by-zero"),
+        ("Mod", [7, 8], [3, 0], np.int64, "fold-division-by-zero"),
+        ("Div", [-(2**31), 5], [-1, 1], np.int32, "fold-integer-overflow"),
+        ("Div", [-(2**63), 5], [-1, 1], np.int64, "fold-integer-overflow"),
+        ("Mod", [-(2**31), 5], [-1, 2], np.int32, "fold-integer-overflow"),
+    ],
+)
+def test_integer_division_traps_are_refused(op, a, b, dtype, code):
+    """onnxruntime dies of SIGFPE evaluating these; the guard checks operands first.  (The
+    original model itself would die running them, so parity is not run.)"""
+    m = _division(op, a, b, dtype)
+    out, report = graphopt.optimize(m, level=1, check=False)
+    assert ops(out)[op] == 1
+    assert code in codes(report, "fold-constants")
+
+
+def test_safe_integer_division_still_folds():
+    m = _division("Div", [7, -8], [2, 3], np.int32)
+    out, report = run(m, level=1)
+    assert "Div" not in ops(out) and report.parity.ok
+
+
+def test_divisor_computed_in_the_same_round_is_checked_before_evaluation():
+    """The divisor -1 is a Neg of a constant: only known once that folds; checked then."""
+    nodes = [
+        helper.make_node("Neg", ["one"], ["minus_one"]),
+        helper.make_node("Div", ["a", "minus_one"], ["q"]),
+        helper.make_node("Add", ["x", "q"], ["y"]),
+    ]
+    m = model(
+        nodes,
+        [vi("x", [2], TensorProto.INT64)],
+        [vi("y", [2], TensorProto.INT64)],
+        [const("a", [-(2**63), 5], np.int64), const("one", [1, 1], np.int64)],
+    )
+    out, report = graphopt.optimize(m, level=1, check=False)
+    assert ops(out).get("Div") == 1 and "Neg" not in ops(out)
+    assert "fold-integer-overflow" in codes(report, "fold-constants")
+
+
+def test_integer_overflow_in_an_if_branch_that_never_runs():
+    """Folding visits If bodies; a branch that is never taken must not crash the optimizer."""
+    zero_div = helper.make_graph(
+        [helper.make_node("Div", ["ta", "tz"], ["t_out"])],
+        "then",
+        [],
+        [helper.make_tensor_value_info("t_out", TensorProto.INT32, [2])],
+        [const("ta", [-(2**31), 9], np.int32), const("tz", [-1, 1], np.int32)],
+    )
+    safe = helper.make_graph(
+        [helper.make_node("Identity", ["ea"], ["e_out"])],
+        "else",
+        [],
+        [helper.make_tensor_value_info("e_out", TensorProto.INT32, [2])],
+        [const("ea", [1, 2], np.int32)],
+    )
+    nodes = [
+        helper.make_node("If", ["cond"], ["r"], then_branch=zero_div, else_branch=safe),
+        helper.make_node("Add", ["x", "r"], ["y"]),
+    ]
+    m = model(
+        nodes,
+        [vi("cond", [], TensorProto.BOOL), vi("x", [2], TensorProto.INT32)],
+        [vi("y", [2], TensorProto.INT32)],
+    )
+    out, report = run(m, level=1, inputs={"cond": np.array(False), "x": np.ones(2, np.int32)})
+    assert report.parity.ok
+    assert "fold-integer-overflow" in codes(report, "fold-constants")
+
+
+def test_tile_chain_is_bounded_by_the_model_budget():
+    """Six Tile x2 in a row: each step only doubles (under the per-node rule), together 64x."""
+    base = np.ones(16384, np.float32)  # 64 KiB
+    nodes = [helper.make_node("Tile", [f"t{i}", "reps"], [f"t{i + 1}"]) for i in range(6)] + [
+        helper.make_node("Add", ["x", "t6"], ["y"])
+    ]
+    m = model(
+        nodes,
+        [vi("x", [16384 * 64])],
+        [vi("y", [16384 * 64])],
+        [const("t0", base), const("reps", [2], np.int64)],
+    )
+    out, report = run(m, level=1)
+    assert "fold-size-budget" in codes(report, "fold-constants")
+    assert 0 < ops(out).get("Tile", 0) < 6
+    assert _init_bytes(out) <= _init_bytes(m) + MIB
+    assert report.parity.ok
+
+
+def test_concat_of_one_constant_with_itself_counts_it_once():
+    """A 1 MiB constant concatenated 16 times is 16 MiB out of 1 MiB in, not out of 16."""
+    big = np.ones(MIB // 4, np.float32)
+    nodes = [
+        helper.make_node("Concat", ["w"] * 16, ["c"], axis=0),
+        helper.make_node("Add", ["x", "c"], ["y"]),
+    ]
+    m = model(nodes, [vi("x", [16 * MIB // 4])], [vi("y", [16 * MIB // 4])], [const("w", big)])
+    out, report = run(m, level=1)
+    assert ops(out).get("Concat") == 1
+    assert "fold-size-limit" in codes(report, "fold-constants")
+    assert _init_bytes(out) <= _init_bytes(m)
+
+
+@pytest.fixture
+def evaluated(monkeypatch):
+    """Records the op types folding hands to onnxruntime (nothing is evaluated for real when
+    the guard is missing: the test fails instead of allocating gigabytes)."""
+    seen: list[str] = []
+    real = fold_constants.evaluate
+
+    def spy(ir, nodes, known, wanted):
+        seen.extend(n.op for n in nodes)
+        if any(n.op in ("ConstantOfShape", "Expand", "Tile", "Range") for n in nodes):
+            raise AssertionError(f"evaluated {[n.op for n in nodes]}")
+        return real(ir, nodes, known, wanted)
+
+    monkeypatch.setattr(fold_constants, "evaluate", spy)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("node", "inits"),
+    [
+        (
+            helper.make_node(
+                "ConstantOfShape",
+                ["shape"],
+                ["big"],
+                value=helper.make_tensor("v", TensorProto.FLOAT, [1], [0.5]),
+            ),
+            [const("shape", [1 << 19, 1 << 10], np.int64)],  # 2 GiB of float32
+        ),
+        (
+            helper.make_node("Expand", ["one", "shape"], ["big"]),
+            [const("one", [[0.5]]), const("shape", [1 << 19, 1 << 10], np.int64)],
+        ),
+        (
+            helper.make_node("Tile", ["one", "shape"], ["big"]),
+            [const("one", [[0.5]]), const("shape", [1 << 19, 1 << 10], np.int64)],
+        ),
+        (
+            helper.make_node("Range", ["start", "limit", "delta"], ["big"]),
+            [
+                const("start", 0.0),
+                const("limit", float(1 << 29)),
+                const("delta", 1.0),
+            ],
+        ),
+    ],
+    ids=["ConstantOfShape", "Expand", "Tile", "Range"],
+)
+def test_generators_are_sized_before_evaluation(node, inits, evaluated):
+    nodes = [node, helper.make_node("ReduceMax", ["big"], ["y"], keepdims=0)]
+    m = model(nodes, [], [vi("y", [])], inits)
+    out, report = graphopt.optimize(m, level=1, check=False)
+    assert node.op_type in ops(out)
+    assert "fold-size-limit" in codes(report, "fold-constants")
+    assert node.op_type not in evaluated
+
+
+def test_low_bit_constants_do_not_reach_the_evaluator():
+    """int4 and fp8 constants (no numpy type without ml_dtypes) are left as they are."""
+    w4 = helper.make_tensor("w4", TensorProto.INT4, [2, 2], [1, -2, 3, -4])
+    w8 = helper.make_tensor("w8", TensorProto.FLOAT8E4M3FN, [2, 2], [0.5, 1.0, -2.0, 4.0])
+    nodes = [
+        helper.make_node("Cast", ["w4"], ["c4"], to=TensorProto.FLOAT),
+        helper.make_node("Cast", ["w8"], ["c8"], to=TensorProto.FLOAT),
+        helper.make_node("Add", ["c4", "c8"], ["s"]),
+        helper.make_node("Mul", ["x", "s"], ["y"]),
+    ]
+    m = model(
+        nodes,
+        [vi("x", [2, 2])],
+        [vi("y", [2, 2])],
+        [w4, w8],
+        opset=21,
+        ir_version=10,
+    )
+    out, report = run(m, level=1)
+    assert report.parity.ok
+    types = {t.name: t.data_type for t in out.graph.initializer}
+    assert types.get("w4") == TensorProto.INT4 and types.get("w8") == TensorProto.FLOAT8E4M3FN
