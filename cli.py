@@ -912,7 +912,7 @@ def run(
 ) -> None:
     """Run a bundle with onnxruntime exactly as its manifest and session config say."""
     with handled():
-        from .targets.bundle import run_bundle
+        from .targets.bundle import describe_value, run_bundle
 
         feeds = load_inputs(inputs) if inputs else None
         result = run_bundle(bundle, feeds, providers=provider or None, repeat=repeat)
@@ -927,7 +927,7 @@ def run(
             "target": result["target"],
             "providers": result["providers"],
             "outputs": {
-                k: {"dtype": str(v.dtype), "shape": list(v.shape)}
+                k: describe_value(v)
                 for k, v in result["outputs"].items()
             },
             "session_create_ms": result["session_create_ms"],

@@ -299,8 +299,10 @@ def _write_golden(out_dir, original, shapes, given, seed, report) -> dict[str, A
     except GraphoptError as e:
         return {"written": False, "why": str(e)}
     (out_dir / "golden").mkdir(exist_ok=True)
-    np.savez(out_dir / GOLDEN_INPUTS, **feeds)
-    np.savez(out_dir / GOLDEN_OUTPUTS, **dict(zip(names, (np.asarray(o) for o in outs))))
+    # strings as fixed-width text (no pickles); sequence/map outputs (ZipMap) are not golden
+    np.savez(out_dir / GOLDEN_INPUTS, **{k: _plain(v) for k, v in feeds.items()})
+    tensors = {n: o for n, o in zip(names, outs) if isinstance(o, np.ndarray) and o.dtype != object}
+    np.savez(out_dir / GOLDEN_OUTPUTS, **tensors)
     return {
         "written": True,
         "inputs": GOLDEN_INPUTS,
@@ -538,6 +540,19 @@ def _latency(sess, feeds, created_s: float) -> dict[str, Any]:
         "threads": "onnxruntime default",
         "where": "this machine (measured while writing the bundle)",
     }
+
+
+def _plain(value: np.ndarray) -> np.ndarray:
+    return value.astype(str) if value.dtype == object else value
+
+
+def describe_value(value) -> dict[str, Any]:
+    """dtype and shape of an output of a run; a sequence (ZipMap's maps) as seq(...), length."""
+    if isinstance(value, np.ndarray):
+        return {"dtype": str(value.dtype), "shape": list(value.shape)}
+    first = value[0] if len(value) else None
+    inner = "map" if isinstance(first, dict) else describe_value(np.asarray(first))["dtype"]
+    return {"dtype": f"seq({inner})", "shape": [len(value)]}
 
 
 def _golden(bundle: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:

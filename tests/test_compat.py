@@ -8,6 +8,8 @@ annotations graphsurgeon would drop (doc_strings, dim_params, per-node metadata)
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -442,3 +444,23 @@ def test_training_info_and_unused_functions_are_kept():
     info.algorithm.name = "step"
     out, _ = graphopt.optimize(m, shapes={"x": [2, 4]})
     assert out.training_info[0].algorithm.name == "step"
+
+
+@pytest.mark.parametrize("string_labels", [False, True])
+def test_zipmap_bundle_is_written_and_runs(tmp_path, string_labels):
+    """The CLI path: the bundle's golden files hold no pickles (strings as text, the sequence
+    of maps left out of the golden outputs) and ``graphopt run`` describes the sequence."""
+    from typer.testing import CliRunner
+
+    from graphopt.cli import app
+
+    path = tmp_path / "clf.onnx"
+    path.write_bytes(zipmap_classifier(string_labels).SerializeToString())
+    runner = CliRunner()
+    done = runner.invoke(app, ["optimize", str(path), "-o", str(tmp_path / "b"), "-q"])
+    assert done.exit_code == 0, done.output
+    ran = runner.invoke(app, ["run", str(tmp_path / "b"), "--format", "json"])
+    assert ran.exit_code == 0, ran.output
+    summary = json.loads(ran.output)
+    assert summary["outputs"]["output_probability"] == {"dtype": "seq(map)", "shape": [1]}
+    assert summary["golden"]["ok"]
