@@ -330,6 +330,10 @@ def _drain(
 ) -> bool:
     changed = False
     parked: list[tuple[Node, str, int]] = []  # (node, awaited rule, its verdicts when parked)
+    # A value's readers include nodes of nested If/Loop/Scan bodies (outer-scope values are shared
+    # objects): only nodes of the graph being worked on may be queued, or a rule would rewrite a
+    # body node under the wrong scope (and, e.g., drop the producer of a branch output).
+    members = {id(n) for n in ir.graph.nodes}
     while True:
         while queue:
             node = queue.popleft()
@@ -356,8 +360,10 @@ def _drain(
                         )
                     )
                     return True
+                members.update(id(n) for n in new_nodes)
+                readers = [c for n in new_nodes for t in n.outputs for c in t.outputs]
                 _enqueue(
-                    [c for n in new_nodes for t in n.outputs for c in t.outputs] + new_nodes,
+                    [c for c in readers if id(c) in members] + new_nodes,
                     queue,
                     queued,
                     index,

@@ -42,8 +42,9 @@ def _attr_key(value) -> object:
         return ("array", value.dtype.str, value.shape, value.tobytes())
     if isinstance(value, (list, tuple)):
         return tuple(_attr_key(v) for v in value)
-    if isinstance(value, Constant):
-        return ("tensor", _constant_key(value))
+    if isinstance(value, Constant):  # a large or non-numeric tensor is only equal to itself
+        key = _constant_key(value)
+        return ("tensor", key) if key is not None else ("tensor-object", id(value))
     if isinstance(value, float):
         return ("float", np.float64(value).tobytes())  # -0.0 and NaN kept apart and equal
     return value

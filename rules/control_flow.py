@@ -8,7 +8,7 @@ the branch's outputs.
 
 from __future__ import annotations
 
-from graphopt.opt.ir import constant_value, walk_nodes
+from graphopt.opt.ir import constant_value, subgraphs, walk_nodes
 from graphopt.opt.manager import register_rule
 from graphopt.opt.rewrite import Op, Rule, applies_only_if, require
 
@@ -38,7 +38,7 @@ class InlineConstantIf(Rule):
 
     def rewrite(self, m, b):
         branch, ir = m.branch, b.ir
-        seen = {id(t) for t in ir.graph.tensors().values()}  # outer values keep their names
+        seen = _visible_outside(ir.root, branch)  # values of every enclosing scope keep their names
         for node in walk_nodes(branch):
             for t in list(node.inputs) + list(node.outputs):
                 if id(t) not in seen and t.name:
@@ -52,3 +52,17 @@ class InlineConstantIf(Rule):
         outputs = list(branch.outputs)
         branch.nodes.clear()
         return outputs
+
+
+def _visible_outside(root, branch) -> set[int]:
+    """Ids of every tensor the model uses outside ``branch`` (its own nested bodies excluded):
+    the values of all enclosing scopes, which a branch may read at any depth."""
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        graph = stack.pop()
+        seen.update(id(t) for t in list(graph.inputs) + list(graph.outputs))
+        for node in graph.nodes:
+            seen.update(id(t) for t in list(node.inputs) + list(node.outputs))
+            stack.extend(g for g in subgraphs(node) if g is not branch)
+    return seen

@@ -174,3 +174,54 @@ def test_silero_like_vad_with_if_and_loop(sr):
     dims = [d.dim_param for d in out.graph.input[0].type.tensor_type.shape.dim]
     assert dims == ["batch", "samples"]
     assert sum(after.values()) < sum(before.values())
+
+
+def test_rewrite_in_a_body_never_touches_nested_bodies():
+    """Inlining a constant If inside a branch creates nodes whose outputs are read by Identity
+    nodes of a nested body; those must be rewritten (if at all) in their own scope, so every
+    branch output keeps its producer (the model stays valid)."""
+    inner_const = helper.make_node(
+        "If",
+        ["k"],
+        ["y"],
+        then_branch=branch("bt", [helper.make_node("Relu", ["x"], ["ry"])], "ry"),
+        else_branch=branch("be", [helper.make_node("Neg", ["x"], ["ny"])], "ny"),
+        name="if_const",
+    )
+    inner_dyn = helper.make_node(
+        "If",
+        ["c"],
+        ["z"],
+        then_branch=branch("ct", [helper.make_node("Identity", ["y"], ["zt"])], "zt"),
+        else_branch=branch("ce", [helper.make_node("Identity", ["y"], ["ze"])], "ze"),
+        name="if_dyn",
+    )
+    then = helper.make_graph(
+        [inner_const, inner_dyn], "then", [], [vi("z", None)], [const("k", True, np.bool_)]
+    )
+    other = branch("else", [helper.make_node("Sigmoid", ["x"], ["s"])], "s")
+    m = model(
+        [helper.make_node("If", ["c"], ["out"], then_branch=then, else_branch=other)],
+        [vi("x", [3]), vi("c", [], TensorProto.BOOL)],
+        [vi("out", [3])],
+    )
+    feeds = {"x": np.array([-1, 0, 2], np.float32), "c": np.array(True)}
+    out, report = run(m, level=1, inputs=feeds)
+    onnx.checker.check_model(out, full_check=True)
+    assert report.parity.ran and report.parity.ok, report.parity
+
+
+def test_large_constant_nodes_are_not_merged_by_cse():
+    """Two Constant nodes over CSE's size limit are different tensors, never one."""
+    a = np.arange(5000, dtype=np.float32)
+    nodes = [
+        helper.make_node("Constant", [], ["ca"], value=const("va", a)),
+        helper.make_node("Constant", [], ["cb"], value=const("vb", -a)),
+        helper.make_node("Add", ["x", "ca"], ["p"]),
+        helper.make_node("Add", ["x", "cb"], ["q"]),
+        helper.make_node("Sub", ["p", "q"], ["y"]),
+    ]
+    m = model(nodes, [vi("x", [5000])], [vi("y", [5000])])
+    out, report = run(m, level=1, pipeline="cse")
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert ops(out)["Constant"] == 2
