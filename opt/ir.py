@@ -263,12 +263,21 @@ def op_histogram(nodes: Iterable[Node | onnx.NodeProto]) -> dict[str, int]:
 
 def constant_value(tensor: Tensor | None, max_elements: int | None = None) -> np.ndarray | None:
     """The value of a tensor known at optimization time, or None.  With ``max_elements``, a
-    larger constant is not read at all (its values may be a memory-mapped multi-GB weight)."""
-    if isinstance(tensor, Constant):
+    larger constant is not read at all (its values may be a memory-mapped multi-GB weight).
+    String constants are never read: strings pass through untouched (their bytes need not even
+    be UTF-8, which numpy's conversion requires)."""
+    if isinstance(tensor, Constant) and not _is_string(tensor):
         if max_elements is not None and math.prod(tensor.shape) > max_elements:
             return None
         return np.asarray(tensor.values)
     return None
+
+
+def _is_string(tensor: Tensor) -> bool:
+    lazy = getattr(tensor, "_values", None)
+    if isinstance(lazy, LazyValues):
+        return lazy.tensor.data_type == onnx.TensorProto.STRING
+    return dtype_of(tensor) == np.dtype(object)
 
 
 def producer(tensor: Tensor) -> Node | None:

@@ -464,3 +464,26 @@ def test_zipmap_bundle_is_written_and_runs(tmp_path, string_labels):
     summary = json.loads(ran.output)
     assert summary["outputs"]["output_probability"] == {"dtype": "seq(map)", "shape": [1]}
     assert summary["golden"]["ok"]
+
+
+def test_string_constants_are_never_decoded():
+    """Strings are bytes to ONNX: a non-UTF-8 one must come out as it went in."""
+    raw = [b"x", b"\xff\xfe"]
+    m = _model(
+        [
+            helper.make_node("Concat", ["a", "b"], ["c"], axis=0),
+            helper.make_node("Reshape", ["c", "shape"], ["y"]),
+        ],
+        [],
+        [vi("y", [2, 2], TensorProto.STRING)],
+        [
+            helper.make_tensor("a", TensorProto.STRING, [2], [b"a", "é".encode()]),
+            helper.make_tensor("b", TensorProto.STRING, [2], raw),
+            const("shape", [2, 2], np.int64),
+        ],
+    )
+    for level in (1, 2):
+        out, _ = graphopt.optimize(m, level=level, check=False)
+        onnx.checker.check_model(out)
+        kept = {t.name: list(t.string_data) for t in out.graph.initializer}
+        assert kept["b"] == raw and kept["a"] == [b"a", "é".encode()]
