@@ -10,6 +10,9 @@ kebab-case code plus a sentence, and a pure *rewrite* that builds the replacemen
   a rule's own ``match`` once it has recognized the pattern's core (attention's Softmax between
   two MatMuls) but not the exporter's spelling around it.
 * Only :class:`NoMatch` is caught; any other exception is a bug and surfaces.
+* Quantization is a barrier (:mod:`opt.quant`): unless a rule is ``quantization_aware``, a match
+  holding a Q/DQ/QOperator node, or a Conv/MatMul/Gemm reading a DequantizeLinear output, is
+  refused, and so is a DQ output where a rule requires a constant (code ``quantized-boundary``).
 
 The driver is a greedy work queue over nodes in topological order, with rules indexed by root op
 type.  After a rewrite, the new nodes and the readers of their outputs are queued again.  A rule
@@ -31,6 +34,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from .ir import Constant, ModelIR, Node, Tensor, Variable, constant_value
+from .quant import boundary_violation, dequantized_by
 from .remarks import Remark
 
 if TYPE_CHECKING:
@@ -209,6 +213,8 @@ class Rule:
     exclusive: ClassVar[bool] = True
     #: set True for rules that may change numerics beyond rounding (allowed at -O3 only)
     changes_numerics: ClassVar[bool] = False
+    #: set True for rules written for Q/DQ nodes (else a match touching one is refused)
+    quantization_aware: ClassVar[bool] = False
 
     def match(self, node: Node, cx: PassContext) -> Match:
         """The first structural match (over commuted alternatives) that passes ``structure``."""
@@ -405,6 +411,9 @@ def _try_rule(
         try:
             if rule.exclusive:
                 check_exclusive(m, ir)
+            if not rule.quantization_aware:
+                crossing = boundary_violation(m.nodes())
+                require(crossing is None, "quantized-boundary", lambda: str(crossing))
             rule.check(m, cx)
         except NoMatch as e:
             if "waiting_for" in e.args_:
@@ -492,6 +501,14 @@ def require_constant(cx: PassContext, ir: ModelIR, *named: tuple[str, Tensor | N
             continue
         if isinstance(tensor, Constant):
             continue
+        dq = dequantized_by(tensor)
+        if dq is not None:
+            raise NoMatch(
+                "quantized-boundary",
+                f"{role} '{tensor.name}' is dequantized by '{dq.name}' at run time; quantized "
+                "weights stay quantized",
+                tensor=tensor.name,
+            )
         if ir.is_graph_input(tensor):
             hint = (
                 " (an initializer listed as a graph input, e.g. exported with "

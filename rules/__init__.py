@@ -9,6 +9,7 @@ from . import (  # noqa: F401
     conv,
     matmul,
     norm,
+    quant,
     shape,
     target_rewrites,
 )
