@@ -108,6 +108,8 @@ def proto_nodes(nodes: Iterable[onnx.NodeProto]) -> Iterator[onnx.NodeProto]:
 
 def called_functions(model: onnx.ModelProto) -> dict[FunctionId, int]:
     """Local functions the graph calls, directly or through other functions: id -> calls."""
+    if not len(model.functions):
+        return {}
     table = {function_id(f): f for f in model.functions}
     calls: dict[FunctionId, int] = {}
     todo = [n for n in proto_nodes(model.graph.node) if function_id(n) in table]
