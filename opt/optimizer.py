@@ -20,7 +20,8 @@ import onnx
 
 from . import compat
 from .errors import GraphoptError, UsageError
-from .io import has_external_data, load_model
+from .feeds import validate_args
+from .io import PROTOBUF_LIMIT, load_model
 from .ir import ModelIR, op_histogram
 from .manager import PassContext, run_pass
 from .parity import ParityReport, Session, check_parity, measure_ranges
@@ -50,6 +51,9 @@ class Report:
     rules: dict[str, dict[str, Any]]
     parity: ParityReport
     parity_float64: ParityReport | None = None
+    #: the bundle under its own session settings against the original under the same (set
+    #: when the bundle is written and verified)
+    parity_deployed: ParityReport | None = None
     seconds: dict[str, float] = field(default_factory=dict)
     rewrites: int = 0
     applied: list[tuple[int, str, str]] = field(default_factory=list)
@@ -87,6 +91,7 @@ class Report:
             "rules": self.rules,
             "parity": self.parity.to_dict(),
             "parity_float64": self.parity_float64.to_dict() if self.parity_float64 else None,
+            "parity_deployed": self.parity_deployed.to_dict() if self.parity_deployed else None,
             "seconds": self.seconds,
             "outputs": self.outputs,
         }
@@ -155,7 +160,7 @@ def optimize(
         say("loading")
         base_dir = Path(model).resolve().parent
         model = load_model(model, lazy_external=True)
-    _check_input_names(model, shapes, inputs)
+    validate_args(model, shapes, inputs, output_tolerances)
     work, upgrade_remarks = model, []
     if opset is not None:
         say(f"upgrading to opset {opset}")
@@ -205,8 +210,9 @@ def optimize(
         return ir.to_onnx(), cx
 
     optimized, cx = execute(bisect_limit)
-    if check or not has_external_data(model):  # a runtime load of multi-GB weights: with parity
-        optimized, cx = _keep_loadable(model, optimized, cx, execute, bisect_limit, say, base_dir)
+    say("checking that the output is valid")
+    budget = max(10.0, 2 * (time.perf_counter() - t1))
+    optimized, cx = _keep_valid(model, optimized, cx, execute, bisect_limit, say, base_dir, budget)
     _set_metadata(optimized, {"graphopt.pipeline": to_text(passes), "graphopt.target": tgt.name})
     times["optimize"] = time.perf_counter() - t1
 
@@ -282,6 +288,7 @@ def optimize(
             "inputs": inputs,
             "seed": seed,
             "base_dir": base_dir,
+            "feeds": parity.feeds if parity.ran else None,
         },
     )
     return optimized, report
@@ -321,7 +328,20 @@ def _guarded_ranges(model, inputs, shapes, seed, base_dir) -> tuple[dict | None,
         ]
 
 
-def _load_error(model: onnx.ModelProto, base_dir=None) -> str | None:
+def _invalid(
+    model: onnx.ModelProto, base_dir=None, checker: bool = True, runtime: bool = True
+) -> str | None:
+    """Why ``model`` is not a valid, loadable model (onnx.checker with full shape checks, then an
+    onnxruntime session), or None."""
+    if checker and model.ByteSize() < PROTOBUF_LIMIT:
+        try:
+            onnx.checker.check_model(model, full_check=True)
+        except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+            text = str(e).strip()
+            if "external" not in text.lower():  # data files resolve beside the model, not here
+                return "onnx.checker: " + (text.splitlines()[0] if text else type(e).__name__)
+    if not runtime:
+        return None
     try:
         Session(model, base_dir=base_dir)
         return None
@@ -329,42 +349,61 @@ def _load_error(model: onnx.ModelProto, base_dir=None) -> str | None:
         return str(e)
 
 
-def _keep_loadable(original, optimized, cx, execute, limit, say, base_dir, attempts: int = 3):
-    """Safety net: if onnxruntime loads the original but refuses the optimized model (a rewrite
-    exposed static information that makes its type inference reject the graph), bisect to the
-    rewrite responsible, revert it, and say so in a failure remark."""
-    error = _load_error(optimized, base_dir)
-    if error is None or _load_error(original, base_dir) is not None:
+def _keep_valid(original, optimized, cx, execute, limit, say, base_dir, budget_s: float):
+    """Every output passes onnx.checker (full) and loads in onnxruntime, or the run fails.
+
+    Checks the original's standing too: a clause the original already fails (its own shapes
+    contradict the checker, onnxruntime refuses it) is not held against the output.  When the
+    output is invalid, the safety net bisects to the rewrite responsible and reverts it, at most
+    three times and within ``budget_s`` seconds; each revert is a failure remark and a warning
+    (a firing is a bug in a rule).  If that does not make the output valid, GraphoptError."""
+    error = _invalid(optimized, base_dir)
+    if error is None:
         return optimized, cx
-    if not cx.applied:  # no rewrite to revert: parity reports the refusal
+    clauses = {
+        "checker": _invalid(original, base_dir, runtime=False) is None,
+        "runtime": _invalid(original, base_dir, checker=False) is None,
+    }
+    error = _invalid(optimized, base_dir, **clauses)
+    if error is None:
         return optimized, cx
+    deadline = time.perf_counter() + budget_s
     skip: frozenset = frozenset()
     reverted = []
-    for _ in range(attempts):
-        say("onnxruntime refuses the optimized model; finding the rewrite responsible")
+    for _ in range(3):
+        if not cx.applied or time.perf_counter() > deadline:
+            break
+        say("the optimized model is invalid; finding the rewrite responsible")
         lo, hi = 1, len(cx.applied)
-        while lo < hi:
+        while lo < hi and time.perf_counter() < deadline:
             mid = (lo + hi) // 2
-            if _load_error(execute(mid, skip)[0], base_dir) is None:
+            if _invalid(execute(mid, skip)[0], base_dir, **clauses) is None:
                 lo = mid + 1
             else:
                 hi = mid
+        if lo < hi:
+            break
         _, rule, node = cx.applied[lo - 1]
         reverted.append((rule, node, error))
         skip = skip | {(rule, node)}
         optimized, cx = execute(limit, skip)
-        error = _load_error(optimized, base_dir)
+        error = _invalid(optimized, base_dir, **clauses)
         if error is None:
             break
+    if error is not None:
+        done = f"; reverting {len(reverted)} rewrite(s) did not fix it" if reverted else ""
+        raise GraphoptError(
+            f"the optimized model is invalid ({error}){done}; nothing was written "
+            "(-O0 or --pipeline without the rule named by `graphopt bisect` avoids it)"
+        )
     for rule, node, why in reverted:
         cx.remark(
             "failure",
-            "verify",
+            "safety-net",
             rule,
-            "runtime-rejects",
+            "invalid-output",
             [node],
-            f"onnxruntime refused the model after {rule} at '{node}' ({why}); "
-            "that rewrite was reverted",
+            f"the model was invalid after {rule} at '{node}' ({why}); that rewrite was reverted",
         )
     return optimized, cx
 
@@ -377,15 +416,3 @@ def _guarded(run: Callable[[], ParityReport]) -> ParityReport:
         raise
     except GraphoptError as e:
         return ParityReport.not_run(str(e))
-
-
-def _check_input_names(model: onnx.ModelProto, shapes: dict | None, inputs: dict | None) -> None:
-    """--shape / --inputs must name real graph inputs: fail before any work is done."""
-    names = {i.name for i in model.graph.input}
-    for flag, given in (("--shape", shapes), ("--inputs", inputs)):
-        unknown = sorted(set(given or {}) - names)
-        if unknown:
-            raise UsageError(
-                f"{flag} names unknown input(s): {', '.join(unknown)} "
-                f"(model inputs: {', '.join(sorted(names)) or 'none'})"
-            )

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ import onnxruntime as ort
 
 from .customops import register_libraries
 from .errors import GraphoptError, UsageError
+from .feeds import find_runnable, validate_args
 from .io import PROTOBUF_LIMIT, write_model_files
 
 Tolerance = tuple[float, float]  # (rtol relative to the output's scale, atol)
@@ -85,9 +86,13 @@ class ParityReport:
     reference: str = "original"
     error: str | None = None
     first_divergence: dict[str, Any] | None = None
+    #: the arrays parity ran on (the bundle's golden inputs); not part of report.json
+    feeds: dict[str, np.ndarray] | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(replace(self, feeds=None))
+        del out["feeds"]
+        return out
 
     @classmethod
     def not_run(cls, why: str) -> ParityReport:
@@ -185,8 +190,10 @@ def make_inputs(
     shapes: dict[str, list[int]],
     seed: int,
     given: dict[str, np.ndarray] | None = None,
+    int_high: int = 100,
 ) -> dict[str, np.ndarray]:
-    """Seeded inputs for every graph input the user did not provide."""
+    """Seeded inputs for every graph input the user did not provide (random integers in
+    [0, ``int_high``))."""
     rng = np.random.default_rng(seed)
     feeds: dict[str, np.ndarray] = {}
     given = given or {}
@@ -207,11 +214,13 @@ def make_inputs(
                 d if isinstance(d, int) and d >= 0 else (1 if i == 0 else 16)
                 for i, d in enumerate(inp.shape or [])
             ]
-        feeds[inp.name] = _random(rng, inp.name.lower(), dtype, shape)
+        feeds[inp.name] = _random(rng, inp.name.lower(), dtype, shape, int_high)
     return feeds
 
 
-def _random(rng: np.random.Generator, name: str, dtype: np.dtype, shape: list[int]) -> np.ndarray:
+def _random(
+    rng: np.random.Generator, name: str, dtype: np.dtype, shape: list[int], high: int = 100
+) -> np.ndarray:
     if dtype.kind == "f":
         return rng.standard_normal(shape).astype(dtype)
     if dtype.kind == "b":
@@ -220,7 +229,7 @@ def _random(rng: np.random.Generator, name: str, dtype: np.dtype, shape: list[in
         return np.ones(shape, dtype=dtype)
     if "token_type" in name or "segment" in name:
         return np.zeros(shape, dtype=dtype)
-    return rng.integers(0, 100, shape).astype(dtype)
+    return rng.integers(0, high, shape).astype(dtype)
 
 
 def compare_outputs(
@@ -239,9 +248,30 @@ def compare_outputs(
         loose = tolerances[compute_dtype]
         tolerances = {k: max(v, loose) for k, v in tolerances.items()}
     return [
-        _diff(n, np.asarray(r), np.asarray(g), tolerances, per_output.get(n))
+        _diff(n, _as_array(r), _as_array(g), tolerances, per_output.get(n))
         for n, r, g in zip(names, ref, got)
     ]
+
+
+def _as_array(value) -> np.ndarray:
+    """An output as one array: tensors as they are; a map (ai.onnx.ml ZipMap) as its values
+    by sorted key; a sequence of maps or of equal-shaped tensors stacked.  Anything else becomes
+    an object array, compared for equality."""
+    if isinstance(value, dict):
+        keys = sorted(value)
+        return np.asarray([value[k] for k in keys])
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        keys = sorted(value[0])
+        if all(sorted(v) == keys for v in value):
+            return np.asarray([[v[k] for k in keys] for v in value])
+    if isinstance(value, list) and value and all(isinstance(v, np.ndarray) for v in value):
+        if len({(v.shape, v.dtype) for v in value}) == 1:
+            return np.stack(value)
+    if isinstance(value, list):
+        out = np.empty(len(value), dtype=object)
+        out[:] = value
+        return out
+    return np.asarray(value)
 
 
 def _diff(
@@ -368,20 +398,32 @@ def check_parity(
     ``reference`` (e.g. the float64 upcast of the original) replaces the original as the side
     the optimized model is compared with; inputs are still generated from the original.
     """
+    validate_args(original, shapes, inputs, per_output)
     orig_sess = Session(original, base_dir=base_dir)
-    feeds = make_inputs(orig_sess.sess, shapes or {}, seed, inputs)
     names = orig_sess.output_names()
-    shapes_used = {k: list(v.shape) for k, v in feeds.items()}
+    feeds, ref = find_runnable(
+        original,
+        lambda f: orig_sess.run(f, names),
+        lambda shp, high: make_inputs(orig_sess.sess, shp, seed, inputs, high),
+        shapes,
+        inputs,
+    )
+    shapes_used = {k: list(np.shape(v)) for k, v in feeds.items()}
+    orig_sess = None  # free the session before the optimized one loads
     if reference is not None:
-        del orig_sess
-        orig_sess = Session(reference, base_dir=base_dir)
-    ref = orig_sess.run(feeds, names)
-    del orig_sess
+        ref = Session(reference, base_dir=base_dir).run(feeds, names)
     try:
         opt_sess = Session(optimized, base_dir=base_dir)
     except GraphoptError as e:  # the original loads, the optimized one does not: a failure
         return ParityReport(
-            False, True, [], shapes_used, seed, reference_name, f"optimized model: {e}"
+            False,
+            True,
+            [],
+            shapes_used,
+            seed,
+            reference_name,
+            f"optimized model: {e}",
+            feeds=feeds,
         )
     missing = [n for n in names if n not in set(opt_sess.output_names())]
     if missing:
@@ -393,6 +435,7 @@ def check_parity(
             seed,
             reference_name,
             f"optimized model lost output(s): {', '.join(missing)}",
+            feeds=feeds,
         )
     got = opt_sess.run(feeds, names)
     del opt_sess
@@ -401,7 +444,9 @@ def check_parity(
     divergence = None
     if not ok and localize_on_failure and reference is None:
         divergence = localize(original, optimized, feeds, tolerances, base_dir=base_dir)
-    return ParityReport(ok, True, diffs, shapes_used, seed, reference_name, None, divergence)
+    return ParityReport(
+        ok, True, diffs, shapes_used, seed, reference_name, None, divergence, feeds=feeds
+    )
 
 
 def compute_dtype(model: onnx.ModelProto) -> str | None:

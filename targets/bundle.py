@@ -49,7 +49,7 @@ import onnx
 import onnxruntime as ort
 
 from graphopt.opt.errors import GraphoptError, UsageError
-from graphopt.opt.parity import Session, compare_outputs, make_inputs
+from graphopt.opt.parity import ParityReport, Session, compare_outputs, compute_dtype, make_inputs
 from graphopt.opt.target import Target, get_target
 from graphopt.targets.kernels import model_opsets, norm_domain, primary_slots, resolve
 from graphopt.targets.memory import dtype_name, measured_view, memory_plan, nbytes, shape_view
@@ -154,7 +154,7 @@ def write_bundle_files(out_dir: Path, model: onnx.ModelProto, report) -> dict[st
         "memory_plan": MEMORY_PLAN,
     }
 
-    golden = _write_golden(out_dir, original, shapes, given, seed, report)
+    golden = _write_golden(out_dir, original, shapes, given, seed, report, ctx)
     if golden.get("written"):
         files.update(golden_inputs=GOLDEN_INPUTS, golden_outputs=GOLDEN_OUTPUTS)
     verified_shapes = golden.get("shapes") or dict(report.parity.inputs or {})
@@ -285,15 +285,16 @@ def _sha256(path: Path) -> str | None:
         return None
 
 
-def _write_golden(out_dir, original, shapes, given, seed, report) -> dict[str, Any]:
-    """The parity inputs and the original model's outputs on them."""
+def _write_golden(out_dir, original, shapes, given, seed, report, ctx) -> dict[str, Any]:
+    """The parity inputs (the very arrays parity ran on) and the original model's outputs on
+    them; external data resolves beside the original, whatever the working directory."""
     if original is None:
         return {"written": False, "why": "the original model is not available"}
     if not report.parity.ran:
         return {"written": False, "why": f"parity did not run ({report.parity.error})"}
     try:
-        sess = Session(original)
-        feeds = make_inputs(sess.sess, shapes, seed, given)
+        sess = Session(original, base_dir=ctx.get("base_dir"))
+        feeds = ctx.get("feeds") or make_inputs(sess.sess, shapes, seed, given)
         names = [o.name for o in sess.sess.get_outputs()]
         outs = sess.run(feeds, names)
     except GraphoptError as e:
@@ -504,6 +505,7 @@ def _verify(out_dir: Path, manifest: dict, session: dict, target: Target, report
         return verified, latency
     diffs = compare_outputs(names, [expected[n] for n in names], got, target.tolerances)
     ok = all(d.ok for d in diffs)
+    verified["deploy_parity"] = _deploy_parity(sess, session, feeds, names, got, target, report)
     verified["bundle_session"] = {
         "providers": providers,
         "graph_optimization_level": session.get("graph_optimization_level"),
@@ -518,6 +520,55 @@ def _verify(out_dir: Path, manifest: dict, session: dict, target: Target, report
         latency = _latency(sess, feeds, created)
         latency["providers"] = providers
     return verified, latency
+
+
+def _deploy_parity(sess, session: dict, feeds, names, got, target: Target, report) -> dict:
+    """The bundle as it will be loaded against the original under the same settings.
+
+    Parity proper runs both graphs as written (optimizations off); what deploys runs at the
+    session config's level, where onnxruntime's own transformers may treat the two graphs
+    differently (e.g. re-quantizing weights a rewrite made float).  A disagreement here is a
+    parity failure (``report.parity_deployed``) naming the setting."""
+    ctx = report.bundle_context or {}
+    level = session.get("graph_optimization_level", "ORT_ENABLE_EXTENDED")
+    setting = f"graph_optimization_level={level}"
+    if session.get("disabled_optimizers"):
+        setting += f", disabled_optimizers={','.join(session['disabled_optimizers'])}"
+    feeds = {k: v for k, v in feeds.items() if k in {i.name for i in sess.get_inputs()}}
+    try:
+        original = Session(
+            ctx["original"],
+            level=getattr(ort.GraphOptimizationLevel, level),
+            base_dir=ctx.get("base_dir"),
+        )
+        ref = original.run(feeds, names)
+    except (GraphoptError, KeyError, AttributeError) as e:
+        report.parity_deployed = ParityReport.not_run(f"the original at {setting}: {e}")
+        return {"ran": False, "setting": setting, "why": str(e)}
+    diffs = compare_outputs(
+        names, ref, got, target.tolerances, compute_dtype=compute_dtype(ctx["original"])
+    )
+    ok = all(d.ok for d in diffs)
+    shapes = {k: list(np.shape(v)) for k, v in feeds.items()}
+    report.parity_deployed = ParityReport(
+        ok,
+        True,
+        diffs,
+        shapes,
+        int(ctx.get("seed", 0) or 0),
+        f"original at {setting}",
+        None
+        if ok
+        else (f"at the bundle's session settings ({setting}) the bundle and the original disagree"),
+    )
+    return {
+        "ran": True,
+        "ok": ok,
+        "setting": setting,
+        "max_abs": {d.name: d.max_abs for d in diffs},
+        "what": "the bundle (load_session) against the original model under the same session "
+        "settings, on this machine's CPU",
+    }
 
 
 def _latency(sess, feeds, created_s: float) -> dict[str, Any]:

@@ -1,0 +1,309 @@
+"""Parity inputs the original model accepts: validated user inputs, derived sizes, a short ladder.
+
+Random inputs at one default size fail on many real models (a detector whose height and width
+must be multiples of 32, an audio net that pads by more than 16 samples), and a parity that does
+not run proves nothing.  So the sizes are derived, then tried on the *original* model:
+
+* every symbolic dim is one size across all inputs (a ``dim_param`` shared by two inputs gets
+  one value); sizes fixed by ``--shape`` or ``--inputs`` bind the ``dim_param`` they fill;
+* batch-like dims (axis 0, or named like ``batch``/``N``) are 1;
+* spatial dims (axes ≥ 2 of a rank-4/5 float input, or named like height/width) follow the
+  ladder 224, 256, 320, 640, 128, 64, 512, 32 — unless the model's metadata carries an image
+  size (``imgsz``, ``image_size``...), which is tried first;
+* other dims (sequences, samples) follow 16, 64, 256, 1024, 32, 128, 512, 4096;
+* integer inputs are drawn in [0, 100) (``mask``: ones, ``token_type``/``segment``: zeros),
+  then in {0, 1} once the ladder is exhausted (indices into a small table).
+
+The first assignment on which the original runs is used.  User-given ``--shape`` / ``--inputs``
+/ ``--tolerance`` that cannot apply to the model (unknown names, wrong dtype or rank, a size that
+contradicts a static dim or another input's, empty, non-positive, NaN, or more than
+:data:`MAX_INPUT_BYTES`) are usage errors, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from .errors import GraphoptError, UsageError
+
+SPATIAL_LADDER = (224, 256, 320, 640, 128, 64, 512, 32)
+SEQUENCE_LADDER = (16, 64, 256, 1024, 32, 128, 512, 4096)
+MAX_INPUT_BYTES = 4 << 30
+BATCH_NAMES = re.compile(r"^(n|b|bs|batch|batch_size|batchsize|num_batches)$|batch", re.I)
+SPATIAL_NAMES = re.compile(r"height|width|^h$|^w$|^H$|^W$|_h$|_w$|img|image", re.I)
+SIZE_KEYS = re.compile(r"imgsz|image_size|img_size|input_size|input_shape|resolution", re.I)
+
+Dim = int | str | None  # static size, dim_param, or unknown
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    name: str
+    dtype: np.dtype | None  # None: not a tensor (sequence, map, optional)
+    dims: tuple[Dim, ...] | None  # None: rank unknown
+
+    @property
+    def spatial(self) -> bool:
+        return (
+            self.dims is not None
+            and len(self.dims) in (4, 5)
+            and self.dtype is not None
+            and self.dtype.kind == "f"
+        )
+
+
+def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
+    """The graph inputs a caller feeds (initializers listed as inputs excluded)."""
+    inits = {t.name for t in model.graph.initializer}
+    specs = []
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        t = vi.type
+        if t.WhichOneof("value") != "tensor_type":
+            specs.append(InputSpec(vi.name, None, None))
+            continue
+        tt = t.tensor_type
+        try:
+            dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type))
+        except (KeyError, TypeError, ValueError):
+            dtype = None
+        dims = None
+        if tt.HasField("shape"):
+            dims = tuple(
+                d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                for d in tt.shape.dim
+            )
+        specs.append(InputSpec(vi.name, dtype, dims))
+    return specs
+
+
+# ------------------------------------------------------------------------------- validation
+def validate_args(
+    model: onnx.ModelProto,
+    shapes: dict[str, list[int]] | None,
+    inputs: dict[str, np.ndarray] | None,
+    tolerances: dict[str, tuple[float, float]] | None = None,
+) -> None:
+    """Refuse --shape / --inputs / --tolerance that cannot apply to this model (exit 2)."""
+    specs = {s.name: s for s in input_specs(model)}
+    all_inputs = {vi.name for vi in model.graph.input}
+    for flag, given in (("--shape", shapes), ("--inputs", inputs)):
+        unknown = sorted(set(given or {}) - all_inputs)
+        if unknown:
+            raise UsageError(
+                f"{flag} names unknown input(s): {', '.join(unknown)} "
+                f"(model inputs: {', '.join(sorted(specs)) or 'none'})"
+            )
+    bound: dict[str, tuple[int, str]] = {}
+    for name, value in (inputs or {}).items():
+        spec = specs.get(name)
+        if spec is None or spec.dtype is None:
+            continue
+        arr = np.asarray(value)
+        if arr.dtype != spec.dtype:
+            raise UsageError(f"--inputs: '{name}' is {arr.dtype}, the model takes {spec.dtype}")
+        _check_dims(f"--inputs: '{name}'", spec, list(arr.shape), bound)
+    for name, dims in (shapes or {}).items():
+        spec = specs.get(name)
+        if name in (inputs or {}):
+            raise UsageError(f"--shape and --inputs both give '{name}'")
+        if spec is None or spec.dtype is None:
+            continue
+        if not dims:
+            raise UsageError(f"--shape {name}= gives no dims")
+        if any(d <= 0 for d in dims):
+            raise UsageError(f"--shape {name}: dims must be positive (got {dims})")
+        nbytes = math.prod(dims) * spec.dtype.itemsize
+        if nbytes > MAX_INPUT_BYTES:
+            raise UsageError(
+                f"--shape {name}: {nbytes / 2**30:.1f} GiB of input is more than the "
+                f"{MAX_INPUT_BYTES >> 30} GiB parity allows"
+            )
+        _check_dims(f"--shape {name}", spec, list(dims), bound)
+    outputs = {o.name for o in model.graph.output}
+    for name, (rtol, atol) in (tolerances or {}).items():
+        if name not in outputs:
+            raise UsageError(
+                f"--tolerance names unknown output '{name}' "
+                f"(model outputs: {', '.join(sorted(outputs))})"
+            )
+        if not all(math.isfinite(v) and v >= 0 for v in (rtol, atol)):
+            raise UsageError(
+                f"--tolerance {name}: RTOL and ATOL must be finite and >= 0 (got {rtol}, {atol})"
+            )
+
+
+def _check_dims(what: str, spec: InputSpec, dims: list[int], bound: dict) -> None:
+    if spec.dims is None:
+        return
+    if len(dims) != len(spec.dims):
+        raise UsageError(
+            f"{what} has rank {len(dims)}, the model's input has rank {len(spec.dims)} "
+            f"({_fmt(spec.dims)})"
+        )
+    for axis, (want, got) in enumerate(zip(spec.dims, dims)):
+        if isinstance(want, int) and want > 0 and want != got:
+            raise UsageError(
+                f"{what}: axis {axis} is {got}, the model fixes it to {want} ({_fmt(spec.dims)})"
+            )
+        if isinstance(want, str):
+            seen = bound.setdefault(want, (got, what))
+            if seen[0] != got:
+                raise UsageError(
+                    f"{what}: axis {axis} ('{want}') is {got}, but {seen[1]} sets '{want}' "
+                    f"to {seen[0]}"
+                )
+
+
+def _fmt(dims) -> str:
+    return "[" + ", ".join("?" if d is None else str(d) for d in dims) + "]"
+
+
+# ----------------------------------------------------------------------------- derivation
+def candidate_shapes(
+    model: onnx.ModelProto,
+    shapes: dict[str, list[int]] | None = None,
+    inputs: dict[str, np.ndarray] | None = None,
+) -> list[dict[str, list[int]]]:
+    """Shape assignments to try, first the most likely; each covers every input not given."""
+    specs = [s for s in input_specs(model) if s.dtype is not None and s.dims is not None]
+    shapes, inputs = dict(shapes or {}), dict(inputs or {})
+    fixed: dict[str, int] = {}  # dim_param -> size, from what the user gave
+    for s in specs:
+        given = shapes.get(s.name) or (list(np.shape(inputs[s.name])) if s.name in inputs else None)
+        if given is not None and len(given) == len(s.dims):
+            for d, v in zip(s.dims, given):
+                if isinstance(d, str):
+                    fixed.setdefault(d, int(v))
+    free = [s for s in specs if s.name not in shapes and s.name not in inputs]
+    kinds: dict[object, str] = {}  # symbol -> batch | spatial | sequence
+    for s in free:
+        for axis, d in enumerate(s.dims):
+            if isinstance(d, int) and d > 0:
+                continue
+            key = d if isinstance(d, str) else (s.name, axis)
+            if key in fixed:
+                continue
+            kinds[key] = _stronger(kinds.get(key), _kind(s, axis, d))
+    hint = _metadata_image_size(model)
+    spatial = ([hint] if hint else []) + [v for v in SPATIAL_LADDER if v != hint]
+    out = []
+    for step in range(len(SEQUENCE_LADDER)):
+        values = {}
+        for key, kind in kinds.items():
+            if kind == "batch":
+                values[key] = 1
+            elif kind == "spatial":
+                values[key] = spatial[step % len(spatial)]
+            else:
+                values[key] = SEQUENCE_LADDER[step]
+        assignment = {}
+        for s in free:
+            dims = []
+            for axis, d in enumerate(s.dims):
+                if isinstance(d, int) and d > 0:
+                    dims.append(d)
+                else:
+                    key = d if isinstance(d, str) else (s.name, axis)
+                    dims.append(fixed[key] if key in fixed else values.get(key, 1))
+            assignment[s.name] = dims
+        assignment.update(shapes)
+        if assignment not in out:
+            out.append(assignment)
+        if not kinds:
+            break
+    return out
+
+
+def _kind(spec: InputSpec, axis: int, dim: Dim) -> str:
+    name = dim if isinstance(dim, str) else ""
+    if name and BATCH_NAMES.search(name):
+        return "batch"
+    if name and SPATIAL_NAMES.search(name):
+        return "spatial"
+    if axis == 0 and (spec.dims is None or len(spec.dims) > 1):
+        return "batch"
+    dims = spec.dims or ()
+    if dim is None and 0 < axis < len(dims) - 1 and _static(dims[axis - 1]) and _static(dims[-1]):
+        return "batch"  # [2, ?, 128]: a recurrent state or cache between static dims
+    if spec.spatial and axis >= 2:
+        return "spatial"
+    return "sequence"
+
+
+def _static(d: Dim) -> bool:
+    return isinstance(d, int) and d > 0
+
+
+def _stronger(old: str | None, new: str) -> str:
+    """A symbol seen as batch anywhere stays batch; spatial beats sequence."""
+    order = {"batch": 2, "spatial": 1, "sequence": 0}
+    return new if old is None or order[new] > order[old] else old
+
+
+def _metadata_image_size(model: onnx.ModelProto) -> int | None:
+    """An image size the model's metadata declares (ultralytics' imgsz, similar keys)."""
+    for prop in model.metadata_props:
+        if not SIZE_KEYS.search(prop.key):
+            continue
+        try:
+            value = json.loads(prop.value.replace("(", "[").replace(")", "]"))
+        except (ValueError, TypeError):
+            continue
+        if isinstance(value, int) and 8 <= value <= 4096:
+            return value
+        if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+            if 8 <= value[-1] <= 4096:
+                return int(value[-1])
+    return None
+
+
+# ------------------------------------------------------------------------------ search
+def find_runnable(
+    model: onnx.ModelProto,
+    run: Callable[[dict[str, np.ndarray]], list],
+    make: Callable[[dict[str, list[int]], int], dict[str, np.ndarray]],
+    shapes: dict[str, list[int]] | None,
+    inputs: dict[str, np.ndarray] | None,
+) -> tuple[dict[str, np.ndarray], list]:
+    """Feeds on which ``run`` (the original model) succeeds, and its outputs.
+
+    ``make(shapes, int_high)`` builds the feeds for one shape assignment.  Raises
+    GraphoptError naming what was tried when nothing runs."""
+    tried: list[str] = []
+    first_error = None
+    candidates = candidate_shapes(model, shapes, inputs)
+    attempts = [(c, 100) for c in candidates]
+    if _random_integers(model, shapes, inputs):
+        attempts.append((candidates[0], 2))
+    for assignment, high in attempts:
+        feeds = make(assignment, high)
+        try:
+            return feeds, run(feeds)
+        except GraphoptError as e:
+            first_error = first_error or str(e)
+            tried.append(
+                ", ".join(f"{k}={list(v.shape)}" for k, v in feeds.items())
+                + ("" if high == 100 else " (integers in {0, 1})")
+            )
+    hint = "give real sizes with --shape NAME=D0,D1,... or real inputs with --inputs FILE.npz"
+    raise GraphoptError(
+        f"the original model did not run on any derived input ({len(tried)} tried, first: "
+        f"{tried[0] if tried else 'none'}; {first_error}); {hint}"
+    )
+
+
+def _random_integers(model, shapes, inputs) -> bool:
+    """Whether some integer input is drawn at random (not given by the user)."""
+    return any(
+        s.name not in (inputs or {}) and s.dtype is not None and s.dtype.kind in "iu"
+        for s in input_specs(model)
+    )
