@@ -4,7 +4,8 @@ Every rewrite the pipeline applies is numbered (``--bisect-limit N`` applies onl
 If the fully optimized model fails parity, a binary search on N finds the smallest N that fails:
 rewrite N is the culprit.  That costs one full run plus ceil(log2(rewrites)) runs.  The culprit's
 remark (rule, nodes) is returned with a minimal before/after pair of models: the nodes the rewrite
-replaced, and the nodes it created, each cut out as a standalone model with the same inputs.
+replaced, and the nodes it created, each cut out as a standalone model with the same inputs (for a
+rewrite inside an If/Loop/Scan body, the whole models before and after it).
 """
 
 from __future__ import annotations
@@ -105,6 +106,9 @@ def bisect(
         f" (outputs: {', '.join(bad)})" if bad else ""
     )
     before, after = minimal_pair(before_model, after_model, remark, node)
+    if before is None:  # the rewrite is inside an If/Loop/Scan body: the whole models
+        before, after = before_model, after_model
+        message += " (inside a subgraph: before/after are the whole models)"
     culprit = {
         "index": index,
         "rule": rule,

@@ -102,3 +102,30 @@ def test_parity_localizes_first_divergence(wrong_rule, rng):
     assert report.parity.first_divergence["tensor"] == "a"
     assert report.parity.first_divergence["op"] == "Add"
     assert np.isfinite(report.parity.first_divergence["max_abs"])
+
+
+def test_bisect_inside_a_subgraph_returns_whole_models(wrong_rule, rng):
+    """A culprit inside an If body cannot be cut out alone: the whole models are the pair."""
+    from onnx import TensorProto
+
+    def branch(name, op):
+        return helper.make_graph(
+            [helper.make_node(op, ["x"], [f"{name}_o"], name=f"{name}_n")],
+            name,
+            [],
+            [vi(f"{name}_o", None)],
+        )
+
+    m = model(
+        [
+            helper.make_node(
+                "If", ["c"], ["y"], then_branch=branch("t", "Relu"), else_branch=branch("e", "Neg")
+            )
+        ],
+        [vi("x", [4]), vi("c", [], TensorProto.BOOL)],
+        [vi("y", [4])],
+    )
+    result = bisect(m, pipeline="test-wrong-relu-to-abs", inputs={"c": np.array(True)})
+    assert result.found and result.culprit["node"] == "t_n"
+    assert result.before is not None and result.after is not None
+    assert "If" in [n.op_type for n in result.before.graph.node]
