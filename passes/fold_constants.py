@@ -36,7 +36,7 @@ from onnx_graphsurgeon import Graph
 from graphopt.opt.analysis import EvaluationError, evaluate, infer_shapes
 from graphopt.opt.ir import Constant, ModelIR, Node, Variable, static_shape
 from graphopt.opt.manager import Pass, PassContext, register_pass
-from graphopt.opt.quant import DEQUANTIZE
+from graphopt.opt.quant import DEQUANTIZE, is_low_bit
 
 DEFAULT_SIZE_LIMIT = 1 << 20
 
@@ -154,8 +154,10 @@ class FoldConstants(Pass):
                 continue
             if not all(_known(t) or id(t) in sizes for t in node.inputs):
                 continue
-            if not all(_dtype_ok(t) for t in list(node.inputs) + list(node.outputs) if _named(t)):
-                continue  # int4/fp8 and other types numpy cannot hold
+            if not all(_dtype_ok(t) for t in node.outputs if _named(t)):
+                continue
+            if any(is_low_bit(t) for t in node.inputs if _named(t)):
+                continue  # int4/fp8: no numpy type onnxruntime takes or gives back
             verdict = self._precheck(ir, node, sizes, limit, growth.used + projected)
             if verdict == DEFER:
                 continue
