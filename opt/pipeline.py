@@ -8,6 +8,8 @@ Grammar (whitespace ignored)::
 ``fixpoint(...){max-iterations=N}`` repeats its children; ``rules{level=N}`` runs every
 registered rule up to level N; a pass name runs that pass; consecutive rule names form one rule
 set.  Example: ``fold-constants,fixpoint(fuse-conv-bn,matmul-add-to-gemm,dce){max-iterations=8}``.
+``max-iterations`` is at least 1, ``level`` 0..3, an option is given once, and fixpoints nest at
+most ``MAX_DEPTH`` deep; anything else is a usage error.
 """
 
 from __future__ import annotations
@@ -78,45 +80,42 @@ def _tokens(text: str) -> list[str]:
     return out
 
 
+MAX_DEPTH = 16  # nesting of fixpoint(...) a pipeline may have
+LEVEL_RANGE = (0, 3)
+
+
 def parse(text: str) -> list[Pass]:
-    """Parse pipeline text into passes; unknown names are a usage error."""
+    """Parse pipeline text into passes; unknown names, malformed or out-of-range options and
+    nesting deeper than MAX_DEPTH are usage errors."""
     toks = _tokens(text)
     if not toks:
         return []
-    passes, i = _parse_list(toks, 0)
+    passes, i = _parse_list(toks, 0, 1)
     if i != len(toks):
         raise UsageError(f"pipeline text: unexpected '{toks[i]}'")
     return passes
 
 
-def _parse_list(toks: list[str], i: int) -> tuple[list[Pass], int]:
+def _parse_list(toks: list[str], i: int, depth: int) -> tuple[list[Pass], int]:
+    if depth > MAX_DEPTH:
+        raise UsageError(f"pipeline text: nested more than {MAX_DEPTH} levels deep")
     items: list[Pass] = []
     pending_rules = []
     while True:
-        if i >= len(toks):
-            raise UsageError("pipeline text: expected a pass name at the end")
+        if i >= len(toks) or toks[i] in "(),{}=":
+            where = f"'{toks[i]}'" if i < len(toks) else "the end"
+            raise UsageError(f"pipeline text: expected a pass name at {where}")
         name = toks[i]
         i += 1
         children = None
         opts: dict[str, str] = {}
         if i < len(toks) and toks[i] == "(":
-            children, i = _parse_list(toks, i + 1)
+            children, i = _parse_list(toks, i + 1, depth + 1)
             if i >= len(toks) or toks[i] != ")":
                 raise UsageError("pipeline text: missing ')'")
             i += 1
         if i < len(toks) and toks[i] == "{":
-            i += 1
-            while True:
-                if i + 2 >= len(toks) or toks[i + 1] != "=":
-                    raise UsageError("pipeline text: options are written {key=value,...}")
-                opts[toks[i]] = toks[i + 2]
-                i += 3
-                if toks[i] == "}":
-                    i += 1
-                    break
-                if toks[i] != ",":
-                    raise UsageError("pipeline text: expected ',' or '}' in options")
-                i += 1
+            opts, i = _parse_options(toks, i + 1)
         if name in RULES and children is None and not opts:
             pending_rules.append(RULES[name])
         else:
@@ -133,25 +132,52 @@ def _parse_list(toks: list[str], i: int) -> tuple[list[Pass], int]:
     return items, i
 
 
-def _int_opt(opts: dict[str, str], key: str, default: int | None) -> int | None:
+def _parse_options(toks: list[str], i: int) -> tuple[dict[str, str], int]:
+    """``key=value,...}`` from just after the ``{``; returns the options and the index after
+    the ``}``."""
+    opts: dict[str, str] = {}
+    while True:
+        if i + 2 >= len(toks) or toks[i + 1] != "=" or toks[i + 2] in "(),{}=":
+            raise UsageError("pipeline text: options are written {key=value,...}")
+        if toks[i] in opts:
+            raise UsageError(f"pipeline text: option {toks[i]} given twice")
+        opts[toks[i]] = toks[i + 2]
+        i += 3
+        if i >= len(toks):
+            raise UsageError("pipeline text: missing '}' after options")
+        if toks[i] == "}":
+            return opts, i + 1
+        if toks[i] != ",":
+            raise UsageError("pipeline text: expected ',' or '}' in options")
+        i += 1
+
+
+def _int_opt(
+    opts: dict[str, str], key: str, default: int | None, lo: int, hi: int | None = None
+) -> int | None:
     if key not in opts:
         return default
+    text = opts.pop(key)
     try:
-        return int(opts.pop(key))
+        value = int(text)
     except ValueError:
-        raise UsageError(f"pipeline text: option {key} must be an integer") from None
+        raise UsageError(f"pipeline text: option {key} must be an integer (got '{text}')") from None
+    if value < lo or (hi is not None and value > hi):
+        bound = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+        raise UsageError(f"pipeline text: option {key} must be {bound} (got {value})")
+    return value
 
 
 def _make(name: str, children: list[Pass] | None, opts: dict[str, str]) -> Pass:
     if name == "fixpoint":
         if not children:
             raise UsageError("pipeline text: fixpoint needs passes in parentheses")
-        p: Pass = Fixpoint(children, _int_opt(opts, "max-iterations", 10))
+        p: Pass = Fixpoint(children, _int_opt(opts, "max-iterations", 10, 1))
+    elif children is not None:
+        raise UsageError(f"pipeline text: '{name}' takes no nested passes")
     elif name == "rules":
-        p = RuleSetPass(max_level=_int_opt(opts, "level", None))
+        p = RuleSetPass(max_level=_int_opt(opts, "level", None, *LEVEL_RANGE))
     elif name in PASSES:
-        if children is not None:
-            raise UsageError(f"pipeline text: pass '{name}' takes no nested passes")
         p = PASSES[name]()
     else:
         raise UsageError(f"pipeline text: unknown pass or rule '{name}' (see `graphopt rules`)")
