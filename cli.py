@@ -8,7 +8,8 @@ the traceback.
 from __future__ import annotations
 
 import json
-import shutil
+import math
+import os
 import sys
 from contextlib import contextmanager
 from enum import Enum
@@ -26,8 +27,14 @@ from .opt.bisect import bisect as run_bisect
 from .opt.explain import explain as explain_report
 from .opt.gate import evaluate_expectations, junit_xml, parse_expectations
 from .opt.io import (
+    OutputDirKind,
+    atomic_write,
     atomic_write_text,
+    check_output_dir,
+    check_side_outputs,
+    external_data_files,
     load_model,
+    remove_path,
     replace_dir,
     save_model,
     staging_dir,
@@ -41,7 +48,7 @@ from .opt.parity import check_parity, load_inputs, parse_shapes, parse_tolerance
 from .opt.pipeline import LEVEL_NAMES, preset, with_kernels
 from .opt.reference import upcast_to_float64
 from .opt.report_html import render_html
-from .opt.target import TARGETS
+from .opt.target import TARGETS, get_target
 
 app = typer.Typer(
     add_completion=False,
@@ -97,6 +104,84 @@ def _default_out(model: Path, target: str) -> Path:
     return model.with_name(f"{model.stem}.{target}.graphopt")
 
 
+# Folders graphopt writes whole: replaced only when their marker says they are graphopt's and
+# they hold nothing else (the patterns are everything the writer may put there).
+BUNDLE_KIND = OutputDirKind(
+    "graphopt bundle",
+    "manifest.json",
+    "graphopt.bundle/1",
+    (
+        "model.onnx",
+        "model.onnx.data*",
+        "report.json",
+        "manifest.json",
+        "session_config.json",
+        "memory_plan.json",
+        "golden",
+        "golden/inputs.npz",
+        "golden/outputs.npz",
+        "kernels",
+        "kernels/*",
+    ),
+)
+BISECT_SCHEMA = "graphopt.bisect/1"
+BISECT_KIND = OutputDirKind(
+    "graphopt bisect folder",
+    "report.json",
+    BISECT_SCHEMA,
+    ("report.json", "before.onnx", "after.onnx"),
+)
+MAX_THREADS = 1024
+SEED = typer.Option("--seed", min=0, help="Seed of random parity inputs (>= 0).")
+
+
+def _protected(model: Path) -> list[Path]:
+    """The input model and its external-data files: no output may replace or contain them."""
+    return [model, *external_data_files(model)] if model.is_file() else [model]
+
+
+def _finite(value: float, flag: str, lo: float | None = 0.0) -> float:
+    """A flag's number must be finite (and at least ``lo``)."""
+    if not math.isfinite(value) or (lo is not None and value < lo):
+        bound = f"a finite number >= {lo:g}" if lo is not None else "a finite number"
+        raise errors.UsageError(f"{flag} must be {bound} (got {value})")
+    return value
+
+
+def _graph_inputs(model) -> list[str]:
+    """The model's real inputs (not initializers listed as inputs)."""
+    proto = load_model(model, check=False, lazy_external=True) if isinstance(model, Path) else model
+    inits = {t.name for t in proto.graph.initializer}
+    return [i.name for i in proto.graph.input if i.name not in inits]
+
+
+def _load_feeds(inputs: Path | None, model):
+    """``--inputs``: an .npz of named arrays, or an .npy holding the one input of a model that
+    has exactly one."""
+    if inputs is None:
+        return None
+    try:
+        with open(inputs, "rb") as f:
+            is_npy = f.read(6) == b"\x93NUMPY"
+    except OSError as e:
+        raise errors.UsageError(f"--inputs {inputs}: cannot read ({e.strerror or e})") from None
+    if not is_npy:
+        return load_inputs(inputs)
+    import numpy as np
+
+    try:
+        array = np.load(inputs, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise errors.UsageError(f"--inputs {inputs}: cannot read as .npy ({e})") from None
+    names = _graph_inputs(model)
+    if len(names) != 1:
+        raise errors.UsageError(
+            f"--inputs {inputs}: an .npy holds one array but the model has {len(names)} inputs "
+            f"({', '.join(names) or 'none'}); give an .npz with one array per input name"
+        )
+    return {names[0]: array}
+
+
 @app.command()
 def optimize(
     model: Annotated[Path, typer.Argument(help="Input .onnx model (never modified).")],
@@ -130,16 +215,17 @@ def optimize(
         Path | None, typer.Option("--inputs", help=".npz of inputs for parity.")
     ] = None,
     no_check: Annotated[bool, typer.Option("--no-check", help="Skip the parity check.")] = False,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of random parity inputs.")] = 0,
+    seed: Annotated[int, SEED] = 0,
     bisect_limit: Annotated[
         int | None,
-        typer.Option("--bisect-limit", help="Apply only the first N rewrites (opt-bisect)."),
+        typer.Option("--bisect-limit", min=0, help="Apply only the first N rewrites (opt-bisect)."),
     ] = None,
     verify_each: Annotated[
         bool, typer.Option("--verify-each", help="Check the model after every pass.")
     ] = False,
     fold_size_limit: Annotated[
-        float, typer.Option("--fold-size-limit", help="MiB a folded constant may grow to.")
+        float,
+        typer.Option("--fold-size-limit", help="MiB a folded constant may grow to (finite, >= 0)."),
     ] = 1.0,
     remarks: Annotated[
         Path | None, typer.Option("--remarks", help="Write remarks as JSONL.")
@@ -184,11 +270,14 @@ def optimize(
     """Optimize MODEL for a target; write OUT_DIR/model.onnx and OUT_DIR/report.json."""
     with handled(), sparse_collection():  # writing the bundle of a large graph too
         src = model.resolve()
-        dest = (output or _default_out(model, target)).resolve()
-        _check_output_dir(src, dest)
+        protected = _protected(src)
+        dest = check_output_dir(output or _default_out(model, target), BUNDLE_KIND, protected)
+        side = {"--remarks": remarks, "--junit": junit, "--html": html_report}
+        check_side_outputs(side, models=[src], files=[inputs] if inputs else [], dirs=[dest])
+        fold_limit = _finite(fold_size_limit, "--fold-size-limit")
         expectations = parse_expectations(expect)
         shapes = parse_shapes(shape)
-        feeds = load_inputs(inputs) if inputs else None
+        feeds = _load_feeds(inputs, src)
         show = fmt == Format.text and not quiet and sys.stdout.isatty()
         if kernels:
             pipeline = with_kernels(preset(level) if pipeline is None else pipeline)
@@ -204,14 +293,14 @@ def optimize(
                 seed=seed,
                 bisect_limit=bisect_limit,
                 verify_each=verify_each,
-                options={"fold_size_limit": int(fold_size_limit * 2**20)},
+                options={"fold_size_limit": int(fold_limit * 2**20)},
                 progress=say,
                 reference=reference.value,
                 output_tolerances=parse_tolerances(tolerance),
                 opset=opset,
             )
             say("writing")
-            _write_bundle(dest, optimized, report)
+            _write_bundle(dest, optimized, report, protected)
         if remarks:
             _atomic_text(
                 remarks,
@@ -235,77 +324,56 @@ def optimize(
             for e in results:
                 mark = "[green]ok[/]" if e.ok else "[red]FAILED[/]"
                 out.print(f"expect {e.text}: {mark} (found {e.actual})")
-        code = _exit_code(report, checked=not no_check)
-        if not code and not all(e.ok for e in results):
-            code = errors.EXIT_TARGET
+        code, reason = _verdict(report, results, checked=not no_check)
         if code:
-            err.print(f"error: {_exit_reason(report, results, code)}", soft_wrap=True)
+            err.print(f"error: {reason}", soft_wrap=True)
             raise typer.Exit(code)
 
 
-def _exit_reason(report, expectations, code: int) -> str:
-    """One line for a non-zero exit, printed even with --quiet or --format json."""
-    if code == errors.EXIT_PARITY:
-        bad = [
-            o.name
-            for p in (report.parity, report.parity_float64)
-            if p
-            for o in p.outputs
-            if not o.ok
-        ]
-        return f"parity failed (outputs: {', '.join(bad) or 'see report.json'})"
-    failures = [r for r in report.remarks if r.kind == "failure"]
-    if failures:
-        return f"{failures[0].rule}: {failures[0].code}: {failures[0].message}" + (
-            f" (+{len(failures) - 1} more in report.json)" if len(failures) > 1 else ""
-        )
-    unmet = [e.text for e in expectations if not e.ok]
-    return f"expectations not met: {', '.join(unmet)}" if unmet else f"exit {code}"
+def _remark_line(failures: list) -> str:
+    first = failures[0]
+    more = f" (+{len(failures) - 1} more in report.json)" if len(failures) > 1 else ""
+    return f"{first.rule}: {first.code}: {first.message}{more}"
 
 
-def _check_output_dir(src: Path, dest: Path) -> None:
-    """The bundle directory is replaced whole: refuse anything that is not ours to replace."""
-    if dest == src or dest in src.parents:
-        raise errors.UsageError(f"output directory {dest} would contain or replace the input model")
-    if dest.exists():
-        if not dest.is_dir():
-            raise errors.UsageError(f"output {dest} exists and is not a directory")
-        if any(dest.iterdir()) and not (dest / "report.json").exists():
-            raise errors.UsageError(
-                f"output directory {dest} exists and is not a graphopt bundle; "
-                "refusing to replace it"
-            )
+def _verdict(report, expectations, checked: bool) -> tuple[int, str]:
+    """The exit code and its one line, printed even with --quiet or --format json.
 
-
-def _exit_code(report, checked: bool) -> int:
-    """Parity that ran and failed → 3; parity that could not run is reported (and warned about
-    on stderr), not counted as a mismatch."""
+    In order: parity that ran and failed → 3; a ``verify`` failure (the optimized model was
+    invalid or refused by onnxruntime) → 1; not converged or a node the target cannot run → 4;
+    parity requested that could not run → 3; unmet ``--expect`` → 4."""
     parities = [report.parity] + ([report.parity_float64] if report.parity_float64 else [])
+    bad = [o.name for p in parities if checked and p.ran for o in p.outputs if not o.ok]
     if checked and any(p.ran and not p.ok for p in parities):
-        return errors.EXIT_PARITY
-    for p in parities:
-        if checked and not p.ran:
-            hint = (
-                " (random inputs, symbolic dims at default sizes: give real sizes with "
-                "--shape NAME=D0,D1,... or real inputs with --inputs FILE.npz)"
-                if p.error and "failed to run" in p.error
-                else ""
-            )
-            err.print(
-                f"[yellow]warning:[/] parity vs {p.reference} not run: {p.error}{hint}",
-                markup=True,
-                soft_wrap=True,
-            )
-    if not report.converged:
-        return errors.EXIT_TARGET
-    if not report.legal:  # legalize: a node the target cannot run
-        return errors.EXIT_TARGET
-    return errors.EXIT_OK
+        return errors.EXIT_PARITY, f"parity failed (outputs: {', '.join(bad) or 'see report.json'})"
+    failures = [r for r in report.remarks if r.kind == "failure"]
+    verify = [r for r in failures if r.pass_name == "verify"]
+    if verify:
+        return errors.EXIT_ERROR, _remark_line(verify)
+    if not report.converged or not report.legal:  # legalize: a node the target cannot run
+        return errors.EXIT_TARGET, _remark_line(failures) if failures else "exit 4"
+    not_run = [p for p in parities if checked and not p.ran]
+    if not_run:
+        p = not_run[0]
+        return errors.EXIT_PARITY, f"parity could not run: {p.error}{_parity_hint(p)}"
+    unmet = [e.text for e in expectations if not e.ok]
+    if unmet:
+        return errors.EXIT_TARGET, f"expectations not met: {', '.join(unmet)}"
+    return errors.EXIT_OK, ""
 
 
-def _write_bundle(dest: Path, model, report) -> None:
-    """Write model + report into a staging dir, then move it into place in one rename."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
+def _parity_hint(parity) -> str:
+    if parity.error and "failed to run" in parity.error:
+        return (
+            " (random inputs, symbolic dims at default sizes: give real sizes with "
+            "--shape NAME=D0,D1,... or real inputs with --inputs FILE.npz)"
+        )
+    return ""
+
+
+def _write_bundle(dest: Path, model, report, protected: list[Path]) -> None:
+    """Write model + report into a staging dir, then move it into place in one rename; the
+    staging dir never survives, whatever fails."""
     try:
         staging = staging_dir(dest)
     except OSError as e:
@@ -324,12 +392,20 @@ def _write_bundle(dest: Path, model, report) -> None:
         report.outputs = {k: str(dest / v) for k, v in files.items()}
         report.outputs["report"] = str(dest / "report.json")
         (staging / "report.json").write_text(json.dumps(report.to_dict(), indent=2, sort_keys=True))
+        check_output_dir(dest, BUNDLE_KIND, protected)  # again: minutes may have passed
         replace_dir(staging, dest)
     except OSError as e:
         raise errors.ModelSaveError(f"cannot write {dest}: {e.strerror or e}") from None
     finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+        _discard(staging)
+
+
+def _discard(path: Path) -> None:
+    if os.path.lexists(path):
+        try:
+            remove_path(path)
+        except OSError as e:
+            err.print(f"warning: could not remove {path}: {e}", soft_wrap=True)
 
 
 def _atomic_text(path: Path, text: str) -> None:
@@ -429,7 +505,7 @@ def check(
     optimized: Annotated[Path, typer.Argument(help="Model to compare (a file or a bundle dir).")],
     shape: Annotated[list[str] | None, typer.Option("--shape")] = None,
     inputs: Annotated[Path | None, typer.Option("--inputs")] = None,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    seed: Annotated[int, SEED] = 0,
     reference: Annotated[
         Reference,
         typer.Option("--reference", help="Compare with ORIGINAL, its float64 upcast, or both."),
@@ -447,7 +523,7 @@ def check(
         ref_model, opt_model = load_model(original), load_model(optimized)
         kw = dict(
             shapes=parse_shapes(shape),
-            inputs=load_inputs(inputs) if inputs else None,
+            inputs=_load_feeds(inputs, ref_model),
             seed=seed,
             per_output=parse_tolerances(tolerance),
         )
@@ -482,13 +558,17 @@ def bisect(
     pipeline: Annotated[str | None, typer.Option("--pipeline")] = None,
     shape: Annotated[list[str] | None, typer.Option("--shape")] = None,
     inputs: Annotated[Path | None, typer.Option("--inputs")] = None,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    seed: Annotated[int, SEED] = 0,
     fmt: Annotated[Format, typer.Option("--format")] = Format.text,
 ) -> None:
     """Find the first rewrite that breaks parity (binary search on --bisect-limit).
 
     Exit 3 when a culprit is found (parity is broken), 0 when parity holds."""
     with handled():
+        protected = _protected(model.resolve())
+        dest = check_output_dir(
+            output or model.with_name(f"{model.stem}.bisect"), BISECT_KIND, protected
+        )
         show = fmt == Format.text and sys.stdout.isatty()
         with _progress(show) as say:
             result = run_bisect(
@@ -497,21 +577,13 @@ def bisect(
                 level=level,
                 pipeline=pipeline,
                 shapes=parse_shapes(shape),
-                inputs=load_inputs(inputs) if inputs else None,
+                inputs=_load_feeds(inputs, model),
                 seed=seed,
                 progress=say,
             )
         payload = result.to_dict()
         if result.found and result.before is not None:
-            dest = (output or model.with_name(f"{model.stem}.bisect")).resolve()
-            _check_output_dir(model.resolve(), dest)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            staging = staging_dir(dest)
-            write_model_files(result.before, staging / "before.onnx", external=False)
-            if result.after is not None:
-                write_model_files(result.after, staging / "after.onnx", external=False)
-            (staging / "report.json").write_text(json.dumps(payload, indent=2, sort_keys=True))
-            replace_dir(staging, dest)
+            _write_bisect(dest, result, payload, protected)
             payload["files"] = str(dest)
         if fmt == Format.json:
             print(json.dumps(payload, indent=2, sort_keys=True))
@@ -519,6 +591,27 @@ def bisect(
             _render_bisect(result, payload)
         if result.found:
             raise typer.Exit(errors.EXIT_PARITY)
+
+
+def _write_bisect(dest: Path, result, payload: dict, protected: list[Path]) -> None:
+    """before.onnx, after.onnx and report.json (its schema marks the folder as ours) written in
+    a staging folder and renamed into place; the staging folder never survives."""
+    try:
+        staging = staging_dir(dest)
+    except OSError as e:
+        raise errors.ModelSaveError(f"cannot write to {dest.parent}: {e.strerror or e}") from None
+    try:
+        write_model_files(result.before, staging / "before.onnx", external=False)
+        if result.after is not None:
+            write_model_files(result.after, staging / "after.onnx", external=False)
+        marked = {"schema": BISECT_SCHEMA, **payload}
+        (staging / "report.json").write_text(json.dumps(marked, indent=2, sort_keys=True))
+        check_output_dir(dest, BISECT_KIND, protected)
+        replace_dir(staging, dest)
+    except OSError as e:
+        raise errors.ModelSaveError(f"cannot write {dest}: {e.strerror or e}") from None
+    finally:
+        _discard(staging)
 
 
 def _render_bisect(result, payload: dict) -> None:
@@ -553,14 +646,18 @@ def explain(
 ) -> None:
     """Which rules fired where, which were refused where and why (with a hint for the fix)."""
     with handled():
+        src = model.resolve()
+        check_side_outputs({"--remarks": remarks}, models=[src], files=[inputs] if inputs else [])
+        if rule is not None and rule not in RULES and rule not in PASSES:
+            raise errors.UsageError(f"--rule: unknown rule or pass '{rule}' (see `graphopt rules`)")
         _, report = run_optimize(
-            model.resolve(),
+            src,
             target=target,
             level=level,
             pipeline=pipeline,
             check=False,
             shapes=parse_shapes(shape),
-            inputs=load_inputs(inputs) if inputs else None,
+            inputs=_load_feeds(inputs, src),
         )
         data = explain_report(report, rule=rule, node=node, code=code)
         if remarks:
@@ -627,6 +724,14 @@ def lint(
     """Pitfalls of real exports (weights as inputs, custom domains, fp16 saturation...), each
     with its fix."""
     with handled():
+        get_target(target)  # an unknown target is a usage error, not "no findings"
+        dest = None
+        if freeze_initializers:
+            dest = (output or model.with_name(f"{model.stem}.frozen.onnx")).resolve()
+            check_side_outputs(
+                {"-o": dest, "-o (its external data)": dest.with_name(dest.name + ".data")},
+                models=[model.resolve()],
+            )
         proto = load_model(model, check=False)
         try:
             _, report = run_optimize(proto, target=target, check=False)
@@ -639,11 +744,8 @@ def lint(
             "model": str(model),
             "findings": [f.to_dict() for f in findings],
         }
-        if freeze_initializers:
+        if dest is not None:
             frozen, names = freeze_model(proto)
-            dest = (output or model.with_name(f"{model.stem}.frozen.onnx")).resolve()
-            if dest == model.resolve():
-                raise errors.UsageError("--freeze-initializers must not overwrite the input")
             save_model(frozen, dest)
             payload["frozen"] = {"output": str(dest), "initializers": len(names)}
         if fmt == Format.json:
@@ -675,7 +777,9 @@ def bench(
     level: Annotated[int, typer.Option("-O", "--level", min=0, max=3)] = 2,
     runs: Annotated[int, typer.Option("--runs", min=1)] = 100,
     warmup: Annotated[int, typer.Option("--warmup", min=0)] = 10,
-    threads: Annotated[int, typer.Option("--threads", min=1)] = 1,
+    threads: Annotated[
+        int, typer.Option("--threads", min=1, max=MAX_THREADS, help="intra-op threads.")
+    ] = 1,
     ort_level: Annotated[
         str,
         typer.Option(
@@ -702,12 +806,21 @@ def bench(
 ) -> None:
     """p50/p95 latency of original and optimized (interleaved); the CI regression gate."""
     with handled():
-        limit = parse_regression(max_regression)
+        limit = _finite(parse_regression(max_regression), "--max-regression", None)
+        _finite(min_seconds, "--min-seconds")
+        src = model.resolve()
+        opt_path = optimized / "model.onnx" if optimized and optimized.is_dir() else optimized
+        check_side_outputs(
+            {"--save-baseline": save_baseline, "--junit": junit},
+            models=[src] + ([opt_path] if opt_path else []),
+            files=[inputs] if inputs else [],
+            dirs=[optimized] if optimized and optimized.is_dir() else [],
+        )
         original = load_model(model)
-        if optimized is None:
+        if opt_path is None:
             opt_model, _ = run_optimize(original, target=target, level=level, check=False)
         else:
-            opt_model = load_model(optimized / "model.onnx" if optimized.is_dir() else optimized)
+            opt_model = load_model(opt_path)
         result = measure(
             original,
             opt_model,
@@ -716,7 +829,7 @@ def bench(
             threads=threads,
             level=ort_level,
             shapes=parse_shapes(shape),
-            inputs=load_inputs(inputs) if inputs else None,
+            inputs=_load_feeds(inputs, original),
             min_seconds=min_seconds,
         )
         if baseline:
@@ -912,16 +1025,23 @@ def run(
 ) -> None:
     """Run a bundle with onnxruntime exactly as its manifest and session config say."""
     with handled():
-        from .targets.bundle import describe_value, run_bundle
+        from .targets.bundle import MANIFEST, describe_value, run_bundle
 
-        feeds = load_inputs(inputs) if inputs else None
+        if bundle.is_file() and bundle.name != MANIFEST:
+            raise errors.UsageError(
+                f"{bundle} is a file, not a bundle directory written by optimize"
+            )
+        folder = bundle.parent if bundle.is_file() else bundle
+        check_side_outputs({"-o": output}, files=[inputs] if inputs else [], dirs=[folder])
+        feeds = _load_feeds(inputs, folder / "model.onnx") if inputs else None
         result = run_bundle(bundle, feeds, providers=provider or None, repeat=repeat)
         if output:
             import numpy as np
 
-            with _atomic_path(output) as tmp:
-                with open(tmp, "wb") as f:
-                    np.savez(f, **result["outputs"])
+            try:
+                atomic_write(output, lambda f: np.savez(f, **result["outputs"]))
+            except OSError as e:
+                raise errors.ModelSaveError(f"cannot write {output}: {e.strerror or e}") from None
         summary = {
             "bundle": result["bundle"],
             "target": result["target"],
@@ -954,23 +1074,6 @@ def run(
                 )
         if result["golden"] is not None and not result["golden"]["ok"]:
             raise typer.Exit(errors.EXIT_PARITY)
-
-
-@contextmanager
-def _atomic_path(path: Path):
-    """A temp file beside ``path`` that replaces it when the block succeeds."""
-    import os
-    import tempfile
-
-    path = path.resolve()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -6,13 +6,15 @@ machine noise hits both alike.  The regression rule of the source document (reje
 than 5 % slower than the baseline) is applied to the *normalized* latency, optimized p95 divided
 by original p95 in the same run (the median over five interleaved slices, so one burst of
 background load does not decide): a baseline written on one machine stays meaningful on a busier
-or faster one.  Absolute times are reported too.
+or faster one.  Absolute times are reported too.  A model onnxruntime cannot load or run is one
+GraphoptError line (exit 1), checked with one run of each model before the timing starts.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ import onnx
 import onnxruntime as ort
 
 from .customops import register_libraries
-from .errors import UsageError
+from .errors import GraphoptError, UsageError
 from .parity import Session, make_inputs
 
 
@@ -61,16 +63,32 @@ LEVELS = {
 }
 
 
-def _session(model: onnx.ModelProto, level: str, threads: int) -> tuple[Any, float]:
+def _session(model: onnx.ModelProto, level: str, threads: int, which: str) -> tuple[Any, float]:
     so = ort.SessionOptions()
     so.graph_optimization_level = LEVELS[level]
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
     so.log_severity_level = 4
-    register_libraries(so, model)
     t0 = time.perf_counter()
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    with _runtime_errors(f"onnxruntime cannot load the {which} model"):
+        register_libraries(so, model)
+        t0 = time.perf_counter()
+        sess = ort.InferenceSession(
+            model.SerializeToString(), so, providers=["CPUExecutionProvider"]
+        )
     return sess, (time.perf_counter() - t0) * 1000
+
+
+@contextmanager
+def _runtime_errors(what: str):
+    """onnxruntime raises several unrelated types: one GraphoptError line (exit 1)."""
+    try:
+        yield
+    except GraphoptError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise GraphoptError(f"{what}: {first}") from None
 
 
 def measure(
@@ -92,11 +110,14 @@ def measure(
         raise UsageError(f"--ort-level must be one of {', '.join(LEVELS)}")
     feeds = make_inputs(Session(original).sess, shapes or {}, seed, inputs)
     sessions, created = [], []
-    for m in (original, optimized):
-        s, ms = _session(m, level, threads)
+    for m, which in ((original, "original"), (optimized, "optimized")):
+        s, ms = _session(m, level, threads, which)
         names = {i.name for i in s.get_inputs()}
         sessions.append((s, {k: v for k, v in feeds.items() if k in names}))
         created.append(ms)
+    for which, (s, f) in zip(("original", "optimized"), sessions):  # one checked run each
+        with _runtime_errors(f"onnxruntime cannot run the {which} model"):
+            s.run(None, f)
     for _ in range(warmup):
         for s, f in sessions:
             s.run(None, f)

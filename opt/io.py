@@ -4,22 +4,37 @@ Loading refuses, with one clear line, anything that is not a usable model: missi
 truncated or non-ONNX files, external-data references that escape the model's directory
 (absolute paths, ``..``, symlinks pointing outside) or point past the end of their file.
 Saving never leaves a half-written file: everything goes to a temporary sibling first and is
-renamed into place, and the input model is never written to.
+renamed into place, and the input model is never written to.  Temporaries are named after their
+output and the writing process (``.NAME.graphopt-KIND-PID-...``), removed on every failure path,
+and one left by a killed run is removed by the next write of that output.
+
+Where outputs may go: :func:`check_output_dir` lets a folder be replaced only when it is one
+graphopt wrote (a marker file with its schema) and holds nothing else; :func:`check_side_outputs`
+refuses a file output that would land on an input model, its external data, an input file, or
+inside a folder being read or written.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import json
 import os
+import re
 import shutil
+import stat
+import sys
 import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import onnx
 from google.protobuf.message import DecodeError
 from onnx import external_data_helper
 
 from .compat import accept_on_load
-from .errors import ModelLoadError, ModelSaveError
+from .errors import ModelLoadError, ModelSaveError, UsageError
 
 # Protobuf cannot serialize a message of 2 GiB or more; stay well below when deciding.
 PROTOBUF_LIMIT = 2**31 - 1
@@ -173,7 +188,8 @@ def save_model(
     parent = path.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        tmpdir = Path(tempfile.mkdtemp(prefix=".graphopt-", dir=parent))
+        sweep_stale(path)
+        tmpdir = Path(tempfile.mkdtemp(prefix=_temp_prefix(path, "tmp"), dir=parent))
     except OSError as e:
         raise ModelSaveError(f"cannot write to {parent}: {e.strerror or e}") from None
     try:
@@ -277,21 +293,96 @@ def _umask() -> int:
     return mask
 
 
+# ------------------------------------------------------------------ temporaries beside outputs
+# Every temporary graphopt puts beside an output is named ``.<name>.graphopt-<kind>-<pid>-<rand>``
+# so that one left by a killed run (its process gone) is recognized and removed by the next run.
+TEMP_KINDS = ("staging", "old", "tmp")
+_TEMP_NAME = re.compile(r"\.(?P<name>.+)\.graphopt-(?P<kind>staging|old|tmp)-(?P<pid>\d+)-")
+
+
+def _temp_prefix(final: Path, kind: str) -> str:
+    return f".{final.name}.graphopt-{kind}-{os.getpid()}-"
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def sweep_stale(final: Path) -> list[Path]:
+    """Remove temporaries of ``final`` left by graphopt runs whose process is gone (ours only:
+    our name pattern, our user).  Returns what was removed."""
+    removed: list[Path] = []
+    try:
+        entries = list(final.parent.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _TEMP_NAME.match(entry.name)
+        if not m or m["name"] != final.name or _pid_alive(int(m["pid"])):
+            continue
+        try:
+            if entry.lstat().st_uid != os.geteuid():
+                continue
+            remove_path(entry)
+            removed.append(entry)
+        except OSError:
+            continue
+    return removed
+
+
+def _make_writable(func, path, _exc) -> None:
+    """rmtree error handler: a read-only folder blocks deleting its entries; open it, retry."""
+    parent = os.path.dirname(path)
+    try:
+        os.chmod(parent, os.stat(parent).st_mode | stat.S_IWUSR | stat.S_IXUSR)
+        if os.path.isdir(path) and not os.path.islink(path):
+            os.chmod(path, os.stat(path).st_mode | stat.S_IRWXU)
+        func(path)
+    except FileNotFoundError:
+        pass
+
+
+def remove_path(path: Path) -> None:
+    """Delete a file, link or whole folder (read-only folders included); raise OSError when
+    something is left."""
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+        return
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=_make_writable)
+    else:
+        shutil.rmtree(path, onerror=_make_writable)
+    if os.path.lexists(path):
+        raise OSError(f"could not remove {path}")
+
+
 def staging_dir(final: Path) -> Path:
-    """A fresh directory beside ``final`` to write into, with normal (umask) permissions."""
+    """A fresh directory beside ``final`` to write into, with normal (umask) permissions; stale
+    staging folders of ``final`` from killed runs are removed first."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    sweep_stale(final)
+    staging = Path(tempfile.mkdtemp(prefix=_temp_prefix(final, "staging"), dir=final.parent))
     os.chmod(staging, 0o777 & ~_umask())
     return staging
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write a text file via a temporary sibling and a rename, with normal permissions."""
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
+    """Call ``write`` on a temporary sibling of ``path``, then rename it into place, with normal
+    permissions; the temporary never survives a failure."""
     path = Path(path).resolve()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    sweep_stale(path)
+    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path, "tmp"), dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
@@ -299,12 +390,191 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a text file via a temporary sibling and a rename, with normal permissions."""
+    atomic_write(path, lambda f: f.write(text.encode()))
+
+
 def replace_dir(staging: Path, final: Path) -> None:
-    """Move a fully written staging directory onto ``final``, replacing any old one."""
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
-        os.replace(final, old)
-    os.replace(staging, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    """Move a fully written staging directory onto ``final``, replacing any old one (the caller
+    has checked that the old one is ours to replace and deletable).  The old copy is moved aside
+    and deleted; a copy that still cannot be deleted is a ModelSaveError naming it."""
+    if not final.exists():
+        os.replace(staging, final)
+        return
+    old = Path(tempfile.mkdtemp(prefix=_temp_prefix(final, "old"), dir=final.parent))
+    os.rmdir(old)
+    os.replace(final, old)
+    try:
+        os.replace(staging, final)
+    except OSError:
+        os.replace(old, final)
+        raise
+    try:
+        remove_path(old)
+    except OSError as e:
+        raise ModelSaveError(
+            f"wrote {final}, but the previous copy moved to {old} could not be deleted ({e})"
+        ) from None
+
+
+# ------------------------------------------------------------------ where outputs may go
+@dataclass(frozen=True)
+class OutputDirKind:
+    """A folder graphopt writes whole and may replace: recognized by a marker file carrying a
+    schema, and holding only entries matching ``owned`` (fnmatch patterns of relative paths)."""
+
+    what: str
+    marker: str
+    schema: str
+    owned: tuple[str, ...]
+
+
+def _resolved(path: Path) -> Path:
+    return Path(os.path.abspath(path)).resolve()
+
+
+def _check_parents(path: Path, flag: str) -> None:
+    """The nearest existing ancestor must be a writable folder."""
+    for parent in path.parents:
+        if os.path.lexists(parent):
+            if not parent.is_dir():
+                raise UsageError(f"{flag} {path}: {parent} is not a directory")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise ModelSaveError(f"{flag} {path}: cannot write to {parent} (permission denied)")
+            return
+
+
+def _is_kind(path: Path, kind: OutputDirKind) -> bool:
+    try:
+        data = json.loads((path / kind.marker).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("schema") == kind.schema
+
+
+def _foreign_entries(path: Path, kind: OutputDirKind) -> list[str]:
+    foreign: list[str] = []
+    for root, dirs, files in os.walk(path):
+        for name in sorted(dirs) + sorted(files):
+            rel = Path(root, name).relative_to(path).as_posix()
+            if not any(fnmatch.fnmatchcase(rel, pat) for pat in kind.owned):
+                foreign.append(rel)
+        dirs[:] = [d for d in dirs if not Path(root, d).is_symlink()]
+    return foreign
+
+
+def _unwritable_dirs(path: Path) -> list[str]:
+    """Folders whose entries we could not delete: not writable and not ours to chmod."""
+    found = [path] + [Path(root, d) for root, dirs, _files in os.walk(path) for d in dirs]
+    return [
+        str(d)
+        for d in found
+        if not d.is_symlink()
+        and not os.access(d, os.W_OK | os.X_OK)
+        and d.stat().st_uid != os.geteuid()
+    ]
+
+
+def check_output_dir(
+    dest: Path, kind: OutputDirKind, protected: Sequence[Path] = (), flag: str = "-o"
+) -> Path:
+    """Where a ``kind`` folder may be written: returns ``dest`` resolved (through a symlink).
+
+    Refused (UsageError): a path under a regular file, a dangling link, a folder that would
+    contain or be one of the ``protected`` files (the input model, its external data), an
+    existing file, and an existing non-empty folder that is not a ``kind`` folder or that holds
+    anything such a folder does not write (which replacing it would delete)."""
+    dest = Path(os.path.abspath(dest))
+    if dest.is_symlink() and not dest.exists():
+        raise UsageError(f"{flag} {dest}: a dangling symbolic link")
+    real = _resolved(dest)
+    _check_parents(real, flag)
+    for p in protected:
+        rp = _resolved(p)
+        if rp == real or real in rp.parents:
+            raise UsageError(f"output directory {real} would contain or replace the input {rp}")
+    if not os.path.lexists(real):
+        return real
+    if not real.is_dir():
+        raise UsageError(f"output {real} exists and is not a directory")
+    if not any(real.iterdir()):
+        return real
+    if not _is_kind(real, kind):
+        raise UsageError(
+            f"output directory {real} exists and is not a {kind.what} (no {kind.marker} with "
+            f"schema {kind.schema}); refusing to replace it"
+        )
+    foreign = _foreign_entries(real, kind)
+    if foreign:
+        more = f" (+{len(foreign) - 3} more)" if len(foreign) > 3 else ""
+        shown = ", ".join(foreign[:3]) + more
+        raise UsageError(
+            f"output directory {real} is a {kind.what} but also holds files graphopt did not "
+            f"write ({shown}); refusing to replace it"
+        )
+    unwritable = _unwritable_dirs(real)
+    if unwritable:
+        raise ModelSaveError(f"cannot replace {real}: {unwritable[0]} is not writable")
+    return real
+
+
+def external_data_files(model_path: Path) -> list[Path]:
+    """The external-data files a model file references (read without loading the weights)."""
+    try:
+        proto = onnx.load_model(str(model_path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - unreadable models are reported by load_model
+        return []
+    base = _resolved(model_path).parent
+    files = set()
+    for tensor in _all_tensors(proto):
+        if external_data_helper.uses_external_data(tensor):
+            loc = {e.key: e.value for e in tensor.external_data}.get("location")
+            if loc:
+                files.add(_resolved(base / loc))
+    return sorted(files)
+
+
+def check_side_outputs(
+    outputs: dict[str, str | os.PathLike | None],
+    *,
+    models: Sequence[Path] = (),
+    files: Sequence[Path] = (),
+    dirs: Sequence[Path] = (),
+) -> None:
+    """Refuse (UsageError) any file output (``{flag: path}``) that resolves, symlinks followed,
+    to one of the input ``models`` or their external-data files, to one of the other input
+    ``files``, to a path inside one of ``dirs`` (the output folder being written, an input
+    bundle), or to another output; or that lies under a regular file."""
+    seen: dict[Path, str] = {}
+    ext_cache: dict[Path, list[Path]] = {}
+    for flag, given in outputs.items():
+        if given is None:
+            continue
+        path = Path(given)
+        real = _resolved(path)
+        _check_parents(real, flag)
+        if real in seen:
+            raise UsageError(f"{flag} {path}: the same file as {seen[real]}")
+        seen[real] = flag
+        for d in dirs:
+            rd = _resolved(d)
+            if real == rd or rd in real.parents:
+                raise UsageError(f"{flag} {path}: inside {rd}, which graphopt reads or writes")
+        for f in list(models) + list(files):
+            if real == _resolved(f) or _same_file(real, f):
+                raise UsageError(f"{flag} {path}: would overwrite the input {f}")
+        for m in models:
+            rm = _resolved(m)
+            if not os.path.lexists(real) or rm.parent not in real.parents:
+                continue  # external data must exist, inside the model's folder
+            ext = ext_cache.setdefault(rm, external_data_files(rm))
+            if real in ext:
+                raise UsageError(f"{flag} {path}: would overwrite external data of the input {m}")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False

@@ -83,7 +83,7 @@ def test_unwritable_output_location(tmp_path):
     res = runner.invoke(
         app, ["optimize", str(EXAMPLES / "mobilenet_bn.onnx"), "-o", str(blocker / "out")]
     )
-    assert res.exit_code == 1 and len(res.stderr.strip().splitlines()) == 1
+    assert res.exit_code == 2 and len(res.stderr.strip().splitlines()) == 1
 
 
 def test_output_equal_to_input(tmp_path):
