@@ -475,16 +475,18 @@ QUANT_WHAT = {
 
 
 def quantize_three(
-    ctx: Ctx, base: str, src: Path, batches: list, qop_types: list[str] | None = None
+    ctx: Ctx, base: Item, batches: list, qop_types: list[str] | None = None
 ) -> list[Item]:
     """QDQ per-channel, QOperator and dynamic int8 models of ``src``; ``qop_types`` limits the
     op types of the QOperator model (None: every op the quantizer knows)."""
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
+    src = ctx.tmp / f"{base.name}.onnx"
     pre = preprocessed(src, ctx)
+    stem = base.name.removesuffix("_fp32")
     items = []
     for kind in ("qdq", "qop", "dyn"):
-        dst = ctx.tmp / f"{base}_{kind}.onnx"
+        dst = ctx.tmp / f"{stem}_{kind}.onnx"
         with quiet():
             if kind == "dyn":
                 quantize_dynamic(str(pre), str(dst), weight_type=QuantType.QInt8)
@@ -504,10 +506,10 @@ def quantize_three(
         extra = {"op_types_to_quantize": qop_types} if kind == "qop" and qop_types else {}
         items.append(
             Item(
-                f"{base}_int8_{kind}",
-                f"onnxruntime.quantization {QUANT_WHAT[kind]} of {base}",
-                f"onnxruntime.quantization on {src.name} after quant_pre_process",
-                ["onnxruntime", "torch"],
+                f"{stem}_int8_{kind}",
+                f"onnxruntime.quantization {QUANT_WHAT[kind]} of {base.name}",
+                f"onnxruntime.quantization on {base.name} after quant_pre_process",
+                ["onnxruntime", *base.packages],
                 model=onnx.load(str(dst)),
                 feeds=batches[0],
                 extra=extra,
@@ -529,7 +531,7 @@ def gen_quant_cnn(ctx: Ctx) -> list[Item]:
         model=onnx.load(str(src)),
         feeds=batches[0],
     )
-    return [base, *quantize_three(ctx, "mnv3_small", src, batches)]
+    return [base, *quantize_three(ctx, base, batches)]
 
 
 @generator("quant_bert", "bert_hf_tiny_fp32", *(f"bert_hf_tiny_int8_{k}" for k in QUANT_WHAT))
@@ -548,7 +550,7 @@ def gen_quant_bert(ctx: Ctx) -> list[Item]:
     )
     # QOperator over every op gives LayerNormalization uint8 weights that onnxruntime refuses
     # to load (onnxruntime 1.32): quantize the linear layers only, as deployments do.
-    return [base, *quantize_three(ctx, "bert_hf_tiny", src, batches, qop_types=["MatMul", "Gemm"])]
+    return [base, *quantize_three(ctx, base, batches, qop_types=["MatMul", "Gemm"])]
 
 
 @generator(
