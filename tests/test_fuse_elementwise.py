@@ -176,7 +176,10 @@ def test_broadcast_constant_needs_a_static_shape():
     for t in (m.graph.input[0], m.graph.input[1], m.graph.output[0]):
         t.type.tensor_type.shape.dim[0].dim_param = "batch"
     out, report = run(m, pipeline=PIPE)
-    assert not fused_ops(out)  # the anchors cannot be expanded to a symbolic batch
+    # The anchors cannot be expanded to a symbolic batch: Sub/Add reading them stay unfused (the
+    # Add/Div/Mul tail may fuse or not, as its timing gate decides on this machine).
+    assert {"Sub": 1} == {k: v for k, v in ops(out).items() if k == "Sub"}
+    assert all("anchors" not in n.input for n in fused_ops(out))
 
 
 def test_short_chains_are_left_alone():
