@@ -455,7 +455,8 @@ def preprocessed(src: Path, ctx: Ctx) -> Path:
 
     dst = src.with_name(src.stem + ".pre.onnx")
     if not dst.exists():
-        with quiet():
+        # onnxruntime's symbolic shape inference leaves temporary files in the working folder
+        with quiet(), chdir(ctx.tmp):
             try:
                 quant_pre_process(str(src), str(dst), skip_symbolic_shape=False)
             except Exception as exc:  # symbolic inference gives up on some exports (BERT's masks)
@@ -905,6 +906,7 @@ def gen_sklearn(ctx: Ctx) -> list[Item]:
 def gen_vadlike(ctx: Ctx) -> list[Item]:
     rng = rng_for("vadlike")
     hid = 48
+    outer: list[onnx.TensorProto] = []  # initializers the else branch reads from outer scope
     graph = helper.make_graph(
         [
             helper.make_node(
@@ -915,8 +917,8 @@ def gen_vadlike(ctx: Ctx) -> list[Item]:
                 "If",
                 ["is16k"],
                 ["probs", "state_out"],
-                then_branch=vad_branch("wide", 256, 128, hid, rng, inline=True),
-                else_branch=vad_branch("narrow", 128, 64, hid, rng, inline=False),
+                then_branch=vad_branch("wide", 256, 128, hid, rng, None),
+                else_branch=vad_branch("narrow", 128, 64, hid, rng, outer),
                 name="rate_switch",
             ),
         ],
@@ -930,9 +932,8 @@ def gen_vadlike(ctx: Ctx) -> list[Item]:
             helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["n", "frames"]),
             helper.make_tensor_value_info("state_out", TensorProto.FLOAT, [2, "n", hid]),
         ],
-        VAD_OUTER,
+        outer,
     )
-    VAD_OUTER.clear()
     model = helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8, producer_name="vadlike"
     )
@@ -956,12 +957,11 @@ def gen_vadlike(ctx: Ctx) -> list[Item]:
     ]
 
 
-VAD_OUTER: list[onnx.TensorProto] = []
-
-
 def vad_branch(
-    tag: str, win: int, hop: int, hid: int, rng: np.random.Generator, inline: bool
+    tag: str, win: int, hop: int, hid: int, rng: np.random.Generator, outer: list | None
 ) -> onnx.GraphProto:
+    """One If branch; its weights are Constant nodes inside, or (``outer`` given) initializers
+    appended to ``outer`` for the main graph, which the branch and its Loop body read."""
     feat = 24
     weights = {
         f"{tag}_frontend": rng.standard_normal((feat, 1, win)).astype(np.float32) * 0.05,
@@ -972,14 +972,14 @@ def vad_branch(
     }
     consts = []
     for k, v in weights.items():
-        if inline:
+        if outer is None:
             consts.append(
                 helper.make_node(
                     "Constant", [], [k], value=numpy_helper.from_array(v, k + "_value")
                 )
             )
         else:
-            VAD_OUTER.append(numpy_helper.from_array(v, k))
+            outer.append(numpy_helper.from_array(v, k))
     c = f"{tag}_"
     nodes = [
         *consts,
