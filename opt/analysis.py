@@ -34,6 +34,17 @@ def _value_info(t: Tensor) -> onnx.ValueInfoProto:
     return OnnxExporter.export_value_info_proto(t, do_type_check=False)
 
 
+def _elem_type(dtype) -> int:
+    """The TensorProto element type of a tensor's dtype; types numpy cannot hold (float8,
+    int4...) are kept by the IR as their TensorProto enum already."""
+    if isinstance(dtype, (int, np.integer)):
+        return int(dtype)
+    try:
+        return onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    except (TypeError, KeyError, ValueError):
+        return onnx.TensorProto.UNDEFINED
+
+
 def infer_shapes(ir: ModelIR) -> bool:
     """Infer and record shapes; False when onnx shape inference itself failed.  Skipped when no
     pass changed the graph since the last inference of it."""
@@ -54,7 +65,7 @@ def infer_shapes(ir: ModelIR) -> bool:
                     inputs.append(
                         onnx.helper.make_tensor_value_info(
                             t.name,
-                            onnx.helper.np_dtype_to_tensor_dtype(np.dtype(t.dtype)),
+                            _elem_type(t.dtype),
                             list(t.shape),
                         )
                     )

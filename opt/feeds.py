@@ -78,11 +78,19 @@ def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
         dims = None
         if tt.HasField("shape"):
             dims = tuple(
-                d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                d.dim_value if d.HasField("dim_value") else _symbol(d.dim_param)
                 for d in tt.shape.dim
             )
         specs.append(InputSpec(vi.name, dtype, dims))
     return specs
+
+
+#: dim_params that mean "unknown", not a size shared with other dims (Paddle writes "?")
+ANONYMOUS_DIMS = frozenset({"", "?", "-1", "None", "none", "null", "unk", "dynamic"})
+
+
+def _symbol(dim_param: str) -> str | None:
+    return None if dim_param.strip() in ANONYMOUS_DIMS else dim_param
 
 
 # ------------------------------------------------------------------------------- validation

@@ -170,3 +170,13 @@ def test_an_external_data_model_from_another_directory_writes_golden(tmp_path, m
     assert manifest["verified"]["bundle_session"]["golden_ok"]
     assert manifest["verified"]["deploy_parity"]["ok"]
     _ = TensorProto
+
+
+def test_a_question_mark_dim_is_unknown_not_shared():
+    """Paddle exports write "?" for every unknown dim: H and W may differ."""
+    m = model(
+        [helper.make_node("Relu", ["x"], ["y"])], [vi("x", [1, 3, "?", "?"])], [vi("y", None)]
+    )
+    x = np.zeros((1, 3, 48, 192), np.float32)
+    _, report = graphopt.optimize(m, level=1, inputs={"x": x})
+    assert report.parity.ok and report.parity.inputs["x"] == [1, 3, 48, 192]

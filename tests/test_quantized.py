@@ -220,8 +220,8 @@ def _dq_matmul(w: onnx.TensorProto, scale: np.ndarray, **attrs) -> onnx.ModelPro
 
 
 @pytest.mark.parametrize("level", [1, 2])
-def test_blocked_int4_and_fp8_weights_stay(level):
-    k, n = 32, 16
+@pytest.mark.parametrize("k,n", [(32, 16), (128, 128)])  # the large one is typed for inference
+def test_blocked_int4_and_fp8_weights_stay(level, k, n):
     int4 = helper.make_tensor("w", TensorProto.INT4, [k, n], RNG.integers(-8, 8, k * n).tolist())
     blocked = _dq_matmul(int4, RNG.random((k // 16, n)) * 0.1 + 0.01, axis=0, block_size=16)
     fp8 = helper.make_tensor(
