@@ -309,8 +309,10 @@ class FuseConvActivation(Rule):
     Lowered only where the target has a FusedConv kernel for the dtype and accepts the
     activation (``Target.kernel_attributes``; onnxruntime CUDA runs only Relu).  ``Z`` (the
     residual of ResNet blocks) must have exactly the Conv output's shape: the kernel adds it
-    element by element, without broadcasting.  At onnxruntime's ALL level the CPU provider fuses
-    Conv+activation itself, but not the residual Add; below ALL it does neither.
+    element by element, without broadcasting.  Where the target measured the residual form
+    slower (``measured_slower["FusedConv(Z)"]``: on cpu, onnxruntime's ALL-level NCHWc layout
+    takes Conv + Add + activation itself but leaves a FusedConv with Z in NCHW between
+    reorders), only Conv + activation fuses.
     """
 
     level = 2
@@ -369,6 +371,13 @@ class FuseConvActivation(Rule):
                 "shape-mismatch",
                 f"'{m.z.name}' {m.z.shape} is not provably the Conv output's shape {y.shape}; "
                 "FusedConv adds Z without broadcasting",
+            )
+            slower = cx.target.measured_slower.get("FusedConv(Z)")
+            require(
+                slower is None,
+                "slower-on-target",
+                f"the residual Add stays for onnxruntime on {cx.target.name}: {slower}",
+                measured=slower,
             )
         m.stash(params=self.params(m))
 

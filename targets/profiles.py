@@ -123,6 +123,11 @@ CPU = register_target(
         },
         slower_below={"MultiHeadAttention": (128, ATTENTION_CPU)},
         measured_slower={
+            "FusedConv(Z)": "onnxruntime 1.32.0 CPU, ORT_ENABLE_ALL: its NCHWc transformer "
+            "converts Conv + Add + Relu (and FusedConv without Z) to NCHWc, but leaves a "
+            "FusedConv with a residual input in NCHW between reorders; torchvision ResNet-18 "
+            "(dynamo export, 1x3x224x224, 1 thread): 1.18x the original with the residual "
+            "fused, 8 FusedConv left unconverted",
             "SkipLayerNormalization": "onnxruntime 1.32.0 CPU, fp32, 1 intra-op thread, "
             "ORT_ENABLE_ALL, 30x5 interleaved runs on this project's 2-vCPU build machine: "
             "SkipLayerNormalization 0.501 ms vs Add+LayerNormalization 0.078 ms at [1,128,768] "

@@ -235,14 +235,21 @@ def test_conv_activation_becomes_fused_conv(act, attrs, clip, params, rng):
 
 
 def test_residual_add_becomes_z(rng):
-    """ResNet's conv3 + identity → Relu: one FusedConv with the identity as Z."""
+    """ResNet's conv3 + identity → Relu: one FusedConv with the identity as Z (cuda)."""
     m = conv_act(rng, residual=["n", 8, 8, 8])
     x = rng.standard_normal((2, 4, 8, 8)).astype(np.float32)
     z = rng.standard_normal((2, 8, 8, 8)).astype(np.float32)
-    out, _ = assert_optimized(m, inputs={"x": x, "z": z})
+    out, _ = assert_optimized(m, target="cuda", inputs={"x": x, "z": z})
     assert ops(out) == {"FusedConv": 1}
     node = out.graph.node[0]
     assert list(node.input) == ["x", "W", "", "z"]
+
+
+def test_residual_add_stays_for_onnxruntime_on_cpu(rng):
+    """On cpu onnxruntime's NCHWc layout takes Conv + Add + Relu, not a FusedConv with Z."""
+    out, report = run(conv_act(rng, residual=["n", 8, 8, 8]))
+    assert codes(report, "fuse-conv-relu") == ["slower-on-target"]
+    assert ops(out) == {"Conv": 1, "Add": 1, "Relu": 1} and report.parity.ok
 
 
 def test_broadcast_residual_is_missed(rng):
