@@ -399,3 +399,33 @@ def test_matmul_add_keeps_a_dequantized_weight_for_the_runtime():
     assert _exact(report)
     assert ops(out) == {"DequantizeLinear": 1, "MatMul": 1, "Add": 1}
     assert "quantized-boundary" in codes(report, "matmul-add-to-gemm")
+
+
+def test_int32_bias_dequantize_becomes_float_on_tensorrt_only():
+    """TensorRT takes no int32 DequantizeLinear (onnxruntime's static quantizer writes one per
+    bias): there it becomes the float bias, bit for bit; int8 weights keep their DQ."""
+    w = helper.make_tensor("w", TensorProto.INT8, [4, 3, 3, 3], RNG.integers(-127, 128, 108))
+    b = helper.make_tensor("b", TensorProto.INT32, [4], RNG.integers(-5000, 5000, 4))
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"]),
+        helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xf"]),
+        helper.make_node("DequantizeLinear", ["w", "ws"], ["wf"], axis=0),
+        helper.make_node("DequantizeLinear", ["b", "bs"], ["bf"], axis=0),
+        helper.make_node("Conv", ["xf", "wf", "bf"], ["y"]),
+    ]
+    inits = [
+        w,
+        b,
+        const("xs", 0.02),
+        const("xz", 0, np.int8),
+        const("ws", RNG.random(4) * 0.01 + 0.001),
+        const("bs", RNG.random(4) * 0.0002 + 0.00001),
+    ]
+    m = model(nodes, [vi("x", [1, 3, 8, 8])], [vi("y", None)], inits)
+    out, report = run(m, target="tensorrt", level=1)
+    assert _exact(report)
+    assert ops(out)["DequantizeLinear"] == 2
+    types = {t.name: t.data_type for t in out.graph.initializer}
+    assert TensorProto.INT32 not in types.values() and types["w"] == TensorProto.INT8
+    out, _ = run(m, target="cpu", level=1)
+    assert ops(out)["DequantizeLinear"] == 3
