@@ -8,9 +8,9 @@ For each DIR/<name>.onnx and target it runs ``graphopt optimize MODEL --target T
 subprocess, and records: the exit code (and the stderr line when it is not 0), nodes before →
 after, whether the written model is valid (``onnx.checker.check_model(full_check=True)`` and an
 onnxruntime session created here, on the CPU provider, with the bundle's session settings),
-parity ran / ok from the report, safety-net firings (remarks with code ``runtime-rejects`` or from
-the ``verify`` pass), model + external data bytes in → out, whether the model is quantized
-(Q/DQ, QLinear*, integer or n-bit MatMul ops) in → out, the optimized/original latency ratio
+parity ran / ok from the report, safety-net firings (remarks from the ``safety-net`` pass),
+model + external data bytes in → out, whether the model is quantized (Q/DQ, QLinear*, integer
+or n-bit MatMul ops) in → out, the optimized/original latency ratio
 (ORT_ENABLE_ALL or the bundle's level, 1 thread, interleaved runs for about ``--bench-seconds``
 on the bundle's golden inputs) and the wall time. A model graphopt rejects is a row, never a
 crash. Needs onnx, onnxruntime and numpy (graphopt's own environment has them).
@@ -289,7 +289,10 @@ def fill_from_report(row: Row, report: dict) -> None:
     row.parity_ok = parity.get("ok")
     row.parity_note = first_line(parity.get("error") or "")
     for remark in report.get("remarks") or []:
-        if remark.get("code") == "runtime-rejects" or remark.get("pass") == "verify":
+        if (
+            remark.get("pass") in ("safety-net", "verify")
+            or remark.get("code") == "runtime-rejects"
+        ):
             row.safety_net += 1
             row.safety_notes.append(first_line(remark.get("message", ""), 160))
 
