@@ -325,6 +325,8 @@ def optimize(
                 mark = "[green]ok[/]" if e.ok else "[red]FAILED[/]"
                 out.print(f"expect {e.text}: {mark} (found {e.actual})")
         code, reason = _verdict(report, results, checked=not no_check)
+        if not reason.startswith(PARITY_NOT_RUN):
+            _warn_parity_not_run(report, checked=not no_check)
         if code:
             err.print(f"error: {reason}", soft_wrap=True)
             raise typer.Exit(code)
@@ -355,11 +357,26 @@ def _verdict(report, expectations, checked: bool) -> tuple[int, str]:
     not_run = [p for p in parities if checked and not p.ran]
     if not_run:
         p = not_run[0]
-        return errors.EXIT_PARITY, f"parity could not run: {p.error}{_parity_hint(p)}"
+        return errors.EXIT_PARITY, f"{PARITY_NOT_RUN}: {p.error}{_parity_hint(p)}"
     unmet = [e.text for e in expectations if not e.ok]
     if unmet:
         return errors.EXIT_TARGET, f"expectations not met: {', '.join(unmet)}"
     return errors.EXIT_OK, ""
+
+
+PARITY_NOT_RUN = "parity could not run"
+
+
+def _warn_parity_not_run(report, checked: bool) -> None:
+    """When another verdict decides the exit code, parity that could not run is still said."""
+    parities = [report.parity] + ([report.parity_float64] if report.parity_float64 else [])
+    for p in parities:
+        if checked and not p.ran:
+            err.print(
+                f"[yellow]warning:[/] parity vs {p.reference} not run: {p.error}{_parity_hint(p)}",
+                markup=True,
+                soft_wrap=True,
+            )
 
 
 def _parity_hint(parity) -> str:
@@ -1046,10 +1063,7 @@ def run(
             "bundle": result["bundle"],
             "target": result["target"],
             "providers": result["providers"],
-            "outputs": {
-                k: describe_value(v)
-                for k, v in result["outputs"].items()
-            },
+            "outputs": {k: describe_value(v) for k, v in result["outputs"].items()},
             "session_create_ms": result["session_create_ms"],
             "run_ms": result["run_ms"],
             "golden": result["golden"],
