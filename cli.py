@@ -341,13 +341,18 @@ def _remark_line(failures: list) -> str:
 def _verdict(report, expectations, checked: bool) -> tuple[int, str]:
     """The exit code and its one line, printed even with --quiet or --format json.
 
-    In order: parity that ran and failed → 3; a ``verify`` failure (the optimized model was
+    In order: parity that ran and failed → 3 (also the bundle against the original at its
+    session settings, ``report.parity_deployed``); a ``verify`` failure (the optimized model was
     invalid or refused by onnxruntime) → 1; not converged or a node the target cannot run → 4;
     parity requested that could not run → 3; unmet ``--expect`` → 4."""
     parities = [report.parity] + ([report.parity_float64] if report.parity_float64 else [])
     bad = [o.name for p in parities if checked and p.ran for o in p.outputs if not o.ok]
     if checked and any(p.ran and not p.ok for p in parities):
         return errors.EXIT_PARITY, f"parity failed (outputs: {', '.join(bad) or 'see report.json'})"
+    deployed = getattr(report, "parity_deployed", None)
+    if checked and deployed is not None and deployed.ran and not deployed.ok:
+        bad = [o.name for o in deployed.outputs if not o.ok]
+        return errors.EXIT_PARITY, f"parity failed (outputs: {', '.join(bad)}): {deployed.error}"
     failures = [r for r in report.remarks if r.kind == "failure"]
     verify = [r for r in failures if r.pass_name == "verify"]
     if verify:

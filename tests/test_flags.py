@@ -249,6 +249,23 @@ def test_verify_failure_exits_1_with_its_reason(relu, tmp_path, monkeypatch):
     assert "runtime-rejects: onnxruntime refused the model" in one_error_line(res)
 
 
+def test_deployed_parity_failure_exits_3(relu, tmp_path, monkeypatch):
+    import graphopt.targets.bundle as bundle
+    from graphopt.opt.parity import ParityReport
+
+    def disagree(*args, **_kwargs):
+        report = args[-1]
+        why = "the bundle and the original disagree"
+        report.parity_deployed = ParityReport(False, True, [], {}, 0, "original", why)
+        return {"ran": True}
+
+    monkeypatch.setattr(bundle, "_deploy_parity", disagree)
+    res = invoke("optimize", relu, "-o", tmp_path / "o", "-q")
+    assert res.exit_code == 3, res.output
+    assert "the bundle and the original disagree" in one_error_line(res)
+    assert invoke("optimize", relu, "-o", tmp_path / "o", "-q", "--no-check").exit_code == 0
+
+
 HOSTILE = [
     ["optimize", "{m}", "-o", "{t}/o", "--target", ""],
     ["optimize", "{m}", "-o", "{t}/o", "--shape", "x=a,b"],
