@@ -2,11 +2,15 @@
 
 Each rule forwards its input in place of its output, so it only fires when the output is
 provably the same tensor: same dtype, same static shape (broadcasting could otherwise grow it).
+``CastLike(x, like)`` whose ``like`` has a statically known dtype becomes ``Cast(x, to=...)``
+(the same conversion, so exact), which constant folding then evaluates when ``x`` is a constant
+(torch.onnx dynamo exports spell Conv biases ``Expand(CastLike(0, x), Shape(W)[0:1])``).
 """
 
 from __future__ import annotations
 
 import numpy as np
+from onnx import helper
 
 from graphopt.opt.ir import constant_value, dtype_of, static_shape
 from graphopt.opt.manager import register_rule
@@ -164,6 +168,41 @@ class EliminateNoopCast(Forward):
     def forward_check(self, m, cx):
         src = dtype_of(m.src)
         applies_only_if(src is not None and src == dtype_of(m.root.outputs[0]))
+
+
+@register_rule
+class CastLikeToCast(Rule):
+    name = "castlike-to-cast"
+    root = "CastLike"
+    level = 1
+    summary = "CastLike whose target tensor has a static dtype → Cast (foldable)"
+    pattern = Op("CastLike", "src", "like")
+
+    def check(self, m, cx):
+        target = dtype_of(m.like)
+        applies_only_if(target is not None and dtype_of(m.root.outputs[0]) in (None, target))
+        try:
+            to = helper.np_dtype_to_tensor_dtype(target)
+        except (KeyError, TypeError, ValueError):
+            applies_only_if(False)
+        saturate = m.root.attrs.get("saturate")
+        require(
+            saturate is None or int(saturate) == 1 or cx.ir.opset >= 19,
+            "opset-too-old",
+            "CastLike sets saturate=0, which Cast accepts only from opset 19",
+        )
+        m.stash(to=int(to), saturate=saturate)
+
+    def rewrite(self, m, b):
+        attrs = {"to": m.to}
+        if m.saturate is not None and _has_saturate(b):
+            attrs["saturate"] = int(m.saturate)
+        return [b.op("Cast", [m.src], attrs, like=m.root.outputs[0])]
+
+
+def _has_saturate(b) -> bool:
+    """Cast has the ``saturate`` attribute from opset 19 (CastLike from 19 too)."""
+    return b.ir.opset >= 19
 
 
 @register_rule
