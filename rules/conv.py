@@ -1,6 +1,8 @@
 """Convolution fusions (level 2): fold BatchNormalization, per-channel Add and Mul, and Pad.
 
-Algebra (computed in float64, then stored in the weight dtype behind a precision guard):
+Algebra (computed in float64, then stored in the weight dtype behind precision guards; into
+fp16/bf16 weights only where the measured error of the folded layer is no worse than the
+unfused graph's, see ``opt/precision.require_refold_no_worse``):
 
 * Conv+BN:  s = gamma / sqrt(var + eps);  W' = W · s (per output channel);
             B' = (B − mean) · s + beta
@@ -23,8 +25,9 @@ import numpy as np
 from graphopt.opt.ir import Constant, constant_value, dtype_of
 from graphopt.opt.manager import register_rule
 from graphopt.opt.precision import (
+    refold_errors,
     require_accumulation_in_range,
-    require_refold_allowed,
+    require_refold_no_worse,
     require_representable,
 )
 from graphopt.opt.rewrite import (
@@ -59,14 +62,40 @@ class ConvScaleBase(Rule):
     def out_channels(self, w: np.ndarray, group: int) -> int:
         return w.shape[0] if self.conv_op == "Conv" else w.shape[1] * group
 
-    def store(self, m, cx, w_new: np.ndarray, b_new: np.ndarray, dt: np.dtype) -> None:
-        """Precision guards on the folded float64 values, then stash them in the weight dtype."""
+    def store(self, m, cx, w, b, scale, shift, dt, stats=None) -> None:
+        """Fold ``z = scale·Conv(x) + shift`` (per output channel) into the weights in float64,
+        check it with the precision guards, then stash it in the weight dtype."""
+        group = int(m.conv.attrs.get("group", 1))
+        w_new = self.scale_weights(w, scale, group)
+        b_new = b * scale + shift
         stored_w = require_representable(w_new, dt, "Conv weights")
         stored_b = require_representable(b_new, dt, "Conv bias")
         out_axis = 0 if self.conv_op == "Conv" else 1
         require_accumulation_in_range(cx, m.X.name, w_new, b_new, dt, self.conv_op, out_axis)
-        require_refold_allowed(cx, dt, "Conv weights", int(w_new.size))
+        require_refold_no_worse(
+            cx,
+            dt,
+            "Conv weights",
+            lambda: refold_errors(
+                self.rows(w, group),
+                b,
+                scale,
+                shift,
+                self.rows(stored_w.astype(np.float64), group),
+                stored_b.astype(np.float64),
+                dt,
+                stats,
+            ),
+        )
         m.stash(w_new=stored_w, b_new=stored_b)
+
+    def rows(self, w: np.ndarray, group: int) -> np.ndarray:
+        """The weights as one row per output channel: the values that channel's sum reads."""
+        if self.conv_op == "Conv":
+            return w.reshape(w.shape[0], -1)
+        c_in, c_per = w.shape[0], w.shape[1]
+        grouped = w.reshape((group, c_in // group, c_per, -1))
+        return np.moveaxis(grouped, 2, 1).reshape(group * c_per, -1)
 
     def scale_weights(self, w: np.ndarray, s: np.ndarray, group: int) -> np.ndarray:
         if self.conv_op == "Conv":
@@ -129,7 +158,7 @@ class FuseConvBatchNorm(ConvScaleBase):
         eps = float(m.bn.attrs.get("epsilon", 1e-5))
         s = gamma / np.sqrt(var + eps)
         b = value(m.B).astype(np.float64) if m.B is not None else np.zeros(c_out)
-        self.store(m, cx, self.scale_weights(w, s, group), (b - mean) * s + beta, dt)
+        self.store(m, cx, w, b, s, beta - mean * s, dt, stats=(mean, var))
 
     def rewrite(self, m, b):
         w = b.const(m.w_new, "W")
@@ -202,10 +231,11 @@ class FuseConvElementwise(ConvScaleBase):
             "change the result",
         )
         b = value(m.B).astype(np.float64) if m.B is not None else np.zeros(c_out)
-        w_new, b_new = self.fold(w, b, vec.astype(np.float64), int(m.conv.attrs.get("group", 1)))
-        self.store(m, cx, w_new, b_new, dt)
+        scale, shift = self.affine(vec.astype(np.float64))
+        self.store(m, cx, w, b, scale, shift, dt)
 
-    def fold(self, w, b, vec, group):
+    def affine(self, vec: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per-channel (scale, shift) the op applies to the Conv output."""
         raise NotImplementedError
 
     def rewrite(self, m, b):
@@ -226,8 +256,8 @@ class FuseConvAdd(FuseConvElementwise):
     summary = "fold a per-channel constant Add into the Conv bias"
     pattern = Op("Add", Op("Conv", "X", "W", opt("B"), name="conv", out="y"), "c", commute=True)
 
-    def fold(self, w, b, vec, group):
-        return w, b + vec
+    def affine(self, vec):
+        return np.ones_like(vec), vec
 
 
 @register_rule
@@ -237,8 +267,8 @@ class FuseConvMul(FuseConvElementwise):
     summary = "fold a per-channel constant Mul into the Conv weights and bias"
     pattern = Op("Mul", Op("Conv", "X", "W", opt("B"), name="conv", out="y"), "c", commute=True)
 
-    def fold(self, w, b, vec, group):
-        return self.scale_weights(w, vec, group), b * vec
+    def affine(self, vec):
+        return vec, np.zeros_like(vec)
 
 
 @register_rule
