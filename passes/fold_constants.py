@@ -17,6 +17,16 @@ Never an accident -- each refusal is a missed remark with its code:
   ``fold-size-limit`` (net of the constants they make dead), so chains (six Tile x2 in a row)
   cannot grow the model step by step past the per-node limit.  The growth is counted over the
   whole optimization, every fixpoint iteration and subgraph body included.
+* Weights built at run time (``ConstantOfShape`` / ``Expand`` / ``Tile`` followed by
+  ``Mul``/``Add``...) are bounded differently, since folding them is what lets Conv+BN, Gemm and
+  the other fusions fire, and the runtime builds them in memory anyway.  A fold whose result
+  reaches a weight slot (Conv/ConvTranspose weight or bias, MatMul/Gemm B or C,
+  BatchNormalization/LayerNormalization parameters), through element-wise and layout ops whose
+  other operands are constant-derived, may be as large as the model's largest initializer (when
+  that exceeds ``fold-size-limit``), and all such folds together may grow the model's constants
+  by at most the bytes of its own initializers (the model at most doubles); both measured on the
+  model as loaded.  Their growth is counted apart from ``fold-size-budget``; beyond either
+  bound the same codes refuse.
 * ``fold-division-by-zero`` / ``fold-integer-overflow``: integer Div and Mod are checked with
   numpy before evaluation; a zero divisor or INT_MIN / -1 would kill the process (SIGFPE), even
   in an If branch that never runs, so they are not evaluated.
@@ -114,9 +124,33 @@ def _dtype_ok(t) -> bool:
 
 @dataclass
 class _Growth:
-    """Net bytes of constants folding has added to the model so far (all runs of the pass)."""
+    """Net bytes of constants folding has added to the model so far (all runs of the pass):
+    ``used`` by ordinary folds, ``weights`` by folds that build weights; and the model's
+    ``largest`` initializer and ``total`` initializer bytes as loaded (weight-fold bounds)."""
 
     used: int = 0
+    weights: int = 0
+    largest: int = 0
+    total: int = 0
+
+    def bounds(self, weight: bool, limit: int) -> tuple[int, int, int]:
+        """(per-node limit, growth used so far, growth budget) for a fold of this kind."""
+        if weight:
+            return max(limit, self.largest), self.weights, max(limit, self.total)
+        return limit, self.used, limit
+
+    def add(self, weight: bool, nbytes: int) -> None:
+        if weight:
+            self.weights += nbytes
+        else:
+            self.used += nbytes
+
+
+def _new_growth(ir: ModelIR) -> _Growth:
+    sizes = [
+        _nbytes(t.shape, t.dtype) for t in ir.root.tensors().values() if isinstance(t, Constant)
+    ]
+    return _Growth(largest=max(sizes, default=0), total=sum(sizes))
 
 
 @dataclass(frozen=True)
@@ -139,11 +173,14 @@ class FoldConstants(Pass):
     def run(self, ir: ModelIR, cx: PassContext) -> bool:
         infer_shapes(ir)
         limit = int(cx.options.get("fold_size_limit", DEFAULT_SIZE_LIMIT))
-        growth = cx.options.setdefault(GROWTH_KEY, _Growth())
+        if GROWTH_KEY not in cx.options:
+            cx.options[GROWTH_KEY] = _new_growth(ir)
+        growth = cx.options[GROWTH_KEY]
         sizes: dict[int, int] = {}  # ids of tensors computed by this round's batch → bytes
         batch: list[Node] = []
         direct: list[tuple[Node, np.ndarray]] = []
-        projected = 0  # growth the batch is expected to add
+        projected = {False: 0, True: 0}  # growth the batch is expected to add, by kind
+        weights: set[int] = set()  # ids of the batch's nodes that build weights
         ir.toposort()
         for node in ir.graph.nodes:
             if not self._candidate(node):
@@ -158,7 +195,11 @@ class FoldConstants(Pass):
                 continue
             if any(is_low_bit(t) for t in node.inputs if _named(t)):
                 continue  # int4/fp8: no numpy type onnxruntime takes or gives back
-            verdict = self._precheck(ir, node, sizes, limit, growth.used + projected)
+            weight = _builds_weight(node)
+            node_limit, used, budget = growth.bounds(weight, limit)
+            verdict = self._precheck(
+                ir, node, sizes, node_limit, (used + projected[weight], budget)
+            )
             if verdict == DEFER:
                 continue
             if isinstance(verdict, _Refusal):
@@ -172,15 +213,18 @@ class FoldConstants(Pass):
                     **verdict.args,
                 )
                 continue
-            projected += verdict
+            projected[weight] += verdict
+            if weight:
+                weights.add(id(node))
             batch.append(node)
 
         changed = False
         for node, v in direct:
-            changed |= self._materialize(ir, cx, node, [v], limit, growth)
+            changed |= self._materialize(ir, cx, node, [v], limit, growth, False)
         if batch:
             for node, values in self._evaluate(ir, cx, batch):
-                changed |= self._materialize(ir, cx, node, values, limit, growth)
+                weight = id(node) in weights
+                changed |= self._materialize(ir, cx, node, values, limit, growth, weight)
         return changed
 
     @staticmethod
@@ -192,7 +236,12 @@ class FoldConstants(Pass):
         return not any(a for a in node.attrs.values() if _is_graph_attr(a))
 
     def _precheck(
-        self, ir: ModelIR, node: Node, sizes: dict[int, int], limit: int, used: int
+        self,
+        ir: ModelIR,
+        node: Node,
+        sizes: dict[int, int],
+        limit: int,
+        used: tuple[int, int],
     ) -> int | str | _Refusal:
         """Before evaluation: the growth the fold adds, DEFER, or why it must not run."""
         out_bytes = _estimate_output_bytes(node, sizes)
@@ -200,7 +249,7 @@ class FoldConstants(Pass):
             return DEFER
         if out_bytes is not None:
             in_bytes, dying = _input_bytes(ir, node, sizes)
-            refusal = _size_refusal(node, out_bytes, in_bytes, dying, limit, used)
+            refusal = _size_refusal(node, out_bytes, in_bytes, dying, limit, *used)
             if refusal is not None:
                 return refusal
         hazard = _arithmetic_hazard(node)
@@ -263,7 +312,14 @@ class FoldConstants(Pass):
             yield node, [res.get(t.name) for t in node.outputs]
 
     def _materialize(
-        self, ir: ModelIR, cx: PassContext, node: Node, values: list, limit: int, growth: _Growth
+        self,
+        ir: ModelIR,
+        cx: PassContext,
+        node: Node,
+        values: list,
+        limit: int,
+        growth: _Growth,
+        weight: bool,
     ) -> bool:
         outs = list(node.outputs)
         if any(v is None or not isinstance(v, np.ndarray) for v, t in zip(values, outs) if t.name):
@@ -274,7 +330,8 @@ class FoldConstants(Pass):
             return False  # an operand's own fold was refused: this one would bypass that
         out_bytes = sum(v.nbytes for v, t in zip(values, outs) if t.name)
         in_bytes, dying = _input_bytes(ir, node, {})
-        refusal = _size_refusal(node, out_bytes, in_bytes, dying, limit, growth.used)
+        node_limit, used, budget = growth.bounds(weight, limit)
+        refusal = _size_refusal(node, out_bytes, in_bytes, dying, node_limit, used, budget)
         if refusal is not None:
             cx.remark(
                 "missed",
@@ -288,7 +345,7 @@ class FoldConstants(Pass):
             return False
         if not cx.take_bisect_step(self.name, node.name):
             return False
-        growth.used += out_bytes - dying
+        growth.add(weight, out_bytes - dying)
         node.outputs.clear()
         node.inputs.clear()
         for t, v in zip(outs, values):
@@ -333,7 +390,7 @@ def _input_bytes(ir: ModelIR, node: Node, sizes: dict[int, int]) -> tuple[int, i
 
 
 def _size_refusal(
-    node: Node, out_bytes: int, in_bytes: int, dying: int, limit: int, used: int
+    node: Node, out_bytes: int, in_bytes: int, dying: int, limit: int, used: int, budget: int
 ) -> _Refusal | None:
     mib = 2**20
     if out_bytes > limit and out_bytes > 2 * in_bytes:
@@ -345,15 +402,91 @@ def _size_refusal(
             {"output_bytes": out_bytes, "input_bytes": in_bytes, "limit": limit},
         )
     growth = out_bytes - dying
-    if growth > 0 and used + growth > limit:
+    if growth > 0 and used + growth > budget:
         return _Refusal(
             "fold-size-budget",
             f"folding {node.op} '{node.name}' ({out_bytes / mib:.2f} MiB) would grow the "
             f"model's constants by {(used + growth) / mib:.2f} MiB in all, past the "
-            f"{limit / mib:.1f} MiB that folding may add (raise it with --fold-size-limit)",
-            {"output_bytes": out_bytes, "growth_bytes": used + growth, "limit": limit},
+            f"{budget / mib:.1f} MiB that folding may add (raise it with --fold-size-limit)",
+            {"output_bytes": out_bytes, "growth_bytes": used + growth, "limit": budget},
         )
     return None
+
+
+#: weight slots of the ops whose fusions need constant weights: op → input indices
+WEIGHT_SLOTS = {
+    "Conv": (1, 2),
+    "ConvTranspose": (1, 2),
+    "MatMul": (1,),
+    "Gemm": (1, 2),
+    "BatchNormalization": (1, 2, 3, 4),
+    "LayerNormalization": (1, 2),
+}
+#: ops a weight may pass through between where it is built and its slot
+WEIGHT_PATH = frozenset(
+    {
+        "Add",
+        "Sub",
+        "Mul",
+        "Div",
+        "Neg",
+        "Sqrt",
+        "Reciprocal",
+        "Cast",
+        "Reshape",
+        "Transpose",
+        "Squeeze",
+        "Unsqueeze",
+        "Flatten",
+        "Expand",
+        "Tile",
+        "Identity",
+    }
+)
+#: how many ops a weight may pass through
+WEIGHT_PATH_DEPTH = 8
+
+
+def _builds_weight(node: Node) -> bool:
+    """Whether the node's output reaches a weight slot through WEIGHT_PATH ops whose other
+    operands are constant-derived (so that the whole path folds and a fusion can use it)."""
+    memo: dict[int, bool] = {}
+    frontier = [t for t in node.outputs if _named(t)]
+    for _ in range(WEIGHT_PATH_DEPTH):
+        nxt = []
+        for t in frontier:
+            for user in t.outputs:
+                slots = WEIGHT_SLOTS.get(user.op, ())
+                if user.domain in (None, "", "ai.onnx") and any(
+                    i < len(user.inputs) and user.inputs[i] is t for i in slots
+                ):
+                    return True
+                if user.op not in WEIGHT_PATH or user.domain not in (None, "", "ai.onnx"):
+                    continue
+                others = [u for u in user.inputs if _named(u) and u is not t]
+                if all(_constant_derived(u, memo, WEIGHT_PATH_DEPTH) for u in others):
+                    nxt += [o for o in user.outputs if _named(o)]
+        if not nxt:
+            return False
+        frontier = nxt
+    return False
+
+
+def _constant_derived(t, memo: dict[int, bool], depth: int) -> bool:
+    """Whether the tensor is a constant or computed from constants only (a bounded look back)."""
+    if _known(t):
+        return True
+    if id(t) in memo:
+        return memo[id(t)]
+    node = t.inputs[0] if t.inputs else None
+    ok = (
+        depth > 0
+        and node is not None
+        and FoldConstants._candidate(node)
+        and all(_constant_derived(u, memo, depth - 1) for u in node.inputs if _named(u))
+    )
+    memo[id(t)] = ok
+    return ok
 
 
 def _int_operand(t) -> np.ndarray | None:
