@@ -110,6 +110,8 @@ def parse_shapes(specs: list[str] | None) -> dict[str, list[int]]:
             shapes[name.strip()] = [int(d) for d in dims.replace("x", ",").split(",") if d.strip()]
         except ValueError:
             raise UsageError(f"--shape expects NAME=D0,D1,... (got '{spec}')") from None
+        if not shapes[name.strip()] or any(d <= 0 for d in shapes[name.strip()]):
+            raise UsageError(f"--shape {spec}: give one or more positive dims")
     return shapes
 
 

@@ -180,3 +180,11 @@ def test_a_question_mark_dim_is_unknown_not_shared():
     x = np.zeros((1, 3, 48, 192), np.float32)
     _, report = graphopt.optimize(m, level=1, inputs={"x": x})
     assert report.parity.ok and report.parity.inputs["x"] == [1, 3, 48, 192]
+
+
+@pytest.mark.parametrize("spec", ["x=", "x=-1,4", "x=0,4", "x=,", "=1,2", "x"])
+def test_shape_specs_are_parsed_strictly(spec):
+    from graphopt.opt.parity import parse_shapes
+
+    with pytest.raises(UsageError):
+        parse_shapes([spec])
