@@ -209,6 +209,54 @@ def test_rewrite_in_a_body_never_touches_nested_bodies():
     out, report = run(m, level=1, inputs=feeds)
     onnx.checker.check_model(out, full_check=True)
     assert report.parity.ran and report.parity.ok, report.parity
+    assert ops(out) == {"If": 1}
+
+
+def test_rules_are_tried_only_on_nodes_of_the_graph_being_rewritten(monkeypatch):
+    """A value's readers include nodes of nested bodies; the driver of the enclosing graph must
+    not queue them (a rule would then rewrite a body node in the wrong scope)."""
+    from graphopt.opt.manager import RULES
+    from graphopt.opt.rewrite import Op, Rule, applies_only_if
+
+    seen = []
+
+    class Spy(Rule):
+        name = "test-spy-identity"
+        root = "Identity"
+        level = 1
+        summary = "records where it is tried (tests only)"
+        pattern = Op("Identity", "src")
+
+        def structure(self, m, cx):
+            seen.append(any(n is m.root for n in cx.ir.graph.nodes))
+            applies_only_if(False)
+
+    monkeypatch.setitem(RULES, Spy.name, Spy())
+    inner_const = helper.make_node(
+        "If",
+        ["k"],
+        ["y"],
+        then_branch=branch("bt", [helper.make_node("Relu", ["x"], ["ry"])], "ry"),
+        else_branch=branch("be", [helper.make_node("Neg", ["x"], ["ny"])], "ny"),
+    )
+    inner_dyn = helper.make_node(
+        "If",
+        ["c"],
+        ["z"],
+        then_branch=branch("ct", [helper.make_node("Identity", ["y"], ["zt"])], "zt"),
+        else_branch=branch("ce", [helper.make_node("Identity", ["y"], ["ze"])], "ze"),
+    )
+    then = helper.make_graph(
+        [inner_const, inner_dyn], "then", [], [vi("z", None)], [const("k", True, np.bool_)]
+    )
+    other = branch("else", [helper.make_node("Sigmoid", ["x"], ["s"])], "s")
+    m = model(
+        [helper.make_node("If", ["c"], ["out"], then_branch=then, else_branch=other)],
+        [vi("x", [3]), vi("c", [], TensorProto.BOOL)],
+        [vi("out", [3])],
+    )
+    run(m, level=1, pipeline="rules{level=1}", check=False)
+    assert seen and all(seen)
 
 
 def test_large_constant_nodes_are_not_merged_by_cse():
