@@ -70,6 +70,8 @@ class ModelIR:
         if inline:
             model, self.notes = inline_functions(model)
         self.template = _model_shell(model)
+        #: value_info names the model itself annotated (any graph): kept on export
+        self.annotated = {vi.name for g in _all_graphs(model.graph) for vi in g.value_info}
         #: model-local functions still in the model (kept verbatim): (domain, name) -> proto
         self.functions = {function_id(f): f for f in model.functions}
         #: graph inputs and outputs as the model declared them (doc_string, dim_params)
@@ -126,6 +128,7 @@ class ModelIR:
         model.graph.name = self.template.graph.name or exported.graph.name
         model.graph.doc_string = self.template.graph.doc_string
         self._restore_interface(model.graph)
+        self._prune_value_info(model.graph)
         model.ir_version = max(self.original_ir_version, 4)
         # Opsets: keep the original imports, add any domain a rule introduced.
         have = {o.domain for o in model.opset_import}
@@ -153,6 +156,20 @@ class ModelIR:
         for vi in graph.output:
             if vi.name in self.declared:
                 _restore_declared(vi, self.declared[vi.name], dims=restore_outputs)
+
+    def _prune_value_info(self, graph: onnx.GraphProto) -> None:
+        """The output annotates what the input annotated, plus the outputs of nodes outside the
+        default domain (onnx's shape inference cannot type those when the model is read again);
+        every other inferred annotation is dropped: an optimized model is never bigger for
+        shapes onnxruntime infers itself."""
+        for g in _all_graphs(graph):
+            typed = {
+                o for n in g.node if n.domain not in ("", "ai.onnx") for o in n.output if o
+            }
+            keep = [vi for vi in g.value_info if vi.name in self.annotated or vi.name in typed]
+            if len(keep) != len(g.value_info):
+                del g.value_info[:]
+                g.value_info.extend(keep)
 
     def pin_input(self, tensor: Tensor, shape: list[int]) -> None:
         """Give a graph input a static shape (a static-shape target's parity shape): the only
@@ -612,3 +629,15 @@ def type_string(dtype: np.dtype) -> str:
 
 def to_tensor_proto(value: np.ndarray, name: str) -> onnx.TensorProto:
     return numpy_helper.from_array(np.asarray(value), name)
+
+
+def _all_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """A graph and every subgraph of its nodes' attributes, at any depth."""
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _all_graphs(attr.g)
+            elif attr.type == onnx.AttributeProto.GRAPHS:
+                for sub in attr.graphs:
+                    yield from _all_graphs(sub)

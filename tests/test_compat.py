@@ -487,3 +487,16 @@ def test_string_constants_are_never_decoded():
         onnx.checker.check_model(out)
         kept = {t.name: list(t.string_data) for t in out.graph.initializer}
         assert kept["b"] == raw and kept["a"] == [b"a", "é".encode()]
+
+
+def test_inferred_annotations_do_not_grow_the_output():
+    """value_info the input did not carry is not written (onnxruntime infers it): an optimized
+    model is never bigger for annotations; the input's own annotations stay."""
+    from conftest import model as make_model
+
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Sigmoid", ["a"], ["b"])]
+    nodes.append(helper.make_node("Tanh", ["b"], ["y"]))
+    m = make_model(nodes, [vi("x", [2, 3])], [vi("y", [2, 3])])
+    m.graph.value_info.append(vi("b", [2, 3]))
+    out, _ = graphopt.optimize(m, level=1, check=False)
+    assert [vi.name for vi in out.graph.value_info] == ["b"]
