@@ -8,7 +8,7 @@ not run proves nothing.  So the sizes are derived, then tried on the *original* 
   one value); sizes fixed by ``--shape`` or ``--inputs`` bind the ``dim_param`` they fill;
 * batch-like dims (axis 0, or named like ``batch``/``N``) are 1;
 * spatial dims (axes ≥ 2 of a rank-4/5 float input, or named like height/width) follow the
-  ladder 224, 256, 320, 640, 128, 64, 512, 32 — unless the model's metadata carries an image
+  ladder 224, 256, 320, 128, 64, 640, 512, 32 — unless the model's metadata carries an image
   size (``imgsz``, ``image_size``...), which is tried first;
 * other dims (sequences, samples) follow 16, 64, 256, 1024, 32, 128, 512, 4096;
 * integer inputs are drawn in [0, 100) (``mask``: ones, ``token_type``/``segment``: zeros),
@@ -33,7 +33,7 @@ import onnx
 
 from .errors import GraphoptError, UsageError
 
-SPATIAL_LADDER = (224, 256, 320, 640, 128, 64, 512, 32)
+SPATIAL_LADDER = (224, 256, 320, 128, 64, 640, 512, 32)
 SEQUENCE_LADDER = (16, 64, 256, 1024, 32, 128, 512, 4096)
 MAX_INPUT_BYTES = 4 << 30
 BATCH_NAMES = re.compile(r"^(n|b|bs|batch|batch_size|batchsize|num_batches)$|batch", re.I)
