@@ -206,9 +206,8 @@ def make_inputs(
         if inp.name in given:
             feeds[inp.name] = np.asarray(given[inp.name])
             continue
-        if inp.type not in _ORT_TYPES:
+        if inp.type not in _ORT_TYPES and inp.type != "tensor(string)":
             raise UsageError(f"input '{inp.name}' has type {inp.type}: provide it with --inputs")
-        dtype = np.dtype(_ORT_TYPES[inp.type])
         if inp.name in shapes:
             shape = shapes[inp.name]
         else:
@@ -216,6 +215,11 @@ def make_inputs(
                 d if isinstance(d, int) and d >= 0 else (1 if i == 0 else 16)
                 for i, d in enumerate(inp.shape or [])
             ]
+        if inp.type == "tensor(string)":  # short words from a fixed vocabulary
+            words = np.array(["the", "model", "graph", "a", "42", "x"], dtype=object)
+            feeds[inp.name] = words[rng.integers(0, len(words), shape)]
+            continue
+        dtype = np.dtype(_ORT_TYPES[inp.type])
         feeds[inp.name] = _random(rng, inp.name.lower(), dtype, shape, int_high)
     return feeds
 

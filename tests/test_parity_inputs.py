@@ -188,3 +188,12 @@ def test_shape_specs_are_parsed_strictly(spec):
 
     with pytest.raises(UsageError):
         parse_shapes([spec])
+
+
+def test_string_inputs_get_random_words():
+    """A model reading strings (a tokenizer front, an sklearn pipeline) still gets parity."""
+    word = helper.make_tensor("w", TensorProto.STRING, [], [b"model"])
+    nodes = [helper.make_node("Equal", ["s", "w"], ["y"])]
+    m = model(nodes, [vi("s", ["n"], TensorProto.STRING)], [vi("y", None)], [word], opset=19)
+    _, report = graphopt.optimize(m, level=1)
+    assert report.parity.ran and report.parity.ok, report.parity
