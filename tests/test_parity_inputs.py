@@ -194,6 +194,8 @@ def test_string_inputs_get_random_words():
     """A model reading strings (a tokenizer front, an sklearn pipeline) still gets parity."""
     word = helper.make_tensor("w", TensorProto.STRING, [], [b"model"])
     nodes = [helper.make_node("Equal", ["s", "w"], ["y"])]
-    m = model(nodes, [vi("s", ["n"], TensorProto.STRING)], [vi("y", None)], [word], opset=19)
+    m = model(
+        nodes, [vi("s", ["n"], TensorProto.STRING)], [vi("y", ["n"], TensorProto.BOOL)], [word], 19
+    )
     _, report = graphopt.optimize(m, level=1)
     assert report.parity.ran and report.parity.ok, report.parity
