@@ -9,8 +9,8 @@ Folding a per-channel affine op (BatchNormalization, Mul, Add) into fp16/bf16 Co
 re-rounds every weight.  :func:`require_refold_no_worse` decides from measured error, not from
 the level: it runs the folded and the unfused layer on seeded probe inputs (the
 BatchNormalization's running statistics set each channel's scale and offset) and compares both
-with the exact float64 result; the fold is kept when its worst error is no worse than the
-unfused graph's.
+with the exact float64 result; the fold is kept when neither its worst nor its systematic error
+is worse than the unfused graph's.
 """
 
 from __future__ import annotations
@@ -115,14 +115,16 @@ def refold_errors(
     both as stored; the op after it computes ``z = scale·y + shift`` per channel.  The unfused
     graph rounds ``y`` to ``dtype``, then ``z`` (the op itself computed in fp32); the folded one
     computes ``stored_rows``·x + ``stored_bias`` and rounds once.  Probe patches x are seeded
-    normal; with ``stats`` (the BatchNormalization's running mean and variance of ``y``) each
-    channel's probe is scaled and shifted so that ``y`` has that mean and variance, as in the
-    data the statistics were gathered on.  Errors are relative to each channel's RMS of the
-    exact ``z``; returns the worst and the mean, for the folded and the unfused layer.
+    half-normal; with ``stats`` (the BatchNormalization's running mean and variance of ``y``) each
+    channel's probe is scaled and shifted so that ``y`` has about that mean and variance, as in
+    the data the statistics were gathered on.  Probes are non-negative (as after an activation),
+    so that weight errors show their systematic part.  Errors are relative to each channel's
+    RMS of the exact ``z``; returns the worst, the mean and the systematic error (the worst
+    channel's error averaged over the probes), for the folded and the unfused layer.
     """
     dtype = np.dtype(dtype)
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((PROBE_PATCHES, rows.shape[1]))
+    x = np.abs(rng.standard_normal((PROBE_PATCHES, rows.shape[1])))
     norm2 = np.einsum("ck,ck->c", rows, rows)
     safe = np.where(norm2 > 0, norm2, 1.0)
     if stats is not None:
@@ -144,36 +146,46 @@ def refold_errors(
     rms = np.where(rms > 0, rms, 1.0)
     e_unf = np.abs(unfused - exact) / rms
     e_fold = np.abs(folded - exact) / rms
-    bad = ~np.isfinite(e_fold)
-    if bad.any():
-        e_fold = np.where(bad, np.inf, e_fold)
-    return {
-        "folded_max": float(e_fold.max()),
-        "folded_mean": float(e_fold.mean()),
-        "unfused_max": float(np.nan_to_num(e_unf, nan=np.inf).max()),
-        "unfused_mean": float(np.nan_to_num(e_unf, nan=np.inf).mean()),
+    # systematic part: the error's mean over the probes, per channel (what pooling keeps)
+    b_unf = np.abs(np.mean(unfused - exact, axis=0)) / rms
+    b_fold = np.abs(np.mean(folded - exact, axis=0)) / rms
+    out = {
+        "folded_max": e_fold.max(),
+        "folded_mean": e_fold.mean(),
+        "folded_bias": b_fold.max(),
+        "unfused_max": e_unf.max(),
+        "unfused_mean": e_unf.mean(),
+        "unfused_bias": b_unf.max(),
     }
+    return {k: float(np.nan_to_num(v, nan=np.inf)) for k, v in out.items()}
 
 
 def require_refold_no_worse(cx, dtype: np.dtype, what: str, measure) -> None:
-    """Folding into fp16/bf16 weights re-rounds them: kept when the measured worst error of the
-    folded layer (``measure()`` → :func:`refold_errors`) is no worse than the unfused graph's
-    (within ``REFOLD_SLACK``).  The worst error decides, as for the other guards; the mean is
-    reported (on ResNet-50 fp16 the folded layers' worst error is 0.5-0.95x the unfused ones',
-    their mean 1.2x: weight re-rounding noise against a second output rounding).  -O3 folds
-    regardless (the other precision guards still apply).  A refusal (``precision-refold``)
-    carries the numbers."""
+    """Folding into fp16/bf16 weights re-rounds them: kept when the measured error of the folded
+    layer (``measure()`` → :func:`refold_errors`) is no worse than the unfused graph's (within
+    ``REFOLD_SLACK``) in both the worst error and the systematic error (each channel's error
+    averaged over the probes).  The systematic part matters: re-rounded weights err the same way
+    on every input, and pooling keeps that while it averages the unfused graph's rounding noise
+    away.  Measured on ResNet-50 fp16 with non-trivial BN statistics: folded layers'
+    systematic error is 3.1-7.1x the unfused ones' (worst error 0.56-1.23x), and folding all 53
+    made the logits' error against float64 4x larger (mean 3.03 vs 0.74, onnxruntime cpu):
+    refused there.  A fold that re-rounds nothing (scales that are powers of two, fresh BN
+    statistics) is kept.  -O3 folds regardless (the other precision guards still apply).  A
+    refusal (``precision-refold``) carries the numbers."""
     dtype = np.dtype(dtype)
     if dtype.kind != "f" or dtype.itemsize > 2 or cx.level >= 3:
         return
     e = measure()
-    if e["folded_max"] > REFOLD_SLACK * e["unfused_max"]:
+    worse = e["folded_max"] > REFOLD_SLACK * e["unfused_max"] or (
+        e["folded_bias"] > REFOLD_SLACK * e["unfused_bias"]
+    )
+    if worse:
         raise NoMatch(
             "precision-refold",
             f"folding into {dtype.name} {what} is less accurate than the unfused graph against "
-            f"float64: worst error {e['folded_max']:.3g} vs {e['unfused_max']:.3g}, mean "
-            f"{e['folded_mean']:.3g} vs {e['unfused_mean']:.3g} (of each channel's RMS); "
-            "allowed at -O3",
+            f"float64: worst error {e['folded_max']:.3g} vs {e['unfused_max']:.3g}, "
+            f"systematic {e['folded_bias']:.3g} vs {e['unfused_bias']:.3g} (of each channel's "
+            "RMS, on probe inputs); allowed at -O3",
             dtype=dtype.name,
             **e,
         )
