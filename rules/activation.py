@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import onnx.defs
 
 from graphopt.opt.ir import Constant, Node, Tensor, Variable, constant_value, dtype_of, type_string
 from graphopt.opt.manager import register_rule
@@ -153,10 +154,11 @@ def lowering(
         f"{d + '.' if d else ''}{op}" + (f" (opset ≥ {v})" if not d and v else "")
         for op, d, v, _ in choices
     )
+    latest = onnx.defs.onnx_opset_version()
     newer = [
-        (op, v)
+        (op, o)
         for op, d, v, _ in choices
-        if not d and v and opset < v and cx.target.has_kernel(op, "", v, tname)
+        if not d and (o := _kernel_opset(cx, op, max(opset + 1, v or 1), latest, tname))
     ]
     if newer:
         op, v = newer[0]
@@ -172,10 +174,15 @@ def lowering(
     raise NoMatch(
         "no-kernel",
         f"target {cx.target.name} has no kernel for {what} in {tname} at opset {opset} "
-        f"(tried {names})",
+        f"or any later one up to {latest} (tried {names}), so `--opset` would not help",
         dtype=tname,
         opset=opset,
     )
+
+
+def _kernel_opset(cx, op: str, lo: int, hi: int, tname: str) -> int | None:
+    """The first default-domain opset in [lo, hi] at which the target has a kernel for op."""
+    return next((o for o in range(lo, hi + 1) if cx.target.has_kernel(op, "", o, tname)), None)
 
 
 # ------------------------------------------------------------------- GELU patterns
