@@ -54,6 +54,8 @@ class Report:
     #: the bundle under its own session settings against the original under the same (set
     #: when the bundle is written and verified)
     parity_deployed: ParityReport | None = None
+    #: the performance safety net (:mod:`graphopt.opt.perf`): measured, ratio, interval, reverted
+    performance: dict[str, Any] = field(default_factory=lambda: {"measured": False})
     seconds: dict[str, float] = field(default_factory=dict)
     rewrites: int = 0
     applied: list[tuple[int, str, str]] = field(default_factory=list)
@@ -92,6 +94,7 @@ class Report:
             "parity": self.parity.to_dict(),
             "parity_float64": self.parity_float64.to_dict() if self.parity_float64 else None,
             "parity_deployed": self.parity_deployed.to_dict() if self.parity_deployed else None,
+            "performance": self.performance,
             "seconds": self.seconds,
             "outputs": self.outputs,
         }
@@ -139,6 +142,7 @@ def optimize(
     output_tolerances: dict[str, tuple[float, float]] | None = None,
     base_dir: str | os.PathLike | None = None,
     opset: int | None = None,
+    measure: bool = True,
 ) -> tuple[onnx.ModelProto, Report]:
     """Optimize a model for a target; return the optimized model and the report.
 
@@ -148,7 +152,8 @@ def optimize(
     ``reference`` chooses what parity compares with: the ``original`` model, its ``float64``
     upcast (catches fp16 overflow that CPU kernels hide), or ``both``.  ``opset`` lifts the
     model to that default-domain opset before the pipeline runs (parity still compares with
-    the original).
+    the original).  ``measure`` (cpu, with ``check``) runs the performance safety net
+    (:mod:`graphopt.opt.perf`) on the parity inputs; ``GRAPHOPT_NO_MEASURE=1`` turns it off too.
     """
     if reference not in ("original", "float64", "both"):
         raise UsageError(f"reference must be original, float64 or both (got '{reference}')")
@@ -213,40 +218,31 @@ def optimize(
     say("checking that the output is valid")
     budget = max(10.0, 2 * (time.perf_counter() - t1))
     optimized, cx = _keep_valid(model, optimized, cx, execute, bisect_limit, say, base_dir, budget)
-    _set_metadata(optimized, {"graphopt.pipeline": to_text(passes), "graphopt.target": tgt.name})
     times["optimize"] = time.perf_counter() - t1
 
-    parity_f64 = None
-    if check:
-        say("checking parity with onnxruntime")
-        t2 = time.perf_counter()
-        kw = dict(
-            shapes=shapes,
-            inputs=inputs,
-            seed=seed,
-            tolerances=tgt.tolerances,
-            per_output=output_tolerances,
-            base_dir=base_dir,
-        )
-        parity = ParityReport.not_run("not requested")
-        if reference in ("original", "both"):
-            parity = _guarded(lambda: check_parity(model, optimized, **kw))
-        if reference in ("float64", "both"):
-            say("checking parity against a float64 reference")
-            parity_f64 = _guarded(
-                lambda: check_parity(
-                    model,
-                    optimized,
-                    reference=upcast_to_float64(model, get_target("cpu"), base_dir),
-                    reference_name="float64",
-                    **kw,
-                )
-            )
-            if reference == "float64":
-                parity, parity_f64 = parity_f64, None
-        times["parity"] = time.perf_counter() - t2
-    else:
-        parity = ParityReport.not_run("skipped (--no-check)")
+    kw = dict(
+        shapes=shapes,
+        inputs=inputs,
+        seed=seed,
+        tolerances=tgt.tolerances,
+        per_output=output_tolerances,
+        base_dir=base_dir,
+    )
+    t2 = time.perf_counter()
+    parity, parity_f64 = _parities(model, optimized, check, reference, kw, base_dir, say)
+    times["parity"] = time.perf_counter() - t2
+    why = _unmeasured(measure, check, tgt.name, parity)
+    performance: dict[str, Any] = {"measured": False, "why": why}
+    if why is None:
+        t3 = time.perf_counter()
+        net = _PerfNet(model, optimized, cx, execute, bisect_limit, base_dir, say)
+        optimized, cx, performance = net.run(tgt, parity.feeds, times["optimize"])
+        times["measure"] = time.perf_counter() - t3
+        if performance.get("reverted"):
+            t2 = time.perf_counter()
+            parity, parity_f64 = _parities(model, optimized, check, reference, kw, base_dir, say)
+            times["parity"] += time.perf_counter() - t2
+    _set_metadata(optimized, {"graphopt.pipeline": to_text(passes), "graphopt.target": tgt.name})
     times["total"] = time.perf_counter() - t0
 
     report = Report(
@@ -258,7 +254,7 @@ def optimize(
         nodes_after=len(optimized.graph.node),
         ops_before=ops_before,
         ops_after=op_histogram(optimized.graph.node),
-        remarks=cx.remarks.final(),
+        remarks=(kept := cx.remarks.final()),
         passes=[
             {
                 "name": r.name,
@@ -272,13 +268,16 @@ def optimize(
             k: {
                 "attempts": v.attempts,
                 "fired": v.fired,
-                "missed": v.missed,
+                # the missed remarks kept (one per node); attempts over all fixpoint rounds apart
+                "missed": sum(r.kind == "missed" and r.rule == k for r in kept),
+                "missed_attempts": v.missed,
                 "seconds": round(v.seconds, 6),
             }
             for k, v in sorted(cx.stats.items())
         },
         parity=parity,
         parity_float64=parity_f64,
+        performance=performance,
         seconds={k: round(v, 4) for k, v in times.items()},
         rewrites=cx.rewrites,
         applied=list(cx.applied),
@@ -416,3 +415,108 @@ def _guarded(run: Callable[[], ParityReport]) -> ParityReport:
         raise
     except GraphoptError as e:
         return ParityReport.not_run(str(e))
+
+
+def _parities(model, optimized, check: bool, reference: str, kw: dict, base_dir, say):
+    """(parity, parity_float64) of ``optimized`` against the original as ``reference`` asks."""
+    if not check:
+        return ParityReport.not_run("skipped (--no-check)"), None
+    say("checking parity with onnxruntime")
+    parity, parity_f64 = ParityReport.not_run("not requested"), None
+    if reference in ("original", "both"):
+        parity = _guarded(lambda: check_parity(model, optimized, **kw))
+    if reference in ("float64", "both"):
+        say("checking parity against a float64 reference")
+        parity_f64 = _guarded(
+            lambda: check_parity(
+                model,
+                optimized,
+                reference=upcast_to_float64(model, get_target("cpu"), base_dir),
+                reference_name="float64",
+                **kw,
+            )
+        )
+        if reference == "float64":
+            parity, parity_f64 = parity_f64, None
+    return parity, parity_f64
+
+
+def _unmeasured(measure: bool, check: bool, target: str, parity: ParityReport) -> str | None:
+    """Why the performance safety net does not run, or None when it does."""
+    if not measure:
+        return "not requested (--no-measure)"
+    if os.environ.get("GRAPHOPT_NO_MEASURE", "") not in ("", "0"):
+        return "turned off by GRAPHOPT_NO_MEASURE"
+    if target != "cpu":
+        return (
+            f"the {target} target's device is not measured here: the safety net times cpu "
+            "bundles on this machine"
+        )
+    if not check:
+        return "parity was skipped (--no-check): no inputs to time the models on"
+    if not parity.ran:
+        return f"parity did not run ({parity.error}): no inputs to time the models on"
+    if not parity.ok:
+        return "parity failed: the optimized model is not timed"
+    return None
+
+
+class _PerfNet:
+    """The performance safety net over one optimization (:mod:`graphopt.opt.perf`): candidates
+    are the pipeline re-run with every rewrite of some rules skipped."""
+
+    def __init__(self, original, optimized, cx, execute, limit, base_dir, say) -> None:
+        self.original, self.optimized, self.cx = original, optimized, cx
+        self.execute, self.limit, self.base_dir, self.say = execute, limit, base_dir, say
+        self.rules = list(dict.fromkeys(rule for _, rule, _ in cx.applied))
+        self.built: dict[frozenset, tuple] = {frozenset(): (optimized, cx)}
+
+    def skip_for(self, rules: frozenset) -> frozenset:
+        return self.cx.skip | {(r, n) for _, r, n in self.cx.applied if r in rules}
+
+    def build(self, rules: frozenset) -> tuple:
+        """The pipeline's output with every rewrite of ``rules`` skipped (rewrites at nodes the
+        first run did not have are added until none is left, a few re-runs at most)."""
+        if rules not in self.built:
+            self.built = {frozenset(): self.built[frozenset()]}  # keep one candidate alive
+            skip = self.skip_for(rules)
+            for _ in range(4):
+                out = self.execute(self.limit, skip)
+                more = {(r, n) for _, r, n in out[1].applied if r in rules}
+                if not more:
+                    break
+                skip = skip | more
+            self.built[rules] = out
+        return self.built[rules]
+
+    def run(self, tgt, feeds, optimize_s: float) -> tuple[onnx.ModelProto, Any, dict]:
+        from ..targets.bundle import session_config
+        from . import perf
+
+        budget = max(perf.MIN_BUDGET_S, optimize_s)
+        self.say(f"timing the bundle against the original (at most {budget:.0f} s)")
+        try:
+            duel = perf.Duel(self.original, feeds, lambda m: session_config(tgt, m), self.base_dir)
+            net = perf.find_slow_rules(
+                self.rules, lambda rules, s: duel.measure(self.build(rules)[0], s), budget
+            )
+        except GraphoptError as e:
+            return self.optimized, self.cx, {"measured": False, "why": str(e)}
+        optimized, cx = self.optimized, self.cx
+        reverted = frozenset(rule for rule, _ in net.reverted)
+        if reverted:
+            optimized, cx = self.build(reverted)
+            skip = cx.skip
+
+            def again(limit, extra: frozenset = frozenset()):
+                return self.execute(limit, skip | extra)
+
+            for r in self.cx.remarks:
+                if r.pass_name == "safety-net":
+                    cx.remarks.add(r)
+            optimized, cx = _keep_valid(
+                self.original, optimized, cx, again, self.limit, self.say, self.base_dir, budget
+            )
+        for remark in perf.remarks(net, self.cx.applied, budget):
+            cx.remarks.add(remark)
+        return optimized, cx, perf.summary(net, budget)
