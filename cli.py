@@ -1,8 +1,10 @@
 """The ``graphopt`` command line: parse, call the library, render, map errors to exit codes.
 
 Exit codes (stable): 0 ok, 1 error, 2 usage, 3 parity failed, 4 target cannot run the model /
-did not converge, 5 performance regression.  Errors are one line on stderr; ``--debug`` shows
-the traceback.
+did not converge, 5 performance regression.  Errors are one line on stderr; ``--debug`` (before
+or after the command) shows the traceback.  Long phases report progress on stderr: a live
+status on a terminal, otherwise a timestamped line for each phase still running after
+``GRAPHOPT_PROGRESS_AFTER`` seconds (default 2); ``--quiet`` turns both off.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
+import threading
+import time
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
@@ -20,12 +23,20 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from . import __version__
 from . import optimize as run_optimize
 from .opt import errors
 from .opt.bench import apply_baseline, baseline_payload, measure, parse_regression
 from .opt.bisect import bisect as run_bisect
+from .opt.explain import check_filters, check_rule, group_misses, levers, resolve_explain_op
 from .opt.explain import explain as explain_report
-from .opt.gate import evaluate_expectations, junit_xml, parse_expectations
+from .opt.gate import (
+    evaluate_expectations,
+    junit_xml,
+    op_vocabulary,
+    parse_expectations,
+    resolve_expectations,
+)
 from .opt.io import (
     OutputDirKind,
     atomic_write,
@@ -72,8 +83,35 @@ class Reference(str, Enum):
     both = "both"
 
 
+def _show_version(value: bool) -> None:
+    if value:
+        print(f"graphopt {__version__}")
+        raise typer.Exit()
+
+
+def _set_debug(value: bool) -> bool:
+    """``--debug`` after the command name: the same switch as before it."""
+    if value:
+        STATE["debug"] = True
+    return value
+
+
+FORMAT = typer.Option("--format", help="text or json (json: one document on stdout).")
+DEBUG = typer.Option(
+    "--debug", help="Show tracebacks (also accepted before the command).", callback=_set_debug
+)
+
+
 @app.callback()
-def main(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False) -> None:
+def main(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", help="Print the version and exit.", callback=_show_version, is_eager=True
+        ),
+    ] = False,
+) -> None:
     STATE["debug"] = debug
 
 
@@ -133,6 +171,13 @@ BISECT_KIND = OutputDirKind(
 )
 MAX_THREADS = 1024
 SEED = typer.Option("--seed", min=0, help="Seed of random parity inputs (>= 0).")
+SHAPE = typer.Option(
+    "--shape",
+    help="NAME=D0,D1,... sizes of an input's dynamic dims for the random inputs (repeatable).",
+)
+INPUTS = typer.Option(
+    "--inputs", help="Real inputs: an .npz (one array per input name) or an .npy (one input)."
+)
 
 
 def _protected(model: Path) -> list[Path]:
@@ -207,7 +252,8 @@ def optimize(
     pipeline: Annotated[
         str | None, typer.Option("--pipeline", help="Pipeline text (overrides -O).")
     ] = None,
-    fmt: Annotated[Format, typer.Option("--format", help="text or json.")] = Format.text,
+    fmt: Annotated[Format, FORMAT] = Format.text,
+    debug: Annotated[bool, DEBUG] = False,
     shape: Annotated[
         list[str] | None, typer.Option("--shape", help="NAME=D0,D1,... for parity inputs.")
     ] = None,
@@ -278,10 +324,11 @@ def optimize(
         expectations = parse_expectations(expect)
         shapes = parse_shapes(shape)
         feeds = _load_feeds(inputs, src)
-        show = fmt == Format.text and not quiet and sys.stdout.isatty()
+        custom = pipeline is not None
         if kernels:
             pipeline = with_kernels(preset(level) if pipeline is None else pipeline)
-        with _progress(show) as say:
+        started = time.monotonic()
+        with _progress(quiet) as say:
             optimized, report = run_optimize(
                 src,
                 target=target,
@@ -299,8 +346,10 @@ def optimize(
                 output_tolerances=parse_tolerances(tolerance),
                 opset=opset,
             )
-            say("writing")
-            _write_bundle(dest, optimized, report, protected)
+            expectations = _resolve_expectations(expectations, report, target)
+            say("writing the bundle")
+            _write_bundle(dest, optimized, report, protected, say)
+        wall = time.monotonic() - started
         if remarks:
             _atomic_text(
                 remarks,
@@ -320,16 +369,27 @@ def optimize(
         if fmt == Format.json:
             print(json.dumps(payload, indent=2, sort_keys=True))
         elif not quiet:
-            _render_report(report)
+            _render_report(report, custom_pipeline=custom, wall=wall)
             for e in results:
                 mark = "[green]ok[/]" if e.ok else "[red]FAILED[/]"
                 out.print(f"expect {e.text}: {mark} (found {e.actual})")
+        _warn_safety_net(report)
         code, reason = _verdict(report, results, checked=not no_check)
         if not reason.startswith(PARITY_NOT_RUN):
             _warn_parity_not_run(report, checked=not no_check)
         if code:
             err.print(f"error: {reason}", soft_wrap=True)
             raise typer.Exit(code)
+
+
+def _resolve_expectations(expectations: list, report, target: str) -> list:
+    """``--expect`` op names in full (``FusedConv`` → ``com.microsoft.FusedConv``)."""
+    if not expectations:
+        return expectations
+    vocabulary = op_vocabulary(
+        report.ops_before, report.ops_after, kernels=get_target(target).kernels()
+    )
+    return resolve_expectations(expectations, vocabulary)
 
 
 def _remark_line(failures: list) -> str:
@@ -384,8 +444,16 @@ def _warn_parity_not_run(report, checked: bool) -> None:
             )
 
 
+def _warn_safety_net(report) -> None:
+    """A rewrite that made the model invalid was reverted: the run succeeds, loudly."""
+    for r in report.remarks:
+        if r.kind == "failure" and r.pass_name == "safety-net" and r.code == "invalid-output":
+            err.print(f"[yellow]warning:[/] safety net: {r.message}", markup=True, soft_wrap=True)
+
+
 def _parity_hint(parity) -> str:
-    if parity.error and "failed to run" in parity.error:
+    """The --shape/--inputs hint, unless the error already carries one."""
+    if parity.error and "failed to run" in parity.error and "--shape" not in parity.error:
         return (
             " (random inputs, symbolic dims at default sizes: give real sizes with "
             "--shape NAME=D0,D1,... or real inputs with --inputs FILE.npz)"
@@ -393,7 +461,7 @@ def _parity_hint(parity) -> str:
     return ""
 
 
-def _write_bundle(dest: Path, model, report, protected: list[Path]) -> None:
+def _write_bundle(dest: Path, model, report, protected: list[Path], say=None) -> None:
     """Write model + report into a staging dir, then move it into place in one rename; the
     staging dir never survives, whatever fails."""
     try:
@@ -410,7 +478,7 @@ def _write_bundle(dest: Path, model, report, protected: list[Path]) -> None:
             external=needs_external_data(model),
             base_dir=report.bundle_context.get("base_dir"),
         )
-        files = write_bundle_files(staging, model, report)
+        files = write_bundle_files(staging, model, report, progress=say)
         report.outputs = {k: str(dest / v) for k, v in files.items()}
         report.outputs["report"] = str(dest / "report.json")
         (staging / "report.json").write_text(json.dumps(report.to_dict(), indent=2, sort_keys=True))
@@ -437,52 +505,122 @@ def _atomic_text(path: Path, text: str) -> None:
         raise errors.ModelSaveError(f"cannot write {path}: {e.strerror or e}") from None
 
 
+QUIET_PROGRESS = typer.Option("--quiet", "-q", help="No progress lines on stderr.")
+
+
+def _progress_after() -> float:
+    """Seconds a phase runs before its line is printed when stderr is not a terminal."""
+    try:
+        value = float(os.environ.get("GRAPHOPT_PROGRESS_AFTER", "2"))
+    except ValueError:
+        return 2.0
+    return value if math.isfinite(value) and value >= 0 else 2.0
+
+
 @contextmanager
-def _progress(show: bool):
-    if not show:
+def _progress(quiet: bool):
+    """``say(msg)`` for each phase: a live status on a terminal; otherwise one timestamped line
+    on stderr for each phase still running after ``GRAPHOPT_PROGRESS_AFTER`` seconds (fast runs
+    stay silent); nothing with ``quiet``.  Never writes to stdout."""
+    if quiet:
         yield lambda _msg: None
         return
-    with err.status("graphopt") as status:
-        yield lambda msg: status.update(f"graphopt: {msg}")
+    if err.is_terminal:
+        with err.status("graphopt") as status:
+            yield lambda msg: status.update(f"graphopt: {msg}")
+        return
+    lines = _PhaseLines(_progress_after())
+    try:
+        yield lines.say
+    finally:
+        lines.stop()
 
 
-def _render_report(report) -> None:
-    out.print(
-        f"[bold]{report.model}[/] → target [cyan]{report.target}[/], -O{report.level}: "
-        f"{report.nodes_before} → {report.nodes_after} nodes, {report.rewrites} rewrites, "
-        f"{report.seconds.get('total', 0):.2f}s"
+class _PhaseLines:
+    """Timestamped progress lines for logs: a phase's line is printed once it has run for
+    ``after`` seconds (a timer thread), so that silence never lasts longer than that."""
+
+    def __init__(self, after: float) -> None:
+        self.after = after
+        self.t0 = time.monotonic()
+        self.lock = threading.Lock()
+        self.phase = 0
+        self.timer: threading.Timer | None = None
+
+    def say(self, msg: str) -> None:
+        with self.lock:
+            self._cancel()
+            self.phase += 1
+            stamp = (time.strftime("%H:%M:%S"), time.monotonic() - self.t0)
+            if self.after <= 0:
+                self._emit(msg, stamp)
+                return
+            self.timer = threading.Timer(self.after, self._fire, (self.phase, msg, stamp))
+            self.timer.daemon = True
+            self.timer.start()
+
+    def _fire(self, phase: int, msg: str, stamp: tuple[str, float]) -> None:
+        with self.lock:
+            if phase == self.phase:
+                self._emit(msg, stamp)
+
+    @staticmethod
+    def _emit(msg: str, stamp: tuple[str, float]) -> None:
+        err.print(f"{stamp[0]} graphopt +{stamp[1]:.1f}s: {msg}", markup=False, soft_wrap=True)
+
+    def _cancel(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def stop(self) -> None:
+        with self.lock:
+            self._cancel()
+            self.phase += 1
+
+
+def _device_note(report) -> str:
+    """Where parity ran, for targets other than cpu: onnxruntime's CPU provider here, and
+    whether the bundle ran on the device (its manifest says)."""
+    if report.target == "cpu":
+        return ""
+    device = "not-run"
+    manifest = Path(report.outputs.get("manifest", "")) if report.outputs else None
+    if manifest and manifest.is_file():
+        try:
+            device = json.loads(manifest.read_text()).get("verified", {}).get("device", device)
+        except (OSError, ValueError):
+            pass
+    ran = "not run" if device == "not-run" else f"run ({device})"
+    return (
+        "parity ran on this machine's CPU (onnxruntime CPUExecutionProvider); "
+        f"the {report.target} device was {ran}"
     )
-    ops = Table(title="ops (before → after)", show_edge=False)
-    ops.add_column("op")
-    ops.add_column("before", justify="right")
-    ops.add_column("after", justify="right")
-    for op in sorted(set(report.ops_before) | set(report.ops_after)):
-        b, a = report.ops_before.get(op, 0), report.ops_after.get(op, 0)
-        if a != b:
-            ops.add_row(op, str(b), str(a))
-    if ops.row_count:
-        out.print(ops)
-    rules = Table(title="rules", show_edge=False)
-    for col in ("rule", "fired", "missed", "seconds"):
-        rules.add_column(col, justify="left" if col == "rule" else "right")
-    for name, st in report.rules.items():
-        if st["fired"] or st["missed"]:
-            rules.add_row(name, str(st["fired"]), str(st["missed"]), f"{st['seconds']:.3f}")
-    if rules.row_count:
-        out.print(rules)
-    missed = [r for r in report.remarks if r.kind in ("missed", "failure")]
-    if missed:
-        t = Table(title="missed / failed (why)", show_edge=False)
-        for col in ("rule", "node", "code", "reason"):
-            t.add_column(col, overflow="fold")
-        for r in missed[:25]:
-            t.add_row(r.rule, r.nodes[0] if r.nodes else "", r.code, r.message)
-        out.print(t)
-        if len(missed) > 25:
-            out.print(f"... and {len(missed) - 25} more (see report.json or --remarks)")
-    _render_parity(report.parity)
+
+
+def _render_report(report, custom_pipeline: bool = False, wall: float | None = None) -> None:
+    how = f"pipeline '{report.pipeline}'" if custom_pipeline else f"-O{report.level}"
+    took = f"{report.seconds.get('total', 0):.2f}s"
+    if wall is not None:
+        took += f" ({wall:.2f}s with the bundle)"
+    out.print(
+        f"[bold]{report.model}[/] → target [cyan]{report.target}[/], {how}: "
+        f"{report.nodes_before} → {report.nodes_after} nodes, {report.rewrites} rewrites, {took}",
+        soft_wrap=True,
+    )
+    changed = [
+        f"{op} {report.ops_before.get(op, 0)}→{report.ops_after.get(op, 0)}"
+        for op in sorted(set(report.ops_before) | set(report.ops_after))
+        if report.ops_before.get(op, 0) != report.ops_after.get(op, 0)
+    ]
+    if changed:
+        out.print("ops (before→after): " + ", ".join(changed), soft_wrap=True)
+    _render_fired(report)
+    _render_misses(group_misses(report))
+    note = _device_note(report)
+    _render_parity(report.parity, note)
     if report.parity_float64 is not None:
-        _render_parity(report.parity_float64)
+        _render_parity(report.parity_float64, note)
     passes = {}
     for p in report.passes:
         passes[p["name"]] = passes.get(p["name"], 0.0) + p["seconds"]
@@ -491,7 +629,56 @@ def _render_report(report) -> None:
         out.print(f"wrote {report.outputs.get('model')}")
 
 
-def _render_parity(parity) -> None:
+MAX_MISS_GROUPS = 10
+
+
+def _render_fired(report) -> None:
+    """Fired fusions (rules of level 2+) and cleanups with their counts, most first."""
+    fired = sorted(
+        ((n, st["fired"]) for n, st in report.rules.items() if st["fired"]),
+        key=lambda kv: (-kv[1], kv[0]),
+    )
+    fusions = [(n, c) for n, c in fired if n in RULES and RULES[n].level >= 2]
+    cleanups = [(n, c) for n, c in fired if (n, c) not in fusions]
+    for label, rows in (("[green]fused[/]", fusions), ("cleaned up", cleanups)):
+        if rows:
+            out.print(f"{label}: " + ", ".join(f"{n} ×{c}" for n, c in rows), soft_wrap=True)
+
+
+def _render_misses(groups: list[dict]) -> None:
+    """Missed/failed remarks grouped by (rule, code), one line each: count, rule, code, one
+    example node, what to do; at most MAX_MISS_GROUPS lines, then the flags that would let more
+    fuse.  The full list is in report.json, --remarks and `graphopt explain`."""
+    if not groups:
+        return
+    total = sum(g["count"] for g in groups)
+    out.print(f"[yellow]missed[/]: {total} remarks in {len(groups)} groups, actionable first")
+    for g in groups[:MAX_MISS_GROUPS]:
+        what = "[red]failure[/] " if g["kind"] == "failure" else ""
+        todo = g["hint"] or g["message"]
+        todo = todo if len(todo) <= 160 else todo[:159] + "…"
+        if g["lever"]:
+            todo = f"[bold]{g['lever']}[/]: {todo}"
+        out.print(
+            f"  {g['count']:>4}× {what}{g['rule']} {g['code']} (e.g. '{g['example']}'): {todo}",
+            soft_wrap=True,
+        )
+    if len(groups) > MAX_MISS_GROUPS:
+        rest = groups[MAX_MISS_GROUPS:]
+        out.print(
+            f"  ... {len(rest)} more groups ({sum(g['count'] for g in rest)} remarks): "
+            "`graphopt explain`, --remarks FILE or report.json list them all",
+            soft_wrap=True,
+        )
+    more = levers(groups)
+    if more:
+        out.print(
+            "to get more: " + "; ".join(f"{lever} ({n} missed)" for lever, n in more),
+            soft_wrap=True,
+        )
+
+
+def _render_parity(parity, note: str = "") -> None:
     if not parity.ran:
         out.print(f"parity: [yellow]not run[/] ({parity.error})")
         return
@@ -511,6 +698,8 @@ def _render_parity(parity) -> None:
             "yes" if d.ok else "[red]NO[/]",
         )
     out.print(t)
+    if note:
+        out.print(note, soft_wrap=True)
     if parity.error:
         out.print(f"[red]{parity.error}[/]")
     if parity.first_divergence:
@@ -525,8 +714,8 @@ def _render_parity(parity) -> None:
 def check(
     original: Annotated[Path, typer.Argument(help="Reference model.")],
     optimized: Annotated[Path, typer.Argument(help="Model to compare (a file or a bundle dir).")],
-    shape: Annotated[list[str] | None, typer.Option("--shape")] = None,
-    inputs: Annotated[Path | None, typer.Option("--inputs")] = None,
+    shape: Annotated[list[str] | None, SHAPE] = None,
+    inputs: Annotated[Path | None, INPUTS] = None,
     seed: Annotated[int, SEED] = 0,
     reference: Annotated[
         Reference,
@@ -536,13 +725,17 @@ def check(
         list[str] | None,
         typer.Option("--tolerance", help="OUTPUT=RTOL,ATOL overriding the dtype default."),
     ] = None,
-    fmt: Annotated[Format, typer.Option("--format")] = Format.text,
+    fmt: Annotated[Format, FORMAT] = Format.text,
+    quiet: Annotated[bool, QUIET_PROGRESS] = False,
+    debug: Annotated[bool, DEBUG] = False,
 ) -> None:
     """Compare two models' outputs with onnxruntime; exit 3 when they differ."""
     with handled():
         if optimized.is_dir():
             optimized = optimized / "model.onnx"
-        ref_model, opt_model = load_model(original), load_model(optimized)
+        with _progress(quiet) as say:
+            say("loading the models")
+            ref_model, opt_model = load_model(original), load_model(optimized)
         kw = dict(
             shapes=parse_shapes(shape),
             inputs=_load_feeds(inputs, ref_model),
@@ -550,13 +743,18 @@ def check(
             per_output=parse_tolerances(tolerance),
         )
         results = []
-        if reference in (Reference.original, Reference.both):
-            results.append(check_parity(ref_model, opt_model, **kw))
-        if reference in (Reference.float64, Reference.both):
-            f64 = upcast_to_float64(ref_model, TARGETS["cpu"])
-            results.append(
-                check_parity(ref_model, opt_model, reference=f64, reference_name="float64", **kw)
-            )
+        with _progress(quiet) as say:
+            if reference in (Reference.original, Reference.both):
+                say("parity vs the original: running both models")
+                results.append(check_parity(ref_model, opt_model, **kw))
+            if reference in (Reference.float64, Reference.both):
+                say("parity vs a float64 upcast of the original")
+                f64 = upcast_to_float64(ref_model, TARGETS["cpu"])
+                results.append(
+                    check_parity(
+                        ref_model, opt_model, reference=f64, reference_name="float64", **kw
+                    )
+                )
         if fmt == Format.json:
             payload = [p.to_dict() for p in results]
             body = payload[0] if len(payload) == 1 else payload
@@ -578,10 +776,12 @@ def bisect(
     target: Annotated[str, typer.Option("--target", "-t")] = "cpu",
     level: Annotated[int, typer.Option("-O", "--level", min=0, max=3)] = 2,
     pipeline: Annotated[str | None, typer.Option("--pipeline")] = None,
-    shape: Annotated[list[str] | None, typer.Option("--shape")] = None,
-    inputs: Annotated[Path | None, typer.Option("--inputs")] = None,
+    shape: Annotated[list[str] | None, SHAPE] = None,
+    inputs: Annotated[Path | None, INPUTS] = None,
     seed: Annotated[int, SEED] = 0,
-    fmt: Annotated[Format, typer.Option("--format")] = Format.text,
+    fmt: Annotated[Format, FORMAT] = Format.text,
+    quiet: Annotated[bool, QUIET_PROGRESS] = False,
+    debug: Annotated[bool, DEBUG] = False,
 ) -> None:
     """Find the first rewrite that breaks parity (binary search on --bisect-limit).
 
@@ -591,8 +791,7 @@ def bisect(
         dest = check_output_dir(
             output or model.with_name(f"{model.stem}.bisect"), BISECT_KIND, protected
         )
-        show = fmt == Format.text and sys.stdout.isatty()
-        with _progress(show) as say:
+        with _progress(quiet) as say:
             result = run_bisect(
                 load_model(model),
                 target=target,
@@ -661,27 +860,40 @@ def explain(
     rule: Annotated[str | None, typer.Option("--rule", help="Only this rule.")] = None,
     node: Annotated[str | None, typer.Option("--node", help="Only remarks on this node.")] = None,
     code: Annotated[str | None, typer.Option("--code", help="Only this guard code.")] = None,
-    shape: Annotated[list[str] | None, typer.Option("--shape")] = None,
-    inputs: Annotated[Path | None, typer.Option("--inputs")] = None,
+    op: Annotated[
+        str | None,
+        typer.Option("--op", help="Only remarks on nodes of this op (FusedConv or its domain.op)."),
+    ] = None,
+    shape: Annotated[list[str] | None, SHAPE] = None,
+    inputs: Annotated[Path | None, INPUTS] = None,
     remarks: Annotated[Path | None, typer.Option("--remarks", help="Write JSONL.")] = None,
-    fmt: Annotated[Format, typer.Option("--format")] = Format.text,
+    fmt: Annotated[Format, FORMAT] = Format.text,
+    quiet: Annotated[bool, QUIET_PROGRESS] = False,
+    debug: Annotated[bool, DEBUG] = False,
 ) -> None:
-    """Which rules fired where, which were refused where and why (with a hint for the fix)."""
+    """Which rules fired where, which were refused where and why (with a hint for the fix).
+
+    A --rule, --node, --code or --op that names nothing exits 2 with the nearest names."""
     with handled():
         src = model.resolve()
         check_side_outputs({"--remarks": remarks}, models=[src], files=[inputs] if inputs else [])
-        if rule is not None and rule not in RULES and rule not in PASSES:
-            raise errors.UsageError(f"--rule: unknown rule or pass '{rule}' (see `graphopt rules`)")
-        _, report = run_optimize(
-            src,
-            target=target,
-            level=level,
-            pipeline=pipeline,
-            check=False,
-            shapes=parse_shapes(shape),
-            inputs=_load_feeds(inputs, src),
-        )
-        data = explain_report(report, rule=rule, node=node, code=code)
+        check_rule(rule)
+        with _progress(quiet) as say:
+            optimized, report = run_optimize(
+                src,
+                target=target,
+                level=level,
+                pipeline=pipeline,
+                check=False,
+                shapes=parse_shapes(shape),
+                inputs=_load_feeds(inputs, src),
+                progress=say,
+            )
+        original = load_model(src, check=False, lazy_external=True)
+        node_ops = {**_node_ops(optimized.graph), **_node_ops(original.graph)}
+        check_filters(report, node_ops, node=node, code=code)
+        op = resolve_explain_op(op, report) if op is not None else None
+        data = explain_report(report, rule=rule, node=node, code=code, op=op, node_ops=node_ops)
         if remarks:
             _atomic_text(
                 remarks,
@@ -691,6 +903,17 @@ def explain(
             print(json.dumps(data, indent=2, sort_keys=True))
             return
         _render_explain(data)
+
+
+def _node_ops(graph) -> dict[str, str]:
+    """Node name → op type (``domain.op`` outside the default domain), subgraphs included."""
+    found: dict[str, str] = {}
+    for n in graph.node:
+        found[n.name] = f"{n.domain}.{n.op_type}" if n.domain not in ("", "ai.onnx") else n.op_type
+        for a in n.attribute:
+            for g in [a.g] if a.HasField("g") else list(a.graphs):
+                found.update(_node_ops(g))
+    return found
 
 
 def _render_explain(data: dict) -> None:
@@ -741,7 +964,9 @@ def lint(
         typer.Option("-o", "--output", help="Where --freeze-initializers writes the model."),
     ] = None,
     target: Annotated[str, typer.Option("--target", "-t")] = "cpu",
-    fmt: Annotated[Format, typer.Option("--format")] = Format.text,
+    fmt: Annotated[Format, FORMAT] = Format.text,
+    quiet: Annotated[bool, QUIET_PROGRESS] = False,
+    debug: Annotated[bool, DEBUG] = False,
 ) -> None:
     """Pitfalls of real exports (weights as inputs, custom domains, fp16 saturation...), each
     with its fix."""
@@ -754,13 +979,16 @@ def lint(
                 {"-o": dest, "-o (its external data)": dest.with_name(dest.name + ".data")},
                 models=[model.resolve()],
             )
-        proto = load_model(model, check=False)
-        try:
-            _, report = run_optimize(proto, target=target, check=False)
-            missed = [r for r in report.remarks if r.kind == "missed"]
-        except errors.GraphoptError:
-            missed = []
-        findings = lint_model(proto, missed_remarks=missed)
+        with _progress(quiet) as say:
+            say("loading")
+            proto = load_model(model, check=False)
+            try:
+                _, report = run_optimize(proto, target=target, check=False, progress=say)
+                missed = [r for r in report.remarks if r.kind == "missed"]
+            except errors.GraphoptError:
+                missed = []
+            say("linting")
+            findings = lint_model(proto, missed_remarks=missed)
         payload = {
             "schema": "graphopt.lint/1",
             "model": str(model),
@@ -808,8 +1036,8 @@ def bench(
             "--ort-level", help="onnxruntime session level: disable, basic, extended, all."
         ),
     ] = "all",
-    shape: Annotated[list[str] | None, typer.Option("--shape")] = None,
-    inputs: Annotated[Path | None, typer.Option("--inputs")] = None,
+    shape: Annotated[list[str] | None, SHAPE] = None,
+    inputs: Annotated[Path | None, INPUTS] = None,
     baseline: Annotated[
         Path | None,
         typer.Option(
@@ -824,7 +1052,9 @@ def bench(
         float, typer.Option("--min-seconds", help="Keep measuring at least this long.")
     ] = 2.0,
     junit: Annotated[Path | None, typer.Option("--junit")] = None,
-    fmt: Annotated[Format, typer.Option("--format")] = Format.text,
+    fmt: Annotated[Format, FORMAT] = Format.text,
+    quiet: Annotated[bool, QUIET_PROGRESS] = False,
+    debug: Annotated[bool, DEBUG] = False,
 ) -> None:
     """p50/p95 latency of original and optimized (interleaved); the CI regression gate."""
     with handled():
@@ -838,22 +1068,27 @@ def bench(
             files=[inputs] if inputs else [],
             dirs=[optimized] if optimized and optimized.is_dir() else [],
         )
-        original = load_model(model)
-        if opt_path is None:
-            opt_model, _ = run_optimize(original, target=target, level=level, check=False)
-        else:
-            opt_model = load_model(opt_path)
-        result = measure(
-            original,
-            opt_model,
-            runs=runs,
-            warmup=warmup,
-            threads=threads,
-            level=ort_level,
-            shapes=parse_shapes(shape),
-            inputs=_load_feeds(inputs, original),
-            min_seconds=min_seconds,
-        )
+        with _progress(quiet) as say:
+            say("loading")
+            original = load_model(model)
+            if opt_path is None:
+                opt_model, _ = run_optimize(
+                    original, target=target, level=level, check=False, progress=say
+                )
+            else:
+                opt_model = load_model(opt_path)
+            say(f"measuring latency (interleaved, at least {min_seconds:g}s)")
+            result = measure(
+                original,
+                opt_model,
+                runs=runs,
+                warmup=warmup,
+                threads=threads,
+                level=ort_level,
+                shapes=parse_shapes(shape),
+                inputs=_load_feeds(inputs, original),
+                min_seconds=min_seconds,
+            )
         if baseline:
             result = apply_baseline(result, baseline, limit)
         if save_baseline:
@@ -912,7 +1147,9 @@ def _render_bench(result) -> None:
 
 
 @app.command()
-def rules(fmt: Annotated[Format, typer.Option("--format")] = Format.text) -> None:
+def rules(
+    fmt: Annotated[Format, FORMAT] = Format.text, debug: Annotated[bool, DEBUG] = False
+) -> None:
     """List every rule and pass with its level and one line."""
     rows = [
         {"name": r.name, "kind": "rule", "root": r.root, "level": r.level, "summary": r.summary}
@@ -941,7 +1178,8 @@ def targets(
         str | None, typer.Argument(help="'show' to print one target's profile and kernel table.")
     ] = None,
     name: Annotated[str | None, typer.Argument(help="The target to show.")] = None,
-    fmt: Annotated[Format, typer.Option("--format")] = Format.text,
+    fmt: Annotated[Format, FORMAT] = Format.text,
+    debug: Annotated[bool, DEBUG] = False,
 ) -> None:
     """List the targets; `targets show NAME` prints one target's profile and kernel table."""
     with handled():
@@ -1020,6 +1258,28 @@ def _render_target(data: dict) -> None:
     out.print(t)
 
 
+def _check_providers(folder: Path) -> None:
+    """A bundle this machine cannot run as recorded: say which flag runs its semantics."""
+    import onnxruntime as ort
+
+    from .targets.bundle import read_bundle
+
+    _, manifest, config = read_bundle(folder)
+    wanted = list(config.get("providers") or [])
+    missing = [p for p in wanted if p not in ort.get_available_providers()]
+    if wanted and not missing:
+        return
+    why = (
+        f"needs {', '.join(missing)}, not available here"
+        if missing
+        else f"is not run by onnxruntime ({config.get('why', '')})"
+    )
+    raise errors.UsageError(
+        f"the {manifest.get('target')} bundle {why}; add --provider CPUExecutionProvider "
+        "to run its semantics on this machine's CPU"
+    )
+
+
 @app.command()
 def run(
     bundle: Annotated[Path, typer.Argument(help="A bundle directory written by `optimize`.")],
@@ -1043,7 +1303,8 @@ def run(
         ),
     ] = None,
     repeat: Annotated[int, typer.Option("--repeat", min=1, help="Runs (timed).")] = 1,
-    fmt: Annotated[Format, typer.Option("--format")] = Format.text,
+    fmt: Annotated[Format, FORMAT] = Format.text,
+    debug: Annotated[bool, DEBUG] = False,
 ) -> None:
     """Run a bundle with onnxruntime exactly as its manifest and session config say."""
     with handled():
@@ -1051,9 +1312,12 @@ def run(
 
         if bundle.is_file() and bundle.name != MANIFEST:
             raise errors.UsageError(
-                f"{bundle} is a file, not a bundle directory written by optimize"
+                f"{bundle} is a model file, not a bundle: `graphopt optimize {bundle}` writes "
+                "one, and `graphopt run` runs that folder"
             )
         folder = bundle.parent if bundle.is_file() else bundle
+        if not provider:
+            _check_providers(folder)
         check_side_outputs({"-o": output}, files=[inputs] if inputs else [], dirs=[folder])
         feeds = _load_feeds(inputs, folder / "model.onnx") if inputs else None
         result = run_bundle(bundle, feeds, providers=provider or None, repeat=repeat)

@@ -3,14 +3,21 @@
 Built from an optimization report: per rule, the attempts, fires, misses grouped by guard code
 and time; every fired rewrite (nodes before → nodes created); every miss with its code, sentence
 and a hint for the fix; and the rules of the pipeline that never matched anything.
+
+Filters (``--rule``, ``--node``, ``--code``, ``--op``) that name nothing in the model or the run
+are usage errors suggesting the nearest names; op names take the short form when unambiguous
+(``FusedConv`` for ``com.microsoft.FusedConv``).
 """
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from typing import Any
 
-from .manager import PASSES
+from .errors import UsageError
+from .gate import op_vocabulary, resolve_op, suggest
+from .manager import PASSES, RULES
 from .optimizer import Report
 
 #: guard code → what the user can do about it
@@ -55,16 +62,114 @@ HINTS = {
 }
 
 
+#: guard code → the flag that can turn such misses into fusions (the "to get more" list)
+LEVERS = {
+    "opset-too-old": "--opset {needs}",
+    "dynamic-shape": "--shape NAME=D0,D1,...",
+    "shape-mismatch": "--shape NAME=D0,D1,...",
+    "non-constant-param": "graphopt lint --freeze-initializers",
+    "fold-size-limit": "--fold-size-limit MIB",
+    "precision-refold": "-O3",
+}
+
+
+def group_misses(report: Report) -> list[dict[str, Any]]:
+    """Missed and failed remarks grouped by (rule, code): count, one example node, the hint;
+    groups the user can act on (a flag in ``LEVERS``) first, then by count."""
+    groups: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for r in report.remarks:
+        if r.kind not in ("missed", "failure"):
+            continue
+        g = groups.setdefault(
+            (r.kind, r.rule, r.code),
+            {
+                "kind": r.kind,
+                "rule": r.rule,
+                "code": r.code,
+                "count": 0,
+                "example": r.nodes[0] if r.nodes else "",
+                "message": r.message,
+                "hint": HINTS.get(r.code, ""),
+                "lever": _lever(r),
+            },
+        )
+        g["count"] += 1
+    return sorted(
+        groups.values(),
+        key=lambda g: (g["kind"] != "failure", g["lever"] is None, -g["count"], g["rule"]),
+    )
+
+
+def _lever(remark) -> str | None:
+    text = LEVERS.get(remark.code)
+    if text is None or "{needs}" not in text:
+        return text
+    needs = remark.args.get("needs")
+    if needs is None:  # rules that say the opset in their sentence only
+        m = re.search(r"--opset (\d+)", remark.message) or re.search(
+            r"opset (?:≥ )?(\d+)", remark.message
+        )
+        needs = m.group(1) if m else None
+    return text.format(needs=needs) if needs is not None else None
+
+
+def levers(groups: list[dict[str, Any]]) -> list[tuple[str, int]]:
+    """The flags that would let more fuse, with how many misses each addresses, most first."""
+    counts: Counter[str] = Counter()
+    for g in groups:
+        if g["lever"] and g["kind"] == "missed":
+            counts[g["lever"]] += g["count"]
+    return counts.most_common()
+
+
+def check_rule(rule: str | None) -> None:
+    """An unknown ``--rule`` is a usage error naming the nearest rules and passes."""
+    if rule is not None and rule not in RULES and rule not in PASSES:
+        near = suggest(rule, [*RULES, *PASSES])
+        raise UsageError(f"--rule: unknown rule or pass '{rule}'{near} (see `graphopt rules`)")
+
+
+def check_filters(
+    report: Report, node_ops: dict[str, str], *, node: str | None, code: str | None
+) -> None:
+    """``--node`` must name a node of the model (before or after) or of a remark; ``--code`` a
+    guard code of this run or a documented one."""
+    if node is not None:
+        names = set(node_ops) | {n for r in report.remarks for n in r.nodes}
+        if node not in names:
+            raise UsageError(f"--node: no node '{node}' in the model{suggest(node, names)}")
+    if code is not None:
+        codes = {r.code for r in report.remarks if r.code} | set(HINTS)
+        if code not in codes:
+            raise UsageError(f"--code: unknown guard code '{code}'{suggest(code, codes)}")
+
+
+def resolve_explain_op(op: str, report: Report) -> str:
+    """``--op`` in full: the model's ops before and after and the standard ONNX ops."""
+    return resolve_op(op, op_vocabulary(report.ops_before, report.ops_after), "--op")
+
+
 def explain(
-    report: Report, *, rule: str | None = None, node: str | None = None, code: str | None = None
+    report: Report,
+    *,
+    rule: str | None = None,
+    node: str | None = None,
+    code: str | None = None,
+    op: str | None = None,
+    node_ops: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The explanation as data (the JSON schema of `graphopt explain --format json`)."""
+    """The explanation as data (the JSON schema of `graphopt explain --format json`).
+
+    ``op`` keeps the remarks whose first node has that op type (``node_ops``: node name → op,
+    ``domain.op`` outside the default domain)."""
+    node_ops = node_ops or {}
     remarks = [
         r
         for r in report.remarks
         if (rule is None or r.rule == rule)
         and (node is None or node in r.nodes)
         and (code is None or r.code == code)
+        and (op is None or (bool(r.nodes) and node_ops.get(r.nodes[0]) == op))
     ]
     fired = [r for r in remarks if r.kind == "passed"]
     missed = [r for r in remarks if r.kind == "missed"]

@@ -3,12 +3,17 @@
 ``--expect "MultiHeadAttention>=12,LayerNormalization>=25"`` asserts on the optimized model's
 op histogram, so a CI notices when an exporter change silently breaks a fusion.  JUnit XML holds
 one test case per parity output and per expectation, for CI systems that render test reports.
+Op names are ``domain.op`` outside the default domain (the keys of ``ops_after``); the short form
+(``FusedConv`` for ``com.microsoft.FusedConv``) is accepted when it names one op, and a name that
+is no op at all is a usage error that suggests the nearest names.
 """
 
 from __future__ import annotations
 
+import difflib
 import re
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 from xml.sax.saxutils import escape, quoteattr
 
@@ -51,6 +56,49 @@ def parse_expectations(specs: list[str] | None) -> list[Expectation]:
                 raise UsageError(f"--expect: '{part}' is not OP>=N (also <=, ==, !=, >, <)")
             out.append(Expectation(m.group(1), m.group(2), int(m.group(3))))
     return out
+
+
+def op_vocabulary(*histograms: dict[str, int], kernels: Iterable[tuple[str, str]] = ()) -> set[str]:
+    """Every op name an expectation may use: the models' ops, the target's kernels (as
+    ``domain.op`` outside the default domain) and the standard ONNX ops."""
+    import onnx.defs
+
+    names = {k for h in histograms for k in h}
+    names |= {f"{d}.{op}" if d else op for op, d in kernels}
+    names |= {
+        s.name if s.domain in ("", "ai.onnx") else f"{s.domain}.{s.name}"
+        for s in onnx.defs.get_all_schemas()
+    }
+    return names
+
+
+def resolve_op(name: str, vocabulary: set[str], flag: str) -> str:
+    """``name`` itself when known, else the one ``domain.name`` it abbreviates; a usage error
+    naming the candidates (ambiguous) or the nearest names (unknown) otherwise."""
+    if name in vocabulary:
+        return name
+    full = sorted(v for v in vocabulary if v.rsplit(".", 1)[-1] == name)
+    if len(full) == 1:
+        return full[0]
+    if full:
+        raise UsageError(f"{flag}: '{name}' is ambiguous: {', '.join(full)}")
+    raise UsageError(f"{flag}: unknown op '{name}'{suggest(name, vocabulary)}")
+
+
+def suggest(name: str, names: Iterable[str], n: int = 3) -> str:
+    """``"; did you mean A, B?"`` with the nearest names (short forms compared too)."""
+    names = sorted(set(names))
+    short = {v.rsplit(".", 1)[-1].lower(): v for v in names}
+    near = difflib.get_close_matches(name, names, n=n, cutoff=0.6)
+    near += [short[k] for k in difflib.get_close_matches(name.lower(), list(short), n=n)]
+    near = list(dict.fromkeys(near))[:n]
+    return f"; did you mean {', '.join(near)}?" if near else ""
+
+
+def resolve_expectations(
+    expectations: list[Expectation], vocabulary: set[str]
+) -> list[Expectation]:
+    return [replace(e, op=resolve_op(e.op, vocabulary, "--expect")) for e in expectations]
 
 
 def evaluate_expectations(

@@ -138,9 +138,13 @@ LATENCY_RUNS = 20
 
 
 # ------------------------------------------------------------------------------ writing
-def write_bundle_files(out_dir: Path, model: onnx.ModelProto, report) -> dict[str, str]:
+def write_bundle_files(
+    out_dir: Path, model: onnx.ModelProto, report, progress=None
+) -> dict[str, str]:
     """Write manifest, session config, golden files and memory plan into ``out_dir`` (where
-    model.onnx already is).  Returns {kind: file name relative to the bundle}."""
+    model.onnx already is).  Returns {kind: file name relative to the bundle}.  ``progress(msg)``
+    is told each phase."""
+    say = progress or (lambda _msg: None)
     target = get_target(report.target)
     ctx = report.bundle_context or {}
     original = ctx.get("original")
@@ -154,11 +158,13 @@ def write_bundle_files(out_dir: Path, model: onnx.ModelProto, report) -> dict[st
         "memory_plan": MEMORY_PLAN,
     }
 
+    say("bundle: golden inputs and outputs")
     golden = _write_golden(out_dir, original, shapes, given, seed, report, ctx)
     if golden.get("written"):
         files.update(golden_inputs=GOLDEN_INPUTS, golden_outputs=GOLDEN_OUTPUTS)
     verified_shapes = golden.get("shapes") or dict(report.parity.inputs or {})
     view = shape_view(model, verified_shapes)
+    say("bundle: memory plan")
     measured = _measure_unknown(out_dir, model, view, golden)
     plan = memory_plan(model, view, verified_shapes)
     plan["measured_shapes"] = measured
@@ -227,6 +233,7 @@ def write_bundle_files(out_dir: Path, model: onnx.ModelProto, report) -> dict[st
     }
     _kernel_latencies(nodes, kernels)
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    say("bundle: verifying it as load_session runs it, then its latency")
     manifest["verified"], manifest["latency"] = _verify(out_dir, manifest, session, target, report)
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
     return files
