@@ -261,6 +261,10 @@ def optimize(
         Path | None, typer.Option("--inputs", help=".npz of inputs for parity.")
     ] = None,
     no_check: Annotated[bool, typer.Option("--no-check", help="Skip the parity check.")] = False,
+    no_measure: Annotated[
+        bool,
+        typer.Option("--no-measure", help="Skip timing the bundle against the original (cpu)."),
+    ] = False,
     seed: Annotated[int, SEED] = 0,
     bisect_limit: Annotated[
         int | None,
@@ -335,6 +339,7 @@ def optimize(
                 level=level,
                 pipeline=pipeline,
                 check=not no_check,
+                measure=not no_measure,
                 shapes=shapes,
                 inputs=feeds,
                 seed=seed,

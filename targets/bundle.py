@@ -6,7 +6,9 @@ module adds, in the same staging directory (so the whole bundle appears in one r
 * ``manifest.json``: every node → the kernel that runs it on the target (provider, op, domain,
   since-version, dtype; for cuda from the pinned table, for cpu from the live registry), with
   layout, output shapes and a workspace estimate where cheap, the verified shape range (the
-  parity shapes), latency (measured on this machine for cpu, else null) and a ``verified`` block
+  parity shapes), latency (measured on this machine for cpu, else null), ``performance`` (the
+  bundle timed against the original by the performance safety net, or why it was not: a target
+  whose device is not here) and a ``verified`` block
   saying what ran here and what did not (``"device": "not-run"`` when the target's device is not
   on this machine: a GPU or NPU result is never claimed).
 * ``session_config.json``: how onnxruntime must build the session — graph optimization level
@@ -227,6 +229,8 @@ def write_bundle_files(
         }
         | {"file": MEMORY_PLAN},
         "latency": None,
+        # the performance safety net (graphopt.opt.perf): the bundle against the original here
+        "performance": getattr(report, "performance", None),
         "verified": {},
         "nodes": nodes,
         "kernels": kernels or None,

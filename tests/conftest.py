@@ -16,6 +16,9 @@ from graphopt.opt.parity import check_parity
 # CLI progress lines on a non-terminal stderr are timed (a phase still running after N s): keep
 # them out of tests that read stderr, except where a test sets the variable itself.
 os.environ.setdefault("GRAPHOPT_PROGRESS_AFTER", "3600")
+# The performance safety net times every cpu optimization (>= 10 s each): off in tests, except
+# where a test turns it on (tests/test_perfnet.py).
+os.environ.setdefault("GRAPHOPT_NO_MEASURE", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

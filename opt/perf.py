@@ -1,0 +1,338 @@
+"""The performance safety net: the bundle, loaded as it deploys, is never slower than the original.
+
+After the pipeline, :func:`measure_and_revert` times the optimized model under the bundle's own
+session settings (``targets.bundle.session_config``: level, disabled onnxruntime optimizers; one
+intra-op thread) against the original under ``ORT_ENABLE_ALL`` (what users get without
+graphopt), on the parity feeds, in paired rounds on this machine:
+
+* each round runs both models back to back, the order flipping every round, each run repeated
+  so that a round lasts at least :data:`ROUND_S` (small models need many rounds); the round's
+  ratio is t(optimized) / t(original);
+* the estimate is the median of the per-round ratios with a bootstrap 95 % interval
+  (:func:`ratio_interval`, also used by ``examples/benchmark/bench.py``'s duel); a measurement
+  stops early once its interval is clear of ``1 + margin`` on either side.
+
+When the interval's lower bound is above ``1 + margin`` the optimized model is slower beyond
+noise: :func:`find_slow_rules` bisects over the rules that fired (in order of first firing),
+enabling a prefix of them and reverting the rest, to the first rule whose prefix is slower;
+reverting that rule is kept when it lowers the ratio, and the search repeats (at most
+:data:`MAX_REVERTS` times) while the model is still slower.  Everything runs within one budget
+(``max(MIN_BUDGET_S, the optimization's own time)``, pipeline re-runs included); a search the
+budget cuts short says so.  The decision logic takes the measurement as a function, so it is
+tested on synthetic timings.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from .customops import register_libraries
+from .errors import GraphoptError
+from .io import PROTOBUF_LIMIT, write_model_files
+
+#: slower beyond noise: the interval's lower bound above 1 + MARGIN
+MARGIN = 0.015
+#: the budget is max(MIN_BUDGET_S, the optimization's own time)
+MIN_BUDGET_S = 10.0
+#: each round repeats a model's run until it lasts at least this long
+ROUND_S = 0.002
+#: rounds before a measurement may stop early; at least MIN_FLOOR even past its time share
+MIN_ROUNDS = 20
+MIN_FLOOR = 5
+MAX_ROUNDS = 20_000
+#: rules reverted at most, per model
+MAX_REVERTS = 3
+BASELINE = "ORT_ENABLE_ALL"
+
+
+@dataclass(frozen=True)
+class Timing:
+    """t(candidate) / t(original): median of per-round ratios, bootstrap 95 % interval."""
+
+    ratio: float
+    low: float
+    high: float
+    rounds: int
+    seconds: float
+
+    def slower(self, margin: float = MARGIN) -> bool:
+        return self.low > 1.0 + margin
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ratio": round(self.ratio, 4),
+            "low": round(self.low, 4),
+            "high": round(self.high, 4),
+            "rounds": self.rounds,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def ratio_interval(
+    ratios: np.ndarray | list[float], resamples: int = 2000, seed: int = 0
+) -> tuple[float, float, float]:
+    """(median, low, high): the median of per-round ratios and its bootstrap 95 % interval."""
+    r = np.asarray(ratios, dtype=np.float64)
+    if r.size == 0:
+        raise ValueError("no rounds")
+    n = min(resamples, max(200, 2_000_000 // r.size))
+    boot = np.random.default_rng(seed).integers(0, r.size, (n, r.size))
+    low, high = np.percentile(np.median(r[boot], axis=1), [2.5, 97.5])
+    return float(np.median(r)), float(low), float(high)
+
+
+def verdict(low: float, high: float, margin: float = 0.0) -> str:
+    """``slower`` / ``faster`` when the interval excludes 1 + margin / 1, else ``tie``."""
+    return "slower" if low > 1.0 + margin else "faster" if high < 1.0 else "tie"
+
+
+# ----------------------------------------------------------------------------- decision
+#: (rules reverted, time share in seconds) -> Timing of that candidate against the original
+Measure = Callable[[frozenset[str], float], Timing]
+
+
+@dataclass
+class NetResult:
+    """What the search measured and decided; ``reverted`` in the order decided."""
+
+    first: Timing
+    final: Timing
+    reverted: list[tuple[str, Timing]] = field(default_factory=list)
+    #: why the search stopped before the model was no longer slower (None when it did not)
+    stopped: str | None = None
+    measurements: int = 1
+    #: wall time of the whole search (pipeline re-runs included)
+    seconds: float = 0.0
+
+
+def find_slow_rules(
+    rules: list[str],
+    measure: Measure,
+    budget_s: float,
+    *,
+    margin: float = MARGIN,
+    clock: Callable[[], float] = time.perf_counter,
+    max_reverts: int = MAX_REVERTS,
+) -> NetResult:
+    """Measure the model with every rule, and when it is slower, find and revert the rules
+    responsible (``rules`` in order of first firing).  Never past ``budget_s`` except to finish
+    the measurement under way; never more than ``max_reverts`` reverts."""
+    deadline = clock() + budget_s
+    first = cur = measure(frozenset(), budget_s / 3)
+    out = NetResult(first, first)
+    reverted: list[str] = []
+    while cur.slower(margin):
+        live = [r for r in rules if r not in reverted]
+        if len(reverted) >= max_reverts:
+            out.stopped = f"still slower after reverting {len(reverted)} rule(s), the most tried"
+            break
+        if not live:
+            out.stopped = "still slower with every rule reverted: not from a rewrite"
+            break
+        steps = math.ceil(math.log2(len(live))) + 1 if len(live) > 1 else 1
+        lo, hi = 1, len(live)
+        while lo < hi and clock() < deadline:
+            mid = (lo + hi) // 2
+            share = max(0.0, deadline - clock()) / (steps + 1)
+            t = measure(frozenset(reverted) | frozenset(live[mid:]), share)
+            out.measurements += 1
+            steps = max(1, steps - 1)
+            if t.ratio > 1.0 + margin:
+                hi = mid
+            else:
+                lo = mid + 1
+        if lo < hi or clock() >= deadline:
+            out.stopped = f"the budget ({budget_s:.1f} s) ran out while searching"
+            break
+        culprit = live[lo - 1]
+        t = measure(frozenset(reverted) | {culprit}, max(0.0, deadline - clock()) / 2)
+        out.measurements += 1
+        if t.ratio > cur.ratio - margin / 2:
+            out.stopped = f"reverting {culprit} did not make it faster ({t.ratio:.3f})"
+            break
+        reverted.append(culprit)
+        out.reverted.append((culprit, t))
+        cur = out.final = t
+    out.seconds = clock() - (deadline - budget_s)
+    return out
+
+
+# ----------------------------------------------------------------------------- measuring
+def _options(level: str, disabled_entries: dict[str, str], base_dir) -> ort.SessionOptions:
+    so = ort.SessionOptions()
+    so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+    so.intra_op_num_threads = 1
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.log_severity_level = 4
+    for key, value in sorted(disabled_entries.items()):
+        so.add_session_config_entry(key, str(value))
+    if base_dir is not None:
+        so.add_session_config_entry(
+            "session.model_external_initializers_file_folder_path", str(base_dir)
+        )
+    return so
+
+
+class _Loaded:
+    """An onnxruntime session at given settings (spilled to a temp dir when over 2 GB)."""
+
+    def __init__(self, model: onnx.ModelProto, config: dict[str, Any], base_dir) -> None:
+        level = config.get("graph_optimization_level", BASELINE)
+        so = _options(level, config.get("session_config_entries") or {}, base_dir)
+        disabled = list(config.get("disabled_optimizers") or [])
+        self._tmp = None
+        try:
+            register_libraries(so, model)
+            if model.ByteSize() < PROTOBUF_LIMIT:
+                src: Any = model.SerializeToString()
+            else:
+                self._tmp = tempfile.TemporaryDirectory(prefix="graphopt-perf-")
+                src = str(Path(self._tmp.name) / "model.onnx")
+                write_model_files(model, Path(src), external=True, base_dir=base_dir)
+            self.sess = ort.InferenceSession(
+                src, so, providers=["CPUExecutionProvider"], disabled_optimizers=disabled
+            )
+        except Exception as e:  # noqa: BLE001 - onnxruntime raises several unrelated types
+            text = str(e).strip()
+            raise GraphoptError(
+                f"onnxruntime cannot load the model at {level}: "
+                + (text.splitlines()[0] if text else type(e).__name__)
+            ) from None
+
+    def runner(self, feeds: dict[str, np.ndarray]) -> Callable[[], object]:
+        wanted = {i.name for i in self.sess.get_inputs()}
+        f = {k: v for k, v in feeds.items() if k in wanted}
+        return lambda: self.sess.run(None, f)
+
+
+def _time(run: Callable[[], object], k: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(k):
+        run()
+    return time.perf_counter() - t0
+
+
+class Duel:
+    """The original at ORT_ENABLE_ALL (loaded once) against candidates at their bundle settings."""
+
+    def __init__(
+        self,
+        original: onnx.ModelProto,
+        feeds: dict[str, np.ndarray],
+        config: Callable[[onnx.ModelProto], dict[str, Any]],
+        base_dir=None,
+        margin: float = MARGIN,
+    ) -> None:
+        self.feeds, self.config, self.base_dir, self.margin = feeds, config, base_dir, margin
+        self.base = _Loaded(original, {"graph_optimization_level": BASELINE}, base_dir).runner(
+            feeds
+        )
+
+    def measure(self, model: onnx.ModelProto, seconds: float) -> Timing:
+        start = time.perf_counter()
+        cand = _Loaded(model, self.config(model), self.base_dir).runner(self.feeds)
+        runs = (cand, self.base)
+        for run in runs:  # warm-up; the first run allocates
+            run()
+        est = min(min(_time(r, 1) for _ in range(2)) for r in runs)
+        k = max(1, math.ceil(ROUND_S / est)) if est > 0 else 1
+        end = start + seconds
+        ratios: list[float] = []
+        while len(ratios) < MAX_ROUNDS:
+            order = runs if len(ratios) % 2 == 0 else runs[::-1]
+            t = {id(r): _time(r, k) for r in order}
+            ratios.append(t[id(cand)] / max(t[id(self.base)], 1e-12))
+            n = len(ratios)
+            if n < MIN_FLOOR or (n < MIN_ROUNDS and time.perf_counter() < end):
+                continue
+            if time.perf_counter() >= end:
+                break
+            if n % 10 == 0:
+                _, low, high = ratio_interval(ratios, resamples=500)
+                if low > 1.0 + self.margin or high < 1.0 + self.margin:
+                    break
+        ratio, low, high = ratio_interval(ratios)
+        return Timing(ratio, low, high, len(ratios), time.perf_counter() - start)
+
+
+# ----------------------------------------------------------------------------- reporting
+def summary(net: NetResult, budget_s: float) -> dict[str, Any]:
+    """report.json's ``performance``: the final model against the original, and what was
+    reverted (each with the model's numbers before and after)."""
+    out: dict[str, Any] = {"measured": True, **net.final.to_dict()}
+    out["seconds"] = round(net.seconds, 3)
+    before = net.first
+    reverted = []
+    for rule, after in net.reverted:
+        reverted.append({"rule": rule, "before": before.to_dict(), "after": after.to_dict()})
+        before = after
+    out.update(
+        reverted=reverted,
+        first=net.first.to_dict(),
+        verdict=verdict(net.final.low, net.final.high, MARGIN),
+        margin=MARGIN,
+        budget_s=round(budget_s, 3),
+        measurements=net.measurements,
+        stopped=net.stopped,
+        baseline=f"the original at {BASELINE}, 1 thread",
+        candidate="the optimized model at the bundle's session settings, 1 thread",
+    )
+    return out
+
+
+def remarks(net: NetResult, applied: list[tuple[int, str, str]], budget_s: float) -> list:
+    """A ``missed`` remark (``slower-on-target``) per reverted rule, with the numbers, and one
+    ``analysis`` remark for the measurement (and for a search that stopped short)."""
+    from .remarks import Remark
+
+    out = []
+    before = net.first
+    for rule, after in net.reverted:
+        nodes = tuple(n for _, r, n in applied if r == rule)
+        out.append(
+            Remark(
+                "missed",
+                "performance",
+                rule,
+                "slower-on-target",
+                nodes,
+                f"{rule} made the bundle slower on this machine: {_said(before)}; its "
+                f"{len(nodes)} rewrite(s) were reverted, now {_said(after)}",
+                {"before": before.to_dict(), "after": after.to_dict()},
+            )
+        )
+        before = after
+    f = net.final
+    text = f"the bundle runs {_said(f)} ({verdict(f.low, f.high, MARGIN)})"
+    if net.stopped:
+        text += f"; search stopped: {net.stopped}"
+    out.append(
+        Remark(
+            "analysis",
+            "performance",
+            "performance",
+            "budget-exhausted" if net.stopped and "budget" in net.stopped else "measured",
+            (),
+            text,
+            {**f.to_dict(), "budget_s": round(budget_s, 3), "measurements": net.measurements},
+        )
+    )
+    return out
+
+
+def _said(t: Timing) -> str:
+    return (
+        f"{t.ratio:.3f}x the original at {BASELINE} (95 % interval {t.low:.3f}-{t.high:.3f}, "
+        f"{t.rounds} rounds)"
+    )

@@ -1,0 +1,225 @@
+"""The performance safety net: decisions on synthetic timings, and a model made slower on purpose
+by a test-only rule, found and reverted within a stated budget."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+from onnx import helper
+from typer.testing import CliRunner
+
+import graphopt
+from conftest import const, model, ops, vi
+from graphopt.cli import app
+from graphopt.opt import perf
+from graphopt.opt.manager import RULES
+from graphopt.opt.parity import check_parity
+from graphopt.opt.perf import Timing, find_slow_rules, ratio_interval
+from graphopt.opt.rewrite import Op, Rule
+
+# ------------------------------------------------------------------------ synthetic timings
+
+
+def timing(ratio: float, spread: float = 0.005) -> Timing:
+    return Timing(ratio, ratio - spread, ratio + spread, 100, 0.1)
+
+
+class Fake:
+    """ratio = 1 + the effects of the rules left enabled; each measurement costs ``step`` s."""
+
+    def __init__(self, effects: dict[str, float], base: float = 1.0, step: float = 0.0):
+        self.effects, self.base, self.step = effects, base, step
+        self.now, self.calls = 0.0, []
+
+    def clock(self) -> float:
+        return self.now
+
+    def measure(self, reverted: frozenset, share: float) -> Timing:
+        assert share >= 0
+        self.calls.append(reverted)
+        self.now += self.step
+        kept = [r for r in self.effects if r not in reverted]
+        return timing(self.base + sum(self.effects[r] for r in kept))
+
+    def search(self, budget: float = 100.0, **kw):
+        rules = list(self.effects)
+        return find_slow_rules(rules, self.measure, budget, clock=self.clock, **kw)
+
+
+def test_ratio_interval_constant_and_noisy():
+    assert ratio_interval([1.25] * 40) == (1.25, 1.25, 1.25)
+    rng = np.random.default_rng(1)
+    r = 1.1 + rng.normal(0, 0.05, 400)
+    med, low, high = ratio_interval(r)
+    assert low < med < high and low > 1.08 and high < 1.12
+    with pytest.raises(ValueError):
+        ratio_interval([])
+
+
+def test_not_slower_is_one_measurement():
+    fake = Fake({"a": 0.0, "b": 0.01, "c": -0.05})
+    net = fake.search()
+    assert net.reverted == [] and net.stopped is None and len(fake.calls) == 1
+    assert fake.calls[0] == frozenset()
+
+
+def test_one_slow_rule_found_by_bisection():
+    effects = {r: 0.0 for r in "abcdefgh"}
+    effects["f"] = 0.3
+    fake = Fake(effects)
+    net = fake.search()
+    assert [r for r, _ in net.reverted] == ["f"]
+    assert net.first.ratio == pytest.approx(1.3) and net.final.ratio == pytest.approx(1.0)
+    # first + log2(8) bisection steps + the confirmation
+    assert net.measurements == len(fake.calls) == 1 + 3 + 1
+    assert net.stopped is None
+
+
+def test_two_slow_rules_reverted_in_turn():
+    fake = Fake({"a": 0.0, "b": 0.1, "c": -0.02, "d": 0.1, "e": 0.0})
+    net = fake.search()
+    assert [r for r, _ in net.reverted] == ["b", "d"]
+    assert net.final.ratio == pytest.approx(0.98)
+
+
+def test_slow_not_from_a_rule_reverts_nothing():
+    fake = Fake({"a": 0.0, "b": 0.0}, base=1.2)
+    net = fake.search()
+    assert net.reverted == [] and "did not make it faster" in net.stopped
+
+
+def test_budget_bounds_the_search():
+    effects = {f"r{i}": 0.0 for i in range(64)}
+    effects["r40"] = 0.5
+    fake = Fake(effects, step=1.0)
+    net = fake.search(budget=3.0)
+    assert net.reverted == [] and "budget" in net.stopped
+    assert len(fake.calls) <= 4  # the measurement under way finishes, nothing after
+    assert net.seconds <= 4.0
+
+
+def test_reverts_are_bounded():
+    fake = Fake({r: 0.1 for r in "abcdef"})
+    net = fake.search(max_reverts=2)
+    assert len(net.reverted) == 2 and "the most tried" in net.stopped
+
+
+def test_summary_and_remarks_carry_the_numbers():
+    fake = Fake({"a": 0.0, "slow": 0.4})
+    net = fake.search()
+    applied = [(1, "a", "n1"), (2, "slow", "n2"), (3, "slow", "n3")]
+    s = perf.summary(net, 10.0)
+    assert s["measured"] and s["reverted"][0]["rule"] == "slow"
+    assert s["reverted"][0]["before"]["ratio"] == pytest.approx(1.4)
+    assert {"ratio", "low", "high", "rounds", "seconds"} <= set(s)
+    rs = perf.remarks(net, applied, 10.0)
+    missed = [r for r in rs if r.kind == "missed"]
+    assert [(r.rule, r.code, r.nodes) for r in missed] == [
+        ("slow", "slower-on-target", ("n2", "n3"))
+    ]
+    assert "1.400x" in missed[0].message and "rounds" in missed[0].message
+    assert [r.code for r in rs if r.kind == "analysis"] == ["measured"]
+
+
+# ------------------------------------------------------------------------ end to end
+
+
+class SlowNeg(Rule):
+    """Deliberately slow but exact: Neg(x) → (0 − x) + 0·(x·W·W·…·W)."""
+
+    name = "test-slow-neg"
+    root = "Neg"
+    level = 2
+    summary = "deliberately slow rewrite (tests only)"
+    pattern = Op("Neg", "x")
+    exclusive = False
+    n = 64
+
+    def rewrite(self, m, b):
+        w = np.random.default_rng(0).random((self.n, self.n)).astype(np.float32) / self.n
+        chain = m.x
+        for _ in range(12):
+            chain = b.op("MatMul", [chain, b.const(w, "w")])
+        zero = b.const(np.zeros((), np.float32), "zero")
+        waste = b.op("Mul", [chain, zero])
+        neg = b.op("Sub", [zero, m.x], like=m.root.outputs[0])
+        return [b.op("Add", [neg, waste], like=m.root.outputs[0])]
+
+
+@pytest.fixture
+def slow_rule(monkeypatch):
+    monkeypatch.setitem(RULES, SlowNeg.name, SlowNeg())
+
+
+@pytest.fixture
+def measuring(monkeypatch):
+    monkeypatch.delenv("GRAPHOPT_NO_MEASURE", raising=False)
+    monkeypatch.setattr(perf, "MIN_BUDGET_S", BUDGET_S)
+
+
+BUDGET_S = 3.0
+PIPELINE = "eliminate-identity,test-slow-neg,dce"
+
+
+def slow_model():
+    n = SlowNeg.n
+    nodes = [
+        helper.make_node("Identity", ["x"], ["i"], name="id"),
+        helper.make_node("Neg", ["i"], ["n"], name="neg"),
+        helper.make_node("Add", ["n", "c"], ["y"], name="add"),
+    ]
+    c = np.random.default_rng(2).random(n).astype(np.float32)
+    return model(nodes, [vi("x", [n, n])], [vi("y", [n, n])], [const("c", c)])
+
+
+def test_slow_rule_is_found_and_reverted_within_budget(slow_rule, measuring):
+    m = slow_model()
+    t0 = time.perf_counter()
+    out, report = graphopt.optimize(m, pipeline=PIPELINE)
+    measured_s = report.seconds["measure"]
+    assert measured_s < BUDGET_S + 2.0  # the measurement under way may finish past the budget
+    assert time.perf_counter() - t0 < 3 * BUDGET_S
+    perf_ = report.performance
+    assert perf_["measured"] and perf_["budget_s"] == BUDGET_S
+    assert [r["rule"] for r in perf_["reverted"]] == ["test-slow-neg"]
+    assert perf_["reverted"][0]["before"]["low"] > 1 + perf.MARGIN
+    assert perf_["low"] <= 1 + perf.MARGIN  # no longer slower beyond noise
+    # the slow rewrite is gone, the harmless one stays, parity holds on the final model
+    assert ops(out) == {"Neg": 1, "Add": 1}
+    assert report.parity.ok and check_parity(m, out).ok
+    missed = [r for r in report.remarks if r.code == "slower-on-target"]
+    assert [(r.kind, r.rule, r.nodes) for r in missed] == [("missed", "test-slow-neg", ("neg",))]
+    assert "x the original" in missed[0].message
+    assert report.to_dict()["performance"] == perf_
+    assert not any(rule == "test-slow-neg" for _, rule, _ in report.applied)
+
+
+def test_off_switches_and_targets_not_here(monkeypatch, slow_rule):
+    m = slow_model()
+    _, report = graphopt.optimize(m, pipeline=PIPELINE)
+    assert report.performance == {"measured": False, "why": "turned off by GRAPHOPT_NO_MEASURE"}
+    monkeypatch.delenv("GRAPHOPT_NO_MEASURE")
+    _, report = graphopt.optimize(m, pipeline=PIPELINE, measure=False)
+    assert "--no-measure" in report.performance["why"]
+    _, report = graphopt.optimize(m, pipeline=PIPELINE, check=False)
+    assert "--no-check" in report.performance["why"]
+    _, report = graphopt.optimize(m, pipeline=PIPELINE, target="cuda")
+    assert not report.performance["measured"]
+    assert "cuda target's device is not measured here" in report.performance["why"]
+
+
+def test_cli_no_measure_and_manifest(tmp_path, monkeypatch, slow_rule):
+    monkeypatch.delenv("GRAPHOPT_NO_MEASURE")
+    src = tmp_path / "m.onnx"
+    src.write_bytes(slow_model().SerializeToString())
+    out = tmp_path / "b"
+    args = ["optimize", str(src), "-o", str(out), "--pipeline", PIPELINE, "--no-measure"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "report.json").read_text())
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert report["performance"]["measured"] is False
+    assert manifest["performance"] == report["performance"]
