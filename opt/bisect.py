@@ -61,7 +61,7 @@ def bisect(
         nonlocal runs
         runs += 1
         say(f"parity run {runs}: first {'all' if limit is None else limit} rewrites")
-        return optimize(model, bisect_limit=limit, check=True, **optimize_kw)
+        return optimize(model, bisect_limit=limit, check=True, measure=False, **optimize_kw)
 
     full_model, full = attempt(None)
     total = len(full.applied)

@@ -223,3 +223,16 @@ def test_cli_no_measure_and_manifest(tmp_path, monkeypatch, slow_rule):
     manifest = json.loads((out / "manifest.json").read_text())
     assert report["performance"]["measured"] is False
     assert manifest["performance"] == report["performance"]
+
+
+def test_bisect_runs_do_not_time(monkeypatch, slow_rule):
+    """graphopt bisect is a parity search: its optimize runs never start the net."""
+    from graphopt.opt.bisect import bisect
+
+    def no_duel(*_a, **_k):
+        raise AssertionError("bisect started the performance safety net")
+
+    monkeypatch.delenv("GRAPHOPT_NO_MEASURE")
+    monkeypatch.setattr(perf, "Duel", no_duel)
+    result = bisect(slow_model(), pipeline=PIPELINE)
+    assert not result.found and result.parity_runs == 1

@@ -604,13 +604,16 @@ def _duel_pair(res: dict) -> tuple[str, str] | None:
 
 def _duel(make, feed: dict, spec: dict, mine: str, rival: str) -> dict:
     """Just the two, alternating (the order flips every round) for ``duel_s`` seconds each:
-    the median of per-round ratios t(mine) / t(rival) with a bootstrap 95 % interval.
+    the median of per-round ratios t(mine) / t(rival) with a bootstrap 95 % interval
+    (``graphopt.opt.perf.ratio_interval``, the performance safety net's estimate).
 
     The session created first runs measurably slower here (about 0.5-1 %: where onnxruntime's
     buffers land), so half the rounds run on sessions created mine first, half rival first."""
     import gc
 
     import numpy as np
+
+    from graphopt.opt.perf import ratio_interval, verdict
 
     ratios, halves, rounds = [], [], 0
     for first in (0, 1):
@@ -639,18 +642,16 @@ def _duel(make, feed: dict, spec: dict, mine: str, rival: str) -> dict:
         rounds += r
         del sessions, feeds
         gc.collect()
-    pooled = np.concatenate(ratios)
-    boot = np.random.default_rng(0).integers(0, len(pooled), (2000, len(pooled)))
-    lo, hi = np.percentile(np.median(pooled[boot], axis=1), [2.5, 97.5])
+    ratio, lo, hi = ratio_interval(np.concatenate(ratios))
     return {
         "mine": mine,
         "rival": rival,
         "rounds": rounds,
-        "ratio": float(np.median(pooled)),
-        "ci95": [float(lo), float(hi)],
+        "ratio": ratio,
+        "ci95": [lo, hi],
         "ratio_mine_created_first": halves[0],
         "ratio_rival_created_first": halves[1],
-        "verdict": "faster" if hi < 1 else "slower" if lo > 1 else "tie",
+        "verdict": verdict(lo, hi),
     }
 
 
