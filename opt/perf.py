@@ -25,9 +25,11 @@ tested on synthetic timings.
 from __future__ import annotations
 
 import math
+import os
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +55,8 @@ MAX_ROUNDS = 20_000
 #: rules reverted at most, per model
 MAX_REVERTS = 3
 BASELINE = "ORT_ENABLE_ALL"
+#: the environment variable generated kernels read for their OpenMP team size
+KERNEL_THREADS = "GRAPHOPT_KERNEL_THREADS"
 
 
 @dataclass(frozen=True)
@@ -193,16 +197,17 @@ class _Loaded:
         disabled = list(config.get("disabled_optimizers") or [])
         self._tmp = None
         try:
-            register_libraries(so, model)
+            kernels = register_libraries(so, model)
             if model.ByteSize() < PROTOBUF_LIMIT:
                 src: Any = model.SerializeToString()
             else:
                 self._tmp = tempfile.TemporaryDirectory(prefix="graphopt-perf-")
                 src = str(Path(self._tmp.name) / "model.onnx")
                 write_model_files(model, Path(src), external=True, base_dir=base_dir)
-            self.sess = ort.InferenceSession(
-                src, so, providers=["CPUExecutionProvider"], disabled_optimizers=disabled
-            )
+            with _one_kernel_thread(bool(kernels)):
+                self.sess = ort.InferenceSession(
+                    src, so, providers=["CPUExecutionProvider"], disabled_optimizers=disabled
+                )
         except Exception as e:  # noqa: BLE001 - onnxruntime raises several unrelated types
             text = str(e).strip()
             raise GraphoptError(
@@ -214,6 +219,22 @@ class _Loaded:
         wanted = {i.name for i in self.sess.get_inputs()}
         f = {k: v for k, v in feeds.items() if k in wanted}
         return lambda: self.sess.run(None, f)
+
+
+@contextmanager
+def _one_kernel_thread(active: bool):
+    """Generated kernels read their team size when the session creates them: one thread, as the
+    bundle's session config sets it (and as the original runs)."""
+    old = os.environ.get(KERNEL_THREADS)
+    if active:
+        os.environ[KERNEL_THREADS] = "1"
+    try:
+        yield
+    finally:
+        if active and old is None:
+            os.environ.pop(KERNEL_THREADS, None)
+        elif active:
+            os.environ[KERNEL_THREADS] = old
 
 
 def _time(run: Callable[[], object], k: int) -> float:
