@@ -236,3 +236,23 @@ def test_bisect_runs_do_not_time(monkeypatch, slow_rule):
     monkeypatch.setattr(perf, "Duel", no_duel)
     result = bisect(slow_model(), pipeline=PIPELINE)
     assert not result.found and result.parity_runs == 1
+
+
+def test_a_suspect_first_measurement_is_extended_and_pooled():
+    """Slower by its median, not beyond noise: a second measurement, pooled with the first."""
+    spans = [(0.90, 1.16, 11), (1.025, 1.035, 41)]  # noisy, then a quieter machine
+    calls = []
+
+    def measure(reverted: frozenset, share: float) -> Timing:
+        calls.append(reverted)
+        samples = tuple(np.linspace(*spans[min(len(calls), 2) - 1]))
+        med, low, high = ratio_interval(samples)
+        return Timing(med, low, high, len(samples), 0.1, samples)
+
+    first = measure(frozenset(), 1.0)
+    assert first.suspect() and not first.slower()
+    calls.clear()
+    net = find_slow_rules([], measure, 10.0)
+    assert calls == [frozenset(), frozenset()] and net.measurements == 2
+    assert net.first.rounds == 52 and net.first.slower()
+    assert "not from a rewrite" in net.stopped  # no rule fired: nothing to revert
