@@ -31,9 +31,13 @@ from .opt.bisect import bisect as run_bisect
 from .opt.explain import check_filters, check_rule, group_misses, levers, resolve_explain_op
 from .opt.explain import explain as explain_report
 from .opt.gate import (
+    IntervalTooWide,
+    compare_baseline,
     evaluate_expectations,
+    gate_baseline,
     junit_xml,
     op_vocabulary,
+    paired_rounds,
     parse_expectations,
     resolve_expectations,
 )
@@ -1109,6 +1113,189 @@ def bench(
             _render_bench(result)
         if result.regressed:
             raise typer.Exit(errors.EXIT_PERF)
+
+
+@app.command()
+def gate(
+    model: Annotated[Path, typer.Argument(help="Model to gate (never modified).")],
+    target: Annotated[str, typer.Option("--target", "-t")] = "cpu",
+    level: Annotated[int, typer.Option("-O", "--level", min=0, max=3)] = 2,
+    pipeline: Annotated[
+        str | None, typer.Option("--pipeline", help="Pipeline text (overrides -O).")
+    ] = None,
+    expect: Annotated[
+        list[str] | None,
+        typer.Option("--expect", help='Op-count assertions, e.g. "FusedConv>=10" (exit 4).'),
+    ] = None,
+    baseline: Annotated[
+        Path | None,
+        typer.Option("--baseline", help="Gate baseline to compare with (exit 5 on regression)."),
+    ] = None,
+    save_baseline: Annotated[
+        Path | None,
+        typer.Option(
+            "--save-baseline",
+            help="Write this run's latency as the baseline (refused, exit 4, when its interval "
+            "is wider than --max-regression).",
+        ),
+    ] = None,
+    max_regression: Annotated[
+        str,
+        typer.Option(
+            "--max-regression",
+            help="Allowed slowdown of optimized/original vs the baseline, e.g. 5%.",
+        ),
+    ] = "5%",
+    max_seconds: Annotated[
+        float,
+        typer.Option("--max-seconds", help="Longest the latency measurement may take."),
+    ] = 60.0,
+    threads: Annotated[
+        int, typer.Option("--threads", min=1, max=MAX_THREADS, help="intra-op threads.")
+    ] = 1,
+    shape: Annotated[list[str] | None, SHAPE] = None,
+    inputs: Annotated[Path | None, INPUTS] = None,
+    seed: Annotated[int, SEED] = 0,
+    tolerance: Annotated[
+        list[str] | None,
+        typer.Option("--tolerance", help="OUTPUT=RTOL,ATOL overriding the dtype default."),
+    ] = None,
+    junit: Annotated[Path | None, typer.Option("--junit", help="Write JUnit XML.")] = None,
+    fmt: Annotated[Format, FORMAT] = Format.text,
+    quiet: Annotated[bool, QUIET_PROGRESS] = False,
+    debug: Annotated[bool, DEBUG] = False,
+) -> None:
+    """The CI gate in one call: optimize, parity, --expect, latency against a baseline, JUnit.
+
+    Latency is the median of optimized/original over interleaved rounds with a 95 % interval,
+    measured until the interval is narrower than --max-regression.  Exit 3 parity, 4 target /
+    expectations / an interval too wide to save, 5 the whole interval regressed past the limit.
+    Writes nothing but --junit and --save-baseline."""
+    with handled():
+        limit = _finite(parse_regression(max_regression), "--max-regression")
+        if limit <= 0:
+            raise errors.UsageError("--max-regression must be above 0 (e.g. 5%)")
+        _finite(max_seconds, "--max-seconds")
+        src = model.resolve()
+        check_side_outputs(
+            {"--save-baseline": save_baseline, "--junit": junit},
+            models=[src],
+            files=[f for f in (inputs, baseline) if f],
+        )
+        expectations = parse_expectations(expect)
+        feeds = _load_feeds(inputs, src)
+        with _progress(quiet) as say:
+            optimized, report = run_optimize(
+                src,
+                target=target,
+                level=level,
+                pipeline=pipeline,
+                check=True,
+                shapes=parse_shapes(shape),
+                inputs=feeds,
+                seed=seed,
+                progress=say,
+                output_tolerances=parse_tolerances(tolerance),
+            )
+            results = evaluate_expectations(
+                _resolve_expectations(expectations, report, target), report.ops_after
+            )
+            code, reason = _verdict(report, results, checked=True)
+            latency = None
+            if code == errors.EXIT_OK:
+                say("latency: paired interleaved rounds")
+                latency = _gate_latency(
+                    src, optimized, report, feeds, seed, (threads, limit, max_seconds), say
+                )
+        verdict = _gate_verdict(latency, baseline, save_baseline, limit, code, reason)
+        if save_baseline and verdict.get("baseline_payload"):
+            payload = {"model": str(model), "target": target, **verdict["baseline_payload"]}
+            _atomic_text(save_baseline, json.dumps(payload, indent=2, sort_keys=True))
+        if junit:
+            parities = [report.parity] + ([report.parity_float64] if report.parity_float64 else [])
+            case = {"text": verdict["line"], "failure": verdict["failure"]} if latency else None
+            _atomic_text(junit, junit_xml(f"graphopt.gate.{model.stem}", parities, results, case))
+        _render_gate(report, results, latency, verdict, fmt, model)
+        if verdict["code"]:
+            err.print(f"error: {verdict['reason']}", soft_wrap=True)
+            raise typer.Exit(verdict["code"])
+
+
+def _gate_latency(src, optimized, report, feeds, seed, budget, say):
+    """Sessions as `bench` builds them (ORT_ENABLE_ALL, CPU) on parity's input sizes."""
+    threads, limit, max_seconds = budget
+    from .opt.bench import _session
+    from .opt.parity import Session, make_inputs
+
+    original = load_model(src)
+    shapes = dict(report.parity.inputs or {})
+    inputs = make_inputs(Session(original).sess, shapes, seed, feeds)
+    runs = []
+    for m, which in ((original, "original"), (optimized, "optimized")):
+        sess, _ = _session(m, "all", threads, which)
+        names = {i.name for i in sess.get_inputs()}
+        f = {k: v for k, v in inputs.items() if k in names}
+        sess.run(None, f)  # warm-up
+        runs.append(lambda s=sess, f=f: s.run(None, f))
+    return paired_rounds(*runs, precision=limit, max_seconds=max_seconds, progress=say)
+
+
+def _gate_verdict(latency, baseline, save_baseline, limit, code, reason) -> dict:
+    """The gate's exit code and lines: the optimize verdict first, then the latency."""
+    verdict = {"code": code, "reason": reason, "line": "", "failure": None}
+    if latency is None:
+        return verdict
+    verdict["line"] = (
+        f"optimized/original {latency.ratio:.3f} [{latency.low:.3f}, {latency.high:.3f}] "
+        f"({latency.rounds} paired rounds, {latency.seconds:.1f}s)"
+    )
+    if baseline:
+        cmp = compare_baseline(latency, baseline, limit)
+        verdict["comparison"] = cmp
+        verdict["line"] += (
+            f"; vs baseline {cmp['baseline_ratio']:.3f}: {cmp['change']:+.1%} "
+            f"[{cmp['change_low']:+.1%}, {cmp['change_high']:+.1%}] (limit {limit:.1%})"
+        )
+        if cmp["regressed"]:
+            verdict["failure"] = f"latency regression: {verdict['line']}"
+            verdict.update(code=errors.EXIT_PERF, reason=verdict["failure"])
+            return verdict
+    if save_baseline:
+        try:
+            verdict["baseline_payload"] = gate_baseline(latency, limit)
+        except IntervalTooWide as e:
+            verdict.update(code=e.exit_code, reason=str(e), failure=str(e))
+    return verdict
+
+
+def _render_gate(report, results, latency, verdict, fmt, model) -> None:
+    if fmt == Format.json:
+        payload = {
+            "schema": "graphopt.gate/1",
+            "model": str(model),
+            "exit_code": verdict["code"],
+            "reason": verdict["reason"],
+            "report": report.to_dict(),
+            "expectations": [e.to_dict() for e in results],
+            "latency": latency.to_dict() if latency else None,
+            "comparison": verdict.get("comparison"),
+        }
+        print(json.dumps(payload, indent=2, sort_keys=True, default=float))
+        return
+    parity = report.parity
+    out.print(
+        f"[bold]{model}[/] → {report.target}: parity "
+        + ("[green]ok[/]" if parity.ran and parity.ok else "[red]not ok[/]")
+        + f", {report.nodes_before} → {report.nodes_after} nodes",
+        soft_wrap=True,
+    )
+    for e in results:
+        mark = "[green]ok[/]" if e.ok else "[red]FAILED[/]"
+        out.print(f"expect {e.text}: {mark} (found {e.actual})")
+    if latency is not None:
+        out.print(f"latency: {verdict['line']}", soft_wrap=True)
+    if not verdict["code"]:
+        out.print("[green]gate passed[/]")
 
 
 def _bench_junit(name: str, result) -> str:

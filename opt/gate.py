@@ -1,4 +1,4 @@
-"""CI gate pieces: op-count expectations and JUnit XML.
+"""CI gate pieces: op-count expectations, JUnit XML and the paired latency comparison.
 
 ``--expect "MultiHeadAttention>=12,LayerNormalization>=25"`` asserts on the optimized model's
 op histogram, so a CI notices when an exporter change silently breaks a fusion.  JUnit XML holds
@@ -6,18 +6,34 @@ one test case per parity output and per expectation, for CI systems that render 
 Op names are ``domain.op`` outside the default domain (the keys of ``ops_after``); the short form
 (``FusedConv`` for ``com.microsoft.FusedConv``) is accepted when it names one op, and a name that
 is no op at all is a usage error that suggests the nearest names.
+
+Latency (``graphopt gate``): original and optimized run interleaved (A B, then B A), one pair per
+round, and the statistic is the median over rounds of optimized/original time in the same round
+— each pair saw the same machine state, so background load cancels, and the median ignores the
+slow tail that made p95 ratios flake on sub-millisecond models.  Its confidence interval is
+distribution-free (order statistics of the paired ratios).  Rounds continue until the interval is
+narrower than the precision asked for (or the time budget ends).  A baseline is saved only from
+a run whose interval is narrower than the allowed regression; a later run regressed only when
+its whole interval lies above the baseline interval's upper end × (1 + allowed regression).
 """
 
 from __future__ import annotations
 
 import difflib
+import json
+import math
 import re
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 from xml.sax.saxutils import escape, quoteattr
 
-from .errors import UsageError
+import numpy as np
+
+from .errors import EXIT_TARGET, GraphoptError, UsageError
 from .parity import ParityReport
 
 _EXPECT = re.compile(r"^\s*([A-Za-z0-9_.]+)\s*(>=|<=|==|!=|>|<)\s*(\d+)\s*$")
@@ -110,8 +126,14 @@ def evaluate_expectations(
     ]
 
 
-def junit_xml(suite: str, parity: list[ParityReport], expectations: list[Expectation]) -> str:
-    """One <testcase> per parity output and per expectation."""
+def junit_xml(
+    suite: str,
+    parity: list[ParityReport],
+    expectations: list[Expectation],
+    latency: dict[str, Any] | None = None,
+) -> str:
+    """One <testcase> per parity output and per expectation, and one for the latency gate
+    (``latency``: ``{"text": ..., "failure": str | None}``)."""
     cases = []
     for p in parity:
         if not p.ran:
@@ -139,6 +161,10 @@ def junit_xml(suite: str, parity: list[ParityReport], expectations: list[Expecta
                 "expectations",
                 failure=None if e.ok else f"{e.op} count is {e.actual}, expected {e.cmp}{e.count}",
             )
+        )
+    if latency is not None:
+        cases.append(
+            _case("latency", "latency", failure=latency.get("failure"), out=latency.get("text"))
         )
     failures = sum("<failure" in c for c in cases)
     skipped = sum("<skipped" in c for c in cases)
@@ -168,3 +194,129 @@ def _case(
         f"  <testcase classname={quoteattr('graphopt.' + classname)} name={quoteattr(name)}>"
         f"{body}</testcase>\n"
     )
+
+
+GATE_BASELINE = "graphopt.gate-baseline/1"
+
+
+class IntervalTooWide(GraphoptError):
+    """The latency interval is too wide to be saved as a baseline (noisy machine, short budget)."""
+
+    exit_code = EXIT_TARGET
+
+
+@dataclass(frozen=True)
+class PairedLatency:
+    """Median over interleaved rounds of optimized/original time, with its interval."""
+
+    ratio: float
+    low: float
+    high: float
+    confidence: float
+    rounds: int
+    original_ms: float
+    optimized_ms: float
+    seconds: float
+
+    @property
+    def width(self) -> float:
+        """Relative width of the interval: high/low − 1."""
+        return self.high / self.low - 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "width": self.width}
+
+
+def median_interval(x: np.ndarray, confidence: float) -> tuple[float, float, float]:
+    """Median of ``x`` and its distribution-free confidence interval (order statistics: the
+    number of values below the median is Binomial(n, ½), normal approximation)."""
+    v = np.sort(np.asarray(x, dtype=float))
+    n = len(v)
+    z = NormalDist().inv_cdf(0.5 + confidence / 2)
+    k = max(0, math.floor((n - z * math.sqrt(n)) / 2))
+    return float(np.median(v)), float(v[k]), float(v[n - 1 - k])
+
+
+def paired_rounds(
+    run_a: Callable[[], None],
+    run_b: Callable[[], None],
+    *,
+    precision: float,
+    confidence: float = 0.95,
+    min_rounds: int = 30,
+    min_seconds: float = 1.0,
+    max_seconds: float = 60.0,
+    progress: Callable[[str], None] | None = None,
+) -> PairedLatency:
+    """Run A and B in alternating order until the interval of median(B/A) is narrower than
+    ``precision`` (relative) after ``min_rounds`` and ``min_seconds``, or ``max_seconds``."""
+    say = progress or (lambda _m: None)
+    a_ms: list[float] = []
+    b_ms: list[float] = []
+    start = last_said = time.perf_counter()
+    while True:
+        first, second = (run_a, run_b) if len(a_ms) % 2 == 0 else (run_b, run_a)
+        t0 = time.perf_counter()
+        first()
+        t1 = time.perf_counter()
+        second()
+        t2 = time.perf_counter()
+        a, b = (t1 - t0, t2 - t1) if first is run_a else (t2 - t1, t1 - t0)
+        a_ms.append(a * 1000)
+        b_ms.append(b * 1000)
+        now = time.perf_counter()
+        n, elapsed = len(a_ms), now - start
+        out_of_time = elapsed >= max_seconds and n >= 3
+        if not out_of_time and (n < min_rounds or elapsed < min_seconds or n % 10):
+            continue
+        ratio, lo, hi = median_interval(np.array(b_ms) / np.array(a_ms), confidence)
+        if now - last_said > 1.0:
+            say(f"latency: {n} paired rounds, ratio {ratio:.3f} [{lo:.3f}, {hi:.3f}]")
+            last_said = now
+        if hi / lo - 1.0 <= precision or out_of_time:
+            return PairedLatency(
+                ratio,
+                lo,
+                hi,
+                confidence,
+                n,
+                float(np.median(a_ms)),
+                float(np.median(b_ms)),
+                elapsed,
+            )
+
+
+def gate_baseline(latency: PairedLatency, max_regression: float, **meta: Any) -> dict[str, Any]:
+    """The baseline to save; refused when the interval is wider than the allowed regression
+    (such a baseline could not tell a regression from noise)."""
+    if latency.width > max_regression:
+        raise IntervalTooWide(
+            f"latency interval too wide to save as a baseline: ratio {latency.ratio:.3f} "
+            f"[{latency.low:.3f}, {latency.high:.3f}] is ±{latency.width / 2:.1%} after "
+            f"{latency.rounds} rounds ({latency.seconds:.0f}s), the gate needs it within "
+            f"{max_regression:.1%}; give it more time (--max-seconds) or a quieter machine"
+        )
+    return {"schema": GATE_BASELINE, **meta, **latency.to_dict()}
+
+
+def compare_baseline(latency: PairedLatency, path: Path, max_regression: float) -> dict[str, Any]:
+    """The latency against a saved baseline: regressed only when the whole interval lies above
+    the baseline's upper bound × (1 + max_regression) (both runs are estimates; a baseline
+    without an interval counts as exact)."""
+    try:
+        base = json.loads(Path(path).read_text())
+        if base.get("schema") != GATE_BASELINE:
+            raise ValueError(f"schema {base.get('schema')!r}, not {GATE_BASELINE}")
+        base_ratio = float(base["ratio"])
+        base_high = float(base.get("high", base_ratio))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UsageError(f"--baseline {path}: not a graphopt gate baseline ({e})") from None
+    return {
+        "baseline": base,
+        "baseline_ratio": base_ratio,
+        "change": latency.ratio / base_ratio - 1.0,
+        "change_low": latency.low / base_ratio - 1.0,
+        "change_high": latency.high / base_ratio - 1.0,
+        "max_regression": max_regression,
+        "regressed": latency.low / max(base_ratio, base_high) - 1.0 > max_regression,
+    }

@@ -1,15 +1,30 @@
-"""CI gate: --expect op-count assertions (exit 4), JUnit XML, bench baselines (exit 5)."""
+"""CI gate: --expect op-count assertions (exit 4), JUnit XML, bench baselines (exit 5), and
+`graphopt gate` (paired latency interval against a baseline, refusing noisy baselines)."""
 
 import json
+import time
 import xml.etree.ElementTree as ET
 
+import numpy as np
+import onnx
 import pytest
+from onnx import helper, numpy_helper
 from typer.testing import CliRunner
 
-from conftest import EXAMPLES
+import graphopt.cli as cli
+from conftest import EXAMPLES, const, model, vi
 from graphopt.cli import app
 from graphopt.opt.errors import UsageError
-from graphopt.opt.gate import evaluate_expectations, parse_expectations
+from graphopt.opt.gate import (
+    IntervalTooWide,
+    PairedLatency,
+    compare_baseline,
+    evaluate_expectations,
+    gate_baseline,
+    median_interval,
+    paired_rounds,
+    parse_expectations,
+)
 
 runner = CliRunner()
 MODEL = str(EXAMPLES / "mobilenet_bn.onnx")
@@ -155,3 +170,129 @@ def test_bench_bad_baseline_is_usage_error(tmp_path):
     assert res.exit_code == 2
     res = runner.invoke(app, ["bench", MODEL, "--max-regression", "lots"])
     assert res.exit_code == 2
+
+
+# ------------------------------------------------------------------ graphopt gate
+def _slowed(real):
+    """run_optimize whose optimized model also computes a large MatMul that adds 0 to ``y``
+    (same outputs, parity holds, several times slower)."""
+
+    def run(*a, **k):
+        opt, report = real(*a, **k)
+        m = onnx.ModelProto()
+        m.CopyFrom(opt)
+        g = m.graph
+        big = np.random.default_rng(0).standard_normal((384, 384)).astype(np.float32)
+        g.initializer.extend(
+            [numpy_helper.from_array(big, "big"), numpy_helper.from_array(np.float32(0), "zero")]
+        )
+        y = g.output[0].name
+        g.node.extend(
+            [
+                helper.make_node("MatMul", ["big", "big"], ["bb"]),
+                helper.make_node("MatMul", ["bb", "big"], ["bbb"]),
+                helper.make_node("ReduceSum", ["bbb"], ["s"], keepdims=0),
+                helper.make_node("Mul", ["s", "zero"], ["s0"]),
+            ]
+        )
+        for n in g.node:
+            n.output[:] = [o if o != y else "y_pre" for o in n.output]
+        g.node.append(helper.make_node("Add", ["y_pre", "s0"], [y]))
+        return m, report
+
+    return run
+
+
+def _small_model(tmp_path):
+
+    rng = np.random.default_rng(0)
+    nodes = [
+        helper.make_node("Conv", ["x", "W"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c"], ["y"], name="relu"),
+    ]
+    p = tmp_path / "small.onnx"
+    m = model(
+        nodes, [vi("x", [1, 3, 16, 16])], [vi("y", None)], [const("W", rng.random((8, 3, 3, 3)))]
+    )
+    onnx.save(m, p)
+    return p
+
+
+def test_gate_baseline_then_pass_then_catch_a_slowed_model(tmp_path, monkeypatch):
+    p, base, junit = _small_model(tmp_path), tmp_path / "base.json", tmp_path / "j.xml"
+    args = ["gate", str(p), "--max-seconds", "20"]
+    res = runner.invoke(app, [*args, "--save-baseline", str(base)])
+    assert res.exit_code == 0, res.output
+    saved = json.loads(base.read_text())
+    assert saved["schema"] == "graphopt.gate-baseline/1" and saved["width"] <= 0.05
+    res = runner.invoke(app, [*args, "--baseline", str(base), "--junit", str(junit)])
+    assert res.exit_code == 0, res.output
+    assert "gate passed" in res.stdout
+    cases = {c.get("name"): c for c in ET.parse(junit).getroot().iter("testcase")}
+    assert "latency" in cases and cases["latency"].find("failure") is None
+    monkeypatch.setattr(cli, "run_optimize", _slowed(cli.run_optimize))
+    res = runner.invoke(app, [*args, "--baseline", str(base), "--junit", str(junit)])
+    assert res.exit_code == 5, res.output
+    assert "latency regression" in res.stderr
+    cases = {c.get("name"): c for c in ET.parse(junit).getroot().iter("testcase")}
+    assert cases["latency"].find("failure") is not None
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["base.json", "j.xml", "small.onnx"]
+
+
+def test_gate_refuses_a_baseline_from_a_wide_interval(tmp_path):
+    p, base = _small_model(tmp_path), tmp_path / "base.json"
+    res = runner.invoke(
+        app,
+        ["gate", str(p), "--max-seconds", "0", "--max-regression", "0.0001%",
+         "--save-baseline", str(base)],
+    )  # fmt: skip
+    assert res.exit_code == 4, res.output
+    assert "too wide to save as a baseline" in res.stderr and not base.exists()
+
+
+def test_gate_parity_and_expectations_decide_first(tmp_path):
+    p = _small_model(tmp_path)
+    res = runner.invoke(app, ["gate", str(p), "--expect", "FusedConv>=5", "--format", "json"])
+    assert res.exit_code == 4
+    data = json.loads(res.stdout)
+    assert data["latency"] is None and data["expectations"][0]["op"] == "com.microsoft.FusedConv"
+    res = runner.invoke(app, ["gate", str(p), "--baseline", str(tmp_path / "none.json")])
+    assert res.exit_code == 2
+    bench_base = tmp_path / "bench.json"
+    bench_base.write_text(json.dumps({"schema": "graphopt.baseline/1", "ratio_p95": 1.0}))
+    res = runner.invoke(app, ["gate", str(p), "--baseline", str(bench_base)])
+    assert res.exit_code == 2 and "not a graphopt gate baseline" in res.stderr
+
+
+def test_paired_rounds_interval_and_rule():
+
+    lat = paired_rounds(
+        lambda: time.sleep(0.002), lambda: time.sleep(0.003), precision=0.2, min_seconds=0.1
+    )
+    assert lat.low <= lat.ratio <= lat.high and 1.2 < lat.ratio < 1.8 and lat.rounds >= 30
+    med, lo, hi = median_interval(list(range(101)), 0.95)
+    assert med == 50 and 38 <= lo < 50 < hi <= 62
+    wide = PairedLatency(1.0, 0.9, 1.1, 0.95, 30, 1.0, 1.0, 1.0)
+    with pytest.raises(IntervalTooWide):
+        gate_baseline(wide, 0.05)
+    base = gate_baseline(PairedLatency(1.0, 0.99, 1.01, 0.95, 30, 1.0, 1.0, 1.0), 0.05)
+    assert base["schema"] == "graphopt.gate-baseline/1" and base["ratio"] == 1.0
+
+
+def test_gate_regression_needs_the_whole_interval_past_the_limit(tmp_path):
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps({"schema": "graphopt.gate-baseline/1", "ratio": 1.0}))
+    straddles = PairedLatency(1.06, 1.02, 1.10, 0.95, 100, 1.0, 1.06, 1.0)
+    assert not compare_baseline(straddles, path, 0.05)["regressed"]
+    past = PairedLatency(1.10, 1.07, 1.13, 0.95, 100, 1.0, 1.1, 1.0)
+    assert compare_baseline(past, path, 0.05)["regressed"]
+
+
+def test_gate_regression_allows_for_the_baselines_own_interval(tmp_path):
+    path = tmp_path / "b.json"
+    path.write_text(
+        json.dumps({"schema": "graphopt.gate-baseline/1", "ratio": 1.0, "low": 0.98, "high": 1.03})
+    )
+    now = PairedLatency(1.10, 1.07, 1.13, 0.95, 100, 1.0, 1.1, 1.0)
+    assert not compare_baseline(now, path, 0.05)["regressed"]  # 1.07 < 1.03 * 1.05
+    assert compare_baseline(now, path, 0.03)["regressed"]

@@ -1,21 +1,20 @@
 #!/usr/bin/env bash
-# Deployment gate: optimize + check + bench, failing the pipeline with graphopt's exit codes
-# (3 parity, 4 target/expectation, 5 latency regression).  Usage:
-#   examples/ci/gate.sh MODEL.onnx BASELINE.json [EXPECT]
-# The first run on a branch writes the baseline (commit it); later runs compare against it.
+# Deployment gate: `graphopt gate` (optimize + parity + --expect + paired latency against a
+# baseline + JUnit in one call), failing the pipeline with graphopt's exit codes (3 parity,
+# 4 target/expectation/too-noisy baseline, 5 latency regression).  Usage:
+#   examples/ci/gate.sh MODEL.onnx BASELINE.json [EXPECT] [JUNIT.xml]
+# The first run writes the baseline (commit it); later runs compare against it.  Nothing is
+# written besides the baseline and the JUnit file.
 set -euo pipefail
 model="$1"
 baseline="$2"
 expect="${3:-}"
-out="$(mktemp -d)"
-args=(--target cpu -O 2 -o "$out/bundle" --junit "$out/optimize.xml" --quiet)
+junit="${4:-graphopt-gate.xml}"
+args=(--target cpu -O 2 --junit "$junit")
 [ -n "$expect" ] && args+=(--expect "$expect")
-graphopt optimize "$model" "${args[@]}"
-graphopt check "$model" "$out/bundle" --format json > "$out/parity.json"
 if [ -f "$baseline" ]; then
-  graphopt bench "$model" --optimized "$out/bundle" --baseline "$baseline" \
-    --max-regression 5% --junit "$out/bench.xml"
+  args+=(--baseline "$baseline")
 else
-  graphopt bench "$model" --optimized "$out/bundle" --save-baseline "$baseline"
+  args+=(--save-baseline "$baseline")
 fi
-echo "gate passed; reports in $out"
+graphopt gate "$model" "${args[@]}"
