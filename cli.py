@@ -630,6 +630,11 @@ def _render_report(report, custom_pipeline: bool = False, wall: float | None = N
     _render_parity(report.parity, note)
     if report.parity_float64 is not None:
         _render_parity(report.parity_float64, note)
+    deployed = report.parity_deployed
+    if deployed is not None:
+        verdict = "[green]ok[/]" if deployed.ok else "[red]FAILED[/]" if deployed.ran else "not run"
+        out.print(f"parity at the bundle's session settings ({deployed.reference}): {verdict}")
+    _render_performance(report.performance)
     passes = {}
     for p in report.passes:
         passes[p["name"]] = passes.get(p["name"], 0.0) + p["seconds"]
@@ -685,6 +690,21 @@ def _render_misses(groups: list[dict]) -> None:
             "to get more: " + "; ".join(f"{lever} ({n} missed)" for lever, n in more),
             soft_wrap=True,
         )
+
+
+def _render_performance(perf: dict) -> None:
+    """One line: the performance safety net's verdict, or why it did not measure."""
+    if not perf.get("measured"):
+        if perf.get("why"):
+            out.print(f"latency vs original: not measured ({perf['why']})")
+        return
+    reverted = perf.get("reverted") or []
+    tail = f"; reverted {', '.join(str(r) for r in reverted)}" if reverted else ""
+    out.print(
+        f"latency vs original (1 thread, this machine): {perf.get('ratio', 0):.3f} "
+        f"[{perf.get('low', 0):.3f}, {perf.get('high', 0):.3f}], {perf.get('rounds', 0)} rounds"
+        f"{tail}"
+    )
 
 
 def _render_parity(parity, note: str = "") -> None:
