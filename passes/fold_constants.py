@@ -14,9 +14,12 @@ Never an accident -- each refusal is a missed remark with its code:
   are evaluated, so a 2 GiB ConstantOfShape is never allocated; other ops are sized from their
   inferred static shapes when known.
 * ``fold-size-budget``: all folds together may not grow the model's constant bytes by more than
-  ``fold-size-limit`` (net of the constants they make dead), so chains (six Tile x2 in a row)
-  cannot grow the model step by step past the per-node limit.  The growth is counted over the
-  whole optimization, every fixpoint iteration and subgraph body included.
+  ``fold-size-limit / 64`` (16 KiB by default; net of the constants they make dead), so chains
+  (six Tile x2 in a row) cannot grow the model step by step past the per-node limit, and an
+  optimized model is not bigger than its input for folds: a fold that copies a constant still
+  read elsewhere (an Unsqueeze of a recurrent weight, a Cast of an fp16 weight) buys nothing at
+  run time, since onnxruntime folds constants itself when it loads the model.  The growth is
+  counted over the whole optimization, every fixpoint iteration and subgraph body included.
 * Weights built at run time (``ConstantOfShape`` / ``Expand`` / ``Tile`` followed by
   ``Mul``/``Add``...) are bounded differently, since folding them is what lets Conv+BN, Gemm and
   the other fusions fire, and the runtime builds them in memory anyway.  A fold whose result
@@ -49,6 +52,8 @@ from graphopt.opt.manager import Pass, PassContext, register_pass
 from graphopt.opt.quant import DEQUANTIZE, is_low_bit
 
 DEFAULT_SIZE_LIMIT = 1 << 20
+#: ordinary folds together may add at most fold-size-limit / GROWTH_SHARE bytes of constants
+GROWTH_SHARE = 64
 
 #: results depend on randomness or state, or are not plain tensors: never folded
 NEVER_FOLD = frozenset(
@@ -137,7 +142,7 @@ class _Growth:
         """(per-node limit, growth used so far, growth budget) for a fold of this kind."""
         if weight:
             return max(limit, self.largest), self.weights, max(limit, self.total)
-        return limit, self.used, limit
+        return limit, self.used, limit // GROWTH_SHARE
 
     def add(self, weight: bool, nbytes: int) -> None:
         if weight:

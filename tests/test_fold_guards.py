@@ -122,8 +122,8 @@ def test_tile_chain_is_bounded_by_the_model_budget():
     )
     out, report = run(m, level=1)
     assert "fold-size-budget" in codes(report, "fold-constants")
-    assert 0 < ops(out).get("Tile", 0) < 6
-    assert _init_bytes(out) <= _init_bytes(m) + MIB
+    assert ops(out).get("Tile", 0) > 0
+    assert _init_bytes(out) <= _init_bytes(m) + MIB // 64
     assert report.parity.ok
 
 
