@@ -160,7 +160,7 @@ def measuring(monkeypatch):
     monkeypatch.setattr(perf, "MIN_BUDGET_S", BUDGET_S)
 
 
-BUDGET_S = 3.0
+BUDGET_S = 8.0  # generous: a loaded CI machine must not make the search run out
 PIPELINE = "eliminate-identity,test-slow-neg,dce"
 
 
