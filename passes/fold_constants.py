@@ -265,7 +265,7 @@ class FoldConstants(Pass):
             if _named(t):
                 shape = static_shape(t)
                 sizes[id(t)] = _nbytes(shape, t.dtype) if shape is not None else 0
-        if out_bytes is None:
+        if out_bytes is None or node.op == "Constant":  # a Constant's value is in the model
             return 0
         return est - _input_bytes(ir, node, sizes)[1]
 
@@ -350,7 +350,8 @@ class FoldConstants(Pass):
             return False
         if not cx.take_bisect_step(self.name, node.name):
             return False
-        growth.add(weight, out_bytes - dying)
+        if node.op != "Constant":  # its value was in the model already: moved, not added
+            growth.add(weight, out_bytes - dying)
         node.outputs.clear()
         node.inputs.clear()
         for t, v in zip(outs, values):
@@ -389,15 +390,33 @@ def _input_bytes(ir: ModelIR, node: Node, sizes: dict[int, int]) -> tuple[int, i
     for t in seen.values():
         n = _tensor_bytes(t, sizes)
         total += n
-        if all(c is node for c in t.outputs) and not ir.is_graph_output(t):
+        if ir.is_graph_output(t):
+            continue
+        readers = [c for c in t.outputs]
+        if all(c is node for c in readers):
             dying += n
+        elif all(_foldable_now(c) for c in readers):
+            # every reader folds too (the four gate Slices of an LSTM weight): each fold
+            # takes its share of the constant that dies with the last of them
+            dying += n // len({id(c) for c in readers})
     return total, dying
+
+
+def _foldable_now(node: Node) -> bool:
+    """A node this round can fold: a foldable op whose inputs are all known."""
+    return (
+        FoldConstants._candidate(node)
+        and node.op != "DequantizeLinear"
+        and all(_known(t) for t in node.inputs)
+    )
 
 
 def _size_refusal(
     node: Node, out_bytes: int, in_bytes: int, dying: int, limit: int, used: int, budget: int
 ) -> _Refusal | None:
     mib = 2**20
+    if node.op == "Constant":  # its value is in the model already: folding only moves it
+        return None
     if out_bytes > limit and out_bytes > 2 * in_bytes:
         return _Refusal(
             "fold-size-limit",
@@ -411,11 +430,15 @@ def _size_refusal(
         return _Refusal(
             "fold-size-budget",
             f"folding {node.op} '{node.name}' ({out_bytes / mib:.2f} MiB) would grow the "
-            f"model's constants by {(used + growth) / mib:.2f} MiB in all, past the "
-            f"{budget / mib:.1f} MiB that folding may add (raise it with --fold-size-limit)",
+            f"model's constants by {_size(used + growth)} in all, past the "
+            f"{_size(budget)} that folding may add (raise it with --fold-size-limit)",
             {"output_bytes": out_bytes, "growth_bytes": used + growth, "limit": budget},
         )
     return None
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB" if nbytes >= 2**20 else f"{nbytes / 1024:.1f} KiB"
 
 
 #: weight slots of the ops whose fusions need constant weights: op → input indices
