@@ -288,6 +288,7 @@ def optimize(
             "seed": seed,
             "base_dir": base_dir,
             "feeds": parity.feeds if parity.ran else None,
+            "reference_outputs": parity.reference_outputs if parity.ran else None,
         },
     )
     return optimized, report
@@ -327,14 +328,21 @@ def _guarded_ranges(model, inputs, shapes, seed, base_dir) -> tuple[dict | None,
         ]
 
 
+#: the last onnxruntime session ``_invalid`` created and the model it was created for: parity
+#: reuses it instead of serializing and loading the same model again
+_LOADED: dict[str, Any] = {}
+
+
 def _invalid(
     model: onnx.ModelProto, base_dir=None, checker: bool = True, runtime: bool = True
 ) -> str | None:
     """Why ``model`` is not a valid, loadable model (onnx.checker with full shape checks, then an
-    onnxruntime session), or None."""
-    if checker and model.ByteSize() < PROTOBUF_LIMIT:
+    onnxruntime session), or None.  The model is serialized once for both."""
+    _LOADED.clear()
+    data = model.SerializeToString() if model.ByteSize() < PROTOBUF_LIMIT else None
+    if checker and data is not None:
         try:
-            onnx.checker.check_model(model, full_check=True)
+            onnx.checker.check_model(data, full_check=True)
         except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
             text = str(e).strip()
             if "external" not in text.lower():  # data files resolve beside the model, not here
@@ -342,10 +350,18 @@ def _invalid(
     if not runtime:
         return None
     try:
-        Session(model, base_dir=base_dir)
-        return None
+        session = Session(model, base_dir=base_dir, serialized=data)
     except GraphoptError as e:
         return str(e)
+    _LOADED.update(model=model, session=session)
+    return None
+
+
+def _loaded_session(model: onnx.ModelProto):
+    """The session ``_invalid`` made for exactly this model object, once; else None."""
+    session = _LOADED.get("session") if _LOADED.get("model") is model else None
+    _LOADED.clear()
+    return session
 
 
 def _keep_valid(original, optimized, cx, execute, limit, say, base_dir, budget_s: float):
@@ -424,7 +440,8 @@ def _parities(model, optimized, check: bool, reference: str, kw: dict, base_dir,
     say("checking parity with onnxruntime")
     parity, parity_f64 = ParityReport.not_run("not requested"), None
     if reference in ("original", "both"):
-        parity = _guarded(lambda: check_parity(model, optimized, **kw))
+        loaded = _loaded_session(optimized)
+        parity = _guarded(lambda: check_parity(model, optimized, optimized_session=loaded, **kw))
     if reference in ("float64", "both"):
         say("checking parity against a float64 reference")
         parity_f64 = _guarded(

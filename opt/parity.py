@@ -88,10 +88,12 @@ class ParityReport:
     first_divergence: dict[str, Any] | None = None
     #: the arrays parity ran on (the bundle's golden inputs); not part of report.json
     feeds: dict[str, np.ndarray] | None = field(default=None, repr=False, compare=False)
+    #: the original model's outputs on them, by name (the golden outputs); not in report.json
+    reference_outputs: dict[str, Any] | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(replace(self, feeds=None))
-        del out["feeds"]
+        out = asdict(replace(self, feeds=None, reference_outputs=None))
+        del out["feeds"], out["reference_outputs"]
         return out
 
     @classmethod
@@ -147,8 +149,10 @@ class Session:
         providers=("CPUExecutionProvider",),
         level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
         base_dir: str | os.PathLike | None = None,
+        serialized: bytes | None = None,
     ):
-        """``base_dir``: the folder external-data references resolve against (lazy loading)."""
+        """``base_dir``: the folder external-data references resolve against (lazy loading);
+        ``serialized``: the model's bytes when the caller has them already."""
         so = ort.SessionOptions()
         so.graph_optimization_level = level
         so.log_severity_level = 4
@@ -159,10 +163,9 @@ class Session:
         self._tmp = None
         try:
             register_libraries(so, model, providers[0] if providers else "CPUExecutionProvider")
-            if model.ByteSize() < PROTOBUF_LIMIT:
-                self.sess = ort.InferenceSession(
-                    model.SerializeToString(), so, providers=list(providers)
-                )
+            if serialized is not None or model.ByteSize() < PROTOBUF_LIMIT:
+                data = serialized if serialized is not None else model.SerializeToString()
+                self.sess = ort.InferenceSession(data, so, providers=list(providers))
             else:
                 self._tmp = tempfile.TemporaryDirectory(prefix="graphopt-parity-")
                 path = Path(self._tmp.name) / "model.onnx"
@@ -398,6 +401,7 @@ def check_parity(
     reference_name: str = "original",
     localize_on_failure: bool = True,
     base_dir: str | os.PathLike | None = None,
+    optimized_session: Session | None = None,
 ) -> ParityReport:
     """Run both models on the same inputs and compare every output of the original.
 
@@ -419,7 +423,7 @@ def check_parity(
     if reference is not None:
         ref = Session(reference, base_dir=base_dir).run(feeds, names)
     try:
-        opt_sess = Session(optimized, base_dir=base_dir)
+        opt_sess = optimized_session or Session(optimized, base_dir=base_dir)
     except GraphoptError as e:  # the original loads, the optimized one does not: a failure
         return ParityReport(
             False,
@@ -451,7 +455,16 @@ def check_parity(
     if not ok and localize_on_failure and reference is None:
         divergence = localize(original, optimized, feeds, tolerances, base_dir=base_dir)
     return ParityReport(
-        ok, True, diffs, shapes_used, seed, reference_name, None, divergence, feeds=feeds
+        ok,
+        True,
+        diffs,
+        shapes_used,
+        seed,
+        reference_name,
+        None,
+        divergence,
+        feeds=feeds,
+        reference_outputs=dict(zip(names, ref)) if reference is None else None,
     )
 
 

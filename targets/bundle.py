@@ -304,10 +304,15 @@ def _write_golden(out_dir, original, shapes, given, seed, report, ctx) -> dict[s
     if not report.parity.ran:
         return {"written": False, "why": f"parity did not run ({report.parity.error})"}
     try:
-        sess = Session(original, base_dir=ctx.get("base_dir"))
-        feeds = ctx.get("feeds") or make_inputs(sess.sess, shapes, seed, given)
-        names = [o.name for o in sess.sess.get_outputs()]
-        outs = sess.run(feeds, names)
+        known = ctx.get("reference_outputs")
+        if ctx.get("feeds") and known:  # parity ran the original on these very inputs
+            feeds = ctx["feeds"]
+            names, outs = list(known), list(known.values())
+        else:
+            sess = Session(original, base_dir=ctx.get("base_dir"))
+            feeds = ctx.get("feeds") or make_inputs(sess.sess, shapes, seed, given)
+            names = [o.name for o in sess.sess.get_outputs()]
+            outs = sess.run(feeds, names)
     except GraphoptError as e:
         return {"written": False, "why": str(e)}
     (out_dir / "golden").mkdir(exist_ok=True)
