@@ -122,6 +122,7 @@ def _quantize(kind: str, arch: str, tmp: Path) -> onnx.ModelProto:
     if kind == "dynamic":
         quantize_dynamic(src, dst)
     elif kind == "nbits":
+        pytest.importorskip("onnx_ir")  # onnxruntime's n-bit quantizer is written on onnx-ir
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
         q = MatMulNBitsQuantizer(m, block_size=16, is_symmetric=True)
