@@ -1,6 +1,6 @@
 """Write the three small example models committed in examples/.
 
-    /work/venv-torch/bin/python examples/make_examples.py [--out examples]
+    .venv-torch/bin/python examples/make_examples.py [--out examples]
 
 mobilenet_bn.onnx  MobileNetV2/V3-style CNN, Conv->BatchNormalization pairs kept, [N,3,64,64]
 bert_tiny.onnx     transformers BertModel, 2 layers, hidden 128, [batch, seq] int64 inputs

@@ -1,6 +1,6 @@
 """Regenerate the corpus of real-architecture ONNX models (not committed).
 
-    /work/venv-torch/bin/python examples/make_models.py --out /work/models \
+    .venv-torch/bin/python examples/make_models.py --out models \
         [--only NAME,...] [--list]
 
 Every model is built from an architecture or config with seeded random weights (nothing is
@@ -317,7 +317,7 @@ def run_isolated(name: str, out_dir: str, produced: set[str]) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="/work/models", help="output folder")
+    parser.add_argument("--out", default="models", help="output folder")
     parser.add_argument("--only", help="comma-separated model names")
     parser.add_argument("--list", action="store_true", help="list model names and exit")
     parser.add_argument("--worker", help=argparse.SUPPRESS)

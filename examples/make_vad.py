@@ -1,6 +1,6 @@
 """Write examples/vad_tiny.onnx: a Silero-VAD-like model with control flow.
 
-    /work/venv-torch/bin/python examples/make_vad.py [--out examples]
+    .venv-torch/bin/python examples/make_vad.py [--out examples]
 
 An ``If`` on the sample-rate input picks the front end (a strided Conv1d "STFT" for 16 kHz or
 8 kHz), Conv+BatchNorm+ReLU encoder, then a ``Loop`` runs an LSTM cell over the frames with the

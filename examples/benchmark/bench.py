@@ -13,7 +13,7 @@ model's variants is measured in one separate process (so a crash or an OOM costs
 the orchestrator stays small).
 
     python examples/benchmark/bench.py --quick                 # three small models, ~1 min
-    python examples/benchmark/bench.py                         # every model in /work/models
+    python examples/benchmark/bench.py                         # every model in models
     python examples/benchmark/bench.py --only resnet50,gpt2 --tools none,graphopt-O2,onnxsim
 
 See README.md next to this file.
@@ -37,7 +37,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-DEFAULT_MODELS = Path("/work/models")
+#: the corpus folder: $GRAPHOPT_MODELS, else models/ at the repository root (git-ignored)
+DEFAULT_MODELS = Path(os.environ.get("GRAPHOPT_MODELS", REPO / "models"))
 QUICK_MODELS = REPO / "examples"
 
 # Order in which known models are run (others follow alphabetically).

@@ -12,7 +12,7 @@ cpu bundle (and the cuda one when nvcc is present) and prints:
 * x·σ(x) (SiLU) alone: onnxruntime fuses it into QuickGelu itself; the generated kernel against
   that.
 
-    /work/venv/bin/python examples/kernels/demo.py [--out DIR] [--quick]
+    .venv/bin/python examples/kernels/demo.py [--out DIR] [--quick]
 
 Results: ``examples/kernels/results/demo.json`` and the markdown printed (README.md holds one run).
 """

@@ -5,8 +5,8 @@ LayerNorm, erf GELU, MatMul + bias Add linear layers, and attention through Resh
 MatMul, scale Div, a causal mask Add and Softmax.  Weights are random (seeded) and stream into
 one external-data file (4 KiB aligned), so memory stays small while writing.
 
-    python examples/large/make_gpt_decoder.py --out /tmp/gpt_big/model.onnx   # ~5 GB
-    python examples/large/make_gpt_decoder.py --out /tmp/small/model.onnx --layers 2 --hidden 256
+    python examples/large/make_gpt_decoder.py --out gpt_big/model.onnx   # ~5 GB
+    python examples/large/make_gpt_decoder.py --out small/model.onnx --layers 2 --hidden 256
 """
 
 from __future__ import annotations

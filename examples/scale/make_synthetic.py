@@ -4,7 +4,7 @@ Each block is what exporters emit for one small layer: shape glue (Shape→Gathe
 Concat→Reshape), MatMul+Add, a decomposed LayerNorm, erf-GELU, Transpose pairs, Identity and
 Dropout — about 40 nodes with tiny weights, so node count, not weight size, drives the cost.
 
-    python examples/scale/make_synthetic.py --nodes 10000 --out /tmp/synth_10k.onnx
+    python examples/scale/make_synthetic.py --nodes 10000 --out synth_10k.onnx
 """
 
 from __future__ import annotations

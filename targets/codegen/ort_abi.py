@@ -1,7 +1,7 @@
 """graphopt's own minimal declarations of the onnxruntime C API it calls (no onnxruntime header).
 
 No package reachable from this project ships ``onnxruntime_c_api.h`` (see
-``/work/shared/research/kernels_feasibility.md`` §3), so generated custom-op libraries include
+the project's kernel feasibility notes, §3), so generated custom-op libraries include
 :data:`HEADER` instead: declarations written for this project from the public documentation of
 the C API, covering only what the libraries use.
 
