@@ -1289,13 +1289,12 @@ def main(argv: list[str] | None = None) -> int:
 
     meta = {
         "date": _dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
-        "command": " ".join(
-            [Path(sys.executable).as_posix(), "examples/benchmark/bench.py"]
-            + (argv if argv is not None else sys.argv[1:])
+        "command": " ".join(  # the interpreter by name: results name no machine's folders
+            ["python", "examples/benchmark/bench.py"] + (argv if argv is not None else sys.argv[1:])
         ),
         "machine": _machine(),
         "versions": _versions(),
-        "models_dir": str(models_dir),
+        "models_dir": _shown(models_dir),
         "graphopt_checkout_start": _git_state(),
         "runs": args.runs,
         "min_time": args.min_time,
@@ -1507,3 +1506,12 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_latency":
         sys.exit(_worker_latency(sys.argv[2], sys.argv[3]))
     sys.exit(main())
+
+
+def _shown(path: Path) -> str:
+    """A folder as results show it: relative to the repository when inside it, else its name."""
+    path = Path(path).resolve()
+    try:
+        return path.relative_to(REPO).as_posix()
+    except ValueError:
+        return path.name
