@@ -1497,6 +1497,15 @@ def bench_model(name: str, path: Path, side: Path, tools: list[str], args, cpu: 
     return mres
 
 
+def _shown(path: Path) -> str:
+    """A folder as results show it: relative to the repository when inside it, else its name."""
+    path = Path(path).resolve()
+    try:
+        return path.relative_to(REPO).as_posix()
+    except ValueError:
+        return path.name
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_optimize":
         sys.exit(_worker_optimize(*sys.argv[2:6]))
@@ -1506,12 +1515,3 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_latency":
         sys.exit(_worker_latency(sys.argv[2], sys.argv[3]))
     sys.exit(main())
-
-
-def _shown(path: Path) -> str:
-    """A folder as results show it: relative to the repository when inside it, else its name."""
-    path = Path(path).resolve()
-    try:
-        return path.relative_to(REPO).as_posix()
-    except ValueError:
-        return path.name
