@@ -176,10 +176,9 @@ def test_silero_like_vad_with_if_and_loop(sr):
     assert sum(after.values()) < sum(before.values())
 
 
-def test_rewrite_in_a_body_never_touches_nested_bodies():
-    """Inlining a constant If inside a branch creates nodes whose outputs are read by Identity
-    nodes of a nested body; those must be rewritten (if at all) in their own scope, so every
-    branch output keeps its producer (the model stays valid)."""
+def nested_if_model():
+    """An If whose then-branch holds a constant-condition If (inlined at -O1) and a dynamic If
+    whose branches forward the inlined value through Identity nodes into their outputs."""
     inner_const = helper.make_node(
         "If",
         ["k"],
@@ -200,13 +199,19 @@ def test_rewrite_in_a_body_never_touches_nested_bodies():
         [inner_const, inner_dyn], "then", [], [vi("z", None)], [const("k", True, np.bool_)]
     )
     other = branch("else", [helper.make_node("Sigmoid", ["x"], ["s"])], "s")
-    m = model(
+    return model(
         [helper.make_node("If", ["c"], ["out"], then_branch=then, else_branch=other)],
         [vi("x", [3]), vi("c", [], TensorProto.BOOL)],
         [vi("out", [3])],
     )
+
+
+def test_rewrite_in_a_body_never_touches_nested_bodies():
+    """Inlining a constant If inside a branch creates nodes whose outputs are read by Identity
+    nodes of a nested body; those must be rewritten (if at all) in their own scope, so every
+    branch output keeps its producer (the model stays valid)."""
     feeds = {"x": np.array([-1, 0, 2], np.float32), "c": np.array(True)}
-    out, report = run(m, level=1, inputs=feeds)
+    out, report = run(nested_if_model(), level=1, inputs=feeds)
     onnx.checker.check_model(out, full_check=True)
     assert report.parity.ran and report.parity.ok, report.parity
     assert ops(out) == {"If": 1}
@@ -232,30 +237,7 @@ def test_rules_are_tried_only_on_nodes_of_the_graph_being_rewritten(monkeypatch)
             applies_only_if(False)
 
     monkeypatch.setitem(RULES, Spy.name, Spy())
-    inner_const = helper.make_node(
-        "If",
-        ["k"],
-        ["y"],
-        then_branch=branch("bt", [helper.make_node("Relu", ["x"], ["ry"])], "ry"),
-        else_branch=branch("be", [helper.make_node("Neg", ["x"], ["ny"])], "ny"),
-    )
-    inner_dyn = helper.make_node(
-        "If",
-        ["c"],
-        ["z"],
-        then_branch=branch("ct", [helper.make_node("Identity", ["y"], ["zt"])], "zt"),
-        else_branch=branch("ce", [helper.make_node("Identity", ["y"], ["ze"])], "ze"),
-    )
-    then = helper.make_graph(
-        [inner_const, inner_dyn], "then", [], [vi("z", None)], [const("k", True, np.bool_)]
-    )
-    other = branch("else", [helper.make_node("Sigmoid", ["x"], ["s"])], "s")
-    m = model(
-        [helper.make_node("If", ["c"], ["out"], then_branch=then, else_branch=other)],
-        [vi("x", [3]), vi("c", [], TensorProto.BOOL)],
-        [vi("out", [3])],
-    )
-    run(m, level=1, pipeline="rules{level=1}", check=False)
+    run(nested_if_model(), level=1, pipeline="rules{level=1}", check=False)
     assert seen and all(seen)
 
 
