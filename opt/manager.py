@@ -20,10 +20,11 @@ from typing import Any
 
 import onnx
 
+from .domains import is_default
 from .errors import GraphoptError, UsageError
 from .ir import ModelIR, subgraphs
 from .remarks import Remark, RemarkLog
-from .rewrite import Rule, apply_rules
+from .rewrite import PHASES, Rule, apply_rules
 from .target import Target
 
 
@@ -33,6 +34,17 @@ class RuleStats:
     fired: int = 0
     missed: int = 0
     seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Miss:
+    """A rule's refusal at a node, as later phases read it: the guard's code, the matched
+    nodes (the root first) and the guard's arguments."""
+
+    rule: str
+    code: str
+    nodes: tuple[str, ...]
+    args: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -62,6 +74,11 @@ class PassContext:
     applied: list[tuple[int, str, str]] = field(default_factory=list)
     records: list[PassRecord] = field(default_factory=list)
     stats: dict[str, RuleStats] = field(default_factory=dict)
+    #: every refusal so far, per rule, for rules of later phases that depend on the outcome
+    misses: dict[str, list[Miss]] = field(default_factory=dict)
+
+    def record_miss(self, rule: str, code: str, nodes: Sequence[str], args: dict) -> None:
+        self.misses.setdefault(rule, []).append(Miss(rule, code, tuple(nodes), dict(args)))
 
     def rule_stats(self, rule: str) -> RuleStats:
         return self.stats.setdefault(rule, RuleStats())
@@ -106,7 +123,8 @@ class Pass:
 
 
 class RuleSetPass(Pass):
-    """Applies rules with the greedy driver: the named ones, or every rule up to ``max_level``."""
+    """Applies rules with the greedy driver: the named ones, or every rule up to ``max_level``,
+    one phase after the other (:data:`opt.rewrite.PHASES`), each phase to its own fixpoint."""
 
     name = "rules"
 
@@ -123,7 +141,13 @@ class RuleSetPass(Pass):
         return [r for r in chosen if cx.target.allows_rule(r.name)]
 
     def run(self, ir: ModelIR, cx: PassContext) -> bool:
-        return apply_rules(ir, self.selected(cx), cx, self.text())
+        chosen = self.selected(cx)
+        changed = False
+        for phase in PHASES:
+            rules = [r for r in chosen if r.rule_phase() == phase]
+            if rules:
+                changed |= apply_rules(ir, rules, cx, self.text())
+        return changed
 
     def text(self) -> str:
         if self.rules is not None:
@@ -215,11 +239,15 @@ def register_pass(cls: type[Pass]) -> type[Pass]:
 
 
 def register_rule(cls: type[Rule]) -> type[Rule]:
-    """Class decorator: validate the rule's root op against onnx.defs and register it."""
+    """Class decorator: validate the rule's root ops against onnx.defs and its phase, and
+    register it."""
     if cls.name in RULES or cls.name in PASSES:
         raise ValueError(f"duplicate rule name {cls.name}")
-    if not cls.domain and not onnx.defs.has(cls.root):
-        raise ValueError(f"rule {cls.name}: root '{cls.root}' is not an ONNX operator")
+    for op in cls.roots:
+        if is_default(cls.domain) and not onnx.defs.has(op):
+            raise ValueError(f"rule {cls.name}: root '{op}' is not an ONNX operator")
+    if cls.phase and cls.phase not in PHASES:
+        raise ValueError(f"rule {cls.name}: phase '{cls.phase}' is not one of {PHASES}")
     RULES[cls.name] = cls()
     return cls
 

@@ -36,10 +36,8 @@ class RemarkLog:
 
     def __init__(self) -> None:
         self._by_key: dict[tuple[str, str, str], Remark] = {}
-        self.verdicts: dict[str, int] = {}  # remarks recorded so far, per rule
 
     def add(self, remark: Remark) -> None:
-        self.verdicts[remark.rule] = self.verdicts.get(remark.rule, 0) + 1
         anchor = remark.nodes[0] if remark.nodes else ""
         key = (remark.rule, anchor, remark.code if remark.kind in ("analysis", "failure") else "")
         self._by_key.pop(key, None)

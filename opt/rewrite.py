@@ -1,24 +1,29 @@
 """Rules and the driver that applies them.
 
-A rule is three things: a *pattern* rooted at one op type (structure only), read-only *guards*
-that check the operator contract (constants, dtypes, shapes, attributes) and fail with a stable
-kebab-case code plus a sentence, and a pure *rewrite* that builds the replacement.
+A rule is three things: a *pattern* (:mod:`opt.patterns`: ops or op alternatives, commuted
+inputs, constant and attribute leaves, optional inputs, alternatives) rooted at one or more op
+types, read-only *guards* that check the operator contract (constants, dtypes, shapes,
+attributes) and fail with a stable kebab-case code plus a sentence, and a pure *rewrite* that
+builds the replacement.
 
 * Structure that does not match is silent (the rule simply does not apply there).
-* A guard that fails after the structure matched is a *missed* remark: the user sees which
-  clause of the contract failed at which node.  So is a non-structural :class:`NoMatch` raised by
-  a rule's own ``match`` once it has recognized the pattern's core (attention's Softmax between
-  two MatMuls) but not the exporter's spelling around it.
+* A pattern may match one node several ways (commuted operands, alternatives): each candidate
+  goes through ``structure``, exclusivity, the quantization barrier and ``check`` in pattern
+  order, and the first that passes fires.  When every candidate fails a guard, the *missed*
+  remark is the first candidate's failure: the user sees which clause of the contract failed at
+  which node.  So is a non-structural :class:`NoMatch` raised by a rule's own ``match`` once it
+  has recognized the pattern's core (attention's Softmax between two MatMuls) but not the
+  exporter's spelling around it.
 * Only :class:`NoMatch` is caught; any other exception is a bug and surfaces.
 * Quantization is a barrier (:mod:`opt.quant`): unless a rule is ``quantization_aware``, a match
   holding a Q/DQ/QOperator node, or a Conv/MatMul/Gemm reading a DequantizeLinear output, is
   refused, and so is a DQ output where a rule requires a constant (code ``quantized-boundary``).
 
 The driver is a greedy work queue over nodes in topological order, with rules indexed by root op
-type.  After a rewrite, the new nodes and the readers of their outputs are queued again.  A rule
-whose decision depends on another rule's verdict (a FusedMatMul fold inside an attention that
-``fuse-attention`` may still take) calls :func:`wait_for`: the node is parked, silently, and
-queued again once that rule has recorded a new remark.
+type and ordered by ``priority`` (then name).  After a rewrite, the new nodes and the readers of
+their outputs are queued again.  Rules that depend on another rule's outcome do not wait for it
+here: rule sets run in :data:`PHASES` (:class:`opt.manager.RuleSetPass`), so the later rule runs
+once the earlier phase is done and reads its typed outcomes (``PassContext.misses``).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -34,6 +40,9 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from .ir import Constant, ModelIR, Node, Tensor, Variable, constant_value
+from .patterns import Alt, Const, Op, Pattern, Var, opt, root_domain
+from .patterns import match as match_pattern
+from .patterns import roots as pattern_roots
 from .quant import boundary_violation, dequantized_by
 from .remarks import Remark
 
@@ -64,116 +73,6 @@ def applies_only_if(cond: Any) -> None:
         raise NoMatch("structure", "condition not met", structural=True)
 
 
-def wait_for(rule: str, pending: Any) -> None:
-    """Not yet, while ``pending``: ``rule`` has not said whether it takes this pattern.  Silent;
-    the node is tried again once ``rule`` records a new remark."""
-    if pending:
-        raise NoMatch("waiting", f"waits for {rule}", structural=True, waiting_for=rule)
-
-
-# --------------------------------------------------------------------------- patterns
-class Pattern:
-    """Base of pattern nodes; a pattern describes structure only, never constness or dtype."""
-
-
-@dataclass(frozen=True)
-class Var(Pattern):
-    """Any tensor, bound to ``name``. ``optional`` also matches an absent input."""
-
-    name: str
-    optional: bool = False
-
-
-def opt(name: str) -> Var:
-    return Var(name, optional=True)
-
-
-@dataclass(frozen=True)
-class Op(Pattern):
-    """A node of type ``op`` whose inputs match ``inputs``; its first output binds to ``out``."""
-
-    op: str
-    inputs: tuple[Pattern, ...]
-    name: str | None = None
-    out: str | None = None
-    domain: str = ""
-    commute: bool = False
-    extra_inputs: bool = False
-
-    def __init__(
-        self,
-        op: str,
-        *inputs: Pattern | str,
-        name: str | None = None,
-        out: str | None = None,
-        domain: str = "",
-        commute: bool = False,
-        extra_inputs: bool = False,
-    ):
-        object.__setattr__(self, "op", op)
-        object.__setattr__(
-            self, "inputs", tuple(Var(i) if isinstance(i, str) else i for i in inputs)
-        )
-        object.__setattr__(self, "name", name or op)
-        object.__setattr__(self, "out", out)
-        object.__setattr__(self, "domain", domain)
-        object.__setattr__(self, "commute", commute)
-        object.__setattr__(self, "extra_inputs", extra_inputs)
-
-
-def _same_domain(a: str | None, b: str) -> bool:
-    return (a or "") in (("", "ai.onnx") if b in ("", "ai.onnx") else (b,))
-
-
-def _match_tensor(pat: Pattern, tensor: Tensor | None, b: dict) -> Iterator[dict]:
-    if isinstance(pat, Var):
-        if tensor is None:
-            if pat.optional:
-                yield {**b, pat.name: None}
-            return
-        bound = b.get(pat.name, tensor)
-        if bound is tensor:
-            yield {**b, pat.name: tensor}
-        return
-    assert isinstance(pat, Op)
-    if not isinstance(tensor, Variable) or not tensor.inputs:
-        return
-    node = tensor.inputs[0]
-    if node.outputs[0] is not tensor:
-        return
-    yield from _match_node(pat, node, b)
-
-
-def _match_node(pat: Op, node: Node, b: dict) -> Iterator[dict]:
-    if node.op != pat.op or not _same_domain(node.domain, pat.domain):
-        return
-    if pat.name in b and b[pat.name] is not node:
-        return
-    inputs = [
-        None if (t is None or (isinstance(t, Variable) and t.name == "")) else t
-        for t in node.inputs
-    ]
-    if len(inputs) > len(pat.inputs) and not pat.extra_inputs:
-        return
-    inputs += [None] * (len(pat.inputs) - len(inputs))
-    b = {**b, pat.name: node}
-    if pat.out:
-        b[pat.out] = node.outputs[0]
-    orders = [list(pat.inputs)]
-    if pat.commute and len(pat.inputs) == 2:
-        orders.append(list(reversed(pat.inputs)))
-    for order in orders:
-        yield from _match_list(order, inputs, b)
-
-
-def _match_list(pats: list[Pattern], tensors: list, b: dict) -> Iterator[dict]:
-    if not pats:
-        yield b
-        return
-    for b1 in _match_tensor(pats[0], tensors[0], b):
-        yield from _match_list(pats[1:], tensors[1:], b1)
-
-
 # ------------------------------------------------------------------------------ match
 class Match:
     """Bindings of one successful structural match; rules may ``stash`` computed values."""
@@ -196,19 +95,31 @@ class Match:
 
 
 # ------------------------------------------------------------------------------- rules
-class Rule:
-    """Subclass and set ``name``, ``root``, ``level``, ``summary`` and ``pattern``.
+#: structural candidates tried per rule and node at most (commuted orders, alternatives)
+MAX_CANDIDATES = 64
 
-    ``check`` holds the guards (``require``) and may stash values; ``rewrite`` returns the
-    tensors that replace the root node's outputs, built with the :class:`Builder`.
+
+class Rule:
+    """Subclass and set ``name``, ``level``, ``summary`` and ``pattern`` (``root`` and ``domain``
+    default to the pattern's root op types and domain).
+
+    ``structure`` holds structural conditions checked in code (``applies_only_if``), ``check``
+    the guards (``require``) and may stash values; ``rewrite`` returns the tensors that replace
+    the root node's outputs, built with the :class:`Builder`.  ``phase`` orders rule sets (see
+    :data:`PHASES`); ``priority`` orders rules of one phase rooted at the same op (higher first,
+    then by name).
     """
 
     name: ClassVar[str]
     root: ClassVar[str]
+    #: every op type the rule is rooted at (derived from the pattern unless ``root`` is set)
+    roots: ClassVar[tuple[str, ...]] = ()
     domain: ClassVar[str] = ""
     level: ClassVar[int] = 2
+    phase: ClassVar[str] = ""
+    priority: ClassVar[int] = 0
     summary: ClassVar[str] = ""
-    pattern: ClassVar[Op | None] = None
+    pattern: ClassVar[Pattern | None] = None
     #: intermediate (non-root) matched nodes must feed only the match; else "shared-intermediate"
     exclusive: ClassVar[bool] = True
     #: set True for rules that may change numerics beyond rounding (allowed at -O3 only)
@@ -216,15 +127,43 @@ class Rule:
     #: set True for rules written for Q/DQ nodes (else a match touching one is refused)
     quantization_aware: ClassVar[bool] = False
 
-    def match(self, node: Node, cx: PassContext) -> Match:
-        """The first structural match (over commuted alternatives) that passes ``structure``."""
-        candidates = [{}] if self.pattern is None else _match_node(self.pattern, node, {})
-        for bindings in candidates:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__
+        if "root" in own:
+            cls.roots = (cls.root,)
+        elif "pattern" in own and cls.pattern is not None:
+            cls.roots = pattern_roots(cls.pattern)
+            cls.root = cls.roots[0]
+            if "domain" not in own:
+                cls.domain = root_domain(cls.pattern)
+
+    def rule_phase(self) -> str:
+        return self.phase or default_phase(self.level)
+
+    def candidates(self, node: Node, cx: PassContext) -> Iterator[Match]:
+        """The structural matches at ``node`` that pass ``structure``, in pattern order (each
+        binding once, at most :data:`MAX_CANDIDATES`); a rule with its own ``match`` has one."""
+        if type(self).match is not Rule.match:
+            yield self.match(node, cx)
+            return
+        found = [{}] if self.pattern is None else match_pattern(self.pattern, node)
+        seen: set[tuple] = set()
+        for bindings in islice(found, MAX_CANDIDATES):
+            key = tuple(sorted((k, id(v)) for k, v in bindings.items()))
+            if key in seen:
+                continue
+            seen.add(key)
             m = Match(node, bindings)
             try:
                 self.structure(m, cx)
             except NoMatch:
                 continue
+            yield m
+
+    def match(self, node: Node, cx: PassContext) -> Match:
+        """The first candidate (rules with an own matcher override this)."""
+        for m in self.candidates(node, cx):
             return m
         raise NoMatch("structure", "pattern did not match", structural=True)
 
@@ -236,6 +175,16 @@ class Rule:
 
     def rewrite(self, m: Match, b: Builder) -> Sequence[Tensor | None]:
         raise NotImplementedError
+
+
+#: rule-set phases, in the order ``rules`` runs them: cleanups, local fusions (norms,
+#: activations, Conv), attention, the linear-layer rules that would otherwise take attention's
+#: MatMuls, target lowering
+PHASES = ("cleanup", "fuse", "attention", "linear", "lower")
+
+
+def default_phase(level: int) -> str:
+    return "cleanup" if level <= 1 else "fuse"
 
 
 def check_exclusive(m: Match, ir: ModelIR) -> None:
@@ -309,11 +258,13 @@ class Builder:
 
 # ------------------------------------------------------------------------------ driver
 def apply_rules(ir: ModelIR, rules: Sequence[Rule], cx: PassContext, pass_name: str) -> bool:
-    """Apply ``rules`` greedily until none fires; return whether anything changed."""
+    """Apply ``rules`` greedily until none fires; return whether anything changed.  Rules rooted
+    at the same op are tried by ``priority`` (higher first), then by name."""
     cx.ir = ir
     index: dict[str, list[Rule]] = {}
-    for r in rules:
-        index.setdefault(r.root, []).append(r)
+    for r in sorted(rules, key=lambda r: (-r.priority, r.name)):
+        for op in r.roots:
+            index.setdefault(op, []).append(r)
         cx.rule_stats(r.name)  # every rule of the set appears in the report, matched or not
     ir.toposort()
     queue = deque(n for n in ir.graph.nodes if n.op in index)
@@ -335,53 +286,39 @@ def _drain(
     budget: int,
 ) -> bool:
     changed = False
-    parked: list[tuple[Node, str, int]] = []  # (node, awaited rule, its verdicts when parked)
     # A value's readers include nodes of nested If/Loop/Scan bodies (outer-scope values are shared
     # objects): only nodes of the graph being worked on may be queued, or a rule would rewrite a
     # body node under the wrong scope (and, e.g., drop the producer of a branch output).
     members = {id(n) for n in ir.graph.nodes}
-    while True:
-        while queue:
-            node = queue.popleft()
-            queued.discard(id(node))
-            if not node.outputs:  # removed by an earlier rewrite
+    while queue:
+        node = queue.popleft()
+        queued.discard(id(node))
+        if not node.outputs:  # removed by an earlier rewrite
+            continue
+        for rule in index.get(node.op, ()):
+            new_nodes = _try_rule(ir, rule, node, cx, pass_name)
+            if new_nodes is None:
                 continue
-            for rule in index.get(node.op, ()):
-                new_nodes = _try_rule(ir, rule, node, cx, pass_name, parked)
-                if new_nodes is None:
-                    continue
-                changed = True
-                budget -= 1
-                if budget < 0:
-                    cx.remarks.add(
-                        Remark(
-                            "failure",
-                            pass_name,
-                            rule.name,
-                            "did-not-converge",
-                            (node.name,),
-                            "rules keep rewriting the same nodes (two rules undo each other?); "
-                            "stopped",
-                            {"rule": rule.name},
-                        )
+            changed = True
+            budget -= 1
+            if budget < 0:
+                cx.remarks.add(
+                    Remark(
+                        "failure",
+                        pass_name,
+                        rule.name,
+                        "did-not-converge",
+                        (node.name,),
+                        "rules keep rewriting the same nodes (two rules undo each other?); stopped",
+                        {"rule": rule.name},
                     )
-                    return True
-                members.update(id(n) for n in new_nodes)
-                readers = [c for n in new_nodes for t in n.outputs for c in t.outputs]
-                _enqueue(
-                    [c for c in readers if id(c) in members] + new_nodes,
-                    queue,
-                    queued,
-                    index,
                 )
-                break
-        # nodes that waited for another rule's verdict go again once that rule said more
-        said = cx.remarks.verdicts
-        ready = [node for node, rule, seen in parked if said.get(rule, 0) > seen]
-        if not ready:
-            return changed
-        parked = [(node, rule, seen) for node, rule, seen in parked if said.get(rule, 0) <= seen]
-        _enqueue([n for n in ready if n.outputs], queue, queued, index)
+                return True
+            members.update(id(n) for n in new_nodes)
+            readers = [c for n in new_nodes for t in n.outputs for c in t.outputs]
+            _enqueue([c for c in readers if id(c) in members] + new_nodes, queue, queued, index)
+            break
+    return changed
 
 
 def _enqueue(nodes: list[Node], queue: deque, queued: set, index: dict) -> None:
@@ -393,78 +330,101 @@ def _enqueue(nodes: list[Node], queue: deque, queued: set, index: dict) -> None:
 
 
 def _try_rule(
-    ir: ModelIR, rule: Rule, node: Node, cx: PassContext, pass_name: str, parked: list
+    ir: ModelIR, rule: Rule, node: Node, cx: PassContext, pass_name: str
 ) -> list[Node] | None:
     t0 = time.perf_counter()
     stats = cx.rule_stats(rule.name)
     try:
-        try:
-            m = rule.match(node, cx)
-        except NoMatch as e:
-            if not e.structural:  # recognized as the pattern's core, then an unknown spelling
-                stats.missed += 1
-                cx.remarks.add(
-                    Remark("missed", pass_name, rule.name, e.code, [node.name], e.message, e.args_)
-                )
+        m = _first_passing(ir, rule, node, cx, pass_name)
+        if m is None or not cx.take_bisect_step(rule.name, node.name):
             return None
-        stats.attempts += 1
-        try:
-            if rule.exclusive:
-                check_exclusive(m, ir)
-            if not rule.quantization_aware:
-                crossing = boundary_violation(m.nodes())
-                require(crossing is None, "quantized-boundary", lambda: str(crossing))
-            rule.check(m, cx)
-        except NoMatch as e:
-            if "waiting_for" in e.args_:
-                awaited = e.args_["waiting_for"]
-                parked.append((node, awaited, cx.remarks.verdicts.get(awaited, 0)))
-            elif not e.structural:
-                stats.missed += 1
-                cx.remarks.add(
-                    Remark(
-                        "missed", pass_name, rule.name, e.code, _names(m, node), e.message, e.args_
-                    )
-                )
-            return None
-        if not cx.take_bisect_step(rule.name, node.name):
-            return None
-        b = Builder(ir, rule.name, _anchor(node))
-        replacements = list(rule.rewrite(m, b))
-        if len(replacements) != len(node.outputs):
-            raise RuntimeError(
-                f"rule {rule.name} returned {len(replacements)} values for "
-                f"{len(node.outputs)} outputs of {node.name}"
-            )
-        matched = m.nodes()
-        for old, new in zip(list(node.outputs), replacements):
-            if new is not None and new is not old:
-                ir.replace_all_uses(old, new)
-        removed = True
-        while removed:  # a matched node may die only once its matched consumer is gone
-            removed = False
-            for n in matched:
-                if n.outputs and (
-                    n is node or all(not t.outputs and not ir.is_graph_output(t) for t in n.outputs)
-                ):
-                    ir.remove_node(n)
-                    removed = True
-        stats.fired += 1
-        cx.remarks.add(
-            Remark(
-                "passed",
-                pass_name,
-                rule.name,
-                "fired",
-                _names(m, node),
-                f"{rule.summary or rule.name} at '{node.name}'",
-                {"created": [n.name for n in b.created]}
-                | ({"absorbed": list(m.absorbed)} if "absorbed" in m.bindings else {}),
-            )
-        )
-        return b.created
+        return _apply(ir, rule, m, cx, pass_name)
     finally:
         stats.seconds += time.perf_counter() - t0
+
+
+def _first_passing(
+    ir: ModelIR, rule: Rule, node: Node, cx: PassContext, pass_name: str
+) -> Match | None:
+    """The first candidate that passes exclusivity, the quantization barrier and ``check``;
+    when every candidate fails a guard, the first failure is the missed remark."""
+    stats = cx.rule_stats(rule.name)
+    first: tuple[Match, NoMatch] | None = None
+    candidates = rule.candidates(node, cx)
+    while True:
+        try:
+            m = next(candidates, None)
+        except NoMatch as e:  # an own matcher recognized the core, then an unknown spelling
+            if not e.structural:
+                _missed(cx, pass_name, rule, e, (node.name,))
+            return None
+        if m is None:
+            break
+        if first is None:
+            stats.attempts += 1
+        try:
+            _guards(ir, rule, m, cx)
+            return m
+        except NoMatch as e:
+            if first is None and not e.structural:
+                first = (m, e)
+    if first is not None:
+        _missed(cx, pass_name, rule, first[1], _names(first[0], node))
+    return None
+
+
+def _guards(ir: ModelIR, rule: Rule, m: Match, cx: PassContext) -> None:
+    if rule.exclusive:
+        check_exclusive(m, ir)
+    if not rule.quantization_aware:
+        crossing = boundary_violation(m.nodes())
+        require(crossing is None, "quantized-boundary", lambda: str(crossing))
+    rule.check(m, cx)
+
+
+def _missed(cx: PassContext, pass_name: str, rule: Rule, e: NoMatch, nodes: tuple) -> None:
+    cx.rule_stats(rule.name).missed += 1
+    cx.record_miss(rule.name, e.code, nodes, e.args_)
+    cx.remarks.add(Remark("missed", pass_name, rule.name, e.code, nodes, e.message, e.args_))
+
+
+def _apply(ir: ModelIR, rule: Rule, m: Match, cx: PassContext, pass_name: str) -> list[Node]:
+    """Rewrite the match: replace the root's outputs, drop the matched nodes left dead."""
+    node = m.root
+    b = Builder(ir, rule.name, _anchor(node))
+    replacements = list(rule.rewrite(m, b))
+    if len(replacements) != len(node.outputs):
+        raise RuntimeError(
+            f"rule {rule.name} returned {len(replacements)} values for "
+            f"{len(node.outputs)} outputs of {node.name}"
+        )
+    matched = m.nodes()
+    for old, new in zip(list(node.outputs), replacements):
+        if new is not None and new is not old:
+            ir.replace_all_uses(old, new)
+    removed = True
+    while removed:  # a matched node may die only once its matched consumer is gone
+        removed = False
+        for n in matched:
+            if n.outputs and (
+                n is node or all(not t.outputs and not ir.is_graph_output(t) for t in n.outputs)
+            ):
+                ir.remove_node(n)
+                removed = True
+    cx.rule_stats(rule.name).fired += 1
+    cx.remarks.add(
+        Remark(
+            "passed",
+            pass_name,
+            rule.name,
+            "fired",
+            _names(m, node),
+            f"{rule.summary or rule.name} at '{node.name}'",
+            {"created": [n.name for n in b.created]}
+            | ({"absorbed": list(m.absorbed)} if "absorbed" in m.bindings else {}),
+        )
+    )
+    return b.created
 
 
 def _anchor(node: Node) -> str:
@@ -541,3 +501,26 @@ def onnx_dtype_name(dtype: Any) -> str:
         )
     except Exception:  # noqa: BLE001 - a name for a message only
         return str(dtype)
+
+
+__all__ = [
+    "PHASES",
+    "Alt",
+    "Builder",
+    "Const",
+    "Match",
+    "NoMatch",
+    "Op",
+    "Pattern",
+    "Rule",
+    "Var",
+    "applies_only_if",
+    "apply_rules",
+    "check_exclusive",
+    "onnx_dtype_name",
+    "opt",
+    "require",
+    "require_constant",
+    "require_forwardable",
+    "value",
+]

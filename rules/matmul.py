@@ -7,12 +7,13 @@ to [M,N].  A linear layer on a rank ≥ 3 input becomes ``Reshape(x, [-1, K]) �
 CPU, where the bias is then added inside the GEMM and a following Gelu stays a plain Gelu
 instead of the slower BiasGelu; measured 1.5 % on Swin-T and ConvNeXt-T) and every dim but the
 first is static, so both targets are constants; an element-wise op between two such layers
-runs on the flat tensor (``reshape-through-unary`` removes the Reshape pair).  q/k/v
-projections wait for ``fuse-attention``: its kernel takes their bias; where it refused the
-attention for the target, they flatten like any linear layer.  Otherwise MatMul + Add stays,
-and the remark says why.  In fp16/bf16 the fusion changes where the bias is added relative to
-the accumulation, so it is allowed only when the target declares that its Gemm kernel
-accumulates in fp32.
+runs on the flat tensor (``reshape-through-unary`` removes the Reshape pair).  The rules that
+would take an attention's MatMuls (this one, the FusedMatMul folds) run in the ``linear`` phase,
+after ``fuse-attention``: q/k/v projections are left to its kernel, which takes their bias; where
+it refused the attention for the target, they flatten like any linear layer.  Otherwise
+MatMul + Add stays, and the remark says why.  In fp16/bf16 the fusion changes where the bias
+is added relative to the accumulation, so it is allowed only when the target declares that its
+Gemm kernel accumulates in fp32.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 from graphopt.opt.ir import Constant, constant_value, dtype_of, static_shape, type_string
 from graphopt.opt.manager import register_rule
 from graphopt.opt.precision import require_refold_allowed, require_representable
-from graphopt.opt.rewrite import Match, Op, Rule, applies_only_if, opt, require, wait_for
+from graphopt.opt.rewrite import Match, Op, Rule, applies_only_if, opt, require
 from graphopt.rules.activation import MS, inputs, no_match, producer
 from graphopt.rules.attention import Dims, shape_elements
 
@@ -35,6 +36,7 @@ def _rank(t) -> int | None:
 class MatMulAddToGemm(Rule):
     name = "matmul-add-to-gemm"
     root = "Add"
+    phase = "linear"
     summary = "MatMul + bias Add → Gemm (rank ≥ 3: between two Reshapes, where preferred)"
     pattern = Op("Add", Op("MatMul", "A", "B", name="matmul", out="y"), "C", commute=True)
 
@@ -43,7 +45,6 @@ class MatMulAddToGemm(Rule):
         flat = None
         if ra != 2 and rb == 2:
             flat = flat_linear(m.A, m.B, m.C, m.root, cx)
-            wait_for("fuse-attention", flat is FEEDS_PENDING_ATTENTION)
             require(
                 not isinstance(flat, str),
                 "rank-not-2",
@@ -121,9 +122,10 @@ def flat_linear(x, w, c, add, cx) -> tuple[list[int], int] | str:
 
     Measured on onnxruntime CPU (``prefers["linear-bias"]``): the bias is added inside the GEMM
     and a following Gelu stays a plain Gelu instead of BiasGelu.  Both Reshape targets must be
-    constants, so every dim of x but the first must be static.  q/k/v projections wait for
-    ``fuse-attention`` (its kernel takes their bias) and flatten only where it refused the
-    attention for the target (Swin-T's 49-key windows on cpu are slower fused)."""
+    constants, so every dim of x but the first must be static.  q/k/v projections are left to
+    ``fuse-attention`` (its kernel takes their bias; it ran in an earlier phase) and flatten
+    only where it refused the attention for the target (Swin-T's 49-key windows on cpu are
+    slower fused)."""
     if cx.target.prefers.get("linear-bias") != "gemm":
         return f"target {cx.target.name} prefers MatMul + Add"
     dt = dtype_of(x)
@@ -136,14 +138,10 @@ def flat_linear(x, w, c, add, cx) -> tuple[list[int], int] | str:
     if wv is None or cv is None or wv.ndim != 2 or cv.ndim != 1 or cv.shape[0] != wv.shape[1]:
         return "the weight and bias must be constants, the bias a vector of N"
     steps = _attention_steps_fed(add.outputs[0])
-    if any(_attention_pending(mm, cx) for mm in steps):
-        return FEEDS_PENDING_ATTENTION
     if not all(_attention_refused(mm, cx) or not _attention_rooted(mm) for mm in steps):
         return "it projects q, k or v of an attention, whose fusion takes the bias"
     return [int(d) for d in tail], int(wv.shape[1])
 
-
-FEEDS_PENDING_ATTENTION = "it projects q, k or v of an attention that may still be fused"
 
 #: fuse-attention's refusals that hold whatever else is rewritten: the target's, not the spelling's
 _TARGET_REFUSALS = ("slower-on-target", "no-kernel")
@@ -476,14 +474,12 @@ def _softmax_of(mm):
 
 
 def _attention_misses(mm, cx) -> list[str]:
-    """The codes of fuse-attention's misses at the attention of step ``mm``."""
+    """The codes of fuse-attention's refusals (an earlier phase) at the attention of ``mm``."""
     sm = _softmax_of(mm)
     return [
         r.code
-        for r in list(cx.remarks)
-        if r.rule == "fuse-attention"
-        and r.kind == "missed"
-        and (mm.name in r.nodes or (sm is not None and r.args.get("softmax") == sm.name))
+        for r in cx.misses.get("fuse-attention", ())
+        if mm.name in r.nodes or (sm is not None and r.args.get("softmax") == sm.name)
     ]
 
 
@@ -492,12 +488,6 @@ def _attention_rooted(mm) -> bool:
     merging Reshape, after this MatMul)."""
     sm = _softmax_of(mm)
     return sm is not None and _heads_merged_after(sm)
-
-
-def _attention_pending(mm, cx) -> bool:
-    """An attention step that ``fuse-attention`` may still take: left alone until that rule
-    said why it did not fire."""
-    return _attention_rooted(mm) and not _attention_misses(mm, cx)
 
 
 def _attention_refused(mm, cx) -> bool:
@@ -544,6 +534,7 @@ class FuseMatMulTranspose(Rule):
 
     name = "fuse-matmul-transpose"
     root = "MatMul"
+    phase = "linear"
     summary = "MatMul of a last-two-axes Transpose → FusedMatMul(transA/transB)"
 
     def match(self, node, cx):
@@ -558,7 +549,6 @@ class FuseMatMulTranspose(Rule):
         return Match(node, {"matmul": node, **{f"t_{k}": v for k, v in found.items()}})
 
     def check(self, m, cx):
-        wait_for("fuse-attention", _attention_pending(m.matmul, cx))
         _fused_matmul_kernel(cx, m.matmul.outputs[0])
 
     def rewrite(self, m, b):
@@ -601,6 +591,7 @@ class FoldMatMulScale(Rule):
 
     name = "fold-matmul-scale"
     root = "Mul"
+    phase = "linear"
     summary = "MatMul · scalar → FusedMatMul(alpha)"
 
     def match(self, node, cx):
@@ -616,7 +607,6 @@ class FoldMatMulScale(Rule):
     def check(self, m, cx):
         c = constant_value(m.c)
         applies_only_if(c is not None and c.size == 1 and c.dtype.kind == "f")
-        wait_for("fuse-attention", _attention_pending(m.matmul, cx))
         require(
             len(m.matmul.outputs[0].outputs) == 1
             and not cx.ir.is_graph_output(m.matmul.outputs[0]),

@@ -188,6 +188,7 @@ class PixelShuffleToDepthToSpace(Rule):
     name = "pixel-shuffle-to-depth-to-space"
     root = "Reshape"
     level = 2
+    phase = "lower"
     summary = "Reshape→Transpose→Reshape pixel shuffle (CRD or DCR) → DepthToSpace"
     pattern = Op(
         "Reshape",
@@ -297,6 +298,7 @@ class DepthToSpaceToReshape(Rule):
     name = "depth-to-space-to-reshape"
     root = "DepthToSpace"
     level = 2
+    phase = "lower"
     summary = "DepthToSpace → Reshape→Transpose→Reshape for a target without DepthToSpace"
     pattern = Op("DepthToSpace", "x", name="d2s")
 
@@ -400,6 +402,7 @@ def require_numerics_allowed(rule: Rule, cx, what: str, err: dict) -> None:
 class GeluErfToTanh(FuseGeluErf):
     name = "gelu-erf-to-tanh"
     level = 2  # enforced in check: -O3, or a target that accepts the approximation
+    phase = "lower"
     changes_numerics = True
     summary = "erf GELU → tanh approximation on a target without Erf (numerics-changing: -O3)"
 
@@ -451,6 +454,7 @@ class _Decompose(Rule):
     """Base of decompositions of one op the target lacks into ops it has (exact)."""
 
     level = 2
+    phase = "lower"
     exclusive = False
     op_domain = ""
     #: ops of the replacement the target must have (Erf is left to gelu-erf-to-tanh)
@@ -793,6 +797,7 @@ class _MinMaxToClip(Rule):
     """Min(Max(x, lo), hi) (root Min) or Max(Min(x, hi), lo) (root Max) → Clip(x, lo, hi)."""
 
     level = 2
+    phase = "lower"
     inner_op = "Max"
 
     def structure(self, m, cx):
@@ -873,6 +878,7 @@ class ClipToRelu(Rule):
     name = "clip-to-relu"
     root = "Clip"
     level = 2
+    phase = "lower"
     summary = "Clip(x, 0) with no upper bound → Relu"
     pattern = Op("Clip", "x", extra_inputs=True, name="clip")
 
@@ -904,6 +910,7 @@ class ClipToMinMax(Rule):
     name = "clip-to-min-max"
     root = "Clip"
     level = 2
+    phase = "lower"
     summary = "Clip → Max/Min on a target without a Clip kernel"
     pattern = Op("Clip", "x", extra_inputs=True, name="clip")
 
