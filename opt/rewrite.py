@@ -87,6 +87,10 @@ class Match:
         except KeyError:
             raise AttributeError(name) from None
 
+    def get(self, name: str, default: Any = None) -> Any:
+        """A binding that only some alternatives of the pattern make, else ``default``."""
+        return self.bindings.get(name, default)
+
     def stash(self, **values: Any) -> None:
         self.bindings.update(values)
 

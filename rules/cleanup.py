@@ -15,8 +15,8 @@ from onnx import helper
 from graphopt.opt.ir import constant_value, dtype_of, static_shape
 from graphopt.opt.manager import register_rule
 from graphopt.opt.rewrite import (
+    Const,
     Match,
-    NoMatch,
     Op,
     Rule,
     applies_only_if,
@@ -85,26 +85,8 @@ def _same_tensor_shape(a, b) -> bool:
     return sa is not None and sa == sb
 
 
-def _is_const_all(t, value: float) -> bool:
-    v = constant_value(t, 1 << 16)
-    return v is not None and v.size > 0 and bool(np.all(v == value))
-
-
 class NeutralBinary(Forward):
     """x op c → x when c is the operation's neutral element and the shape cannot grow."""
-
-    neutral: float
-    commutative = False
-
-    def match(self, node, cx):
-        if len(node.inputs) != 2:
-            raise NoMatch("structure", "", structural=True)
-        a, c = node.inputs
-        if _is_const_all(c, self.neutral):
-            return Match(node, {"src": a, "c": c, self.root: node})
-        if self.commutative and _is_const_all(a, self.neutral):
-            return Match(node, {"src": c, "c": a, self.root: node})
-        raise NoMatch("structure", "", structural=True)
 
     def forward_check(self, m, cx):
         out = m.root.outputs[0]
@@ -124,38 +106,26 @@ def _scalarish(c, x) -> bool:
     )
 
 
-@register_rule
-class EliminateAddZero(NeutralBinary):
-    name = "eliminate-add-zero"
-    root = "Add"
-    summary = "x + 0 → x"
-    neutral = 0.0
-    commutative = True
+#: (rule, op, neutral element, commutative, summary)
+NEUTRAL_BINARIES = (
+    ("eliminate-add-zero", "Add", 0.0, True, "x + 0 → x"),
+    ("eliminate-sub-zero", "Sub", 0.0, False, "x - 0 → x"),
+    ("eliminate-mul-one", "Mul", 1.0, True, "x * 1 → x"),
+    ("eliminate-div-one", "Div", 1.0, False, "x / 1 → x"),
+)
 
-
-@register_rule
-class EliminateSubZero(NeutralBinary):
-    name = "eliminate-sub-zero"
-    root = "Sub"
-    summary = "x - 0 → x"
-    neutral = 0.0
-
-
-@register_rule
-class EliminateMulOne(NeutralBinary):
-    name = "eliminate-mul-one"
-    root = "Mul"
-    summary = "x * 1 → x"
-    neutral = 1.0
-    commutative = True
-
-
-@register_rule
-class EliminateDivOne(NeutralBinary):
-    name = "eliminate-div-one"
-    root = "Div"
-    summary = "x / 1 → x"
-    neutral = 1.0
+for _name, _op, _neutral, _commutes, _summary in NEUTRAL_BINARIES:
+    register_rule(
+        type(
+            "Eliminate" + _op + "Neutral",
+            (NeutralBinary,),
+            {
+                "name": _name,
+                "summary": _summary,
+                "pattern": Op(_op, "src", Const("c", value=_neutral), commute=_commutes),
+            },
+        )
+    )
 
 
 @register_rule

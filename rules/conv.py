@@ -18,8 +18,6 @@ height-broadcast constant is refused ("not-per-channel"): folding it would chang
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import numpy as np
 
 from graphopt.opt.ir import Constant, constant_value, dtype_of
@@ -31,7 +29,7 @@ from graphopt.opt.precision import (
     require_representable,
 )
 from graphopt.opt.rewrite import (
-    Match,
+    Alt,
     Op,
     Rule,
     applies_only_if,
@@ -40,7 +38,7 @@ from graphopt.opt.rewrite import (
     require_constant,
     value,
 )
-from graphopt.rules.activation import MS, float_type, inputs, producer, scalar
+from graphopt.rules.activation import MS, float_type, inputs, scalar
 from graphopt.rules.attention import same_dim
 
 
@@ -347,26 +345,10 @@ class FuseConvActivation(Rule):
 
     level = 2
     exclusive = True
-    act_params: ClassVar[tuple[tuple[str, float], ...]] = ()  # attribute, default
 
-    def match(self, node, cx):
+    def structure(self, m, cx):
         applies_only_if(cx.target.has_kernel("FusedConv", MS))
-        y = inputs(node)[0]
-        conv, add, z = producer(y, "Conv"), None, None
-        if conv is None:
-            add = producer(y, "Add")
-            applies_only_if(add is not None)
-            a0, a1 = inputs(add)
-            for c_t, z_t in ((a0, a1), (a1, a0)):
-                c = producer(c_t, "Conv")
-                if c is not None and z_t is not c_t:
-                    conv, z = c, z_t
-                    break
-            applies_only_if(conv is not None)
-        found = {"act": node, "conv": conv, "z": z}
-        if add is not None:
-            found["add"] = add
-        return Match(node, found)
+        applies_only_if(m.get("z") is not m.conv.outputs[0])
 
     def check(self, m, cx):
         y = m.conv.outputs[0]
@@ -384,22 +366,23 @@ class FuseConvActivation(Rule):
             f"target {cx.target.name}'s FusedConv runs only {', '.join(allowed or ())}",
             activation=self.root,
         )
-        if m.z is not None:
+        z = m.get("z")
+        if z is not None:
             require(
-                dtype_of(m.z) == dtype_of(y),
+                dtype_of(z) == dtype_of(y),
                 "dtype-mismatch",
                 "the added tensor differs in dtype from the Conv output",
             )
             same = (
-                m.z.shape is not None
+                z.shape is not None
                 and y.shape is not None
-                and len(m.z.shape) == len(y.shape)
-                and all(same_dim(m.z, i, y, i) for i in range(len(y.shape)))
+                and len(z.shape) == len(y.shape)
+                and all(same_dim(z, i, y, i) for i in range(len(y.shape)))
             )
             require(
                 same,
                 "shape-mismatch",
-                f"'{m.z.name}' {m.z.shape} is not provably the Conv output's shape {y.shape}; "
+                f"'{z.name}' {z.shape} is not provably the Conv output's shape {y.shape}; "
                 "FusedConv adds Z without broadcasting",
             )
             slower = cx.target.measured_slower.get("FusedConv(Z)")
@@ -412,16 +395,17 @@ class FuseConvActivation(Rule):
         m.stash(params=self.params(m))
 
     def params(self, m) -> list[float]:
-        return [float(m.root.attrs.get(a, d)) for a, d in self.act_params]
+        if self.root == "Clip":
+            return _clip_params(m.root)
+        return [float(m.root.attrs.get(a, d)) for a, d in ACTIVATION_PARAMS.get(self.root, ())]
 
     def rewrite(self, m, b):
         attrs = dict(m.conv.attrs)
         attrs["activation"] = self.root
         if m.params:
             attrs["activation_params"] = m.params
-        ins = inputs(m.conv)
-        bias = ins[2] if len(ins) > 2 else None
-        fused_ins = [ins[0], ins[1], bias] + ([m.z] if m.z is not None else [])
+        z = m.get("z")
+        fused_ins = [m.X, m.W, m.B] + ([z] if z is not None else [])
         while fused_ins[-1] is None:
             fused_ins.pop()
         out = b.op(
@@ -435,63 +419,64 @@ class FuseConvActivation(Rule):
         return [out]
 
 
-@register_rule
-class FuseConvRelu(FuseConvActivation):
-    name = "fuse-conv-relu"
-    root = "Relu"
-    summary = "Conv [+ Z] + Relu → com.microsoft.FusedConv"
+#: activation → (attribute, default) of its FusedConv activation_params (Clip: its bounds)
+ACTIVATION_PARAMS = {
+    "LeakyRelu": (("alpha", 0.01),),
+    "HardSigmoid": (("alpha", 0.2), ("beta", 0.5)),
+}
+
+#: (rule, activation, as the summary names it)
+CONV_ACTIVATIONS = (
+    ("fuse-conv-relu", "Relu", "Relu"),
+    ("fuse-conv-sigmoid", "Sigmoid", "Sigmoid"),
+    ("fuse-conv-tanh", "Tanh", "Tanh"),
+    ("fuse-conv-leaky-relu", "LeakyRelu", "LeakyRelu"),
+    ("fuse-conv-hard-sigmoid", "HardSigmoid", "HardSigmoid"),
+    ("fuse-conv-clip", "Clip", "Clip (ReLU6)"),
+)
 
 
-@register_rule
-class FuseConvSigmoid(FuseConvActivation):
-    name = "fuse-conv-sigmoid"
-    root = "Sigmoid"
-    summary = "Conv [+ Z] + Sigmoid → com.microsoft.FusedConv"
+def _conv_activation_pattern(act: str) -> Alt:
+    """``act(Conv(X, W, B))`` or ``act(Conv(X, W, B) + Z)`` (Z on either side)."""
+
+    def conv() -> Op:
+        return Op("Conv", "X", "W", opt("B"), name="conv")
+
+    return Alt(
+        Op(act, conv(), extra_inputs=True),
+        Op(act, Op("Add", conv(), "z", commute=True, name="add"), extra_inputs=True),
+    )
 
 
-@register_rule
-class FuseConvTanh(FuseConvActivation):
-    name = "fuse-conv-tanh"
-    root = "Tanh"
-    summary = "Conv [+ Z] + Tanh → com.microsoft.FusedConv"
+for _rule, _act, _label in CONV_ACTIVATIONS:
+    register_rule(
+        type(
+            "FuseConv" + _act,
+            (FuseConvActivation,),
+            {
+                "name": _rule,
+                "summary": f"Conv [+ Z] + {_label} → com.microsoft.FusedConv",
+                "pattern": _conv_activation_pattern(_act),
+            },
+        )
+    )
 
 
-@register_rule
-class FuseConvLeakyRelu(FuseConvActivation):
-    name = "fuse-conv-leaky-relu"
-    root = "LeakyRelu"
-    summary = "Conv [+ Z] + LeakyRelu → com.microsoft.FusedConv"
-    act_params = (("alpha", 0.01),)
-
-
-@register_rule
-class FuseConvHardSigmoid(FuseConvActivation):
-    name = "fuse-conv-hard-sigmoid"
-    root = "HardSigmoid"
-    summary = "Conv [+ Z] + HardSigmoid → com.microsoft.FusedConv"
-    act_params = (("alpha", 0.2), ("beta", 0.5))
-
-
-@register_rule
-class FuseConvClip(FuseConvActivation):
-    name = "fuse-conv-clip"
-    root = "Clip"
-    summary = "Conv [+ Z] + Clip (ReLU6) → com.microsoft.FusedConv"
-
-    def params(self, m) -> list[float]:
-        if len(m.root.inputs) <= 1 and ("min" in m.root.attrs or "max" in m.root.attrs):
-            bounds = [m.root.attrs.get("min"), m.root.attrs.get("max")]  # opset < 11
-        else:
-            ins = inputs(m.root)[1:3] + [None, None]
-            bounds = []
-            for t in ins[:2]:
-                if t is None:
-                    bounds.append(None)
-                    continue
-                v = scalar(t)
-                require(v is not None, "non-constant-param", "a Clip bound is not a constant")
-                bounds.append(v)
-        big = float(np.finfo(np.float32).max)
-        lo = -big if bounds[0] is None else float(bounds[0])
-        hi = big if bounds[1] is None else float(bounds[1])
-        return [lo, hi]
+def _clip_params(clip) -> list[float]:
+    """Clip's (min, max) as FusedConv's activation_params (attributes before opset 11)."""
+    if len(clip.inputs) <= 1 and ("min" in clip.attrs or "max" in clip.attrs):
+        bounds = [clip.attrs.get("min"), clip.attrs.get("max")]  # opset < 11
+    else:
+        ins = inputs(clip)[1:3] + [None, None]
+        bounds = []
+        for t in ins[:2]:
+            if t is None:
+                bounds.append(None)
+                continue
+            v = scalar(t)
+            require(v is not None, "non-constant-param", "a Clip bound is not a constant")
+            bounds.append(v)
+    big = float(np.finfo(np.float32).max)
+    lo = -big if bounds[0] is None else float(bounds[0])
+    hi = big if bounds[1] is None else float(bounds[1])
+    return [lo, hi]
