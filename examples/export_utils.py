@@ -8,8 +8,10 @@ weights; nothing is downloaded.
 from __future__ import annotations
 
 import collections
+import inspect
 import json
 import os
+import re
 import warnings
 import zlib
 from collections.abc import Callable
@@ -55,8 +57,9 @@ class Wrapper(nn.Module):
     the selected outputs as a tuple, so the ONNX graph gets clean input and output names.
     `extra` holds fixed keyword arguments (e.g. use_cache=False)."""
 
-    def __init__(self, model: nn.Module, input_names: list[str], output_keys: list[str] | None,
-                 **extra):
+    def __init__(
+        self, model: nn.Module, input_names: list[str], output_keys: list[str] | None, **extra
+    ):
         super().__init__()
         self.model = model
         self.input_names = list(input_names)
@@ -68,6 +71,54 @@ class Wrapper(nn.Module):
         if self.output_keys is None:  # plain tensor output (torchvision models)
             return out
         return tuple(out[k] for k in self.output_keys)
+
+
+class CacheWrapper(nn.Module):
+    """A decoder step with a KV cache as plain tensors: forward(*named_inputs, *past) where past
+    is key, value for each of `layers` layers ([batch, heads, past_seq, head_dim]); returns the
+    logits, then the present key and value of every layer (past and new tokens).
+
+    `cross=True` wraps the self-attention cache in an EncoderDecoderCache with an empty
+    cross-attention cache, so cross-attention keys and values are computed in the graph from
+    the encoder states. The input named by `encoder_input` is passed as `encoder_outputs`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        input_names: list[str],
+        layers: int,
+        cross: bool = False,
+        encoder_input: str | None = None,
+    ):
+        super().__init__()
+        self.model = model
+        self.input_names = list(input_names)
+        self.layers = layers
+        self.cross = cross
+        self.encoder_input = encoder_input
+
+    def forward(self, *args):
+        from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+        n = len(self.input_names)
+        kwargs = dict(zip(self.input_names, args[:n]))
+        if self.encoder_input:
+            kwargs["encoder_outputs"] = (kwargs.pop(self.encoder_input),)
+        past = args[n:]
+        cache = DynamicCache([(past[2 * i], past[2 * i + 1]) for i in range(self.layers)])
+        if self.cross:
+            cache = EncoderDecoderCache(cache, DynamicCache())
+        out = self.model(**kwargs, cache=cache, use_cache=True)
+        present = out["cache"].self_attention_cache if self.cross else out["cache"]
+        flat = []
+        for layer in present.layers:
+            flat += [layer.keys, layer.values]
+        return (out["logits"], *flat)
+
+
+def cache_names(layers: int, prefix: str) -> list[str]:
+    """PREFIX.I.key, PREFIX.I.value for each layer, in CacheWrapper's order."""
+    return [f"{prefix}.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
 
 
 @dataclass
@@ -87,6 +138,9 @@ class Net:
     export_shape: tuple[int, int] = (2, 16)
     test_shape: tuple[int, int] = (1, 128)
     alt_shape: tuple[int, int] | None = (3, 37)
+    # extra NAME.json keys, e.g. model_type/num_heads/hidden_size for onnxruntime's
+    # transformer optimizer in the benchmark
+    sidecar: dict = field(default_factory=dict)
     input_names: list[str] = field(init=False)
 
     def __post_init__(self):
@@ -102,8 +156,9 @@ def image_inputs(channels: int = 3, size: int = 224, name: str = "input"):
 
 
 def text_inputs(vocab_size: int, names: tuple[str, ...] = ("input_ids", "attention_mask")):
-    """input_ids in [0, vocab), an attention mask with the second half of row 0 padded when
-    batch > 1 (so no all-ones shortcut is traced), token_type_ids with a second segment."""
+    """input_ids in [0, vocab), an attention mask with the second half of row 0 padded (at any
+    batch size, so that neither the traced export nor the test inputs take an all-ones
+    shortcut), token_type_ids with a second segment."""
 
     def make(batch: int, seq: int) -> dict[str, torch.Tensor]:
         out = {}
@@ -112,8 +167,7 @@ def text_inputs(vocab_size: int, names: tuple[str, ...] = ("input_ids", "attenti
                 out[name] = torch.randint(0, vocab_size, (batch, seq))
             elif name == "attention_mask":
                 mask = torch.ones(batch, seq, dtype=torch.int64)
-                if batch > 1:
-                    mask[0, seq // 2 :] = 0
+                mask[0, max(1, seq // 2) :] = 0
                 out[name] = mask
             elif name == "token_type_ids":
                 tt = torch.zeros(batch, seq, dtype=torch.int64)
@@ -237,7 +291,8 @@ def export_dynamo(net: Net, path: str, opset: int = 18) -> None:
     dynamic_shapes = tuple(
         {ax: Dim.DYNAMIC for ax in net.dynamic_axes.get(name, {})} for name in net.input_names
     )
-    if isinstance(net.module, Wrapper):  # forward(*args): one variadic parameter
+    params = inspect.signature(net.module.forward).parameters.values()
+    if any(p.kind is p.VAR_POSITIONAL for p in params):  # forward(*args): one parameter
         dynamic_shapes = (dynamic_shapes,)
     args = tuple(net.inputs(*net.export_shape).values())
     with torch.no_grad():
@@ -280,8 +335,12 @@ def save_model(model: onnx.ModelProto, path: str) -> None:
         if os.path.exists(path + ".data"):
             os.remove(path + ".data")
         onnx.save_model(
-            model, path, save_as_external_data=True, all_tensors_to_one_file=True,
-            location=data, size_threshold=1024,
+            model,
+            path,
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=data,
+            size_threshold=1024,
         )
     else:
         onnx.save_model(model, path)
@@ -328,9 +387,7 @@ def convert_fp16(src: str, dst: str) -> dict[str, int]:
     for i, node in enumerate(graph.node):  # the repair below finds original Casts by name
         if not node.name:
             node.name = f"node_{i}"
-    exporter_casts = {
-        n.name for n in graph.node if n.op_type == "Cast" and _cast_to(n) == FLOAT
-    }
+    exporter_casts = {n.name for n in graph.node if n.op_type == "Cast" and _cast_to(n) == FLOAT}
     model = float16.convert_float_to_float16(model, keep_io_types=True)
     graph = model.graph
 
@@ -423,9 +480,87 @@ def summarize(path: str) -> tuple[int, list[tuple[str, int]]]:
     return len(model.graph.node), ops.most_common(5)
 
 
-def write_shapes(path: str, net: Net) -> None:
-    """NAME.json next to NAME.onnx: concrete test shapes that resolve the dynamic dims."""
+def write_shapes(path: str, net: Net, info: dict | None = None) -> None:
+    """NAME.json next to NAME.onnx: concrete test shapes that resolve the dynamic dims
+    ("inputs"), the Net's sidecar keys and `info` (exporter, opset, ...); and NAME.npz, the
+    test inputs themselves (padded attention masks included: a tool's own random inputs
+    usually use an all-ones mask, which would hide a fusion that drops the mask)."""
     inputs = net.inputs(*net.test_shape)
     lines = [f"    {json.dumps(k)}: {json.dumps(list(v.shape))}" for k, v in inputs.items()]
-    with open(os.path.splitext(path)[0] + ".json", "w") as f:
-        f.write('{\n  "inputs": {\n' + ",\n".join(lines) + "\n  }\n}\n")
+    extra = {**net.sidecar, **(info or {})}
+    tail = "".join(f",\n  {json.dumps(k)}: {json.dumps(v)}" for k, v in extra.items())
+    stem = os.path.splitext(path)[0]
+    with open(stem + ".json", "w") as f:
+        f.write('{\n  "inputs": {\n' + ",\n".join(lines) + "\n  }" + tail + "\n}\n")
+    np.savez(stem + ".npz", **{k: v.numpy() for k, v in inputs.items()})
+
+
+def model_info(path: str, exporter: str) -> dict:
+    """What the corpus index shows: exporter, opset, attention layers (Softmax nodes, subgraphs
+    included), main-graph nodes and bytes."""
+    model = onnx.load(path, load_external_data=False)
+
+    def softmaxes(graph: onnx.GraphProto) -> int:
+        count = 0
+        for node in graph.node:
+            count += node.op_type == "Softmax"
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    count += softmaxes(attr.g)
+        return count
+
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    return {
+        "exporter": exporter,
+        "opset": opset,
+        "layers": softmaxes(model.graph),
+        "nodes": len(model.graph.node),
+        "bytes": model_size(path),
+    }
+
+
+def _shapes_cell(inputs: dict[str, list[int]]) -> str:
+    """'name [shape]' per input; per-layer inputs that differ only by their layer number and
+    have one shape are shown once ('past_key_values.N.key x12 [1, 12, 128, 64]')."""
+    groups: dict[tuple[str, str], int] = {}
+    for name, shape in inputs.items():
+        key = (re.sub(r"\.\d+\.", ".N.", name), str(shape))
+        groups[key] = groups.get(key, 0) + 1
+    return ", ".join(
+        f"{name}{f' x{n}' if n > 1 else ''} {shape}" for (name, shape), n in groups.items()
+    )
+
+
+def write_index(out_dir: str) -> str:
+    """OUT_DIR/index.md: one row per NAME.onnx with a NAME.json (written by write_shapes),
+    sorted by name. Returns the path."""
+    rows = []
+    for entry in sorted(os.listdir(out_dir)):
+        stem, ext = os.path.splitext(entry)
+        side = os.path.join(out_dir, stem + ".json")
+        if ext != ".onnx" or not os.path.exists(side):
+            continue
+        with open(side) as f:
+            meta = json.load(f)
+        shapes = _shapes_cell(meta.get("inputs", {}))
+        size = meta.get("bytes", os.path.getsize(os.path.join(out_dir, entry)))
+        rows.append(
+            f"| {stem} | {meta.get('exporter', '?')} | {meta.get('opset', '?')} | {shapes} "
+            f"| {meta.get('layers', '?')} | {meta.get('nodes', '?')} | {size / 2**20:.1f} |"
+        )
+    path = os.path.join(out_dir, "index.md")
+    head = [
+        "# Models",
+        "",
+        "Written by examples/make_models.py (random weights from a config). layers: Softmax "
+        "nodes in the export; inputs: the test shapes of NAME.json (NAME.npz holds the test "
+        "inputs themselves).",
+        "",
+        "| name | exporter | opset | inputs (test shapes) | layers | nodes | MB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write("\n".join(head + rows) + "\n")
+    os.replace(tmp, path)
+    return path

@@ -31,13 +31,16 @@ from dataclasses import dataclass
 
 import torch
 from export_utils import (
+    CacheWrapper,
     Net,
     Wrapper,
+    cache_names,
     check_model,
     convert_fp16,
     export_dynamo,
     export_torchscript,
     image_inputs,
+    model_info,
     model_size,
     perturb_constant_params,
     quiet_warnings,
@@ -47,6 +50,7 @@ from export_utils import (
     summarize,
     text_inputs,
     verify,
+    write_index,
     write_shapes,
 )
 from make_examples import ESRGAN, check_pixel_shuffle
@@ -99,8 +103,10 @@ def build_bert_base() -> Net:
 
     config = BertConfig()
     return hf_text_net(
-        BertModel(config), config.vocab_size,
-        ["input_ids", "attention_mask", "token_type_ids"], ["last_hidden_state", "pooler_output"],
+        BertModel(config),
+        config.vocab_size,
+        ["input_ids", "attention_mask", "token_type_ids"],
+        ["last_hidden_state", "pooler_output"],
     )
 
 
@@ -109,8 +115,10 @@ def build_distilbert() -> Net:
 
     config = DistilBertConfig()
     return hf_text_net(
-        DistilBertModel(config), config.vocab_size,
-        ["input_ids", "attention_mask"], ["last_hidden_state"],
+        DistilBertModel(config),
+        config.vocab_size,
+        ["input_ids", "attention_mask"],
+        ["last_hidden_state"],
     )
 
 
@@ -119,26 +127,23 @@ def build_gpt2() -> Net:
 
     config = GPT2Config(use_cache=False)
     return hf_text_net(
-        GPT2LMHeadModel(config), config.vocab_size,
-        ["input_ids", "attention_mask"], ["logits"], use_cache=False,
+        GPT2LMHeadModel(config),
+        config.vocab_size,
+        ["input_ids", "attention_mask"],
+        ["logits"],
+        use_cache=False,
     )
 
 
-def build_t5_small() -> Net:
-    """Full encoder-decoder with the LM head; decoder length is a quarter of the encoder's."""
-    from transformers import T5Config, T5ForConditionalGeneration
-
-    config = T5Config(
-        vocab_size=32128, d_model=512, d_kv=64, d_ff=2048, num_layers=6,
-        num_decoder_layers=6, num_heads=8, feed_forward_proj="relu", use_cache=False,
-    )
-    model = T5ForConditionalGeneration(config)
+def seq2seq_net(model, vocab_size: int, sidecar: dict | None = None) -> Net:
+    """An encoder-decoder LM (use_cache=False): input_ids and a padded attention_mask for the
+    encoder, decoder_input_ids a quarter of the encoder's length; output the logits."""
     perturb_constant_params(model)
-    encoder_inputs = text_inputs(config.vocab_size)
+    encoder_inputs = text_inputs(vocab_size)
 
     def make(batch: int, seq: int) -> dict[str, torch.Tensor]:
         out = encoder_inputs(batch, seq)
-        out["decoder_input_ids"] = torch.randint(0, config.vocab_size, (batch, max(2, seq // 4)))
+        out["decoder_input_ids"] = torch.randint(0, vocab_size, (batch, max(2, seq // 4)))
         return out
 
     names = ["input_ids", "attention_mask", "decoder_input_ids"]
@@ -152,33 +157,244 @@ def build_t5_small() -> Net:
             "decoder_input_ids": {0: "batch", 1: "decoder_seq"},
             "logits": {0: "batch", 1: "decoder_seq"},
         },
+        sidecar=sidecar or {},
     )
+
+
+def build_t5_small() -> Net:
+    """Full encoder-decoder with the LM head; decoder length is a quarter of the encoder's."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=32128,
+        d_model=512,
+        d_kv=64,
+        d_ff=2048,
+        num_layers=6,
+        num_decoder_layers=6,
+        num_heads=8,
+        feed_forward_proj="relu",
+        use_cache=False,
+    )
+    return seq2seq_net(T5ForConditionalGeneration(config), config.vocab_size)
+
+
+def build_bart() -> Net:
+    """bart-base sizes (d_model 768, 12 heads, FFN 3072, vocab 50265) with 3 encoder and 3
+    decoder layers; full encoder-decoder with the LM head."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = BartConfig(
+        vocab_size=50265,
+        d_model=768,
+        encoder_layers=3,
+        decoder_layers=3,
+        encoder_attention_heads=12,
+        decoder_attention_heads=12,
+        encoder_ffn_dim=3072,
+        decoder_ffn_dim=3072,
+        max_position_embeddings=1024,
+        use_cache=False,
+    )
+    return seq2seq_net(
+        BartForConditionalGeneration(config),
+        config.vocab_size,
+        {"model_type": "bart", "num_heads": 12, "hidden_size": 768},
+    )
+
+
+def step_length(past: int) -> int:
+    """New tokens of a cached decoder step: 4 for the short export/alt shapes (a multi-token
+    step traces the causal mask), 1 for a long past (the test shape: one decoding step)."""
+    return 1 if past >= 64 else 4
+
+
+def cache_net(
+    module: CacheWrapper, inputs, heads: int, head_dim: int, axes: dict, sidecar: dict
+) -> Net:
+    """Adds the past inputs ([batch, heads, past_seq, head_dim], length `seq`) to `inputs` and
+    the cache's dynamic axes; outputs logits then present.I.key/value."""
+    past_names = cache_names(module.layers, "past_key_values")
+    present_names = cache_names(module.layers, "present")
+
+    def make(batch: int, seq: int) -> dict[str, torch.Tensor]:
+        out = inputs(batch, seq)
+        for name in past_names:
+            out[name] = torch.randn(batch, heads, seq, head_dim)
+        return out
+
+    axes = dict(axes)
+    axes.update({n: {0: "batch", 2: "past_seq"} for n in past_names})
+    axes.update({n: {0: "batch", 2: "total_seq"} for n in present_names})
+    return Net(
+        module=module,
+        inputs=make,
+        output_names=["logits"] + present_names,
+        dynamic_axes=axes,
+        sidecar=sidecar,
+    )
+
+
+def build_gpt2_kv() -> Net:
+    """GPT-2 small, one decoding step with a KV cache (use_cache=True): input_ids [batch, seq]
+    (4 new tokens at the export shape, 1 at the test shape), attention_mask [batch, past+seq]
+    with row 0 left-padded, past_key_values.I.key/value in, present.I.key/value out."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config()
+    model = GPT2LMHeadModel(config)
+    perturb_constant_params(model)
+    heads, head_dim = config.n_head, config.n_embd // config.n_head
+
+    def make(batch: int, past: int) -> dict[str, torch.Tensor]:
+        new = step_length(past)
+        mask = torch.ones(batch, past + new, dtype=torch.int64)
+        mask[0, : max(1, past // 4)] = 0
+        return {
+            "input_ids": torch.randint(0, config.vocab_size, (batch, new)),
+            "attention_mask": mask,
+        }
+
+    return cache_net(
+        CacheWrapper(model, ["input_ids", "attention_mask"], config.n_layer),
+        make,
+        heads,
+        head_dim,
+        {
+            "input_ids": {0: "batch", 1: "seq"},
+            "attention_mask": {0: "batch", 1: "total_seq"},
+            "logits": {0: "batch", 1: "seq"},
+        },
+        {"model_type": "gpt2", "num_heads": heads, "hidden_size": config.n_embd},
+    )
+
+
+def whisper_tiny_config():
+    from transformers import WhisperConfig
+
+    return WhisperConfig(  # whisper-tiny sizes
+        d_model=384,
+        encoder_layers=4,
+        decoder_layers=4,
+        encoder_attention_heads=6,
+        decoder_attention_heads=6,
+        encoder_ffn_dim=1536,
+        decoder_ffn_dim=1536,
+        num_mel_bins=80,
+        max_source_positions=1500,
+        max_target_positions=448,
+        vocab_size=51865,
+    )
+
+
+def build_whisper_tiny_decoder() -> Net:
+    """Whisper-tiny's decoder with the LM head, one step with a self-attention KV cache:
+    decoder_input_ids [batch, seq], encoder_hidden_states [batch, 1500, 384] (cross-attention
+    keys and values are computed in the graph), past_key_values.I.key/value in (self-attention),
+    present.I.key/value out."""
+    from transformers import WhisperForConditionalGeneration
+
+    config = whisper_tiny_config()
+    model = WhisperForConditionalGeneration(config)
+    perturb_constant_params(model)
+    heads = config.decoder_attention_heads
+    frames = config.max_source_positions
+
+    def make(batch: int, past: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, config.vocab_size, (batch, step_length(past)))
+        return {
+            "decoder_input_ids": ids,
+            "encoder_hidden_states": torch.randn(batch, frames, config.d_model),
+        }
+
+    names = ["decoder_input_ids", "encoder_hidden_states"]
+    return cache_net(
+        CacheWrapper(
+            model, names, config.decoder_layers, cross=True, encoder_input="encoder_hidden_states"
+        ),
+        make,
+        heads,
+        config.d_model // heads,
+        {
+            "decoder_input_ids": {0: "batch", 1: "seq"},
+            "encoder_hidden_states": {0: "batch"},
+            "logits": {0: "batch", 1: "seq"},
+        },
+        {"model_type": "bart", "num_heads": heads, "hidden_size": config.d_model},
+    )
+
+
+def hf_vision_net(model, outputs: list[str], size: int = 224, sidecar: dict | None = None) -> Net:
+    """A transformers vision model on pixel_values [batch, 3, size, size]."""
+    perturb_constant_params(model)
+    return Net(
+        module=Wrapper(model, ["pixel_values"], outputs),
+        inputs=image_inputs(3, size, "pixel_values"),
+        output_names=outputs,
+        dynamic_axes={n: {0: "batch"} for n in ["pixel_values"] + outputs},
+        export_shape=(2, 0),
+        test_shape=(1, 0),
+        alt_shape=(2, 0),
+        sidecar=sidecar or {},
+    )
+
+
+POOLED = ["last_hidden_state", "pooler_output"]
 
 
 def build_vit_hf() -> Net:
     from transformers import ViTConfig, ViTModel
 
-    model = ViTModel(ViTConfig())
-    perturb_constant_params(model)
-    outputs = ["last_hidden_state", "pooler_output"]
-    return Net(
-        module=Wrapper(model, ["pixel_values"], outputs),
-        inputs=image_inputs(3, 224, "pixel_values"),
-        output_names=outputs,
-        dynamic_axes={n: {0: "batch"} for n in ["pixel_values"] + outputs},
-        export_shape=(2, 0), test_shape=(1, 0), alt_shape=(2, 0),
+    return hf_vision_net(ViTModel(ViTConfig()), POOLED)
+
+
+def build_swin_hf() -> Net:
+    """transformers' Swin with its default config (Swin-T sizes: embed 96, depths 2/2/6/2,
+    heads 3/6/12/24, window 7)."""
+    from transformers import SwinConfig, SwinModel
+
+    return hf_vision_net(
+        SwinModel(SwinConfig()),
+        POOLED,
+        sidecar={"model_type": "swin", "num_heads": 0, "hidden_size": 0},
     )
+
+
+def build_deit() -> Net:
+    """DeiT-base (ViT-B/16 with a distillation token)."""
+    from transformers import DeiTConfig, DeiTModel
+
+    return hf_vision_net(
+        DeiTModel(DeiTConfig()),
+        POOLED,
+        sidecar={"model_type": "vit", "num_heads": 12, "hidden_size": 768},
+    )
+
+
+def build_beit() -> Net:
+    """BEiT-base with a relative position bias in every layer and layer scale."""
+    from transformers import BeitConfig, BeitModel
+
+    config = BeitConfig(use_relative_position_bias=True)
+    return hf_vision_net(
+        BeitModel(config),
+        POOLED,
+        sidecar={"model_type": "vit", "num_heads": 12, "hidden_size": 768},
+    )
+
+
+def build_segformer_b0() -> Net:
+    """SegFormer-B0 (the default config) for semantic segmentation at 512x512: efficient
+    self-attention, whose keys and values come from a strided Conv (spatial reduction)."""
+    from transformers import SegformerConfig, SegformerForSemanticSegmentation
+
+    return hf_vision_net(SegformerForSemanticSegmentation(SegformerConfig()), ["logits"], 512)
 
 
 def build_whisper_tiny_encoder() -> Net:
-    from transformers import WhisperConfig, WhisperModel
+    from transformers import WhisperModel
 
-    config = WhisperConfig(  # whisper-tiny sizes
-        d_model=384, encoder_layers=4, decoder_layers=4, encoder_attention_heads=6,
-        decoder_attention_heads=6, encoder_ffn_dim=1536, decoder_ffn_dim=1536,
-        num_mel_bins=80, max_source_positions=1500, max_target_positions=448,
-        vocab_size=51865,
-    )
+    config = whisper_tiny_config()
     encoder = WhisperModel(config).encoder
     perturb_constant_params(encoder)
 
@@ -190,7 +406,9 @@ def build_whisper_tiny_encoder() -> Net:
         inputs=make,
         output_names=["last_hidden_state"],
         dynamic_axes={"input_features": {0: "batch"}, "last_hidden_state": {0: "batch"}},
-        export_shape=(1, 0), test_shape=(1, 0), alt_shape=(2, 0),
+        export_shape=(1, 0),
+        test_shape=(1, 0),
+        alt_shape=(2, 0),
     )
 
 
@@ -229,6 +447,13 @@ MODELS: dict[str, Spec] = {
     "t5_small": Spec(build_t5_small),
     "vit_hf": Spec(build_vit_hf),
     "whisper_tiny_encoder": Spec(build_whisper_tiny_encoder),
+    "gpt2_kv": Spec(build_gpt2_kv),
+    "whisper_tiny_decoder": Spec(build_whisper_tiny_decoder),
+    "bart": Spec(build_bart),
+    "swin_hf": Spec(build_swin_hf),
+    "deit": Spec(build_deit),
+    "beit": Spec(build_beit),
+    "segformer_b0": Spec(build_segformer_b0),
     "esrgan": Spec(build_esrgan),
     "resnet50_fp16": Spec(
         torchvision_net("resnet50"), "resnet50", "fp16", keep_bn=True, tolerance=FP16_TOL
@@ -244,6 +469,16 @@ MODELS: dict[str, Spec] = {
     "whisper_tiny_encoder_dynamo": Spec(
         build_whisper_tiny_encoder, "whisper_tiny_encoder", "dynamo"
     ),
+    "gpt2_kv_dynamo": Spec(build_gpt2_kv, "gpt2_kv", "dynamo"),
+    "whisper_tiny_decoder_dynamo": Spec(
+        build_whisper_tiny_decoder, "whisper_tiny_decoder", "dynamo"
+    ),
+    "bart_dynamo": Spec(build_bart, "bart", "dynamo"),
+    "swin_t_dynamo": Spec(torchvision_net("swin_t"), "swin_t", "dynamo"),
+    "swin_hf_dynamo": Spec(build_swin_hf, "swin_hf", "dynamo"),
+    "deit_dynamo": Spec(build_deit, "deit", "dynamo"),
+    "beit_dynamo": Spec(build_beit, "beit", "dynamo"),
+    "segformer_b0_dynamo": Spec(build_segformer_b0, "segformer_b0", "dynamo"),
     "resnet50_kiai": Spec(torchvision_net("resnet50"), "resnet50", keep_bn=True, kiai=True),
     "bert_base_kiai": Spec(build_bert_base, "bert_base", kiai=True),
 }
@@ -258,8 +493,9 @@ def produce(name: str, out_dir: str, reuse_base: bool) -> dict:
     net = spec.build()
     info: dict = {}
     if spec.exporter == "torchscript":
-        export_torchscript(net, path, opset=17, keep_bn=spec.keep_bn,
-                           keep_initializers_as_inputs=spec.kiai)
+        export_torchscript(
+            net, path, opset=17, keep_bn=spec.keep_bn, keep_initializers_as_inputs=spec.kiai
+        )
     elif spec.exporter == "dynamo":
         export_dynamo(net, path, opset=18)
     elif spec.exporter == "fp16":
@@ -274,7 +510,7 @@ def produce(name: str, out_dir: str, reuse_base: bool) -> dict:
         raise ValueError(spec.exporter)
     check_model(path)
     info.update(verify(path, net, spec.tolerance))
-    write_shapes(path, net)
+    write_shapes(path, net, model_info(path, spec.exporter))
     return info
 
 
@@ -301,8 +537,16 @@ def run_isolated(name: str, out_dir: str, produced: set[str]) -> dict:
     fd, result_path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
-        cmd = [sys.executable, os.path.abspath(__file__), "--out", out_dir,
-               "--worker", name, "--result", result_path]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--out",
+            out_dir,
+            "--worker",
+            name,
+            "--result",
+            result_path,
+        ]
         if MODELS[name].base in produced:
             cmd.append("--reuse-base")
         proc = subprocess.run(cmd)
@@ -329,8 +573,11 @@ def main() -> int:
         return worker(args.worker, args.out, args.reuse_base, args.result)
     if args.list:
         for name, spec in MODELS.items():
-            detail = (spec.exporter + (" keep-BN" if spec.keep_bn else "")
-                      + (" kiai" if spec.kiai else ""))
+            detail = (
+                spec.exporter
+                + (" keep-BN" if spec.keep_bn else "")
+                + (" kiai" if spec.kiai else "")
+            )
             print(f"{name:<22} {detail}")
         return 0
     names = list(MODELS)
@@ -352,16 +599,21 @@ def main() -> int:
             failed.append((name, result["error"]))
             continue
         produced.add(name)
+        write_index(args.out)
         rows.append((name, secs, result))
         print(f"[{name}] ok: {result['nodes']} nodes, {secs:.1f} s, {result['info']}", flush=True)
 
     print()
-    print(f"{'name':<22} {'nodes':>6} {'size MB':>8} {'sec':>6} {'RSS GB':>6}  {'rel.err':>7}  "
-          "top-5 op types")
+    print(
+        f"{'name':<22} {'nodes':>6} {'size MB':>8} {'sec':>6} {'RSS GB':>6}  {'rel.err':>7}  "
+        "top-5 op types"
+    )
     for name, secs, r in rows:
         ops = ", ".join(f"{op} {n}" for op, n in r["top"])
-        print(f"{name:<22} {r['nodes']:>6} {r['size'] / 2**20:>8.1f} {secs:>6.1f} "
-              f"{r['peak_rss'] / 2**30:>6.1f}  {r['info']['test']:>7.1e}  {ops}")
+        print(
+            f"{name:<22} {r['nodes']:>6} {r['size'] / 2**20:>8.1f} {secs:>6.1f} "
+            f"{r['peak_rss'] / 2**30:>6.1f}  {r['info']['test']:>7.1e}  {ops}"
+        )
     if failed:
         print("\nFAILED:")
         for name, error in failed:
