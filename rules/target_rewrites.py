@@ -47,7 +47,7 @@ import numpy as np
 
 from graphopt.opt.ir import Constant, Node, Tensor, constant_value, dtype_of, type_string
 from graphopt.opt.manager import register_rule
-from graphopt.opt.rewrite import Match, NoMatch, Op, Rule, applies_only_if, require
+from graphopt.opt.rewrite import Op, Rule, applies_only_if, opt, require
 from graphopt.rules.activation import FuseGeluErf, float_type, inputs, require_near, scalar
 
 MS = "com.microsoft"
@@ -451,26 +451,24 @@ class GeluErfToTanh(FuseGeluErf):
 
 
 class _Decompose(Rule):
-    """Base of decompositions of one op the target lacks into ops it has (exact)."""
+    """Base of decompositions of one op the target lacks into ops it has (exact): the pattern is
+    the op (in the rule's ``domain``) with its first input bound to ``x``."""
 
     level = 2
     phase = "lower"
     exclusive = False
-    op_domain = ""
     #: ops of the replacement the target must have (Erf is left to gelu-erf-to-tanh)
     needs: tuple[str, ...] = ()
 
-    def match(self, node, cx):
-        if (node.domain or "") not in ((self.op_domain,) if self.op_domain else ("", "ai.onnx")):
-            raise NoMatch("structure", "other domain", structural=True)
-        m = Match(node, {"node": node, "x": inputs(node)[0] if node.inputs else None})
-        self.structure(m, cx)
-        return m
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "root" in cls.__dict__:
+            cls.pattern = Op(cls.root, opt("x"), extra_inputs=True, domain=cls.domain, name="node")
 
     def structure(self, m, cx):
         tname = _tname(m.x)
-        opset = _opset(cx, self.op_domain)
-        applies_only_if(not cx.target.has_kernel(self.root, self.op_domain, opset, tname))
+        opset = _opset(cx, self.domain)
+        applies_only_if(not cx.target.has_kernel(self.root, self.domain, opset, tname))
 
     def check(self, m, cx):
         require(m.x is not None, "unknown-dtype", "the op has no input")
@@ -502,7 +500,6 @@ class DecomposeMsGelu(_Decompose):
     name = "decompose-ms-gelu"
     root = "Gelu"
     domain = MS
-    op_domain = MS
     summary = "com.microsoft.Gelu → x·½·(1+erf(x/√2)) for a target without it"
     needs = ("Mul", "Add")
 
@@ -515,7 +512,6 @@ class DecomposeMsBiasGelu(_Decompose):
     name = "decompose-ms-bias-gelu"
     root = "BiasGelu"
     domain = MS
-    op_domain = MS
     summary = "com.microsoft.BiasGelu(x, b) → erf GELU of x + b"
     needs = ("Mul", "Add")
 
@@ -529,7 +525,6 @@ class DecomposeMsFastGelu(_Decompose):
     name = "decompose-ms-fast-gelu"
     root = "FastGelu"
     domain = MS
-    op_domain = MS
     summary = "com.microsoft.FastGelu(x[, bias]) → ½x(1+tanh(√(2/π)(x+0.044715x³)))"
     needs = ("Mul", "Add", "Tanh")
 
@@ -544,7 +539,6 @@ class DecomposeMsQuickGelu(_Decompose):
     name = "decompose-ms-quick-gelu"
     root = "QuickGelu"
     domain = MS
-    op_domain = MS
     summary = "com.microsoft.QuickGelu(x, alpha) → x·Sigmoid(alpha·x)"
     needs = ("Mul", "Sigmoid")
 
@@ -564,7 +558,6 @@ class DecomposeMsFusedMatMul(_Decompose):
     name = "decompose-ms-fused-matmul"
     root = "FusedMatMul"
     domain = MS
-    op_domain = MS
     summary = "com.microsoft.FusedMatMul → [Transpose] MatMul [Mul alpha]"
     needs = ("MatMul",)
 
@@ -667,7 +660,6 @@ class DecomposeMsFusedConv(_FusedWithActivation):
     name = "decompose-ms-fused-conv"
     root = "FusedConv"
     domain = MS
-    op_domain = MS
     summary = "com.microsoft.FusedConv → Conv [+ Z] + activation"
 
     def activation(self, m):
@@ -695,7 +687,6 @@ class DecomposeMsFusedGemm(_FusedWithActivation):
     name = "decompose-ms-fused-gemm"
     root = "FusedGemm"
     domain = MS
-    op_domain = MS
     base_op = "Gemm"
     summary = "com.microsoft.FusedGemm → Gemm + activation"
 
@@ -722,7 +713,6 @@ class DecomposeMsBiasAdd(_Decompose):
     name = "decompose-ms-bias-add"
     root = "BiasAdd"
     domain = MS
-    op_domain = MS
     summary = "com.microsoft.BiasAdd(X, bias, skip) → X + bias + skip"
     needs = ("Add",)
 
@@ -736,7 +726,6 @@ class DecomposeMsSkipLayerNorm(_Decompose):
     name = "decompose-ms-skip-layernorm"
     root = "SkipLayerNormalization"
     domain = MS
-    op_domain = MS
     summary = "com.microsoft.SkipLayerNormalization → Add (+ bias) + LayerNormalization"
     needs = ("Add",)
 
