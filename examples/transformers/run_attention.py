@@ -1,0 +1,352 @@
+#!/usr/bin/env python3
+"""Per-model attention table: what `graphopt optimize -O2` fuses on each transformer model.
+
+    python examples/transformers/run_attention.py MODELS_DIR [--targets cpu,cuda]
+        [--names a,b] [--latency] [--json FILE]
+
+For every NAME.onnx with a NAME.json sidecar in MODELS_DIR (as written by
+examples/make_models.py) and every target, run `graphopt optimize MODEL --target T -O 2` in its
+own process, feeding NAME.npz (the test inputs, padded attention masks included) when present,
+else the sidecar's test shapes. From the bundle's report.json, tabulate:
+
+- layers: Softmax nodes in the original (main graph);
+- fused: attention ops created, by type (MultiHeadAttention, Attention, GroupQueryAttention...);
+- missed: `fuse-attention*` missed remarks by code, and for the first one its stage and tensor
+  (or its message);
+- parity: ok / FAILED / not run, and the exit code when not 0;
+- nodes: before -> after.
+
+With --latency (cpu only), each model also goes through the benchmark's rivals and its timing
+worker (examples/benchmark/bench.py: one latency process, onnxruntime ORT_ENABLE_ALL,
+1 thread, interleaved rounds): graphopt's output (with its bundle's session config) against the
+original, and against the fastest rival whose output matched (a head-to-head ratio with its
+95 % interval). Markdown to stdout; --json FILE writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BENCH_DIR = HERE.parent / "benchmark"
+
+#: rule-name prefix of the attention fusions whose missed remarks the table counts
+ATTENTION_RULES = "fuse-attention"
+#: the benchmark tools compared with --latency (graphopt's own rows and the rivals)
+MINE = ["none", "graphopt-O2", "graphopt-O2-bundle"]
+EXIT_CODES = {1: "error", 2: "usage", 3: "parity failed", 4: "cannot run", 5: "regression"}
+
+
+def discover(models_dir: Path, names: list[str] | None) -> list[Path]:
+    """NAME.onnx files with a NAME.json sidecar, sorted; `names` filters (unknown names exit 2)."""
+    found = {
+        p.stem: p for p in sorted(models_dir.glob("*.onnx")) if p.with_suffix(".json").exists()
+    }
+    if names is None:
+        return list(found.values())
+    unknown = [n for n in names if n not in found]
+    if unknown:
+        raise SystemExit(f"error: no NAME.onnx + NAME.json for: {', '.join(unknown)}")
+    return [found[n] for n in names]
+
+
+def optimize_cmd(model: Path, out: Path, target: str, measure: bool) -> list[str]:
+    """The graphopt command line for one model and target."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "graphopt.cli",
+        "optimize",
+        str(model),
+        "-o",
+        str(out),
+        "--target",
+        target,
+        "-O",
+        "2",
+        "--quiet",
+    ]
+    inputs = model.with_suffix(".npz")
+    if inputs.exists():
+        cmd += ["--inputs", str(inputs)]
+    else:
+        shapes = json.loads(model.with_suffix(".json").read_text()).get("inputs", {})
+        for name, dims in shapes.items():
+            cmd += ["--shape", f"{name}={','.join(str(d) for d in dims)}"]
+    if not measure:
+        cmd.append("--no-measure")
+    return cmd
+
+
+def short_op(op: str) -> str:
+    """'com.microsoft.MultiHeadAttention' -> 'MultiHeadAttention'."""
+    return op.rsplit(".", 1)[-1]
+
+
+def fused_attention(report: dict) -> dict[str, int]:
+    """Attention ops the optimization added, by short op name."""
+    before, after = report.get("ops_before", {}), report.get("ops_after", {})
+    fused = {
+        short_op(op): n - before.get(op, 0)
+        for op, n in after.items()
+        if "Attention" in short_op(op) and n > before.get(op, 0)
+    }
+    return dict(sorted(fused.items()))
+
+
+def missed_attention(report: dict) -> tuple[dict[str, int], str]:
+    """Missed fuse-attention* remarks by code, and where the first one stopped."""
+    missed = [
+        r
+        for r in report.get("remarks", [])
+        if r.get("kind") == "missed" and str(r.get("rule", "")).startswith(ATTENTION_RULES)
+    ]
+    codes = Counter(r.get("code", "?") for r in missed)
+    if not missed:
+        return {}, ""
+    first = missed[0]
+    args = first.get("args") or {}
+    where = ", ".join(f"{k} {args[k]}" for k in ("stage", "tensor") if args.get(k))
+    if not where:
+        node = first.get("nodes", [""])[0] if first.get("nodes") else ""
+        where = (f"at {node}: " if node else "") + str(first.get("message", ""))[:90]
+    return dict(codes.most_common()), f"{first.get('code')}: {where}"
+
+
+def parity_cell(report: dict | None, rc: int) -> str:
+    parity = (report or {}).get("parity") or {}
+    if not parity.get("ran"):
+        text = "not run"
+    else:
+        text = "ok" if parity.get("ok") else "FAILED"
+    if rc:
+        text += f" (exit {rc}: {EXIT_CODES.get(rc, '?')})"
+    return text
+
+
+def row_from_report(name: str, target: str, report: dict | None, rc: int, error: str) -> dict:
+    """One table row (a dict, as --json writes it)."""
+    row: dict = {"model": name, "target": target, "rc": rc}
+    if report is None:
+        row["error"] = error or f"exit {rc}, no report.json"
+        return row
+    codes, first = missed_attention(report)
+    row.update(
+        layers=report.get("ops_before", {}).get("Softmax", 0),
+        softmax_after=report.get("ops_after", {}).get("Softmax", 0),
+        fused=fused_attention(report),
+        missed=codes,
+        first_missed=first,
+        parity=parity_cell(report, rc),
+        nodes_before=report.get("nodes_before"),
+        nodes_after=report.get("nodes_after"),
+        seconds=(report.get("seconds") or {}).get("total"),
+    )
+    if error and rc:
+        row["error"] = error
+    return row
+
+
+def run_one(
+    model: Path, target: str, work: Path, measure: bool, timeout: float, keep: bool
+) -> dict:
+    """Optimize one model for one target in a child process and read its report."""
+    out = work / f"{model.stem}.{target}.graphopt"
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = optimize_cmd(model, out, target, measure)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        rc, stderr = proc.returncode, proc.stderr
+    except subprocess.TimeoutExpired:
+        rc, stderr = 124, f"timed out after {timeout:.0f} s"
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    error = lines[-1].strip()[:300] if lines else ""
+    report_path = out / "report.json"
+    report = json.loads(report_path.read_text()) if report_path.exists() else None
+    if not keep:
+        shutil.rmtree(out, ignore_errors=True)
+    return row_from_report(model.stem, target, report, rc, error)
+
+
+def _counts(d: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in d.items()) or "—"
+
+
+def render(rows: list[dict], latency: bool) -> str:
+    head = [
+        "model",
+        "target",
+        "layers",
+        "fused",
+        "missed fuse-attention*",
+        "first miss",
+        "parity",
+        "nodes",
+    ]
+    if latency:
+        head += ["ALL vs original", "vs best rival"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if "layers" not in r:
+            cells = [r["model"], r["target"], "", "", "", "", r.get("error", ""), ""]
+        else:
+            nodes = f"{r['nodes_before']} → {r['nodes_after']}"
+            first = r["first_missed"].replace("|", "/")
+            cells = [
+                r["model"],
+                r["target"],
+                str(r["layers"]),
+                _counts(r["fused"]),
+                _counts(r["missed"]),
+                first,
+                r["parity"],
+                nodes,
+            ]
+        if latency:
+            cells += [r.get("latency_vs_original", ""), r.get("latency_vs_rival", "")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ latency
+
+
+def _bench():
+    """examples/benchmark/bench.py as a module (its rival runners and latency worker)."""
+    if str(BENCH_DIR) not in sys.path:
+        sys.path.insert(0, str(BENCH_DIR))
+    import bench
+
+    return bench
+
+
+def latency_cells(result: dict) -> tuple[str, str, dict]:
+    """From bench.bench_model's result: graphopt/original at ENABLE_ALL (median of per-round
+    ratios, p10-p90) and graphopt/best rival (the head-to-head, else the ratio of ratios)."""
+    tools = result.get("tools", {})
+
+    def usable(tool: str) -> dict | None:
+        r = tools.get(tool, {})
+        ok = r.get("parity", {}).get("ok") and r.get("ENABLE_ALL", {}).get("ratio")
+        return r if ok and not r.get("session_error_ENABLE_ALL") else None
+
+    mine_tool = next((t for t in ("graphopt-O2-bundle", "graphopt-O2") if usable(t)), None)
+    if mine_tool is None:
+        return "no usable graphopt output", "", {}
+    mine = tools[mine_tool]["ENABLE_ALL"]
+    lo, hi = mine["ratio_p10_p90"]
+    vs_orig = f"{mine['ratio']:.3f} [{lo:.2f}–{hi:.2f}]"
+    rivals = {t: r["ENABLE_ALL"]["ratio"] for t in tools if t not in MINE and (r := usable(t))}
+    if not rivals:
+        return vs_orig, "no matching rival", {"mine": mine_tool}
+    best = min(rivals, key=rivals.get)
+    duel = result.get("duel") or {}
+    if duel.get("rival") == best and "ratio" in duel:
+        lo, hi = duel["ci95"]
+        vs_rival = f"{duel['ratio']:.3f} [{lo:.3f}–{hi:.3f}] vs {best}"
+    else:
+        vs_rival = f"{mine['ratio'] / rivals[best]:.3f} vs {best}"
+    return vs_orig, vs_rival, {"mine": mine_tool, "rivals": rivals, "duel": duel}
+
+
+def add_latency(rows: list[dict], models: dict[str, Path], args) -> None:
+    """Run the benchmark on each model once (cpu rows get the cells)."""
+    bench = _bench()
+    tools = MINE + [t for t in args.rivals.split(",") if t]
+    opts = argparse.Namespace(
+        runs=args.runs,
+        warmup=2,
+        min_time=args.min_time,
+        max_runs=1000,
+        duel_time=args.duel_time,
+        create_reps=1,
+        timeout=args.timeout,
+        latency_timeout=3600.0,
+        mem_factor=2.0,
+        work=args.work / "bench",
+        keep=False,
+    )
+    cpu = bench.os.cpu_count() - 1 if bench.os.cpu_count() else 0
+    for name, path in models.items():
+        result = bench.bench_model(name, path, path.with_suffix(".json"), tools, opts, cpu)
+        vs_orig, vs_rival, detail = latency_cells(result)
+        for row in rows:
+            if row["model"] == name and row["target"] == "cpu":
+                row.update(latency_vs_original=vs_orig, latency_vs_rival=vs_rival, latency=detail)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("models_dir", type=Path, help="folder of NAME.onnx + NAME.json (+ NAME.npz)")
+    ap.add_argument("--targets", default="cpu", help="comma-separated graphopt targets")
+    ap.add_argument("--names", help="comma-separated model names (default: every model)")
+    ap.add_argument(
+        "--no-measure",
+        action="store_true",
+        help="pass --no-measure (skip graphopt's performance safety net)",
+    )
+    ap.add_argument(
+        "--latency",
+        action="store_true",
+        help="add ENABLE_ALL latency ratios (cpu) against the original and rivals",
+    )
+    ap.add_argument(
+        "--rivals",
+        default="ort-transformers,onnxscript,onnxslim,ort-extended",
+        help="benchmark tools compared with --latency",
+    )
+    ap.add_argument("--runs", type=int, default=30, help="--latency: rounds (at least)")
+    ap.add_argument(
+        "--min-time",
+        type=float,
+        default=2.0,
+        help="--latency: seconds of timed runs per variant (at least)",
+    )
+    ap.add_argument(
+        "--duel-time",
+        type=float,
+        default=10.0,
+        help="--latency: seconds per side of the head-to-head; 0 skips it",
+    )
+    ap.add_argument("--timeout", type=float, default=1800.0, help="per optimize run, s")
+    ap.add_argument(
+        "--work",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "graphopt-attention",
+        help="scratch folder for the bundles",
+    )
+    ap.add_argument("--keep", action="store_true", help="keep the bundles in --work")
+    ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    args = ap.parse_args(argv)
+
+    if not args.models_dir.is_dir():
+        ap.error(f"{args.models_dir} is not a folder")
+    names = [n.strip() for n in args.names.split(",") if n.strip()] if args.names else None
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    if not targets:
+        ap.error("--targets names no target")
+    models = discover(args.models_dir, names)
+    args.work.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for model in models:
+        for target in targets:
+            row = run_one(model, target, args.work, not args.no_measure, args.timeout, args.keep)
+            print(f"{model.stem} {target}: {json.dumps(row)}", file=sys.stderr, flush=True)
+            rows.append(row)
+    if args.latency:
+        add_latency(rows, {m.stem: m for m in models}, args)
+    print(render(rows, args.latency))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
