@@ -5,7 +5,8 @@
 * :class:`Const` binds a tensor known at optimization time, optionally one element, of a dtype
   kind, or with every element equal to ``value``.
 * :class:`Op` binds a node of one op type or one of several (``Op(("Relu", "LeakyRelu"), "x")``;
-  the node bound under ``name`` says which), in ``domain`` (see :mod:`opt.domains`), whose
+  the node bound under ``name`` says which), in ``domain`` or one of a tuple of domains (each
+  in any spelling, see :mod:`opt.domains`), whose
   attributes satisfy ``attrs`` (a value, a callable on the value, or a callable on the node;
   an absent attribute reads its ONNX schema default).  ``commute=True`` tries every ordering of
   its inputs (at most :data:`MAX_COMMUTED`), a tuple of positions only those; its first output
@@ -28,7 +29,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from .domains import norm_domain, same_domain
+from .domains import in_domains, norm_domain
 from .ir import Constant, Node, Tensor, Variable, constant_value, dtype_of
 
 #: most inputs ``commute=True`` permutes (4! orderings)
@@ -92,7 +93,7 @@ class Op(Pattern):
     inputs: tuple[Pattern, ...]
     name: str | None = None
     out: str | None = None
-    domain: str = ""
+    domain: str | tuple[str, ...] = ""
     commute: bool | tuple[int, ...] = False
     extra_inputs: bool = False
     attrs: Any = None
@@ -103,7 +104,7 @@ class Op(Pattern):
         *inputs: Pattern | str,
         name: str | None = None,
         out: str | None = None,
-        domain: str = "",
+        domain: str | tuple[str, ...] = "",
         commute: bool | tuple[int, ...] = False,
         extra_inputs: bool = False,
         attrs: dict[str, Any] | Callable[[Node], bool] | None = None,
@@ -147,7 +148,9 @@ def roots(p: Pattern) -> tuple[str, ...]:
 
 def root_domain(p: Pattern) -> str:
     """The domain of a pattern's root (the first alternative's)."""
-    return p.domain if isinstance(p, Op) else root_domain(p.options[0])
+    if isinstance(p, Alt):
+        return root_domain(p.options[0])
+    return p.domain if isinstance(p.domain, str) else p.domain[0]
 
 
 def match(p: Pattern, node: Node, b: dict | None = None) -> Iterator[dict]:
@@ -181,7 +184,8 @@ def _match_tensor(p: Pattern, tensor: Tensor | None, b: dict) -> Iterator[dict]:
 
 
 def _match_node(p: Op, node: Node, b: dict) -> Iterator[dict]:
-    if node.op not in p.ops or not same_domain(node.domain, p.domain):
+    domains = (p.domain,) if isinstance(p.domain, str) else p.domain
+    if node.op not in p.ops or not in_domains(node.domain, *domains):
         return
     if b.get(p.name, node) is not node or not _attrs_ok(p, node):
         return

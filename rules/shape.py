@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from graphopt.opt.domains import MS
 from graphopt.opt.ir import Variable, constant_value, dtype_of, static_shape
 from graphopt.opt.manager import register_rule
 from graphopt.opt.rewrite import Match, NoMatch, Op, Rule, applies_only_if, require
@@ -63,25 +64,20 @@ class TransposeThroughBinary(Rule):
     level = 1
     summary = "Transpose(a ⊕ Transpose⁻¹(b)) → Transpose(a) ⊕ b"
 
-    def match(self, node, cx):
-        ins = node.inputs
-        op = ins[0].inputs[0] if ins and ins[0].inputs else None
-        if op is None or op.op not in ELEMENTWISE_BINARY or len(op.inputs) != 2:
-            raise NoMatch("structure", "not a binary op", structural=True)
-        perm = node.attrs.get("perm")
-        for k in (0, 1):
-            t = op.inputs[k]
-            inner = t.inputs[0] if t.inputs else None
-            if inner is None or inner.op != "Transpose" or perm is None:
-                continue
-            q = inner.attrs.get("perm")
-            if q is not None and len(q) == len(perm) and [q[i] for i in perm] == sorted(perm):
-                return Match(node, {"outer": node, "op": op, "inner": inner, "k": k})
-        raise NoMatch("structure", "no inverse Transpose under the op", structural=True)
+    pattern = Op(
+        "Transpose",
+        Op(ELEMENTWISE_BINARY, Op("Transpose", "b", name="inner"), "a", commute=True, name="op"),
+        name="outer",
+    )
+
+    def structure(self, m, cx):
+        perm, q = m.outer.attrs.get("perm"), m.inner.attrs.get("perm")
+        applies_only_if(perm is not None and q is not None and len(q) == len(perm))
+        applies_only_if([q[i] for i in perm] == sorted(perm))
 
     def check(self, m, cx):
         perm = list(m.outer.attrs["perm"])
-        a = m.op.inputs[1 - m.k]
+        a = m.a
         for t in (m.op.outputs[0], m.inner.outputs[0]):
             require(
                 len(t.outputs) == 1 and not cx.ir.is_graph_output(t),
@@ -93,12 +89,12 @@ class TransposeThroughBinary(Rule):
             "rank-mismatch",
             f"'{a.name}' is not of rank {len(perm)}: transposing it would re-align a broadcast",
         )
-        m.stash(perm=perm, a=a, b=m.inner.inputs[0])
+        m.stash(perm=perm)
 
     def rewrite(self, m, b):
         ta = b.op("Transpose", [m.a], {"perm": m.perm}, name=f"{m.outer.name}/operand")
         ta.dtype = m.a.dtype
-        ins = [ta, m.b] if m.k == 1 else [m.b, ta]
+        ins = [m.b, ta] if m.op.inputs[0] is m.inner.outputs[0] else [ta, m.b]
         return [b.op(m.op.op, ins, like=m.outer.outputs[0], name=f"{m.op.name}/moved")]
 
 
@@ -141,22 +137,24 @@ class ReshapeThroughUnary(Rule):
     level = 1
     summary = "Reshape(u(Reshape(x))) back to x's shape → u(x) for element-wise u"
 
-    def match(self, node, cx):
-        u = node.inputs[0].inputs[0] if node.inputs[0].inputs else None
-        inner = u.inputs[0].inputs[0] if u is not None and u.inputs and u.inputs[0].inputs else None
-        if (
-            u is None
-            or u.op not in UNARY_ELEMENTWISE
-            or u.domain not in ("", None, "ai.onnx", "com.microsoft")
-            or inner is None
-            or inner.op != "Reshape"
-            or any(isinstance(t, Variable) and t.name for t in u.inputs[1:])  # Clip bounds
-        ):
-            raise NoMatch("structure", "not Reshape(u(Reshape))", structural=True)
-        return Match(node, {"outer": node, "u": u, "inner": inner})
+    pattern = Op(
+        "Reshape",
+        Op(
+            tuple(sorted(UNARY_ELEMENTWISE)),
+            Op("Reshape", "x", "s1", name="inner"),
+            extra_inputs=True,
+            domain=("", MS),
+            name="u",
+        ),
+        "s2",
+        name="outer",
+    )
+
+    def structure(self, m, cx):
+        applies_only_if(not any(isinstance(t, Variable) and t.name for t in m.u.inputs[1:]))
 
     def check(self, m, cx):
-        x = m.inner.inputs[0]
+        x = m.x
         for t in (m.inner.outputs[0], m.u.outputs[0]):
             require(
                 len(t.outputs) == 1 and not cx.ir.is_graph_output(t),
@@ -180,7 +178,6 @@ class ReshapeThroughUnary(Rule):
             "reshape-not-identity",
             f"the Reshape to {target.tolist()} does not restore {list(shape)}",
         )
-        m.stash(x=x)
 
     def rewrite(self, m, b):
         ins = [m.x, *m.u.inputs[1:]]
@@ -330,13 +327,6 @@ class CollapseShapeChain(Rule):
     exclusive = False
     summary = "chain of Reshape/Squeeze/Unsqueeze/Flatten → one Reshape"
 
-    def match(self, node, cx):
-        src = node.inputs[0] if node.inputs else None
-        inner = src.inputs[0] if src is not None and src.inputs else None
-        if inner is None or inner.op not in SHAPE_ONLY or inner.domain not in (None, "", "ai.onnx"):
-            raise NoMatch("structure", "", structural=True)
-        return Match(node, {"inner": inner, "outer": node, "x": inner.inputs[0]})
-
     def check(self, m, cx):
         out = m.root.outputs[0]
         final = static_shape(out)
@@ -384,28 +374,30 @@ def _resolve_copies(target, dims) -> list[int] | None:
     return out
 
 
-@register_rule
-class CollapseReshapeChain(CollapseShapeChain):
-    name = "collapse-reshape-chain"
-    root = "Reshape"
+#: (rule, the chain's last op): each reads the chain's first input through one Reshape
+SHAPE_CHAINS = (
+    ("collapse-reshape-chain", "Reshape"),
+    ("collapse-squeeze-chain", "Squeeze"),
+    ("collapse-unsqueeze-chain", "Unsqueeze"),
+    ("collapse-flatten-chain", "Flatten"),
+)
 
-
-@register_rule
-class CollapseSqueezeChain(CollapseShapeChain):
-    name = "collapse-squeeze-chain"
-    root = "Squeeze"
-
-
-@register_rule
-class CollapseUnsqueezeChain(CollapseShapeChain):
-    name = "collapse-unsqueeze-chain"
-    root = "Unsqueeze"
-
-
-@register_rule
-class CollapseFlattenChain(CollapseShapeChain):
-    name = "collapse-flatten-chain"
-    root = "Flatten"
+for _rule, _op in SHAPE_CHAINS:
+    register_rule(
+        type(
+            f"Collapse{_op}Chain",
+            (CollapseShapeChain,),
+            {
+                "name": _rule,
+                "pattern": Op(
+                    _op,
+                    Op(SHAPE_ONLY, "x", extra_inputs=True, name="inner"),
+                    extra_inputs=True,
+                    name="outer",
+                ),
+            },
+        )
+    )
 
 
 # Which element types represent every value of another exactly.
