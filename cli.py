@@ -47,7 +47,6 @@ from .opt.io import (
     atomic_write_text,
     check_output_dir,
     check_side_outputs,
-    external_data_files,
     load_model,
     remove_path,
     replace_dir,
@@ -60,10 +59,12 @@ from .opt.lint import lint as lint_model
 from .opt.manager import PASSES, RULES
 from .opt.optimizer import sparse_collection
 from .opt.parity import check_parity, load_inputs, parse_shapes, parse_tolerances
-from .opt.pipeline import LEVEL_NAMES, preset, with_kernels
+from .opt.pipeline import LEVEL_NAMES
 from .opt.reference import upcast_to_float64
 from .opt.report_html import render_html
 from .opt.target import TARGETS, get_target
+from .targets.bundle import BUNDLE_KIND, default_bundle_dir, protected_paths, write_bundle
+from .targets.codegen import kernel_pipeline
 
 app = typer.Typer(
     add_completion=False,
@@ -79,6 +80,12 @@ STATE = {"debug": False}
 class Format(str, Enum):
     text = "text"
     json = "json"
+
+
+class Verify(str, Enum):
+    fingerprint = "fingerprint"
+    full = "full"
+    none = "none"
 
 
 class Reference(str, Enum):
@@ -101,6 +108,7 @@ def _set_debug(value: bool) -> bool:
 
 
 FORMAT = typer.Option("--format", help="text or json (json: one document on stdout).")
+TARGET = typer.Option("--target", "-t", help=f"Target: {', '.join(TARGETS)}.")
 DEBUG = typer.Option(
     "--debug", help="Show tracebacks (also accepted before the command).", callback=_set_debug
 )
@@ -142,30 +150,6 @@ def handled():
         raise typer.Exit(errors.EXIT_ERROR) from None
 
 
-def _default_out(model: Path, target: str) -> Path:
-    return model.with_name(f"{model.stem}.{target}.graphopt")
-
-
-# Folders graphopt writes whole: replaced only when their marker says they are graphopt's and
-# they hold nothing else (the patterns are everything the writer may put there).
-BUNDLE_KIND = OutputDirKind(
-    "graphopt bundle",
-    "manifest.json",
-    "graphopt.bundle/1",
-    (
-        "model.onnx",
-        "model.onnx.data*",
-        "report.json",
-        "manifest.json",
-        "session_config.json",
-        "memory_plan.json",
-        "golden",
-        "golden/inputs.npz",
-        "golden/outputs.npz",
-        "kernels",
-        "kernels/*",
-    ),
-)
 BISECT_SCHEMA = "graphopt.bisect/1"
 BISECT_KIND = OutputDirKind(
     "graphopt bisect folder",
@@ -186,7 +170,7 @@ INPUTS = typer.Option(
 
 def _protected(model: Path) -> list[Path]:
     """The input model and its external-data files: no output may replace or contain them."""
-    return [model, *external_data_files(model)] if model.is_file() else [model]
+    return protected_paths(model)
 
 
 def _finite(value: float, flag: str, lo: float | None = 0.0) -> float:
@@ -242,7 +226,7 @@ def optimize(
             help="Output directory (default: <stem>.<target>.graphopt beside the input).",
         ),
     ] = None,
-    target: Annotated[str, typer.Option("--target", "-t", help="Target: cpu, cuda.")] = "cpu",
+    target: Annotated[str, TARGET] = "cpu",
     level: Annotated[
         int,
         typer.Option(
@@ -304,13 +288,15 @@ def optimize(
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success.")] = False,
     kernels: Annotated[
-        bool,
+        bool | None,
         typer.Option(
-            "--kernels",
-            help="Also fuse element-wise chains into generated C/CUDA kernels "
-            "(fuse-elementwise; needs gcc/nvcc; the bundle ships kernels/).",
+            "--kernels/--no-kernels",
+            help="Fuse element-wise chains into generated C/CUDA kernels (fuse-elementwise; "
+            "each kept only where its gates pass; the bundle ships kernels/). Default: on for "
+            "the -O presets on cpu/cuda where a compiler is present (GRAPHOPT_NO_KERNELS=1 "
+            "turns the default off); --kernels also adds it to a --pipeline.",
         ),
-    ] = False,
+    ] = None,
     opset: Annotated[
         int | None,
         typer.Option(
@@ -325,7 +311,7 @@ def optimize(
     with handled(), sparse_collection():  # writing the bundle of a large graph too
         src = model.resolve()
         protected = _protected(src)
-        dest = check_output_dir(output or _default_out(model, target), BUNDLE_KIND, protected)
+        dest = check_output_dir(output or default_bundle_dir(model, target), BUNDLE_KIND, protected)
         side = {"--remarks": remarks, "--junit": junit, "--html": html_report}
         check_side_outputs(side, models=[src], files=[inputs] if inputs else [], dirs=[dest])
         fold_limit = _finite(fold_size_limit, "--fold-size-limit")
@@ -333,8 +319,7 @@ def optimize(
         shapes = parse_shapes(shape)
         feeds = _load_feeds(inputs, src)
         custom = pipeline is not None
-        if kernels:
-            pipeline = with_kernels(preset(level) if pipeline is None else pipeline)
+        pipeline = kernel_pipeline(target, level, pipeline, kernels)
         started = time.monotonic()
         with _progress(quiet) as say:
             optimized, report = run_optimize(
@@ -357,7 +342,7 @@ def optimize(
             )
             expectations = _resolve_expectations(expectations, report, target)
             say("writing the bundle")
-            _write_bundle(dest, optimized, report, protected, say)
+            write_bundle(optimized, report, dest, protected=protected, progress=say)
         wall = time.monotonic() - started
         if remarks:
             _atomic_text(
@@ -468,35 +453,6 @@ def _parity_hint(parity) -> str:
             "--shape NAME=D0,D1,... or real inputs with --inputs FILE.npz)"
         )
     return ""
-
-
-def _write_bundle(dest: Path, model, report, protected: list[Path], say=None) -> None:
-    """Write model + report into a staging dir, then move it into place in one rename; the
-    staging dir never survives, whatever fails."""
-    try:
-        staging = staging_dir(dest)
-    except OSError as e:
-        raise errors.ModelSaveError(f"cannot write to {dest.parent}: {e.strerror or e}") from None
-    try:
-        from .opt.io import needs_external_data
-        from .targets.bundle import write_bundle_files
-
-        write_model_files(
-            model,
-            staging / "model.onnx",
-            external=needs_external_data(model),
-            base_dir=report.bundle_context.get("base_dir"),
-        )
-        files = write_bundle_files(staging, model, report, progress=say)
-        report.outputs = {k: str(dest / v) for k, v in files.items()}
-        report.outputs["report"] = str(dest / "report.json")
-        (staging / "report.json").write_text(json.dumps(report.to_dict(), indent=2, sort_keys=True))
-        check_output_dir(dest, BUNDLE_KIND, protected)  # again: minutes may have passed
-        replace_dir(staging, dest)
-    except OSError as e:
-        raise errors.ModelSaveError(f"cannot write {dest}: {e.strerror or e}") from None
-    finally:
-        _discard(staging)
 
 
 def _discard(path: Path) -> None:
@@ -802,7 +758,7 @@ def bisect(
         Path | None,
         typer.Option("-o", "--output", help="Directory for the minimal before/after models."),
     ] = None,
-    target: Annotated[str, typer.Option("--target", "-t")] = "cpu",
+    target: Annotated[str, TARGET] = "cpu",
     level: Annotated[int, typer.Option("-O", "--level", min=0, max=3)] = 2,
     pipeline: Annotated[str | None, typer.Option("--pipeline")] = None,
     shape: Annotated[list[str] | None, SHAPE] = None,
@@ -883,7 +839,7 @@ def _render_bisect(result, payload: dict) -> None:
 @app.command()
 def explain(
     model: Annotated[Path, typer.Argument(help="Model to explain.")],
-    target: Annotated[str, typer.Option("--target", "-t")] = "cpu",
+    target: Annotated[str, TARGET] = "cpu",
     level: Annotated[int, typer.Option("-O", "--level", min=0, max=3)] = 2,
     pipeline: Annotated[str | None, typer.Option("--pipeline")] = None,
     rule: Annotated[str | None, typer.Option("--rule", help="Only this rule.")] = None,
@@ -992,7 +948,7 @@ def lint(
         Path | None,
         typer.Option("-o", "--output", help="Where --freeze-initializers writes the model."),
     ] = None,
-    target: Annotated[str, typer.Option("--target", "-t")] = "cpu",
+    target: Annotated[str, TARGET] = "cpu",
     fmt: Annotated[Format, FORMAT] = Format.text,
     quiet: Annotated[bool, QUIET_PROGRESS] = False,
     debug: Annotated[bool, DEBUG] = False,
@@ -1052,7 +1008,7 @@ def bench(
             "--optimized", help="Optimized model or bundle (default: optimize MODEL now)."
         ),
     ] = None,
-    target: Annotated[str, typer.Option("--target", "-t")] = "cpu",
+    target: Annotated[str, TARGET] = "cpu",
     level: Annotated[int, typer.Option("-O", "--level", min=0, max=3)] = 2,
     runs: Annotated[int, typer.Option("--runs", min=1)] = 100,
     warmup: Annotated[int, typer.Option("--warmup", min=0)] = 10,
@@ -1138,7 +1094,7 @@ def bench(
 @app.command()
 def gate(
     model: Annotated[Path, typer.Argument(help="Model to gate (never modified).")],
-    target: Annotated[str, typer.Option("--target", "-t")] = "cpu",
+    target: Annotated[str, TARGET] = "cpu",
     level: Annotated[int, typer.Option("-O", "--level", min=0, max=3)] = 2,
     pipeline: Annotated[
         str | None, typer.Option("--pipeline", help="Pipeline text (overrides -O).")
@@ -1515,10 +1471,26 @@ def run(
         ),
     ] = None,
     repeat: Annotated[int, typer.Option("--repeat", min=1, help="Runs (timed).")] = 1,
+    verify: Annotated[
+        Verify,
+        typer.Option(
+            "--verify",
+            help="Integrity of the model files: fingerprint (size and sampled blocks), full "
+            "(every byte against the sha256 taken when the bundle was written) or none.",
+        ),
+    ] = Verify.fingerprint,
+    portable: Annotated[
+        bool,
+        typer.Option(
+            "--portable",
+            help="Run the portable model.onnx even where the machine-specific fast path applies.",
+        ),
+    ] = False,
     fmt: Annotated[Format, FORMAT] = Format.text,
     debug: Annotated[bool, DEBUG] = False,
 ) -> None:
-    """Run a bundle with onnxruntime exactly as its manifest and session config say."""
+    """Run a bundle with onnxruntime exactly as its manifest and session config say (on the
+    machine that wrote it, its machine-specific fast path)."""
     with handled():
         from .targets.bundle import MANIFEST, describe_value, run_bundle
 
@@ -1532,7 +1504,14 @@ def run(
             _check_providers(folder)
         check_side_outputs({"-o": output}, files=[inputs] if inputs else [], dirs=[folder])
         feeds = _load_feeds(inputs, folder / "model.onnx") if inputs else None
-        result = run_bundle(bundle, feeds, providers=provider or None, repeat=repeat)
+        result = run_bundle(
+            bundle,
+            feeds,
+            providers=provider or None,
+            repeat=repeat,
+            verify=verify.value,
+            fast_path=not portable,
+        )
         if output:
             import numpy as np
 
@@ -1546,6 +1525,7 @@ def run(
             "providers": result["providers"],
             "outputs": {k: describe_value(v) for k, v in result["outputs"].items()},
             "session_create_ms": result["session_create_ms"],
+            "session": result["session"],
             "run_ms": result["run_ms"],
             "golden": result["golden"],
         }
@@ -1556,6 +1536,17 @@ def run(
                 f"[bold]{summary['bundle']}[/] ({summary['target']}) on "
                 f"{', '.join(summary['providers'])}: session {summary['session_create_ms']} ms, "
                 f"run {', '.join(f'{t:.2f}' for t in summary['run_ms'][:5])} ms"
+            )
+            how = summary["session"]
+            out.print(
+                f"  model: {how['model']} "
+                + (
+                    "(machine-specific fast path, optimizations off)"
+                    if how["fast_path"]
+                    else f"at {how['level']} (fast path not used: {how['why']})"
+                )
+                + f"; integrity checked: {how['verify']}",
+                soft_wrap=True,
             )
             for k, v in summary["outputs"].items():
                 out.print(f"  {k}: {v['dtype']} {v['shape']}")

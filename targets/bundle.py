@@ -40,9 +40,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import statistics
 import time
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +54,17 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from graphopt.opt.errors import GraphoptError, UsageError
+from graphopt.opt.errors import GraphoptError, ModelSaveError, UsageError
+from graphopt.opt.io import (
+    OutputDirKind,
+    check_output_dir,
+    external_data_files,
+    needs_external_data,
+    remove_path,
+    replace_dir,
+    staging_dir,
+    write_model_files,
+)
 from graphopt.opt.parity import ParityReport, Session, compare_outputs, compute_dtype, make_inputs
 from graphopt.opt.target import Target, get_target
 from graphopt.targets.kernels import model_opsets, norm_domain, primary_slots, resolve
@@ -62,6 +76,35 @@ SESSION_CONFIG = "session_config.json"
 MEMORY_PLAN = "memory_plan.json"
 GOLDEN_INPUTS = "golden/inputs.npz"
 GOLDEN_OUTPUTS = "golden/outputs.npz"
+#: the machine-specific fast path: model.onnx as onnxruntime optimized it at the session
+#: config's level on the machine that wrote the bundle (loaded there with optimizations off)
+FAST_MODEL = "model.machine.onnx"
+#: integrity at load: the size and a sha256 over the head, the tail and evenly spaced blocks
+FINGERPRINT_BLOCK = 64 * 1024
+FINGERPRINT_SAMPLES = 16
+VERIFY_MODES = ("fingerprint", "full", "none")
+
+#: a folder graphopt writes whole: replaced only when its manifest says it is a bundle and it
+#: holds nothing else (the patterns are everything the writer may put there)
+BUNDLE_KIND = OutputDirKind(
+    "graphopt bundle",
+    MANIFEST,
+    SCHEMA,
+    (
+        "model.onnx",
+        "model.onnx.data*",
+        FAST_MODEL,
+        "report.json",
+        MANIFEST,
+        SESSION_CONFIG,
+        MEMORY_PLAN,
+        "golden",
+        GOLDEN_INPUTS,
+        GOLDEN_OUTPUTS,
+        "kernels",
+        "kernels/*",
+    ),
+)
 
 #: onnxruntime graph transformers by the op they produce: (transformer name as onnxruntime
 #: spells it, ops it fuses from).  SkipLayerNormFusion and ConvBNFusion are checked to take effect
@@ -140,12 +183,85 @@ LATENCY_RUNS = 20
 
 
 # ------------------------------------------------------------------------------ writing
+def default_bundle_dir(model: str | os.PathLike, target: str) -> Path:
+    """``<stem>.<target>.graphopt`` beside the input model."""
+    path = Path(model)
+    return path.with_name(f"{path.stem}.{target}.graphopt")
+
+
+def protected_paths(model: str | os.PathLike) -> list[Path]:
+    """The input model and its external-data files: no bundle may replace or contain them."""
+    path = Path(model).resolve()
+    return [path, *external_data_files(path)] if path.is_file() else [path]
+
+
+def write_bundle(
+    model: onnx.ModelProto,
+    report,
+    out_dir: str | os.PathLike | None = None,
+    *,
+    protected: Sequence[Path] | None = None,
+    fast_path: bool | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Path:
+    """Write the bundle of an optimization (``model, report = graphopt.optimize(...)``) into
+    ``out_dir`` (default: ``<stem>.<target>.graphopt`` beside the input) and return its path.
+
+    Everything is written in a staging folder beside ``out_dir`` and renamed into place: nothing
+    is half-written, and the staging folder never survives.  ``out_dir`` may replace only an
+    empty folder or a bundle holding nothing graphopt did not write (else UsageError), and never
+    a ``protected`` path (default: the input model and its external data).  ``fast_path``
+    (default: cpu bundles) adds onnxruntime's optimized form of the model for this machine
+    (:data:`FAST_MODEL`), used by :func:`load_session` only on a matching machine."""
+    if out_dir is None:
+        if not report.model or not Path(report.model).is_file():
+            raise UsageError("out_dir is needed when the model was not read from a file")
+        out_dir = default_bundle_dir(report.model, report.target)
+    if protected is None:
+        protected = protected_paths(report.model) if report.model else []
+    dest = check_output_dir(Path(out_dir), BUNDLE_KIND, protected)
+    try:
+        staging = staging_dir(dest)
+    except OSError as e:
+        raise ModelSaveError(f"cannot write to {dest.parent}: {e.strerror or e}") from None
+    try:
+        write_model_files(
+            model,
+            staging / "model.onnx",
+            external=needs_external_data(model),
+            base_dir=(report.bundle_context or {}).get("base_dir"),
+        )
+        files = write_bundle_files(staging, model, report, progress=progress, fast_path=fast_path)
+        report.outputs = {k: str(dest / v) for k, v in files.items()}
+        report.outputs["report"] = str(dest / "report.json")
+        (staging / "report.json").write_text(json.dumps(report.to_dict(), indent=2, sort_keys=True))
+        check_output_dir(dest, BUNDLE_KIND, protected)  # again: minutes may have passed
+        replace_dir(staging, dest)
+    except OSError as e:
+        raise ModelSaveError(f"cannot write {dest}: {e.strerror or e}") from None
+    finally:
+        _discard(staging)
+    return dest
+
+
+def _discard(path: Path) -> None:
+    if os.path.lexists(path):
+        try:
+            remove_path(path)
+        except OSError as e:
+            warnings.warn(f"could not remove {path}: {e}", stacklevel=3)
+
+
 def write_bundle_files(
-    out_dir: Path, model: onnx.ModelProto, report, progress=None
+    out_dir: Path,
+    model: onnx.ModelProto,
+    report,
+    progress=None,
+    fast_path: bool | None = None,
 ) -> dict[str, str]:
-    """Write manifest, session config, golden files and memory plan into ``out_dir`` (where
-    model.onnx already is).  Returns {kind: file name relative to the bundle}.  ``progress(msg)``
-    is told each phase."""
+    """Write manifest, session config, golden files, memory plan and (cpu by default) the
+    machine-specific fast path into ``out_dir`` (where model.onnx already is).  Returns {kind:
+    file name relative to the bundle}.  ``progress(msg)`` is told each phase."""
     say = progress or (lambda _msg: None)
     target = get_target(report.target)
     ctx = report.bundle_context or {}
@@ -202,8 +318,9 @@ def write_bundle_files(
             "kernels": target.kernels_source,
         },
         "model": "model.onnx",
-        "external_data": sorted(p.name for p in out_dir.glob("model.onnx.data*")),
-        "model_sha256": _sha256(out_dir / "model.onnx"),
+        "external_data": (data := sorted(p.name for p in out_dir.glob("model.onnx.data*"))),
+        # the full hashes are taken here, once; load_session checks sizes and fingerprints
+        "integrity": _integrity(out_dir, ["model.onnx", *data]),
         "source_model": report.model,
         "source_model_sha256": _sha256(Path(report.model))
         if Path(report.model).is_file()
@@ -235,10 +352,18 @@ def write_bundle_files(
         "nodes": nodes,
         "kernels": kernels or None,
     }
+    manifest["model_sha256"] = manifest["integrity"]["files"]["model.onnx"]["sha256"]
     _kernel_latencies(nodes, kernels)
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
     say("bundle: verifying it as load_session runs it, then its latency")
     manifest["verified"], manifest["latency"] = _verify(out_dir, manifest, session, target, report)
+    wanted = target.name == "cpu" if fast_path is None else fast_path
+    if wanted:
+        say("bundle: the machine-specific fast path (onnxruntime's optimized model)")
+    manifest["fast_path"] = _write_fast_path(out_dir, manifest, session, target, wanted)
+    if manifest["fast_path"].get("written"):
+        files["fast_path"] = FAST_MODEL
+        manifest["integrity"]["files"].update(_integrity(out_dir, [FAST_MODEL])["files"])
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
     return files
 
@@ -294,6 +419,93 @@ def _sha256(path: Path) -> str | None:
         return h.hexdigest()
     except OSError:
         return None
+
+
+# ---------------------------------------------------------------------------- integrity
+def sampled_blocks(size: int) -> list[tuple[int, int]]:
+    """(offset, length) of what a fingerprint reads in a file of ``size`` bytes: all of it when
+    it is small, else its first and last ``FINGERPRINT_BLOCK`` bytes and ``FINGERPRINT_SAMPLES``
+    blocks evenly spaced between."""
+    block = FINGERPRINT_BLOCK
+    if size <= block * (FINGERPRINT_SAMPLES + 2):
+        return [(0, size)]
+    span = size - block
+    steps = FINGERPRINT_SAMPLES + 1
+    return [(span * i // steps, block) for i in range(steps + 1)]
+
+
+def fingerprint(path: Path) -> str:
+    """sha256 over a file's size and its :func:`sampled_blocks` (about 1 MiB read, whatever the
+    size): cheap enough for every load, catches truncation and most corruption."""
+    size = os.path.getsize(path)
+    h = hashlib.sha256(f"graphopt.fingerprint/1 {size}\n".encode())
+    with open(path, "rb") as f:
+        for offset, length in sampled_blocks(size):
+            f.seek(offset)
+            h.update(f.read(length))
+    return h.hexdigest()
+
+
+FINGERPRINT_TEXT = (
+    f"sha256 over the size, the first and last {FINGERPRINT_BLOCK // 1024} KiB and "
+    f"{FINGERPRINT_SAMPLES} evenly spaced {FINGERPRINT_BLOCK // 1024} KiB blocks (the whole file "
+    f"up to {(FINGERPRINT_SAMPLES + 2) * FINGERPRINT_BLOCK // 1024} KiB)"
+)
+
+
+def _integrity(out_dir: Path, names: list[str]) -> dict[str, Any]:
+    """Per model file: size, full sha256 (taken once, here) and the load-time fingerprint."""
+    files = {
+        name: {
+            "size": (out_dir / name).stat().st_size,
+            "sha256": _sha256(out_dir / name),
+            "fingerprint": fingerprint(out_dir / name),
+        }
+        for name in names
+    }
+    return {
+        "files": files,
+        "fingerprint": FINGERPRINT_TEXT,
+        "at_load": "size and fingerprint (load_session verify='fingerprint', the default); "
+        "verify='full' (graphopt run --verify full) recomputes every sha256",
+    }
+
+
+def check_integrity(path: Path, manifest: dict, names: list[str], verify: str = "fingerprint"):
+    """The bundle's model files against its manifest: ``fingerprint`` (size + sampled blocks),
+    ``full`` (size + sha256 of every byte) or ``none``.  A mismatch is a GraphoptError."""
+    if verify not in VERIFY_MODES:
+        raise UsageError(f"verify must be one of {', '.join(VERIFY_MODES)} (got {verify!r})")
+    if verify == "none":
+        return
+    files = (manifest.get("integrity") or {}).get("files")
+    if not files:  # a bundle without the integrity section: its model's sha256 only
+        want = manifest.get("model_sha256")
+        if want and _sha256(path / names[0]) != want:
+            raise GraphoptError(f"{path / names[0]} does not match the manifest's model_sha256")
+        return
+    for name in names:
+        _check_file(path / name, files.get(name), verify)
+
+
+def _check_file(file: Path, record: dict | None, verify: str) -> None:
+    if record is None:
+        raise GraphoptError(f"{file.name} is not listed in the manifest's integrity section")
+    try:
+        size = file.stat().st_size
+    except OSError as e:
+        raise GraphoptError(f"{file}: cannot read ({e.strerror or e})") from None
+    if size != record.get("size"):
+        raise GraphoptError(
+            f"{file} does not match the manifest: {size} bytes, {record.get('size')} recorded"
+        )
+    if verify == "full":
+        if _sha256(file) != record.get("sha256"):
+            raise GraphoptError(f"{file} does not match the manifest's sha256")
+    elif fingerprint(file) != record.get("fingerprint"):
+        raise GraphoptError(
+            f"{file} does not match the manifest's fingerprint (sampled blocks differ)"
+        )
 
 
 def _write_golden(out_dir, original, shapes, given, seed, report, ctx) -> dict[str, Any]:
@@ -507,7 +719,7 @@ def _verify(out_dir: Path, manifest: dict, session: dict, target: Target, report
     providers = session["providers"] if on_device else ["CPUExecutionProvider"]
     try:
         t0 = time.perf_counter()
-        sess = load_session(out_dir, providers=providers, verify_hash=False)
+        sess = load_session(out_dir, providers=providers, verify="none", fast_path=False)
         created = time.perf_counter() - t0
         feeds, expected = _golden(out_dir)
         names = [o.name for o in sess.get_outputs() if o.name in expected]
@@ -653,19 +865,61 @@ def load_session(
     bundle: str | os.PathLike,
     *,
     providers: list[str] | None = None,
-    verify_hash: bool = True,
+    verify: str = "fingerprint",
+    fast_path: bool = True,
+    level: str | None = None,
+    verify_hash: bool | None = None,
 ) -> ort.InferenceSession:
     """An onnxruntime session for a bundle, built as its manifest and session config say.
 
     ``providers`` overrides the bundle's (e.g. ``["CPUExecutionProvider"]`` to run a cuda or npu
     bundle's semantics on a machine without the device); without it, a provider the bundle needs
-    but this machine lacks is an error, never a silent fallback.
+    but this machine lacks is an error, never a silent fallback.  ``verify``: ``fingerprint``
+    (size and sampled blocks of the model files, the default), ``full`` (every byte against the
+    sha256 taken when the bundle was written) or ``none`` (``verify_hash=False`` is ``none``).
+    ``level`` overrides the session config's graph optimization level.  On the machine that
+    wrote the bundle (same onnxruntime, CPU features, providers and requested settings) the
+    session loads the machine-specific fast path with graph optimizations off; anywhere else,
+    or with ``fast_path=False``, the portable model.  :func:`open_session` also says which.
     """
+    if verify_hash is not None and not verify_hash:
+        verify = "none"
+    return open_session(
+        bundle, providers=providers, verify=verify, fast_path=fast_path, level=level
+    )[0]
+
+
+def open_session(
+    bundle: str | os.PathLike,
+    *,
+    providers: list[str] | None = None,
+    verify: str = "fingerprint",
+    fast_path: bool = True,
+    level: str | None = None,
+) -> tuple[ort.InferenceSession, dict[str, Any]]:
+    """:func:`load_session`, and how it loaded: ``{"model", "fast_path", "why", "level",
+    "verify"}`` (``why``: the reason the fast path was not used)."""
+    if verify not in VERIFY_MODES:
+        raise UsageError(f"verify must be one of {', '.join(VERIFY_MODES)} (got {verify!r})")
     path, manifest, config = read_bundle(bundle)
-    model_path = path / manifest.get("model", "model.onnx")
-    if verify_hash and manifest.get("model_sha256"):
-        if _sha256(model_path) != manifest["model_sha256"]:
-            raise GraphoptError(f"{model_path} does not match the manifest's model_sha256")
+    wanted = _providers(manifest, config, providers)
+    level = level or config.get("graph_optimization_level", "ORT_ENABLE_EXTENDED")
+    _level(level)
+    why = fast_path_mismatch(manifest, config, wanted, level) if fast_path else "not asked for"
+    portable = manifest.get("model", "model.onnx")
+    info = {"model": portable, "fast_path": False, "why": why, "level": level, "verify": verify}
+    files = [portable, *manifest.get("external_data", [])]
+    check_integrity(path, manifest, files + ([FAST_MODEL] if why is None else []), verify)
+    if why is None:
+        try:
+            sess = _session(path, manifest, config, FAST_MODEL, wanted, "ORT_DISABLE_ALL", verify)
+            return sess, info | {"model": FAST_MODEL, "fast_path": True}
+        except GraphoptError as e:  # never worse than the portable model
+            info["why"] = f"onnxruntime refused it ({e})"
+    return _session(path, manifest, config, portable, wanted, level, verify), info
+
+
+def _providers(manifest: dict, config: dict, providers: list[str] | None) -> list[str]:
     wanted = list(providers) if providers else list(config.get("providers") or [])
     if not wanted:
         raise UsageError(
@@ -681,22 +935,42 @@ def load_session(
             f"(available: {', '.join(available)}); pass providers=['CPUExecutionProvider'] to "
             "run its semantics on CPU"
         )
+    return wanted
+
+
+def _level(name: str) -> ort.GraphOptimizationLevel:
+    try:
+        return getattr(ort.GraphOptimizationLevel, name)
+    except AttributeError:
+        raise GraphoptError(f"session config: unknown graph_optimization_level {name!r}") from None
+
+
+def _session(
+    path: Path,
+    manifest: dict,
+    config: dict,
+    model: str,
+    wanted: list[str],
+    level: str,
+    verify: str,
+    save_to: Path | None = None,
+) -> ort.InferenceSession:
+    """The session of ``model`` (a file of the bundle) at ``level`` with the config's settings;
+    ``save_to``: where onnxruntime writes the graph it optimized."""
     so = ort.SessionOptions()
     so.log_severity_level = 3
-    level = config.get("graph_optimization_level", "ORT_ENABLE_EXTENDED")
-    try:
-        so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
-    except AttributeError:
-        raise GraphoptError(f"session config: unknown graph_optimization_level {level!r}") from None
+    so.graph_optimization_level = _level(level)
     if config.get("intra_op_num_threads"):
         so.intra_op_num_threads = int(config["intra_op_num_threads"])
     for key, value in sorted((config.get("session_config_entries") or {}).items()):
         so.add_session_config_entry(key, str(value))
-    _register_kernels(path, manifest, config, so, wanted, verify_hash)
+    if save_to is not None:
+        so.optimized_model_filepath = str(save_to)
+    _register_kernels(path, manifest, config, so, wanted, verify != "none")
     try:
         with _kernel_threads(config.get("kernel_threads")):
             return ort.InferenceSession(
-                str(model_path),
+                str(path / model),
                 so,
                 providers=wanted,
                 disabled_optimizers=list(config.get("disabled_optimizers") or []),
@@ -705,6 +979,135 @@ def load_session(
         text = str(e).strip()
         first = text.splitlines()[0] if text else type(e).__name__
         raise GraphoptError(f"onnxruntime cannot load the bundle: {first}") from None
+
+
+# ------------------------------------------------------------------------------ fast path
+@lru_cache(maxsize=1)
+def cpu_features() -> tuple[str, ...] | None:
+    """This CPU's feature flags (``/proc/cpuinfo``: x86 ``flags``, Arm ``Features``), or None
+    where they cannot be read: onnxruntime picks its kernels and layouts by them."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return tuple(sorted(set(value.split())))
+    return None
+
+
+def machine_signature(providers: list[str]) -> dict[str, Any]:
+    """What an onnxruntime-optimized graph depends on besides the settings."""
+    features = cpu_features()
+    return {
+        "onnxruntime": ort.__version__,
+        "machine": platform.machine(),
+        "cpu_features": list(features) if features is not None else None,
+        "providers": list(providers),
+    }
+
+
+def fast_path_mismatch(manifest: dict, config: dict, providers: list[str], level: str):
+    """Why the bundle's fast path cannot serve this session (None when it can)."""
+    fast = manifest.get("fast_path") or {}
+    if not fast.get("written"):
+        return f"the bundle has none ({fast.get('why') or 'written without one'})"
+    built, here = fast.get("built_for") or {}, machine_signature(providers)
+    for key, what in (
+        ("onnxruntime", "onnxruntime"),
+        ("machine", "CPU architecture"),
+        ("providers", "execution providers"),
+    ):
+        if built.get(key) != here[key]:
+            return f"built for {what} {built.get(key)}, this session has {here[key]}"
+    if built.get("cpu_features") != here["cpu_features"]:
+        was, now = set(built.get("cpu_features") or []), set(here["cpu_features"] or [])
+        diff = sorted(f"-{f}" for f in was - now) + sorted(f"+{f}" for f in now - was)
+        return f"built on a CPU with other features ({' '.join(diff[:8]) or 'unknown here'})"
+    settings = _settings(config, level)
+    for key, value in settings.items():
+        if fast.get(key) != value:
+            return f"built for {key} {fast.get(key)}, this session asks for {value}"
+    return None
+
+
+def _settings(config: dict, level: str) -> dict[str, Any]:
+    """The requested settings an optimized graph was built under."""
+    return {
+        "graph_optimization_level": level,
+        "disabled_optimizers": sorted(config.get("disabled_optimizers") or []),
+        "session_config_entries": dict(
+            sorted((config.get("session_config_entries") or {}).items())
+        ),
+    }
+
+
+def _write_fast_path(
+    out_dir: Path, manifest: dict, config: dict, target: Target, wanted: bool
+) -> dict[str, Any]:
+    """onnxruntime's optimized form of model.onnx for this machine (``optimized_model_filepath``
+    at the session config's level), kept only when it loads with optimizations off and its
+    outputs on the golden inputs agree with the portable model's; else why not."""
+    if not wanted:
+        return {"written": False, "why": f"not built for {target.name} bundles by default"}
+    why = _fast_path_obstacle(manifest, config)
+    if why:
+        return {"written": False, "why": why}
+    providers = list(config["providers"])
+    level = config.get("graph_optimization_level", "ORT_ENABLE_EXTENDED")
+    fast = out_dir / FAST_MODEL
+    feeds, _ = _golden(out_dir)
+    try:
+        ref_sess = _session(out_dir, manifest, config, "model.onnx", providers, level, "none", fast)
+        if not fast.is_file():
+            raise GraphoptError("onnxruntime wrote no optimized model")
+        t0 = time.perf_counter()
+        sess = _session(out_dir, manifest, config, FAST_MODEL, providers, "ORT_DISABLE_ALL", "none")
+        created = time.perf_counter() - t0
+        names = [o.name for o in ref_sess.get_outputs()]
+        inputs = {k: v for k, v in feeds.items() if k in {i.name for i in sess.get_inputs()}}
+        ref, got = ref_sess.run(names, inputs), sess.run(names, inputs)
+    except Exception as e:  # noqa: BLE001 - onnxruntime could not save or reload it: no fast path
+        fast.unlink(missing_ok=True)
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return {"written": False, "why": f"onnxruntime could not save or reload it: {text}"}
+    diffs = compare_outputs(names, ref, got, target.tolerances)
+    if not all(d.ok for d in diffs):
+        fast.unlink(missing_ok=True)
+        bad = ", ".join(d.name for d in diffs if not d.ok)
+        return {"written": False, "why": f"its outputs differ from the portable model's ({bad})"}
+    return {
+        "written": True,
+        "model": FAST_MODEL,
+        "built_for": machine_signature(providers),
+        **_settings(config, level),
+        "loaded_with": "ORT_DISABLE_ALL (the graph is already optimized)",
+        "session_create_ms": round(created * 1e3, 2),
+        "verified": {
+            "ok": True,
+            "against": f"the portable model at {level} on the golden inputs",
+            "max_abs": {d.name: d.max_abs for d in diffs},
+        },
+        "note": "used by load_session only on a machine with the same onnxruntime, CPU "
+        "architecture and features, providers and requested settings; elsewhere model.onnx",
+    }
+
+
+def _fast_path_obstacle(manifest: dict, config: dict) -> str | None:
+    """What rules a fast path out before trying to build it."""
+    if not config.get("onnxruntime"):
+        return "the bundle is not run by onnxruntime"
+    missing = [p for p in config.get("providers") or [] if p not in ort.get_available_providers()]
+    if missing or not config.get("providers"):
+        return f"its providers are not available here ({', '.join(missing) or 'none'})"
+    if manifest.get("external_data"):
+        return "the model keeps its weights in external data (an optimized copy would double them)"
+    if cpu_features() is None:
+        return "this machine's CPU features are unknown, so a matching machine could not be told"
+    if not manifest["golden"].get("written"):
+        return "no golden inputs to check it on"
+    return None
 
 
 def _kernel_threads(n):
@@ -741,12 +1144,15 @@ def run_bundle(
     *,
     providers: list[str] | None = None,
     repeat: int = 1,
+    verify: str = "fingerprint",
+    fast_path: bool = True,
 ) -> dict[str, Any]:
     """Run a bundle on ``inputs`` (default: its golden inputs, then compared with the golden
-    outputs).  Returns outputs, timings and, for golden inputs, the comparison."""
+    outputs), its session built by :func:`open_session` (``verify``, ``fast_path``).  Returns
+    outputs, timings, which model file ran and, for golden inputs, the comparison."""
     path, manifest, _ = read_bundle(bundle)
     t0 = time.perf_counter()
-    sess = load_session(path, providers=providers)
+    sess, how = open_session(path, providers=providers, verify=verify, fast_path=fast_path)
     created = time.perf_counter() - t0
     golden = inputs is None
     expected = None
@@ -780,6 +1186,7 @@ def run_bundle(
         "providers": sess.get_providers(),
         "outputs": dict(zip(names, outs)),
         "session_create_ms": round(created * 1e3, 2),
+        "session": how,
         "run_ms": [round(t * 1e3, 4) for t in times],
         "golden": None,
     }

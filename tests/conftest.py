@@ -19,6 +19,9 @@ os.environ.setdefault("GRAPHOPT_PROGRESS_AFTER", "3600")
 # The performance safety net times every cpu optimization (>= 10 s each): off in tests, except
 # where a test turns it on (tests/test_perfnet.py).
 os.environ.setdefault("GRAPHOPT_NO_MEASURE", "1")
+# Generated kernels are on by default where a compiler is present (each gate times its kernel):
+# off in tests, except where a test asks for them (--kernels, a pipeline naming the pass).
+os.environ.setdefault("GRAPHOPT_NO_KERNELS", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

@@ -13,8 +13,8 @@ import pytest
 from onnx import helper
 from typer.testing import CliRunner
 
+import graphopt.targets.bundle as bundle_writer
 from conftest import const, model, vi
-from graphopt import cli
 from graphopt.cli import app
 from graphopt.opt.io import save_model, staging_dir
 from graphopt.opt.manager import RULES
@@ -225,7 +225,7 @@ def test_interrupted_write_leaves_no_temporary_folder(net, tmp_path, monkeypatch
 
     out = tmp_path / "out"
     assert invoke("optimize", net, "-o", out, "-q").exit_code == 0
-    monkeypatch.setattr(cli, "replace_dir", interrupted)
+    monkeypatch.setattr(bundle_writer, "replace_dir", interrupted)
     invoke("optimize", net, "-o", out, "-q")
     assert hidden(tmp_path) == [] and (out / "manifest.json").exists()
 
