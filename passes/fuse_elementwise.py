@@ -1,8 +1,10 @@
-"""fuse-elementwise: chains of element-wise ops -> one generated kernel (issue 8).  Opt-in.
+"""fuse-elementwise: chains of element-wise ops -> one generated kernel.
 
-Not in the -O presets: it needs a compiler at optimize time and ships a custom-op library the
-runtime must load.  Ask for it with ``optimize --kernels`` (adds it before ``legalize``) or by
-name in ``--pipeline``.
+Not in the -O preset texts: it needs a compiler at optimize time and ships a custom-op library
+the runtime must load.  ``optimize`` adds it before ``legalize`` by default for the -O2/-O3
+presets on cpu and cuda (``graphopt.targets.codegen.kernel_pipeline``; ``--no-kernels`` or
+``GRAPHOPT_NO_KERNELS=1`` turn that off), ``--kernels`` adds it to any pipeline, and
+``--pipeline`` may name it.
 
 What is fused (the top-level graph; subgraph bodies are left alone in this version):
 
@@ -579,7 +581,7 @@ class FuseElementwise(Pass):
     name = PASS
     summary = (
         "fuse element-wise chains into generated C/CUDA kernels (graphopt.fused custom ops; "
-        "opt-in: --kernels)"
+        "on by default in optimize's -O2/-O3 on cpu/cuda; --no-kernels)"
     )
     level = 3
     recurse = False

@@ -1,7 +1,8 @@
-"""The per-target bundle (DESIGN.md §7): what will run, how to run it, and what was verified here.
+"""The per-target bundle: what will run, how to run it, and what was verified here.
 
-``optimize`` writes ``OUT_DIR/model.onnx`` (+ ``model.onnx.data``) and ``report.json``; this
-module adds, in the same staging directory (so the whole bundle appears in one rename):
+:func:`write_bundle` (``graphopt.write_bundle``, what ``optimize`` calls) writes
+``OUT_DIR/model.onnx`` (+ ``model.onnx.data``), ``report.json`` and, in the same staging
+directory (so the whole bundle appears in one rename):
 
 * ``manifest.json``: every node → the kernel that runs it on the target (provider, op, domain,
   since-version, dtype; for cuda from the pinned table, for cpu from the live registry), with
@@ -12,7 +13,8 @@ module adds, in the same staging directory (so the whole bundle appears in one r
   saying what ran here and what did not (``"device": "not-run"`` when the target's device is not
   on this machine: a GPU or NPU result is never claimed).
 * ``session_config.json``: how onnxruntime must build the session — graph optimization level
-  (the profile's, EXTENDED or below: ALL adds machine-specific NCHWc layouts), providers, and the
+  (the profile's: ALL on cpu and cuda, whose machine-specific NCHWc layouts are built at load
+  from the portable model.onnx or found in the fast path), providers, and the
   onnxruntime optimizers to disable, each with its reason: fusions the target measured slower
   (``Target.measured_slower``, e.g. SkipLayerNormFusion on cpu) and ConvBNFusion when an fp16
   model keeps a BatchNormalization graphopt's precision guard refused to fold (onnxruntime would
@@ -30,9 +32,22 @@ module adds, in the same staging directory (so the whole bundle appears in one r
   and the session config's ``custom_op_libraries`` names the library per provider, which
   :func:`load_session` registers.
 
+* ``model.machine.onnx`` (cpu bundles by default): the machine-specific fast path, onnxruntime's
+  optimized form of model.onnx (``optimized_model_filepath`` at the session config's level)
+  for the machine that wrote the bundle; the manifest's ``fast_path`` records what it was built
+  for (onnxruntime version, CPU architecture and ``/proc/cpuinfo`` features, providers, level,
+  disabled optimizers, session entries) and how it was checked (it reloads with optimizations
+  off and agrees with the portable model on the golden inputs), or why there is none
+  (onnxruntime could not save or reload it, external data, unknown CPU features).
+* the manifest's ``integrity``: per model file its size, the sha256 of every byte (taken once,
+  here) and a fingerprint (sha256 of the size and sampled blocks, :func:`fingerprint`).
+
 :func:`load_session` builds the session exactly as the manifest and session config say; the
 bundle is checked with it before it is moved into place (golden outputs within the target's
-tolerances, on this machine's CPU when the target's device is absent).
+tolerances, on this machine's CPU when the target's device is absent).  At load it checks the
+size and fingerprint of every model file (``verify="full"``: every sha256), and on a machine
+matching the fast path's record (and the requested settings) it loads model.machine.onnx with
+graph optimizations off; anywhere else, model.onnx at the session config's level.
 """
 
 from __future__ import annotations

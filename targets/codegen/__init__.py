@@ -1,4 +1,4 @@
-"""Kernel code generation for fused element-wise chains (issue 8).
+"""Kernel code generation for fused element-wise chains.
 
 * :mod:`.expr`: the expression a ``graphopt.fused`` node carries (grammar, validation, numpy
   evaluation, kernel identity);
