@@ -165,6 +165,10 @@ def match(p: Pattern, node: Node, b: dict | None = None) -> Iterator[dict]:
 
 
 def _match_tensor(p: Pattern, tensor: Tensor | None, b: dict) -> Iterator[dict]:
+    if isinstance(p, Alt):
+        for o in p.options:
+            yield from _match_tensor(o, tensor, b)
+        return
     if isinstance(p, (Var, Const)):
         if tensor is None:
             if p.optional:

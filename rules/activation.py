@@ -38,7 +38,18 @@ import onnx.defs
 
 from graphopt.opt.ir import Constant, Node, Tensor, Variable, constant_value, dtype_of, type_string
 from graphopt.opt.manager import register_rule
-from graphopt.opt.rewrite import Match, NoMatch, Rule, applies_only_if, require
+from graphopt.opt.rewrite import (
+    Alt,
+    Const,
+    Match,
+    NoMatch,
+    Op,
+    Pattern,
+    Rule,
+    Var,
+    applies_only_if,
+    require,
+)
 
 #: relative tolerance for the constants of a pattern (√2, 0.5, 0.044715, ...)
 REL_TOL = 1e-4
@@ -186,126 +197,72 @@ def _kernel_opset(cx, op: str, lo: int, hi: int, tname: str) -> int | None:
 
 
 # ------------------------------------------------------------------- GELU patterns
-def _mul_trees(root: Node) -> list[tuple[Node, list[Tensor | None]]]:
-    """Split ``Mul(Mul(p, q), r)`` (any operand order) into (inner Mul, [r, p, q])."""
-    ins = inputs(root)
-    if len(ins) != 2:
-        return []
-    out = []
-    for inner_t, other in ((ins[0], ins[1]), (ins[1], ins[0])):
-        inner = producer(inner_t, "Mul")
-        if inner is not None and inner is not root and len(inputs(inner)) == 2:
-            out.append((inner, [other, *inputs(inner)]))
-    return out
+def _gelu_tree(body: Pattern) -> Alt:
+    """``x · half · (1 + body)`` as two Muls, in each association and operand order."""
+    one_plus = Op("Add", body, Const("one"), commute=True, name="add_one")
+    leaves = (Var("x"), Const("half"), one_plus)
+    return Alt(
+        *(
+            Op(
+                "Mul",
+                Op(
+                    "Mul",
+                    *[leaf for j, leaf in enumerate(leaves) if j != i],
+                    commute=True,
+                    name="inner_mul",
+                ),
+                leaves[i],
+                commute=True,
+                name="root_mul",
+            )
+            for i in (1, 0, 2)
+        )
+    )
 
 
-def _match_gelu_tree(root: Node, one_plus_body) -> Match:
-    """Match ``x · c_half · (1 + f(x))`` as two Muls; ``one_plus_body(t, x)`` matches ``f``."""
-    for inner, leaves in _mul_trees(root):
-        for i, leaf in enumerate(leaves):
-            add = producer(leaf, "Add")
-            if add is None:
-                continue
-            parts = split_const(add)
-            if parts is None:
-                continue
-            body_t, one = parts
-            rest = [t for j, t in enumerate(leaves) if j != i]
-            for x, half in (rest, rest[::-1]):
-                if not isinstance(half, Constant) or isinstance(x, Constant) or x is None:
-                    continue
-                body = one_plus_body(body_t, x)
-                if body is None:
-                    continue
-                return Match(
-                    root,
-                    {
-                        "root_mul": root,
-                        "inner_mul": inner,
-                        "add_one": add,
-                        "x": x,
-                        "half": half,
-                        "one": one,
-                        **body,
-                    },
-                )
-    raise no_match()
+#: erf(x/√2) or erf(x·(1/√2))
+ERF_BODY = Op(
+    "Erf",
+    Alt(
+        Op("Div", "x", Const("c_scale"), name="scale"),
+        Op("Mul", "x", Const("c_scale"), commute=True, name="scale"),
+    ),
+    name="erf",
+)
+#: x³ as Pow(x, 3) or x·x·x
+CUBE = Alt(
+    Op("Pow", "x", Const("c_pow"), name="cube"),
+    Op("Mul", "x", Op("Mul", "x", "x", name="square"), commute=True, name="cube"),
+)
+#: tanh(√(2/π)·(x + 0.044715·x³))
+TANH_BODY = Op(
+    "Tanh",
+    Op(
+        "Mul",
+        Op(
+            "Add",
+            "x",
+            Op("Mul", CUBE, Const("c_cubic"), commute=True, name="cubic"),
+            commute=True,
+            name="inner_sum",
+        ),
+        Const("c_sqrt"),
+        commute=True,
+        name="tanh_in",
+    ),
+    name="tanh",
+)
 
 
-def _erf_body(t: Tensor, x: Tensor) -> dict | None:
-    erf = producer(t, "Erf")
-    if erf is None:
-        return None
-    scale = producer(inputs(erf)[0], ("Div", "Mul"))
-    if scale is None:
-        return None
-    ins = inputs(scale)
-    if scale.op == "Div":
-        if ins[0] is not x or not isinstance(ins[1], Constant):
-            return None
-        return {"erf": erf, "scale": scale, "c_scale": ins[1]}
-    parts = split_const(scale)
-    if parts is None or parts[0] is not x:
-        return None
-    return {"erf": erf, "scale": scale, "c_scale": parts[1]}
+class _Activation(Rule):
+    """Base of the activation fusions: the activation's input ``x`` is a computed tensor, not a
+    constant (folding a constant is folding's job)."""
+
+    def structure(self, m, cx):
+        applies_only_if(not isinstance(m.x, Constant))
 
 
-def _cube_nodes(t: Tensor, x: Tensor) -> dict | None:
-    """``Pow(x, c)`` or ``x·x·x`` (any association)."""
-    pw = producer(t, "Pow")
-    if pw is not None:
-        ins = inputs(pw)
-        if ins[0] is x and isinstance(ins[1], Constant):
-            return {"cube": pw, "c_pow": ins[1]}
-        return None
-    outer = producer(t, "Mul")
-    if outer is None:
-        return None
-    a, b = inputs(outer)
-    for single, pair in ((a, b), (b, a)):
-        sq = producer(pair, "Mul")
-        if single is x and sq is not None and all(i is x for i in inputs(sq)):
-            return {"cube": outer, "square": sq}
-    return None
-
-
-def _tanh_body(t: Tensor, x: Tensor) -> dict | None:
-    tanh = producer(t, "Tanh")
-    if tanh is None:
-        return None
-    outer = producer(inputs(tanh)[0], "Mul")
-    parts = split_const(outer) if outer is not None else None
-    if parts is None:
-        return None
-    inner_sum_t, c_sqrt = parts
-    inner_sum = producer(inner_sum_t, "Add")
-    if inner_sum is None:
-        return None
-    a, b = inputs(inner_sum)
-    for xs, cubic_t in ((a, b), (b, a)):
-        if xs is not x:
-            continue
-        cm = producer(cubic_t, "Mul")
-        cparts = split_const(cm) if cm is not None else None
-        if cparts is None:
-            continue
-        cube = _cube_nodes(cparts[0], x)
-        if cube is None:
-            continue
-        return {
-            "tanh": tanh,
-            "tanh_in": outer,
-            "c_sqrt": c_sqrt,
-            "inner_sum": inner_sum,
-            "cubic": cm,
-            "c_cubic": cparts[1],
-            **cube,
-        }
-    return None
-
-
-class _GeluBase(Rule):
-    root = "Mul"
+class _GeluBase(_Activation):
     approximate = "none"
 
     def lowering_choices(self) -> list[tuple[str, str, int | None, dict]]:
@@ -337,9 +294,7 @@ class _GeluBase(Rule):
 class FuseGeluErf(_GeluBase):
     name = "fuse-gelu-erf"
     summary = "x·0.5·(1+erf(x/√2)) → Gelu"
-
-    def match(self, node, cx):
-        return _match_gelu_tree(node, _erf_body)
+    pattern = _gelu_tree(ERF_BODY)
 
     def lowering_choices(self):
         return [("Gelu", MS, None, {}), ("Gelu", "", 20, {"approximate": "none"})]
@@ -356,9 +311,7 @@ class FuseGeluTanh(_GeluBase):
     name = "fuse-gelu-tanh"
     summary = "0.5·x·(1+tanh(√(2/π)·(x+0.044715·x³))) → FastGelu"
     approximate = "tanh"
-
-    def match(self, node, cx):
-        return _match_gelu_tree(node, _tanh_body)
+    pattern = _gelu_tree(TANH_BODY)
 
     def lowering_choices(self):
         return [("FastGelu", MS, None, {}), ("Gelu", "", 20, {"approximate": "tanh"})]
@@ -371,38 +324,33 @@ class FuseGeluTanh(_GeluBase):
 
 
 @register_rule
-class FuseQuickGelu(Rule):
+class FuseQuickGelu(_Activation):
     name = "fuse-quick-gelu"
     root = "Mul"
     summary = "x·σ(α·x) → QuickGelu(alpha=α) (α=1: SiLU)"
-
-    def match(self, node, cx):
-        ins = inputs(node)
-        if len(ins) != 2:
-            raise no_match()
-        for x, s in ((ins[0], ins[1]), (ins[1], ins[0])):
-            sig = producer(s, "Sigmoid")
-            if sig is None or x is None or isinstance(x, Constant):
-                continue
-            arg = inputs(sig)[0]
-            if arg is x:
-                return Match(node, {"mul": node, "sigmoid": sig, "x": x, "alpha": None})
-            scale = producer(arg, "Mul")
-            parts = split_const(scale) if scale is not None else None
-            if parts is not None and parts[0] is x:
-                return Match(
-                    node, {"mul": node, "sigmoid": sig, "scale": scale, "x": x, "alpha": parts[1]}
-                )
-        raise no_match()
+    pattern = Alt(
+        Op("Mul", "x", Op("Sigmoid", "x", name="sigmoid"), commute=True, name="mul"),
+        Op(
+            "Mul",
+            "x",
+            Op(
+                "Sigmoid",
+                Op("Mul", "x", Const("alpha"), commute=True, name="scale"),
+                name="sigmoid",
+            ),
+            commute=True,
+            name="mul",
+        ),
+    )
 
     def check(self, m, cx):
-        alpha = 1.0
-        if m.alpha is not None:
-            alpha = scalar(m.alpha)
+        alpha, factor = 1.0, m.get("alpha")
+        if factor is not None:
+            alpha = scalar(factor)
             require(
                 alpha is not None,
                 "non-scalar-param",
-                f"the sigmoid's factor '{m.alpha.name}' is not a one-element constant",
+                f"the sigmoid's factor '{factor.name}' is not a one-element constant",
             )
         tname = float_type(m.x)
         lowering(cx, [("QuickGelu", MS, None, {})], tname, "QuickGelu")
@@ -421,57 +369,40 @@ class FuseQuickGelu(Rule):
         ]
 
 
-def _hard_gate(t: Tensor | None, x: Tensor) -> list[Node] | None:
-    """The nodes of ``clip(x/6 + 1/2, 0, 1)`` spelled as Paddle and PyTorch exporters do, with
-    ``t`` its value: HardSigmoid(x, α=1/6, β=½), or Div(Clip(x + 3, 0, 6), 6) and its Mul-by-⅙
-    variant; None if ``t`` is not that gate of ``x``."""
-    hs = producer(t, "HardSigmoid")
-    if hs is not None:
-        a = hs.attrs
-        if (
-            inputs(hs)[0] is x
-            and near(a.get("alpha", 0.2), 1 / 6)
-            and near(a.get("beta", 0.5), 0.5)
-        ):
-            return [hs]
-        return None
-    scale = producer(t, ("Div", "Mul"))
-    parts = split_const(scale) if scale is not None else None
-    if parts is None:
-        return None
-    k = scalar(parts[1])
-    if k is None or not near(k, 6.0 if scale.op == "Div" else 1 / 6):
-        return None
-    clip = _relu6(parts[0])
-    if clip is None:
-        return None
-    add = producer(inputs(clip[0])[0], "Add")
-    shift = split_const(add) if add is not None else None
-    if (
-        shift is None
-        or shift[0] is not x
-        or scalar(shift[1]) is None
-        or not near(scalar(shift[1]), 3.0)
-    ):
-        return None
-    return [scale, *clip, add]
+def _near_const(name: str, value: float) -> Const:
+    return Const(name, value=value, scalar=True, rel=REL_TOL)
 
 
-def _relu6(t: Tensor | None) -> list[Node] | None:
-    """``clip(u, 0, 6)`` as Clip (attributes or inputs): [clip]; else None."""
-    clip = producer(t, "Clip")
-    if clip is None:
-        return None
+#: clip(x + 3, 0, 6), the bounds as attributes or inputs (checked by ``_relu6_bounds``)
+RELU6_OF_X_PLUS_3 = Op(
+    "Clip",
+    Op("Add", "x", _near_const("three", 3.0), commute=True, name="add"),
+    extra_inputs=True,
+    name="clip",
+)
+#: clip(x/6 + ½, 0, 1) as Paddle (HardSigmoid α=⅙, β=½) and PyTorch (Clip(x+3, 0, 6)/6) write it
+HARD_GATES = (
+    Op(
+        "HardSigmoid",
+        "x",
+        attrs={"alpha": lambda a: near(a, 1 / 6), "beta": lambda b: near(b, 0.5)},
+        name="gate",
+    ),
+    Op("Div", RELU6_OF_X_PLUS_3, _near_const("k", 6.0), name="gate"),
+    Op("Mul", RELU6_OF_X_PLUS_3, _near_const("k", 1 / 6), commute=True, name="gate"),
+)
+
+
+def _relu6_bounds(clip: Node) -> bool:
+    """Whether ``clip`` clips to [0, 6] (bounds as attributes or constant inputs)."""
     ins = inputs(clip) + [None, None]
     lo = clip.attrs.get("min", scalar(ins[1]) if ins[1] is not None else None)
     hi = clip.attrs.get("max", scalar(ins[2]) if ins[2] is not None else None)
-    if lo is None or hi is None or lo != 0.0 or not near(hi, 6.0):
-        return None
-    return [clip]
+    return lo is not None and hi is not None and lo == 0.0 and near(hi, 6.0)
 
 
 @register_rule
-class FuseHardSwish(Rule):
+class FuseHardSwish(_Activation):
     """``x · clip(x/6 + ½, 0, 1)`` → ``HardSwish(x)`` (opset ≥ 14).
 
     Paddle writes it as ``x · HardSigmoid(x, α=⅙, β=½)`` before opset 14, PyTorch's older exports
@@ -483,32 +414,20 @@ class FuseHardSwish(Rule):
     name = "fuse-hard-swish"
     root = "Mul"
     summary = "x·HardSigmoid(x, ⅙, ½) or x·Clip(x+3, 0, 6)·⅙ → HardSwish"
+    pattern = Alt(
+        *(Op("Mul", "x", gate, commute=True, name="mul") for gate in HARD_GATES),
+        Op(
+            "Mul",
+            Op("Mul", "x", RELU6_OF_X_PLUS_3, commute=True, name="mul"),
+            _near_const("k", 1 / 6),
+            commute=True,
+            name="scale",
+        ),
+    )
 
-    def match(self, node, cx):
-        ins = inputs(node)
-        if len(ins) != 2:
-            raise no_match()
-        if node.op == "Mul":  # x · gate(x)
-            for x, g in ((ins[0], ins[1]), (ins[1], ins[0])):
-                gate = _hard_gate(g, x) if not isinstance(x, Constant) else None
-                if gate is not None:
-                    return Match(node, {"mul": node, **_named(gate), "x": x})
-        # (x · clip(x + 3, 0, 6)) / 6 or · ⅙
-        parts = split_const(node)
-        k = scalar(parts[1]) if parts is not None else None
-        prod = producer(parts[0], "Mul") if parts is not None else None
-        if prod is None or k is None or not near(k, 6.0 if node.op == "Div" else 1 / 6):
-            raise no_match()
-        a, b = inputs(prod)
-        for x, c in ((a, b), (b, a)):
-            clip = _relu6(c)
-            add = producer(inputs(clip[0])[0], "Add") if clip is not None else None
-            shift = split_const(add) if add is not None else None
-            if shift is not None and shift[0] is x and near(scalar(shift[1]) or 0.0, 3.0):
-                return Match(
-                    node, {"scale": node, "mul": prod, "clip": clip[0], "add": add, "x": x}
-                )
-        raise no_match()
+    def structure(self, m, cx):
+        applies_only_if(m.get("clip") is None or _relu6_bounds(m.clip))
+        super().structure(m, cx)
 
     def check(self, m, cx):
         tname = float_type(m.x)
@@ -522,16 +441,17 @@ class FuseHardSwish(Rule):
 @register_rule
 class FuseHardSwishDiv(FuseHardSwish):
     name = "fuse-hard-swish-div"
-    root = "Div"
     summary = "x·Clip(x+3, 0, 6)/6 → HardSwish"
-
-
-def _named(nodes: list[Node]) -> dict:
-    return {f"gate{i}": n for i, n in enumerate(nodes)}
+    pattern = Op(
+        "Div",
+        Op("Mul", "x", RELU6_OF_X_PLUS_3, commute=True, name="mul"),
+        _near_const("k", 6.0),
+        name="scale",
+    )
 
 
 @register_rule
-class FuseMish(Rule):
+class FuseMish(_Activation):
     """``x · tanh(softplus(x))`` → ``Mish(x)`` (opset ≥ 18); softplus as Softplus or as
     ``log(exp(x) + 1)``.  The fused kernel is the more robust one: ``exp`` overflows for large x
     in the spelled-out form (inf → tanh 1 → x, the same result in fp32, but not in fp16)."""
@@ -539,27 +459,30 @@ class FuseMish(Rule):
     name = "fuse-mish"
     root = "Mul"
     summary = "x·tanh(softplus(x)) → Mish"
-
-    def match(self, node, cx):
-        ins = inputs(node)
-        if len(ins) != 2:
-            raise no_match()
-        for x, t in ((ins[0], ins[1]), (ins[1], ins[0])):
-            tanh = producer(t, "Tanh")
-            if tanh is None or isinstance(x, Constant):
-                continue
-            u = inputs(tanh)[0]
-            sp = producer(u, "Softplus")
-            if sp is not None and inputs(sp)[0] is x:
-                return Match(node, {"mul": node, "tanh": tanh, "softplus": sp, "x": x})
-            log = producer(u, "Log")
-            add = producer(inputs(log)[0], "Add") if log is not None else None
-            one = split_const(add) if add is not None else None
-            exp = producer(one[0], "Exp") if one is not None else None
-            if exp is not None and inputs(exp)[0] is x and scalar(one[1]) == 1.0:
-                found = {"mul": node, "tanh": tanh, "log": log, "add": add, "exp": exp, "x": x}
-                return Match(node, found)
-        raise no_match()
+    pattern = Op(
+        "Mul",
+        "x",
+        Op(
+            "Tanh",
+            Alt(
+                Op("Softplus", "x", name="softplus"),
+                Op(
+                    "Log",
+                    Op(
+                        "Add",
+                        Op("Exp", "x", name="exp"),
+                        Const("one", value=1.0, scalar=True),
+                        commute=True,
+                        name="add",
+                    ),
+                    name="log",
+                ),
+            ),
+            name="tanh",
+        ),
+        commute=True,
+        name="mul",
+    )
 
     def check(self, m, cx):
         lowering(cx, [("Mish", "", 18, {})], float_type(m.x), "Mish")
@@ -579,21 +502,18 @@ def bias_vector(c: Constant, width: int | None) -> np.ndarray | None:
     return v.reshape(-1)
 
 
+def _bias_gelu_pattern(op: str) -> Op:
+    """``com.microsoft.<op>(y + b)`` with a constant ``b`` (either operand)."""
+    return Op(op, Op("Add", "y", Const("bias"), commute=True, name="add"), domain=MS, name="gelu")
+
+
 class _BiasGeluBase(Rule):
     """``Gelu(y + b)`` → ``BiasGelu(y, b)``; the bias is a constant vector over the last axis."""
 
-    domain = MS
     fused_op = "BiasGelu"
 
-    def match(self, node, cx):
-        ins = inputs(node)
-        if (node.domain or "") != MS or len(ins) != 1:
-            raise no_match()
-        add = producer(ins[0], "Add")
-        parts = split_const(add) if add is not None else None
-        if parts is None:
-            raise no_match()
-        return Match(node, {"gelu": node, "add": add, "y": parts[0], "bias": parts[1]})
+    def structure(self, m, cx):
+        applies_only_if(not isinstance(m.y, Constant))
 
     def check(self, m, cx):
         width = last_dim(m.y) or last_dim(m.add.outputs[0])
@@ -630,14 +550,14 @@ class _BiasGeluBase(Rule):
 @register_rule
 class FuseBiasGelu(_BiasGeluBase):
     name = "fuse-bias-gelu"
-    root = "Gelu"
+    pattern = _bias_gelu_pattern("Gelu")
     summary = "Add(constant bias) + com.microsoft.Gelu → BiasGelu"
 
 
 @register_rule
 class FuseBiasFastGelu(_BiasGeluBase):
     name = "fuse-bias-fastgelu"
-    root = "FastGelu"
+    pattern = _bias_gelu_pattern("FastGelu")
     fused_op = "FastGelu"
     summary = "Add(constant bias) + com.microsoft.FastGelu → FastGelu(x, bias)"
 

@@ -406,12 +406,8 @@ class GeluErfToTanh(FuseGeluErf):
     changes_numerics = True
     summary = "erf GELU → tanh approximation on a target without Erf (numerics-changing: -O3)"
 
-    def match(self, node, cx):
-        m = super().match(node, cx)  # fuse-gelu-erf's matcher: every spelling it knows
-        self.structure(m, cx)
-        return m
-
-    def structure(self, m, cx):
+    def structure(self, m, cx):  # on fuse-gelu-erf's pattern: every spelling it knows
+        super().structure(m, cx)
         tname = _tname(m.x)
         lacks = not cx.target.has_kernel("Erf", "", cx.ir.opset, tname)
         applies_only_if(lacks or _prefers(cx, "gelu") == "tanh")
