@@ -28,6 +28,7 @@ from . import optimize as run_optimize
 from .opt import errors
 from .opt.bench import apply_baseline, baseline_payload, measure, parse_regression
 from .opt.bisect import bisect as run_bisect
+from .opt.clock import Clock, phase_summary
 from .opt.explain import check_filters, check_rule, group_misses, levers, resolve_explain_op
 from .opt.explain import explain as explain_report
 from .opt.gate import (
@@ -309,6 +310,7 @@ def optimize(
 ) -> None:
     """Optimize MODEL for a target; write OUT_DIR/model.onnx and OUT_DIR/report.json."""
     with handled(), sparse_collection():  # writing the bundle of a large graph too
+        clock = Clock.since_process_start()  # report.seconds: every phase of the wait
         src = model.resolve()
         protected = _protected(src)
         dest = check_output_dir(output or default_bundle_dir(model, target), BUNDLE_KIND, protected)
@@ -320,7 +322,6 @@ def optimize(
         feeds = _load_feeds(inputs, src)
         custom = pipeline is not None
         pipeline = kernel_pipeline(target, level, pipeline, kernels)
-        started = time.monotonic()
         with _progress(quiet) as say:
             optimized, report = run_optimize(
                 src,
@@ -339,11 +340,11 @@ def optimize(
                 reference=reference.value,
                 output_tolerances=parse_tolerances(tolerance),
                 opset=opset,
+                clock=clock,
             )
             expectations = _resolve_expectations(expectations, report, target)
             say("writing the bundle")
             write_bundle(optimized, report, dest, protected=protected, progress=say)
-        wall = time.monotonic() - started
         if remarks:
             _atomic_text(
                 remarks,
@@ -363,7 +364,7 @@ def optimize(
         if fmt == Format.json:
             print(json.dumps(payload, indent=2, sort_keys=True))
         elif not quiet:
-            _render_report(report, custom_pipeline=custom, wall=wall)
+            _render_report(report, custom_pipeline=custom)
             for e in results:
                 mark = "[green]ok[/]" if e.ok else "[red]FAILED[/]"
                 out.print(f"expect {e.text}: {mark} (found {e.actual})")
@@ -563,11 +564,9 @@ def _device_note(report) -> str:
     )
 
 
-def _render_report(report, custom_pipeline: bool = False, wall: float | None = None) -> None:
+def _render_report(report, custom_pipeline: bool = False) -> None:
     how = f"pipeline '{report.pipeline}'" if custom_pipeline else f"-O{report.level}"
-    took = f"{report.seconds.get('total', 0):.2f}s"
-    if wall is not None:
-        took += f" ({wall:.2f}s with the bundle)"
+    took = phase_summary(report.seconds)  # the wait, phase by phase
     out.print(
         f"[bold]{report.model}[/] → target [cyan]{report.target}[/], {how}: "
         f"{report.nodes_before} → {report.nodes_after} nodes, {report.rewrites} rewrites, {took}",

@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 
 from . import compat
+from .clock import Clock
 from .errors import GraphoptError, UsageError
 from .feeds import validate_args
 from .io import PROTOBUF_LIMIT, load_model
@@ -60,6 +61,9 @@ class Report:
     rewrites: int = 0
     applied: list[tuple[int, str, str]] = field(default_factory=list)
     outputs: dict[str, str] = field(default_factory=dict)
+    #: the run's clock: a caller that goes on (writing the bundle) times its phases on it and
+    #: refreshes ``seconds`` from it; not part of report.json
+    clock: Clock = field(default_factory=Clock, repr=False, compare=False)
     #: what the bundle writer needs besides the report: the original model and the parity
     #: inputs (shapes, user inputs, seed) for its golden outputs; not part of report.json
     bundle_context: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -143,6 +147,7 @@ def optimize(
     base_dir: str | os.PathLike | None = None,
     opset: int | None = None,
     measure: bool = True,
+    clock: Clock | None = None,
 ) -> tuple[onnx.ModelProto, Report]:
     """Optimize a model for a target; return the optimized model and the report.
 
@@ -154,45 +159,32 @@ def optimize(
     model to that default-domain opset before the pipeline runs (parity still compares with
     the original).  ``measure`` (cpu, with ``check``) runs the performance safety net
     (:mod:`graphopt.opt.perf`) on the parity inputs; ``GRAPHOPT_NO_MEASURE=1`` turns it off too.
+
+    ``clock`` (:mod:`graphopt.opt.clock`) times the phases (load, passes, validity, parity,
+    measure); a caller that goes on (writing the bundle) passes its own and times its phases on
+    it too.  ``report.seconds`` is the clock's reading when this returns.
     """
     if reference not in ("original", "float64", "both"):
         raise UsageError(f"reference must be original, float64 or both (got '{reference}')")
     say = progress or (lambda _msg: None)
-    times: dict[str, float] = {}
-    t0 = time.perf_counter()
+    clock = clock or Clock()
     name = str(model) if isinstance(model, (str, os.PathLike)) else (model.graph.name or "<model>")
-    if isinstance(model, (str, os.PathLike)):
-        say("loading")
-        base_dir = Path(model).resolve().parent
-        model = load_model(model, lazy_external=True)
-    validate_args(model, shapes, inputs, output_tolerances)
-    work, upgrade_remarks = model, []
-    if opset is not None:
-        say(f"upgrading to opset {opset}")
-        work, before = upgrade_opset(model, opset)
-        if work is not model:
-            upgrade_remarks.append(
-                Remark(
-                    "analysis",
-                    "upgrade-opset",
-                    "upgrade-opset",
-                    "opset-upgraded",
-                    (),
-                    f"default-domain opset {before} → {opset} (onnx version converter) before "
-                    "the pipeline; parity compares with the original",
-                )
-            )
-    tgt = get_target(target)
-    text = preset(level) if pipeline is None else pipeline
-    passes = parse(text)
-    times["load"] = time.perf_counter() - t0
-
-    t1 = time.perf_counter()
-    ops_before = op_histogram(model.graph.node)
+    with clock.phase("load"):
+        if isinstance(model, (str, os.PathLike)):
+            say("loading")
+            base_dir = Path(model).resolve().parent
+            model = load_model(model, lazy_external=True)
+        validate_args(model, shapes, inputs, output_tolerances)
+        work, upgrade_remarks = _upgraded(model, opset, say)
+        tgt = get_target(target)
+        text = preset(level) if pipeline is None else pipeline
+        passes = parse(text)
+        ops_before = op_histogram(model.graph.node)
     ranges, range_remarks = None, []
     if inputs is not None and level >= 2:
-        say("measuring value ranges on the calibration inputs")
-        ranges, range_remarks = _guarded_ranges(model, inputs, shapes, seed, base_dir)
+        with clock.phase("calibration"):
+            say("measuring value ranges on the calibration inputs")
+            ranges, range_remarks = _guarded_ranges(model, inputs, shapes, seed, base_dir)
 
     def execute(limit: int | None, skip: frozenset = frozenset()):
         ir = ModelIR(work, base_dir)
@@ -214,11 +206,15 @@ def optimize(
         say("exporting")
         return ir.to_onnx(), cx
 
-    optimized, cx = execute(bisect_limit)
-    say("checking that the output is valid")
-    budget = max(10.0, 2 * (time.perf_counter() - t1))
-    optimized, cx = _keep_valid(model, optimized, cx, execute, bisect_limit, say, base_dir, budget)
-    times["optimize"] = time.perf_counter() - t1
+    with clock.phase("passes"):
+        optimized, cx = execute(bisect_limit)
+    with clock.phase("validity"):
+        say("checking that the output is valid")
+        budget = max(10.0, 2 * clock.elapsed("passes"))
+        optimized, cx = _keep_valid(
+            model, optimized, cx, execute, bisect_limit, say, base_dir, budget
+        )
+    optimize_s = clock.elapsed("passes") + clock.elapsed("validity")
 
     kw = dict(
         shapes=shapes,
@@ -228,22 +224,20 @@ def optimize(
         per_output=output_tolerances,
         base_dir=base_dir,
     )
-    t2 = time.perf_counter()
-    parity, parity_f64 = _parities(model, optimized, check, reference, kw, base_dir, say)
-    times["parity"] = time.perf_counter() - t2
+    with clock.phase("parity"):
+        parity, parity_f64 = _parities(model, optimized, check, reference, kw, base_dir, say)
     why = _unmeasured(measure, check, tgt.name, parity)
     performance: dict[str, Any] = {"measured": False, "why": why}
     if why is None:
-        t3 = time.perf_counter()
-        net = _PerfNet(model, optimized, cx, execute, bisect_limit, base_dir, say)
-        optimized, cx, performance = net.run(tgt, parity.feeds, times["optimize"])
-        times["measure"] = time.perf_counter() - t3
+        with clock.phase("measure"):
+            net = _PerfNet(model, optimized, cx, execute, bisect_limit, base_dir, say)
+            optimized, cx, performance = net.run(tgt, parity.feeds, optimize_s)
         if performance.get("reverted"):
-            t2 = time.perf_counter()
-            parity, parity_f64 = _parities(model, optimized, check, reference, kw, base_dir, say)
-            times["parity"] += time.perf_counter() - t2
+            with clock.phase("parity"):
+                parity, parity_f64 = _parities(
+                    model, optimized, check, reference, kw, base_dir, say
+                )
     _set_metadata(optimized, {"graphopt.pipeline": to_text(passes), "graphopt.target": tgt.name})
-    times["total"] = time.perf_counter() - t0
 
     report = Report(
         model=name,
@@ -278,9 +272,9 @@ def optimize(
         parity=parity,
         parity_float64=parity_f64,
         performance=performance,
-        seconds={k: round(v, 4) for k, v in times.items()},
         rewrites=cx.rewrites,
         applied=list(cx.applied),
+        clock=clock,
         bundle_context={
             "original": model,
             "shapes": shapes,
@@ -291,7 +285,29 @@ def optimize(
             "reference_outputs": parity.reference_outputs if parity.ran else None,
         },
     )
+    report.seconds = clock.seconds()
     return optimized, report
+
+
+def _upgraded(model: onnx.ModelProto, opset: int | None, say: Progress) -> tuple:
+    """(the model the pipeline starts from, remarks): lifted to ``opset`` when asked."""
+    work, upgrade_remarks = model, []
+    if opset is not None:
+        say(f"upgrading to opset {opset}")
+        work, before = upgrade_opset(model, opset)
+        if work is not model:
+            upgrade_remarks.append(
+                Remark(
+                    "analysis",
+                    "upgrade-opset",
+                    "upgrade-opset",
+                    "opset-upgraded",
+                    (),
+                    f"default-domain opset {before} → {opset} (onnx version converter) before "
+                    "the pipeline; parity compares with the original",
+                )
+            )
+    return work, upgrade_remarks
 
 
 def _parity_shapes(shapes: dict | None, inputs: dict | None) -> dict[str, list[int]]:

@@ -240,13 +240,18 @@ def write_bundle(
     except OSError as e:
         raise ModelSaveError(f"cannot write to {dest.parent}: {e.strerror or e}") from None
     try:
-        write_model_files(
-            model,
-            staging / "model.onnx",
-            external=needs_external_data(model),
-            base_dir=(report.bundle_context or {}).get("base_dir"),
-        )
-        files = write_bundle_files(staging, model, report, progress=progress, fast_path=fast_path)
+        with report.clock.phase("write"):
+            write_model_files(
+                model,
+                staging / "model.onnx",
+                external=needs_external_data(model),
+                base_dir=(report.bundle_context or {}).get("base_dir"),
+            )
+        with report.clock.phase("bundle"):
+            files = write_bundle_files(
+                staging, model, report, progress=progress, fast_path=fast_path
+            )
+        report.seconds = report.clock.seconds()  # report.json: every phase up to here
         report.outputs = {k: str(dest / v) for k, v in files.items()}
         report.outputs["report"] = str(dest / "report.json")
         (staging / "report.json").write_text(json.dumps(report.to_dict(), indent=2, sort_keys=True))
