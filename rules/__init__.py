@@ -10,6 +10,7 @@ from . import (  # noqa: F401
     matmul,
     norm,
     quant,
+    rotary,
     shape,
     target_rewrites,
 )

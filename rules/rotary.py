@@ -1,0 +1,457 @@
+"""Rotary position embedding (level 2): ``x·cos + rotate(x)·sin`` → ``RotaryEmbedding``.
+
+``fuse-rotary-embedding`` (root: the ``Add``) matches the rotation as decoder exporters write it
+on a 4-D ``x`` in (batch, heads, sequence, head_dim) layout:
+
+* half-rotated (``interleaved=0``, Hugging Face ``rotate_half``):
+  ``Concat(Neg(Slice(x, D/2:)), Slice(x, :D/2), axis=−1)``, the two Slices also as one
+  ``Split`` into halves (``slices-to-split`` writes them so);
+* interleaved (``interleaved=1``, even/odd pairs):
+  ``Reshape(Concat(Unsqueeze(Neg(Slice(x, 1::2)), −1), Unsqueeze(Slice(x, 0::2), −1), −1))``.
+
+``cos`` and ``sin`` may be spelled any way that computes them per position from one integer
+(batch, sequence) tensor — the position ids — and constants: on the fly (``Mul`` or
+``MatMul`` of the positions by ``inv_freq``, ``Concat(f, f)``, ``Cos``/``Sin``, an attention
+scaling ``Mul``, ``Cast``s, the ``Unsqueeze`` over the head axis) or gathered from cached
+tables.  The rule collects that subgraph (ops in :data:`POSITION_OPS` only), runs it with
+onnxruntime on the positions ``0..N−1`` to read the tables the model itself computes, checks on
+a second, shuffled batch of positions that every row depends on its own position only, and that
+the two halves (or the even/odd columns) of each row are equal; the half-width tables become the
+op's ``cos_cache``/``sin_cache`` constants.
+
+Positions a fused node can take are bounded by its cache: ``N`` is the row count of a gathered
+table when the model has one (the original fails beyond it too), else
+``GRAPHOPT_ROTARY_POSITIONS`` (default 8192); onnxruntime refuses a position past the cache
+with an error, never a wrong value.  The ``passed`` remark states ``N``.
+
+Lowering: ONNX ``RotaryEmbedding`` (opset ≥ 23; inputs x, cos, sin, position_ids) or
+``com.microsoft.RotaryEmbedding`` (inputs x, position_ids, cos, sin), whichever the target's
+kernel table has first.
+
+Guards (missed remarks): ``non-constant-param`` (Slice bounds or steps computed at run time),
+``axes-not-last`` (the rotation slices another axis), ``constant-mismatch`` (the slices are not
+the two halves / the even and odd columns of the head dimension, or the tables' halves differ),
+``unknown-shape`` (rank or head dimension unknown, or odd), ``position-source`` (cos/sin are not
+computed from one integer (batch, sequence) tensor and constants only, or not per position),
+``layout`` (cos/sin broadcast over another axis than the heads: a (batch, sequence, heads,
+head_dim) input), ``shape-mismatch`` (the position tensor's dims are not provably x's batch and
+sequence), ``dtype-mismatch``, ``evaluation-failed`` (onnxruntime could not compute the tables),
+``no-kernel`` / ``opset-too-old``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from graphopt.opt.analysis import EvaluationError, evaluate
+from graphopt.opt.dims import same_dim
+from graphopt.opt.ir import Constant, Node, Tensor, Variable, constant_value, dtype_of
+from graphopt.opt.manager import register_rule
+from graphopt.opt.rewrite import Match, Rule, require, require_constant
+
+from .activation import MS, float_type, inputs, lowering, no_match, producer
+
+#: ops that may compute cos/sin from the positions (elementwise, shape glue, table gathers)
+POSITION_OPS = frozenset(
+    {
+        "Unsqueeze",
+        "Squeeze",
+        "Cast",
+        "Mul",
+        "Div",
+        "Add",
+        "Sub",
+        "Neg",
+        "MatMul",
+        "Transpose",
+        "Concat",
+        "Cos",
+        "Sin",
+        "Gather",
+        "Expand",
+        "Reshape",
+        "Shape",
+        "Identity",
+    }
+)
+DEFAULT_POSITIONS = 8192
+_LARGE = 2**31  # a Slice end at or beyond this means "to the end"
+
+
+def max_positions() -> int:
+    """Rows of a computed cache: ``GRAPHOPT_ROTARY_POSITIONS`` or 8192."""
+    text = os.environ.get("GRAPHOPT_ROTARY_POSITIONS", "")
+    return int(text) if text.isdigit() and int(text) > 0 else DEFAULT_POSITIONS
+
+
+# ------------------------------------------------------------------------- matching
+def _rotated_half(t: Tensor) -> dict | None:
+    """``Concat(Neg(Slice(x, hi)), Slice(x, lo), axis)``, or the two halves from one Split."""
+    cat = producer(t, "Concat")
+    if cat is None or len(inputs(cat)) != 2:
+        return None
+    neg = producer(inputs(cat)[0], "Neg")
+    hi_t, lo_t = (inputs(neg)[0] if neg is not None else None), inputs(cat)[1]
+    split = producer(hi_t, "Split")
+    if split is not None and producer(lo_t, "Split") is split and len(split.outputs) == 2:
+        if split.outputs[0] is lo_t and split.outputs[1] is hi_t:
+            x = inputs(split)[0]
+            return {"x": x, "concat": cat, "neg": neg, "split": split}
+        return None
+    hi, lo = producer(hi_t, "Slice"), producer(lo_t, "Slice")
+    if hi is None or lo is None or inputs(hi)[0] is not inputs(lo)[0]:
+        return None
+    return {"x": inputs(hi)[0], "concat": cat, "neg": neg, "slice_hi": hi, "slice_lo": lo}
+
+
+def _rotated_pairs(t: Tensor) -> dict | None:
+    """``Reshape(Concat(Unsqueeze(Neg(Slice(x, 1::2))), Unsqueeze(Slice(x, 0::2)), −1))``."""
+    reshape = producer(t, "Reshape")
+    cat = producer(inputs(reshape)[0], "Concat") if reshape is not None else None
+    if cat is None or len(inputs(cat)) != 2:
+        return None
+    u_odd, u_even = (producer(i, "Unsqueeze") for i in inputs(cat))
+    if u_odd is None or u_even is None:
+        return None
+    neg = producer(inputs(u_odd)[0], "Neg")
+    odd = producer(inputs(neg)[0], "Slice") if neg is not None else None
+    even = producer(inputs(u_even)[0], "Slice")
+    if odd is None or even is None or inputs(odd)[0] is not inputs(even)[0]:
+        return None
+    return {
+        "x": inputs(odd)[0],
+        "reshape": reshape,
+        "concat": cat,
+        "unsq_odd": u_odd,
+        "unsq_even": u_even,
+        "neg": neg,
+        "slice_odd": odd,
+        "slice_even": even,
+    }
+
+
+def _pairs(node: Node) -> list[tuple[Tensor, Tensor]]:
+    a, b = inputs(node)[:2]
+    return [(a, b), (b, a)]
+
+
+# ------------------------------------------------------------------------- the tables
+def _slice_params(node: Node, cx) -> tuple[int, int, int, int]:
+    """(start, end, axis, step) of a one-axis Slice with constant parameters."""
+    ins = inputs(node)
+    require(len(ins) >= 4, "non-constant-param", f"'{node.name}' has no axes input")
+    named = [("Slice start", ins[1]), ("Slice end", ins[2]), ("Slice axes", ins[3])]
+    if len(ins) > 4:
+        named.append(("Slice step", ins[4]))
+    require_constant(cx, cx.ir, *named)
+    vals = [np.asarray(constant_value(t)).reshape(-1) for _, t in named]
+    require(
+        all(v.size == 1 for v in vals),
+        "axes-not-last",
+        f"'{node.name}' slices {vals[2].size} axes; the rotation slices the last one only",
+    )
+    step = int(vals[3][0]) if len(vals) > 3 else 1
+    return int(vals[0][0]), int(vals[1][0]), int(vals[2][0]), step
+
+
+def _check_slice(node: Node, cx, want: tuple[int, int, int], rank: int, width: int) -> None:
+    start, end, axis, step = _slice_params(node, cx)
+    require(
+        axis in (-1, rank - 1),
+        "axes-not-last",
+        f"'{node.name}' slices axis {axis} of a rank-{rank} tensor, not the head dimension",
+    )
+    end = min(end, width)
+    got = (start + width if start < 0 else start, end + width if end < 0 else end, step)
+    require(
+        got == want,
+        "constant-mismatch",
+        f"'{node.name}' takes [{got[0]}:{got[1]}:{got[2]}] of a head dimension of {width}; "
+        f"the rotation needs [{want[0]}:{want[1]}:{want[2]}]",
+    )
+
+
+def _check_split(node: Node, cx, rank: int, width: int) -> None:
+    """A Split of the head dimension into two equal halves."""
+    axis = int(node.attrs.get("axis", 0))
+    require(
+        axis in (-1, rank - 1),
+        "axes-not-last",
+        f"'{node.name}' splits axis {axis} of a rank-{rank} tensor, not the head dimension",
+    )
+    ins = inputs(node)
+    if len(ins) > 1 and ins[1] is not None:
+        require_constant(cx, cx.ir, ("the Split sizes", ins[1]))
+        sizes = [int(v) for v in np.asarray(constant_value(ins[1])).reshape(-1)]
+    else:
+        sizes = [int(v) for v in node.attrs.get("split", [])] or [width // 2, width // 2]
+    require(
+        sizes == [width // 2, width // 2],
+        "constant-mismatch",
+        f"'{node.name}' splits a head dimension of {width} into {sizes}; the rotation needs "
+        "two halves",
+    )
+
+
+def _position_subgraph(roots: list[Tensor]) -> tuple[list[Node], Tensor | None, str]:
+    """The nodes computing ``roots`` from one integer rank-2 tensor and constants: (nodes,
+    the position tensor, problem)."""
+    nodes: dict[int, Node] = {}
+    leaves: dict[int, Tensor] = {}
+    stack = list(roots)
+    while stack:
+        t = stack.pop()
+        if t is None or isinstance(t, Constant):
+            continue
+        dt = dtype_of(t)
+        is_positions = (
+            dt is not None and dt.kind in "iu" and t.shape is not None and len(t.shape) == 2
+        )
+        node = t.inputs[0] if t.inputs else None
+        if is_positions or node is None:
+            leaves[id(t)] = t
+            continue
+        if node.op == "Constant" or id(node) in nodes:
+            if node.op == "Constant":
+                nodes[id(node)] = node
+            continue
+        if node.op not in POSITION_OPS or (node.domain or "") not in ("", "ai.onnx"):
+            return [], None, f"'{t.name}' comes from a {node.op} node ('{node.name}')"
+        nodes[id(node)] = node
+        stack.extend(inputs(node))
+    if len(leaves) != 1:
+        names = ", ".join(sorted(t.name for t in leaves.values())) or "no tensor"
+        return [], None, f"they are computed from {names}, not from one position tensor"
+    (pos,) = leaves.values()
+    dt = dtype_of(pos)
+    if dt is None or dt.kind not in "iu" or pos.shape is None or len(pos.shape) != 2:
+        return [], None, f"'{pos.name}' is not an integer (batch, sequence) tensor"
+    return list(nodes.values()), pos, ""
+
+
+def _table_rows(nodes: list[Node]) -> int | None:
+    """Rows of a constant table the subgraph gathers from (the original's own position limit)."""
+    rows = [
+        int(inputs(n)[0].shape[0])
+        for n in nodes
+        if n.op == "Gather"
+        and isinstance(inputs(n)[0], Constant)
+        and len(inputs(n)[0].shape) == 2
+        and int(n.attrs.get("axis", 0)) == 0
+    ]
+    return min(rows) if rows else None
+
+
+def _run(ir, nodes: list[Node], pos: Tensor, values: np.ndarray, outs: list[Tensor]):
+    order = {id(n): i for i, n in enumerate(ir.graph.nodes)}
+    ordered = sorted(nodes, key=lambda n: order.get(id(n), -1))
+    known = {pos.name: values.astype(dtype_of(pos))}
+    for n in ordered:
+        for t in inputs(n):
+            if isinstance(t, Constant):
+                known[t.name] = np.asarray(constant_value(t))
+    try:
+        got = evaluate(ir, ordered, known, [t.name for t in outs])
+    except EvaluationError as e:
+        require(False, "evaluation-failed", f"onnxruntime could not compute cos/sin: {e}")
+    return [got[t.name] for t in outs]
+
+
+def _tables(m: Match, cx, width: int, interleaved: bool) -> tuple[np.ndarray, np.ndarray, int]:
+    """The half-width cos/sin caches and the number of positions they cover."""
+    nodes, pos, problem = _position_subgraph([m.cos, m.sin])
+    require(pos is not None, "position-source", f"cos/sin are not per-position tables: {problem}")
+    rows = _table_rows(nodes) or max_positions()
+    cos, sin = _run(cx.ir, nodes, pos, np.arange(rows).reshape(1, rows), [m.cos, m.sin])
+    for name, v in (("cos", cos), ("sin", sin)):
+        require(
+            v.ndim == 4 and v.shape[-1] == width and v.shape[0] == 1,
+            "shape-mismatch",
+            f"{name} for {rows} positions has shape {list(v.shape)}; expected "
+            f"[1, 1, {rows}, {width}]",
+        )
+        require(
+            v.shape[1] == 1 and v.shape[2] == rows,
+            "layout",
+            f"{name} has shape {list(v.shape)} for {rows} positions: it broadcasts over axis 2, "
+            "so x is (batch, sequence, heads, head_dim); RotaryEmbedding takes "
+            "(batch, heads, sequence, head_dim)",
+        )
+    cos, sin = cos[0, 0], sin[0, 0]
+    _check_per_position(cx, nodes, pos, m, cos, sin)
+    halves = (
+        (slice(0, None, 2), slice(1, None, 2))
+        if interleaved
+        else (
+            slice(0, width // 2),
+            slice(width // 2, width),
+        )
+    )
+    for name, v in (("cos", cos), ("sin", sin)):
+        a, b = v[:, halves[0]], v[:, halves[1]]
+        require(
+            np.allclose(a, b, rtol=1e-6, atol=1e-7),
+            "constant-mismatch",
+            f"the {'even and odd columns' if interleaved else 'two halves'} of the {name} "
+            f"table differ (max {float(np.abs(a - b).max()):.3g}); RotaryEmbedding repeats one "
+            "half-width table",
+        )
+    return np.ascontiguousarray(cos[:, halves[0]]), np.ascontiguousarray(sin[:, halves[0]]), rows
+
+
+def _check_per_position(cx, nodes, pos, m, cos, sin) -> None:
+    """Two rows of shuffled positions must give the rows of the tables at those positions."""
+    rows = cos.shape[0] - cos.shape[0] % 2
+    shuffled = np.random.default_rng(0).permutation(rows).reshape(2, rows // 2)
+    c2, s2 = _run(cx.ir, nodes, pos, shuffled, [m.cos, m.sin])
+    ok = c2.shape == (2, 1, rows // 2, cos.shape[1]) and np.allclose(
+        c2[:, 0], cos[shuffled], rtol=1e-6, atol=1e-7
+    )
+    ok = ok and np.allclose(s2[:, 0], sin[shuffled], rtol=1e-6, atol=1e-7)
+    require(
+        ok,
+        "position-source",
+        f"cos/sin computed from '{pos.name}' do not depend on each position alone (a batch of "
+        "shuffled positions gives other rows)",
+    )
+
+
+# ---------------------------------------------------------------------------- rule
+@register_rule
+class FuseRotaryEmbedding(Rule):
+    name = "fuse-rotary-embedding"
+    root = "Add"
+    summary = "x·cos + rotate_half(x)·sin → RotaryEmbedding"
+
+    def match(self, node, cx):
+        if len(inputs(node)) != 2:
+            raise no_match()
+        for a, b in _pairs(node):
+            mul_c, mul_s = producer(a, "Mul"), producer(b, "Mul")
+            if mul_c is None or mul_s is None or len(inputs(mul_c)) != 2:
+                continue
+            for x, cos in _pairs(mul_c):
+                for rot, sin in _pairs(mul_s):
+                    for layout, find in (("half", _rotated_half), ("pairs", _rotated_pairs)):
+                        parts = find(rot) if isinstance(rot, Variable) else None
+                        if parts is not None and parts["x"] is x:
+                            return Match(
+                                node,
+                                {
+                                    "add": node,
+                                    "mul_cos": mul_c,
+                                    "mul_sin": mul_s,
+                                    **parts,
+                                    "cos": cos,
+                                    "sin": sin,
+                                    "layout": layout,
+                                },
+                            )
+        raise no_match()
+
+    def check(self, m, cx):
+        x = m.x
+        rank = len(x.shape) if x.shape is not None else None
+        width = x.shape[-1] if rank else None
+        require(
+            rank == 4 and isinstance(width, (int, np.integer)) and width > 0 and width % 2 == 0,
+            "unknown-shape",
+            f"'{x.name}' has shape {x.shape}; the rotation needs a 4-D input with a static, "
+            "even head dimension",
+        )
+        width = int(width)
+        interleaved = m.layout == "pairs"
+        if interleaved:
+            _check_slice(m.slice_odd, cx, (1, width, 2), rank, width)
+            _check_slice(m.slice_even, cx, (0, width, 2), rank, width)
+            self._check_pairs(m, width)
+        else:
+            if "split" in m.bindings:
+                _check_split(m.split, cx, rank, width)
+            else:
+                _check_slice(m.slice_hi, cx, (width // 2, width, 1), rank, width)
+                _check_slice(m.slice_lo, cx, (0, width // 2, 1), rank, width)
+            axis = int(m.concat.attrs.get("axis", 0))
+            require(
+                axis in (-1, rank - 1),
+                "axes-not-last",
+                f"'{m.concat.name}' joins the halves on axis {axis}, not the head dimension",
+            )
+        tname = float_type(x)
+        require(
+            dtype_of(m.cos) == dtype_of(x) and dtype_of(m.sin) == dtype_of(x),
+            "dtype-mismatch",
+            f"cos/sin are {dtype_of(m.cos)}/{dtype_of(m.sin)}, x is {dtype_of(x)}",
+        )
+        op, domain, _ = lowering(
+            cx,
+            [("RotaryEmbedding", "", 23, {}), ("RotaryEmbedding", MS, None, {})],
+            tname,
+            "RotaryEmbedding",
+        )
+        cos, sin, rows = _tables(m, cx, width, interleaved)
+        nodes, pos, _ = _position_subgraph([m.cos, m.sin])
+        require(
+            same_dim(pos, 0, x, 0) and same_dim(pos, 1, x, 2),
+            "shape-mismatch",
+            f"cannot prove '{pos.name}' {list(pos.shape)} is (batch, sequence) of "
+            f"'{x.name}' {list(x.shape)}; RotaryEmbedding takes one position per token",
+        )
+        m.stash(
+            op=op,
+            op_domain=domain,
+            cos_cache=cos,
+            sin_cache=sin,
+            rows=rows,
+            pos=pos,
+            interleaved=int(interleaved),
+        )
+
+    def _check_pairs(self, m, width: int) -> None:
+        for u in (m.unsq_odd, m.unsq_even):
+            axes = constant_value(inputs(u)[1]) if len(inputs(u)) > 1 else u.attrs.get("axes")
+            axes = None if axes is None else [int(a) for a in np.asarray(axes).reshape(-1)]
+            require(
+                axes in ([-1], [4]),
+                "axes-not-last",
+                f"'{u.name}' adds axis {axes}; the interleaved rotation stacks on a new last axis",
+            )
+        axis = int(m.concat.attrs.get("axis", 0))
+        require(
+            axis in (-1, 4),
+            "axes-not-last",
+            f"'{m.concat.name}' stacks the pairs on axis {axis}, not a new last axis",
+        )
+        out = m.reshape.outputs[0]
+        require(
+            out.shape is not None
+            and len(out.shape) == 4
+            and out.shape[-1] == width
+            and all(same_dim(out, i, m.x, i) for i in range(3)),
+            "shape-mismatch",
+            f"'{m.reshape.name}' gives shape {out.shape}, not the shape of '{m.x.name}' "
+            f"{m.x.shape}",
+        )
+
+    def rewrite(self, m, b):
+        cos = b.const(m.cos_cache, "cos_cache")
+        sin = b.const(m.sin_cache, "sin_cache")
+        pos = m.pos
+        if dtype_of(pos) != np.dtype(np.int64):
+            pos = b.op("Cast", [pos], {"to": 7}, name=f"{m.root.name}/positions_int64")
+            pos.dtype, pos.shape = np.dtype(np.int64), m.pos.shape
+        ins = [m.x, cos, sin, pos] if m.op_domain == "" else [m.x, pos, cos, sin]
+        out = b.op(
+            m.op,
+            ins,
+            {"interleaved": m.interleaved},
+            domain=m.op_domain,
+            like=m.root.outputs[0],
+            name=f"{m.root.name}/{m.op}",
+        )
+        return [out]
+
+
+__all__ = ["DEFAULT_POSITIONS", "POSITION_OPS", "max_positions"]
