@@ -38,7 +38,8 @@ directory (so the whole bundle appears in one rename):
   for (onnxruntime version, CPU architecture and ``/proc/cpuinfo`` features, providers, level,
   disabled optimizers, session entries) and how it was checked (it reloads with optimizations
   off and agrees with the portable model on the golden inputs), or why there is none
-  (onnxruntime could not save or reload it, external data, unknown CPU features).
+  (onnxruntime could not save, reload or run it, external data, unknown CPU features); it is
+  checked on the golden inputs, or seeded random ones when parity did not run.
 * the manifest's ``integrity``: per model file its size, the sha256 of every byte (taken once,
   here) and a fingerprint (sha256 of the size and sampled blocks, :func:`fingerprint`).
 
@@ -70,6 +71,7 @@ import onnx
 import onnxruntime as ort
 
 from graphopt.opt.errors import GraphoptError, ModelSaveError, UsageError
+from graphopt.opt.generation import report_generation
 from graphopt.opt.io import (
     OutputDirKind,
     check_output_dir,
@@ -254,7 +256,9 @@ def write_bundle(
         report.seconds = report.clock.seconds()  # report.json: every phase up to here
         report.outputs = {k: str(dest / v) for k, v in files.items()}
         report.outputs["report"] = str(dest / "report.json")
-        (staging / "report.json").write_text(json.dumps(report.to_dict(), indent=2, sort_keys=True))
+        doc = report.to_dict()
+        doc["generation"] = report_generation(report, model)  # decoders with a KV cache
+        (staging / "report.json").write_text(json.dumps(doc, indent=2, sort_keys=True))
         check_output_dir(dest, BUNDLE_KIND, protected)  # again: minutes may have passed
         replace_dir(staging, dest)
     except OSError as e:
@@ -1077,7 +1081,7 @@ def _write_fast_path(
     providers = list(config["providers"])
     level = config.get("graph_optimization_level", "ORT_ENABLE_EXTENDED")
     fast = out_dir / FAST_MODEL
-    feeds, _ = _golden(out_dir)
+    golden = bool(manifest["golden"].get("written"))
     try:
         ref_sess = _session(out_dir, manifest, config, "model.onnx", providers, level, "none", fast)
         if not fast.is_file():
@@ -1085,13 +1089,14 @@ def _write_fast_path(
         t0 = time.perf_counter()
         sess = _session(out_dir, manifest, config, FAST_MODEL, providers, "ORT_DISABLE_ALL", "none")
         created = time.perf_counter() - t0
+        feeds = _golden(out_dir)[0] if golden else make_inputs(ref_sess, {}, 0)
         names = [o.name for o in ref_sess.get_outputs()]
         inputs = {k: v for k, v in feeds.items() if k in {i.name for i in sess.get_inputs()}}
         ref, got = ref_sess.run(names, inputs), sess.run(names, inputs)
-    except Exception as e:  # noqa: BLE001 - onnxruntime could not save or reload it: no fast path
+    except Exception as e:  # noqa: BLE001 - not saved, not reloaded or not run: no fast path
         fast.unlink(missing_ok=True)
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return {"written": False, "why": f"onnxruntime could not save or reload it: {text}"}
+        return {"written": False, "why": f"onnxruntime could not save, reload or run it: {text}"}
     diffs = compare_outputs(names, ref, got, target.tolerances)
     if not all(d.ok for d in diffs):
         fast.unlink(missing_ok=True)
@@ -1106,7 +1111,8 @@ def _write_fast_path(
         "session_create_ms": round(created * 1e3, 2),
         "verified": {
             "ok": True,
-            "against": f"the portable model at {level} on the golden inputs",
+            "against": f"the portable model at {level} on "
+            + ("the golden inputs" if golden else "seeded random inputs (no golden inputs)"),
             "max_abs": {d.name: d.max_abs for d in diffs},
         },
         "note": "used by load_session only on a machine with the same onnxruntime, CPU "
@@ -1125,8 +1131,6 @@ def _fast_path_obstacle(manifest: dict, config: dict) -> str | None:
         return "the model keeps its weights in external data (an optimized copy would double them)"
     if cpu_features() is None:
         return "this machine's CPU features are unknown, so a matching machine could not be told"
-    if not manifest["golden"].get("written"):
-        return "no golden inputs to check it on"
     return None
 
 

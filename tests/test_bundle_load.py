@@ -224,6 +224,16 @@ def test_no_fast_path_when_onnxruntime_cannot_save_it(wide, tmp_path, monkeypatc
     assert sess.run(None, feeds())[0].shape == (2, 1024)
 
 
+def test_fast_path_without_golden_inputs_is_checked_on_random_ones(wide, tmp_path):
+    optimized, report = graphopt.optimize(wide, target="cpu", check=False)
+    out = graphopt.write_bundle(optimized, report, tmp_path / "b")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert not manifest["golden"]["written"]
+    assert manifest["fast_path"]["written"]
+    assert "seeded random inputs" in manifest["fast_path"]["verified"]["against"]
+    assert graphopt.open_session(out)[1]["fast_path"]
+
+
 def test_fast_path_only_for_cpu_by_default(wide, tmp_path):
     optimized, report = graphopt.optimize(wide, target="cuda")
     out = graphopt.write_bundle(optimized, report, tmp_path / "b")
