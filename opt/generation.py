@@ -1,0 +1,300 @@
+"""The generation check: greedy decoding with a KV cache, original against optimized.
+
+Parity compares one run on one set of inputs; a decoder is deployed in a loop that feeds its
+own ``present`` outputs back as the next step's ``past`` inputs.  :func:`check_generation` runs
+that loop on both models: a prefill of ``prefill`` tokens with an empty cache, then ``steps``
+decode steps of one token, each model on its own cache.  Both models are fed the original's
+greedy token (so their logits stay comparable after a disagreement); at every step the
+optimized model's own greedy choice is compared with the original's.
+
+A decoder is recognized from its interface (:func:`decoder_interface`): an integer
+``input_ids`` input, float inputs named ``past_key_values.N.key`` / ``.value`` (or ``past.N.*``,
+``past_key.N`` / ``past_value.N``) whose ``past`` → ``present`` renamed outputs exist, and a
+``logits`` output (else the first output).  ``attention_mask`` (all ones over past + new) and
+``position_ids`` (the token's position) are fed when the model has them; cache tensors are
+(batch, kv_heads, past_sequence, head_dim) with static heads and head_dim.
+
+The result (:class:`GenerationResult`) says whether it ran (and why not), the largest logits
+difference per step and overall (absolute, and relative to the largest original logit), the
+greedy tokens of both, and ``ok``: same tokens and every step's logits within
+``atol + rtol·max|original|`` (parity's tolerances for the logits' dtype).  onnxruntime runs both
+on CPU with graph optimizations disabled, as parity does.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from .parity import DEFAULT_TOLERANCES
+
+_PAST = re.compile(r"^(past_key_values|past)\.(\d+)\.(key|value)$|^past_(key|value)[._](\d+)$")
+_NP_TYPES = {
+    onnx.TensorProto.FLOAT: np.float32,
+    onnx.TensorProto.FLOAT16: np.float16,
+    onnx.TensorProto.DOUBLE: np.float64,
+    onnx.TensorProto.INT64: np.int64,
+    onnx.TensorProto.INT32: np.int32,
+}
+
+
+@dataclass
+class Interface:
+    """How to drive a decoder: its inputs, cache tensors and logits output."""
+
+    input_ids: str
+    ids_dtype: type
+    logits: str
+    #: past input name → (present output name, dtype, kv_heads, head_dim)
+    cache: dict[str, tuple[str, type, int, int]]
+    attention_mask: tuple[str, type] | None = None
+    position_ids: tuple[str, type] | None = None
+    vocab: int | None = None
+
+
+@dataclass
+class GenerationResult:
+    """One greedy-generation comparison; ``to_dict`` is report.json's ``generation``."""
+
+    ran: bool
+    ok: bool
+    why: str | None = None
+    prefill: int = 0
+    steps: int = 0
+    batch: int = 1
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    tolerance: tuple[float, float] | None = None
+    tokens_match: bool = False
+    first_mismatch: int | None = None
+    tokens_original: list[list[int]] = field(default_factory=list)
+    tokens_optimized: list[list[int]] = field(default_factory=list)
+    per_step: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @classmethod
+    def not_run(cls, why: str) -> GenerationResult:
+        return cls(ran=False, ok=False, why=why)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["tolerance"] = list(self.tolerance) if self.tolerance else None
+        return d
+
+
+# ----------------------------------------------------------------------------- interface
+def _elem(vi: onnx.ValueInfoProto) -> int:
+    return vi.type.tensor_type.elem_type
+
+
+def _dims(vi: onnx.ValueInfoProto) -> list[int | str | None]:
+    out: list[int | str | None] = []
+    for d in vi.type.tensor_type.shape.dim:
+        out.append(d.dim_value if d.HasField("dim_value") else (d.dim_param or None))
+    return out
+
+
+def _present_name(past: str) -> list[str]:
+    """The output names a past input's present may have."""
+    m = _PAST.match(past)
+    if m is None:
+        return []
+    if m.group(1):
+        return [
+            f"present.{m.group(2)}.{m.group(3)}",
+            f"present_key_values.{m.group(2)}.{m.group(3)}",
+        ]
+    return [f"present_{m.group(4)}.{m.group(5)}", f"present_{m.group(4)}_{m.group(5)}"]
+
+
+def decoder_interface(model: onnx.ModelProto) -> Interface | str:
+    """The decoder's interface, or a sentence saying why it is not a decoder with a KV cache."""
+    graph = model.graph
+    inits = {i.name for i in graph.initializer}
+    ins = {i.name: i for i in graph.input if i.name not in inits}
+    outs = {o.name: o for o in graph.output}
+    ids = ins.get("input_ids")
+    if ids is None or _elem(ids) not in (onnx.TensorProto.INT64, onnx.TensorProto.INT32):
+        return "no integer input_ids input"
+    cache: dict[str, tuple[str, type, int, int]] = {}
+    for name, vi in ins.items():
+        if not _PAST.match(name):
+            continue
+        present = next((p for p in _present_name(name) if p in outs), None)
+        if present is None:
+            return f"cache input '{name}' has no present output"
+        dims = _dims(vi)
+        if len(dims) != 4 or not all(isinstance(d, int) and d > 0 for d in dims[1:2] + dims[3:]):
+            return f"cache input '{name}' is not (batch, heads, past, head_dim) with static heads"
+        if _elem(vi) not in _NP_TYPES:
+            return f"cache input '{name}' has an unsupported element type"
+        cache[name] = (present, _NP_TYPES[_elem(vi)], int(dims[1]), int(dims[3]))
+    if not cache:
+        return "no past_key_values.* inputs (not a decoder with a KV cache)"
+    logits_vi = outs.get("logits") or graph.output[0]
+    vocab = _dims(logits_vi)[-1] if _dims(logits_vi) else None
+    extra = {}
+    for key in ("attention_mask", "position_ids"):
+        vi = ins.get(key)
+        if vi is not None:
+            if _elem(vi) not in _NP_TYPES:
+                return f"input '{key}' has an unsupported element type"
+            extra[key] = (key, _NP_TYPES[_elem(vi)])
+    known = {"input_ids", *cache, *extra}
+    unknown = sorted(set(ins) - known)
+    if unknown:
+        return f"inputs the generation loop cannot feed: {', '.join(unknown[:4])}"
+    return Interface(
+        input_ids="input_ids",
+        ids_dtype=_NP_TYPES[_elem(ids)],
+        logits=logits_vi.name,
+        cache=cache,
+        vocab=vocab if isinstance(vocab, int) and vocab > 0 else None,
+        **extra,
+    )
+
+
+# ------------------------------------------------------------------------------ running
+def _session(model: onnx.ModelProto | str) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 3
+    source = model if isinstance(model, str) else model.SerializeToString()
+    return ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
+
+
+class _Decoder:
+    """One model with its own cache."""
+
+    def __init__(self, model: onnx.ModelProto | str, spec: Interface, batch: int):
+        self.sess = _session(model)
+        self.spec = spec
+        self.outputs = [spec.logits] + [p for p, *_ in spec.cache.values()]
+        self.past = {
+            name: np.zeros((batch, heads, 0, dim), dtype)
+            for name, (_, dtype, heads, dim) in spec.cache.items()
+        }
+        self.length = 0
+
+    def step(self, ids: np.ndarray) -> np.ndarray:
+        """Run ``ids`` (batch, new) after the cache; keep the presents; return the logits."""
+        spec, (batch, new) = self.spec, ids.shape
+        feeds: dict[str, np.ndarray] = {spec.input_ids: ids.astype(spec.ids_dtype), **self.past}
+        if spec.attention_mask:
+            name, dtype = spec.attention_mask
+            feeds[name] = np.ones((batch, self.length + new), dtype)
+        if spec.position_ids:
+            name, dtype = spec.position_ids
+            pos = np.arange(self.length, self.length + new, dtype=dtype)
+            feeds[name] = np.tile(pos, (batch, 1))
+        got = self.sess.run(self.outputs, feeds)
+        self.past = dict(zip(spec.cache, got[1:]))
+        self.length += new
+        return got[0]
+
+
+def check_generation(
+    original: onnx.ModelProto | str,
+    optimized: onnx.ModelProto | str,
+    *,
+    prefill: int = 8,
+    steps: int = 8,
+    batch: int = 1,
+    seed: int = 0,
+    tolerances: dict[str, tuple[float, float]] | None = None,
+) -> GenerationResult:
+    """Greedy generation of ``steps`` tokens after a ``prefill``-token prompt on both models."""
+    import time
+
+    t0 = time.perf_counter()
+    header = (
+        original
+        if isinstance(original, onnx.ModelProto)
+        else onnx.load(original, load_external_data=False)
+    )
+    spec = decoder_interface(header)
+    if isinstance(spec, str):
+        return GenerationResult.not_run(spec)
+    try:
+        ref, opt = _Decoder(original, spec, batch), _Decoder(optimized, spec, batch)
+    except Exception as e:  # noqa: BLE001 - onnxruntime raises many unrelated types
+        return GenerationResult.not_run(f"onnxruntime could not load a model: {_line(e)}")
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, spec.vocab or 100, size=(batch, prefill))
+    result = GenerationResult(ran=True, ok=False, prefill=prefill, steps=steps, batch=batch)
+    tokens_ref: list[np.ndarray] = []
+    tokens_opt: list[np.ndarray] = []
+    worst_ok = True
+    for step in range(steps + 1):
+        try:
+            want, got = ref.step(ids), opt.step(ids)
+        except Exception as e:  # noqa: BLE001
+            return GenerationResult.not_run(f"step {step} failed in onnxruntime: {_line(e)}")
+        rtol, atol = (tolerances or DEFAULT_TOLERANCES).get(want.dtype.name, (1e-4, 1e-6))
+        result.tolerance = (rtol, atol)
+        diff = float(np.max(np.abs(got.astype(np.float64) - want))) if want.size else 0.0
+        scale = float(np.max(np.abs(want))) if want.size else 0.0
+        within = diff <= atol + rtol * scale and bool(np.isfinite(got).all())
+        worst_ok = worst_ok and within
+        tokens_ref.append(np.argmax(want[:, -1], axis=-1))
+        tokens_opt.append(np.argmax(got[:, -1], axis=-1))
+        result.per_step.append(
+            {
+                "step": step,
+                "tokens": int(ids.shape[1]),
+                "max_abs": diff,
+                "max_rel": diff / scale if scale else 0.0,
+                "same_token": bool(np.array_equal(tokens_ref[-1], tokens_opt[-1])),
+                "ok": within,
+            }
+        )
+        ids = tokens_ref[-1][:, None]  # both models continue with the original's token
+    result.tokens_original = np.stack(tokens_ref, axis=1).tolist()
+    result.tokens_optimized = np.stack(tokens_opt, axis=1).tolist()
+    same = [s["same_token"] for s in result.per_step]
+    result.tokens_match = all(same)
+    result.first_mismatch = None if all(same) else same.index(False)
+    result.max_abs = max(s["max_abs"] for s in result.per_step)
+    result.max_rel = max(s["max_rel"] for s in result.per_step)
+    result.ok = worst_ok and result.tokens_match
+    result.seconds = round(time.perf_counter() - t0, 3)
+    return result
+
+
+def report_generation(report, optimized: onnx.ModelProto) -> dict[str, Any] | None:
+    """report.json's ``generation``: the check's result for a decoder with a KV cache; None for
+    any other model, or when parity did not run (``--no-check``) or the original is not at hand.
+    ``report`` is :class:`graphopt.opt.optimizer.Report` (its bundle context holds the original)."""
+    original = (report.bundle_context or {}).get("original")
+    if original is None or not report.parity.ran:
+        return None
+    header = (
+        original
+        if isinstance(original, onnx.ModelProto)
+        else onnx.load(str(original), load_external_data=False)
+    )
+    if isinstance(decoder_interface(header), str):
+        return None
+    if optimized.ByteSize() >= 2**31 - 2**20:
+        return GenerationResult.not_run("the optimized model is over 2 GB in memory").to_dict()
+    source = original if isinstance(original, onnx.ModelProto) else str(original)
+    return check_generation(source, optimized).to_dict()
+
+
+def _line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else repr(e)
+
+
+__all__ = [
+    "GenerationResult",
+    "Interface",
+    "check_generation",
+    "decoder_interface",
+    "report_generation",
+]

@@ -1,0 +1,145 @@
+"""The greedy generation check on a tiny KV-cache decoder built in the test."""
+
+import json
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+import graphopt
+from conftest import const, vi
+from graphopt.opt.generation import check_generation, decoder_interface
+from graphopt.targets.bundle import write_bundle
+
+V, E = 50, 8  # vocab, hidden = head_dim (one kv head)
+
+
+def tiny_decoder(present_scale: float = 1.0, opset: int = 17) -> onnx.ModelProto:
+    """Embedding → one causal attention head over Concat(past, new) → vocab projection.
+    ``present_scale`` ≠ 1 writes a wrong key cache (the attention itself reads the right one),
+    so the step that computes it is still exact and only the next steps differ."""
+    rng = np.random.default_rng(0)
+    f32 = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    n = helper.make_node
+    nodes = [
+        n("Gather", ["embed", "input_ids"], ["x0"]),
+        n("Cast", ["position_ids"], ["posf"], to=TensorProto.FLOAT),
+        n("Unsqueeze", ["posf", "ax_m1"], ["pos3"]),
+        n("Mul", ["pos3", "pos_w"], ["pe"]),
+        n("Add", ["x0", "pe"], ["x"]),
+        n("MatMul", ["x", "wq"], ["q3"]),
+        n("MatMul", ["x", "wk"], ["k3"]),
+        n("MatMul", ["x", "wv"], ["v3"]),
+        n("Unsqueeze", ["q3", "ax_1"], ["q"]),
+        n("Unsqueeze", ["k3", "ax_1"], ["k"]),
+        n("Unsqueeze", ["v3", "ax_1"], ["v"]),
+        n("Concat", ["past_key_values.0.key", "k"], ["keys"], axis=2),
+        n("Concat", ["past_key_values.0.value", "v"], ["present.0.value"], axis=2),
+        n("Mul", ["k", "present_scale"], ["k_written"]),
+        n("Concat", ["past_key_values.0.key", "k_written"], ["present.0.key"], axis=2),
+        n("Transpose", ["keys"], ["keysT"], perm=[0, 1, 3, 2]),
+        n("MatMul", ["q", "keysT"], ["scores"]),
+        # causal: key position j is visible to the token at position p when j <= p
+        n("Shape", ["keys"], ["kshape"]),
+        n("Gather", ["kshape", "two"], ["total"]),
+        n("Range", ["zero", "total", "one"], ["kpos"]),
+        n("Unsqueeze", ["position_ids", "ax_m1"], ["qpos"]),
+        n("LessOrEqual", ["kpos", "qpos"], ["visible3"]),
+        n("Unsqueeze", ["visible3", "ax_1"], ["visible"]),
+        n("Where", ["visible", "scores", "neg"], ["masked"]),
+        n("Softmax", ["masked"], ["probs"], axis=-1),
+        n("MatMul", ["probs", "present.0.value"], ["ctx4"]),
+        n("Squeeze", ["ctx4", "ax_1"], ["ctx"]),
+        n("Add", ["ctx", "x"], ["h"]),
+        n("MatMul", ["h", "w_out"], ["logits"]),
+    ]
+    inits = [
+        const("embed", f32(V, E)),
+        const("pos_w", f32(E) * 0.1),
+        const("wq", f32(E, E)),
+        const("wk", f32(E, E)),
+        const("wv", f32(E, E)),
+        const("w_out", f32(E, V)),
+        const("present_scale", present_scale),
+        const("ax_m1", [-1], np.int64),
+        const("ax_1", [1], np.int64),
+        const("two", 2, np.int64),
+        const("zero", 0, np.int64),
+        const("one", 1, np.int64),
+        const("neg", -1e9),
+    ]
+    cache = ["batch", 1, "past", E]
+    present = ["batch", 1, "total", E]
+    g = helper.make_graph(
+        nodes,
+        "tiny-decoder",
+        [
+            vi("input_ids", ["batch", "seq"], TensorProto.INT64),
+            vi("attention_mask", ["batch", "total"], TensorProto.INT64),
+            vi("position_ids", ["batch", "seq"], TensorProto.INT64),
+            vi("past_key_values.0.key", cache),
+            vi("past_key_values.0.value", cache),
+        ],
+        [
+            vi("logits", ["batch", "seq", V]),
+            vi("present.0.key", present),
+            vi("present.0.value", present),
+        ],
+        inits,
+    )
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 8
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def test_interface_is_read_from_the_names():
+    spec = decoder_interface(tiny_decoder())
+    assert spec.cache["past_key_values.0.key"][0] == "present.0.key"
+    assert spec.vocab == V and spec.attention_mask and spec.position_ids
+
+
+def test_same_model_generates_the_same_tokens():
+    m = tiny_decoder()
+    r = check_generation(m, m, prefill=5, steps=4, batch=2)
+    assert r.ran and r.ok and r.tokens_match and r.max_abs == 0.0
+    assert [len(t) for t in r.tokens_original] == [5, 5]  # prefill's token + 4 decode steps
+    assert [s["tokens"] for s in r.per_step] == [5, 1, 1, 1, 1]
+
+
+def test_a_wrong_cache_shows_from_the_second_step():
+    """The prefill's logits are exact; the cache it returns is not, so decode steps differ."""
+    r = check_generation(tiny_decoder(), tiny_decoder(present_scale=1.5), prefill=4, steps=3)
+    assert r.ran and not r.ok
+    assert r.per_step[0]["ok"] and r.per_step[0]["max_abs"] == 0.0
+    assert not all(s["ok"] for s in r.per_step[1:])
+    assert r.max_abs > 1e-3
+
+
+def test_not_a_decoder():
+    g = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])], "g", [vi("x", [2])], [vi("y", [2])]
+    )
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    r = check_generation(m, m)
+    assert not r.ran and "input_ids" in r.why
+
+
+def test_bundle_report_has_generation(tmp_path):
+    m = tiny_decoder()
+    out, report = graphopt.optimize(m, target="cpu", level=2)
+    bundle = write_bundle(out, report, tmp_path / "b")
+    doc = json.loads((bundle / "report.json").read_text())
+    gen = doc["generation"]
+    assert gen["ran"] and gen["ok"] and gen["tokens_match"], gen
+    assert gen["steps"] == 8 and gen["prefill"] == 8
+
+
+def test_bundle_report_of_another_model_has_none(tmp_path):
+    g = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])], "g", [vi("x", [2])], [vi("y", [2])]
+    )
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    out, report = graphopt.optimize(m, target="cpu", level=2)
+    doc = json.loads((write_bundle(out, report, tmp_path / "b") / "report.json").read_text())
+    assert doc["generation"] is None
