@@ -353,6 +353,29 @@ def _make_feed(sess, shapes: dict, seed: int = 0):
     return feed
 
 
+def _load_session_ms(bundle: str, reps: int) -> dict:
+    """Session creation through graphopt.load_session (median of ``reps``, at most ~3 s): its
+    integrity check and, on the machine that wrote the bundle, its fast path."""
+    import gc
+
+    import graphopt
+
+    try:
+        samples, how = [], {}
+        while len(samples) < max(1, reps) and sum(samples) < 3000:
+            t0 = time.perf_counter()
+            _, how = graphopt.open_session(bundle)
+            samples.append((time.perf_counter() - t0) * 1e3)
+            gc.collect()
+    except Exception as e:  # noqa: BLE001
+        return {"load_session_error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+    return {
+        "load_session_ms": statistics.median(samples),
+        "load_session_model": how.get("model"),
+        "load_session_why": how.get("why"),
+    }
+
+
 def _parity(ref_names, ref_outs, names, outs, fp16_model: bool = False) -> dict:
     """Every output vs the original's: ok when max|err| <= tol * max|ref|, tol 1e-4, or 1e-2 when
     the output is fp16 or the model computes in fp16 (fp16 weights behind fp32 I/O)."""
@@ -495,6 +518,8 @@ def _worker_latency(spec_path: str, result_path: str) -> int:
                         del s
                         gc.collect()
                     res[v["tool"]][key] = statistics.median(samples)
+                    if level == "ENABLE_ALL" and v.get("bundle"):
+                        res[v["tool"]].update(_load_session_ms(v["bundle"], spec["create_reps"]))
                     if feed is None:
                         feed = _make_feed(s, shapes)
                     names = {x.name for x in s.get_inputs()}
@@ -719,6 +744,7 @@ def _optimize_cmd(tool: str, src: Path, out_dir: Path, cfg: dict) -> tuple[list[
                 level,
                 "--no-check",
                 "--quiet",
+                "--no-kernels",  # the latency sessions here register no custom-op library
             ],
             out_dir / "model.onnx",
         )
@@ -909,12 +935,12 @@ def render_model(name: str, mres: dict, tools: list[str]) -> str:
     lines.append(
         "| tool | nodes | size MB | optimize s | peak RSS MB | latency ratio DISABLE_ALL "
         "| latency ratio ENABLE_ALL | ENABLE_ALL med / p90 ms | session-create ms "
-        "| parity |"
+        "| load_session ms | parity |"
     )
-    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for t, r in _rows_for(mres, tools):
         if r.get("na"):
-            lines.append(f"| {t} | | | | | | | | | n/a (not a transformer model) |")
+            lines.append(f"| {t} | | | | | | | | | | n/a (not a transformer model) |")
             continue
         d = r.get("DISABLE_ALL", {})
         e = r.get("ENABLE_ALL", {})
@@ -938,10 +964,20 @@ def render_model(name: str, mres: dict, tools: list[str]) -> str:
             f" | {_fmt(r.get('opt_s'), '{:.2f}') if t != 'none' else ''}"
             f" | {_fmt(r.get('peak_rss_mb'), '{:.0f}') if t != 'none' else ''}"
             f" | {ratio_d} | {ratio_e} | {med} | {_fmt(r.get('create_ms_ENABLE_ALL'), '{:.0f}')}"
-            f" | {status} |"
+            f" | {_load_session_cell(r)} | {status} |"
         )
     lines.append("")
     return "\n".join(lines)
+
+
+def _load_session_cell(r: dict) -> str:
+    """load_session's creation time, and which model file it loaded."""
+    if r.get("load_session_error"):
+        return "error"
+    if r.get("load_session_ms") is None:
+        return ""
+    fast = r.get("load_session_model") == "model.machine.onnx"
+    return f"{r['load_session_ms']:.0f} ({'fast path' if fast else 'portable'})"
 
 
 def _usable(r: dict) -> bool:
@@ -1390,7 +1426,10 @@ def bench_model(name: str, path: Path, side: Path, tools: list[str], args, cpu: 
                 continue
             entries = json.loads(cfg_path.read_text()).get("session_config_entries", {})
             r.update(same_model_as="graphopt-O2", session_config=entries)
-            variants.append({"tool": tool, "path": base["path"], "session_config": entries})
+            bundle = str(cfg_path.parent)  # also timed through graphopt.load_session
+            variants.append(
+                {"tool": tool, "path": base["path"], "session_config": entries, "bundle": bundle}
+            )
             continue
         cfg = {"transformer": list(tcfg) if tcfg else None}
         if tool == "ort-transformers":
