@@ -39,7 +39,7 @@ from graphopt.opt.rewrite import (
     value,
 )
 from graphopt.rules.activation import MS, float_type, inputs, scalar
-from graphopt.rules.attention import same_dim
+from graphopt.opt.dims import same_dim
 
 
 def _float_weights(m) -> np.dtype:

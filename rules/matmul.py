@@ -25,7 +25,7 @@ from graphopt.opt.manager import register_rule
 from graphopt.opt.precision import require_refold_allowed, require_representable
 from graphopt.opt.rewrite import Match, Op, Rule, applies_only_if, opt, require
 from graphopt.rules.activation import MS, inputs, no_match, producer
-from graphopt.rules.attention import Dims, shape_elements
+from graphopt.opt.dims import Dims, shape_elements
 
 
 def _rank(t) -> int | None:

@@ -52,7 +52,7 @@ from .activation import (
     require_near,
     scalar,
 )
-from .attention import same_dim
+from graphopt.opt.dims import same_dim
 
 
 # ------------------------------------------------------------------------- matching

@@ -1,0 +1,44 @@
+"""Scaled-dot-product attention → ``com.microsoft.MultiHeadAttention`` or ONNX ``Attention``.
+
+One rule, ``fuse-attention`` (phase ``attention``: before the linear-layer rules that would take
+its MatMuls), in three stages, each a module with typed results:
+
+1. core (:mod:`.core`): read back from the Transpose that merges the heads —
+   ``MatMul(Q·c_q, Kᵀ·c_k) [·c | ÷c]``, additive terms, a ``Where(cond, scores, −big)`` mask,
+   Swin's window regroup, ``Softmax`` (with the ``Where(IsNaN(P), 0, P)`` guard of SDPA
+   exports), ``MatMul(P, V)`` [→ a Reshape to itself].
+2. lift (:mod:`.heads`, :mod:`.masks`): how q/k/v ``[B,S,D]`` are split into heads
+   (batch-first, sequence-first, one packed projection, dynamo's 3-D Kᵀ) and ``num_heads``/head
+   size from the Reshape targets (constants or shape glue, resolved symbolically with
+   :mod:`graphopt.opt.dims`); the additive terms (padding, causal, relative position bias — a
+   tensor shared by every layer is an input of each fusion) and the Where mask summed into
+   ``attention_bias`` ``[B|1, N|1, S, T]``, expanded to ``[1,1,S,T]`` at run time where its last
+   two dims are not provably S and T (one Expand shared by layers with provably the same ones);
+   Swin's per-window mask tiled over the images; q/k/v bias Adds with constant vectors moved
+   into the kernel's ``bias``.
+3. lower (:mod:`.lower`): the target's kernel table decides ``MultiHeadAttention`` (contrib) or
+   ``Attention`` (opset ≥ 23: 3-D q/k/v, ``q_num_heads``/``kv_num_heads``, ``attn_mask``); the
+   result replaces the heads' merging Reshape, or — where the merged [B,S,N,H] heads have other
+   readers (a Reshape for the output projection beside one for shapes) — the merging Transpose.
+
+Guards (missed remarks carry ``stage``, ``tensor`` and ``softmax`` in their arguments):
+``unrecognized-layout`` (a spelling the stages do not know), ``unknown-shape`` (q/k/v not known
+to be 3-D), ``shared-intermediate`` (a tensor inside the attention, other than through Shape,
+read elsewhere or a graph output), ``softmax-axis``, ``dynamic-heads``, ``scale-mismatch``
+(a per-head, zero or negative scale; the product of the constant factors becomes the ``scale``
+attribute unless it is 1/√H), ``non-constant-param`` (a computed scale), ``dtype-mismatch``,
+``reshape-not-identity`` (a Reshape between the two MatMuls not provably a no-op), ``mask-shape``
+(a bias term of rank > 4 or another dtype, a Where fill milder than −1e30, a window regroup
+that is not static), ``slower-on-target`` (a static key length below the bound from which the
+target's kernel was measured to pay: onnxruntime CPU 128 keys), ``no-kernel`` /
+``opset-too-old``.  It is assumed, as every exporter guarantees, that the bias does not
+broadcast the scores to a larger shape (the kernel would fail at run time, not compute wrong
+numbers).
+"""
+
+from graphopt.opt.dims import Dims, same_dim, shape_elements  # moved; kept importable here
+
+from . import rule  # noqa: F401  (registers the rule)
+from .rule import Attention, FuseMultiHeadAttention, lift
+
+__all__ = ["Attention", "Dims", "FuseMultiHeadAttention", "lift", "same_dim", "shape_elements"]

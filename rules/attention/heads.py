@@ -1,0 +1,238 @@
+"""Stage 2 (lift): how q, k and v are split into heads, and how many heads there are.
+
+Each exporter spelling of ``x [B,S,D] → [B,N,S,H]`` (``[B,N,H,T]`` for Kᵀ) is one function that
+returns a typed :class:`HeadSplit` or None:
+
+* batch-first: ``Transpose(Reshape(x, [B,S,N,H]), (0,2,1,3))``; Kᵀ with ``(0,2,3,1)``, or
+  ``(0,2,1,3)`` then ``(0,1,3,2)``, or dynamo's 3-D ``Reshape(Transpose(Reshape(y, [-1,T,H]),
+  (0,2,1)), [B,N,H,T])``;
+* sequence-first (torch.nn.MultiheadAttention): ``Reshape(Transpose(Reshape(x [S,B,D],
+  [S,-1,H]), (1,0,2)), [B,N,S,H])``;
+* packed (timm ViT, Swin, DeiT): ``Gather(Transpose(Reshape(x, [B,S,3,N,H]), (2,0,3,1,4)), i)``.
+
+:func:`head_count` then reads ``(N, H)`` from the Reshape targets (constants or shape glue).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from graphopt.opt.dims import Dims, Key, rank, shape_elements
+from graphopt.opt.ir import Node, Tensor, constant_value
+
+from ..activation import inputs, producer, scalar
+
+PERM_BNSH = (0, 2, 1, 3)
+PERM_BNHS = (0, 2, 3, 1)
+_PERM_PACKED = (2, 0, 3, 1, 4)
+_SWAP_LAST = (0, 1, 3, 2)
+
+
+@dataclass
+class HeadSplit:
+    """``x`` [B,S,D] (or [S,B,D]) split into heads by ``reshape``; ``nodes`` are the other nodes
+    of the split, consumers first."""
+
+    x: Tensor
+    reshape: Node
+    layout: str  # "bsd" | "sbd" | "packed"
+    nodes: list[Node] = field(default_factory=list)
+    index: int | None = None  # packed: which of q, k, v
+    merge: Node | None = None  # sequence-first: the Reshape that unfolds batch × heads
+
+
+def transpose_of(t: Tensor | None, perm: tuple[int, ...]) -> Node | None:
+    """The Transpose with permutation ``perm`` computing ``t``, or None."""
+    node = producer(t, "Transpose")
+    if node is None or tuple(node.attrs.get("perm", ())) != perm:
+        return None
+    return node
+
+
+def split_heads(t: Tensor | None, perm: tuple[int, ...]) -> HeadSplit | None:
+    """The head split computing ``t`` (Q or V with ``PERM_BNSH``, Kᵀ with ``PERM_BNHS``)."""
+    tr = transpose_of(t, perm)
+    chain = [tr] if tr is not None else []
+    if tr is None and perm == PERM_BNHS:  # K as (0,2,1,3) then (0,1,3,2), or dynamo's 3-D Kᵀ
+        outer = transpose_of(t, _SWAP_LAST)
+        inner = transpose_of(inputs(outer)[0], PERM_BNSH) if outer is not None else None
+        chain = [outer, inner] if inner is not None else _k_through_3d(t)
+        tr = chain[-1] if chain else None
+    if tr is None:
+        return _split_sbd(t, perm) or _split_packed(t, perm)
+    rs = producer(inputs(tr)[0], "Reshape")
+    if rs is None:
+        return None
+    return HeadSplit(inputs(rs)[0], rs, "bsd", chain)
+
+
+def _untranspose_k(t: Tensor | None, perm: tuple[int, ...]) -> tuple[Tensor | None, list[Node]]:
+    """For Kᵀ: the K under its final (0,1,3,2) Transpose, and that node."""
+    if perm != PERM_BNHS:
+        return t, []
+    outer = transpose_of(t, _SWAP_LAST)
+    return (inputs(outer)[0], [outer]) if outer is not None else (None, [])
+
+
+def _split_packed(t: Tensor | None, perm: tuple[int, ...]) -> HeadSplit | None:
+    """``Gather(Transpose(Reshape(x, [B,S,3,N,H]), (2,0,3,1,4)), i)`` [→ (0,1,3,2) for K]."""
+    t, chain = _untranspose_k(t, perm)
+    gather = producer(t, "Gather")
+    if gather is None or int(gather.attrs.get("axis", 0)) != 0:
+        return None
+    index = scalar(inputs(gather)[1])
+    tr = transpose_of(inputs(gather)[0], _PERM_PACKED)
+    rs = producer(inputs(tr)[0], "Reshape") if tr is not None else None
+    if rs is None or index not in (0.0, 1.0, 2.0) or constant_value(inputs(gather)[1]).ndim:
+        return None
+    return HeadSplit(inputs(rs)[0], rs, "packed", chain + [gather, tr], index=int(index))
+
+
+def _split_sbd(t: Tensor | None, perm: tuple[int, ...]) -> HeadSplit | None:
+    """``Reshape(Transpose(Reshape(x, [S,-1,H]), (1,0,2)), [B,N,S,H])`` [→ (0,1,3,2) for K]."""
+    t, chain = _untranspose_k(t, perm)
+    merge = producer(t, "Reshape")
+    tr = transpose_of(inputs(merge)[0], (1, 0, 2)) if merge is not None else None
+    rs = producer(inputs(tr)[0], "Reshape") if tr is not None else None
+    if rs is None:
+        return None
+    return HeadSplit(inputs(rs)[0], rs, "sbd", chain + [merge, tr], merge=merge)
+
+
+def _k_through_3d(t: Tensor | None) -> list[Node]:
+    """Kᵀ as the dynamo exporter writes it: ``Reshape(Transpose(Reshape(y, [-1,T,H]), (0,2,1)),
+    [B,N,H,T])`` with ``y`` = [B,N,T,H]; the nodes (ending with the Transpose that makes ``y``)
+    when both targets provably have those elements, else []."""
+    outer = producer(t, "Reshape")
+    flip = transpose_of(inputs(outer)[0], (0, 2, 1)) if outer is not None else None
+    inner = producer(inputs(flip)[0], "Reshape") if flip is not None else None
+    base = transpose_of(inputs(inner)[0], PERM_BNSH) if inner is not None else None
+    if base is None:
+        return []
+    dims = Dims()
+    k = [dims.key(base.outputs[0], i) for i in range(4)]
+    ie = shape_elements(inputs(inner)[1], dims)
+    oe = shape_elements(inputs(outer)[1], dims)
+    if ie is None or oe is None or len(ie) != 3 or len(oe) != 4:
+        return []
+    if ie != [("int", -1), k[2], k[3]]:
+        return []
+    want = [k[0], k[1], k[3], k[2]]
+    free = [i for i, e in enumerate(oe) if e == ("int", -1)]
+    if len(free) > 1 or any(e != w for i, (e, w) in enumerate(zip(oe, want)) if i not in free):
+        return []
+    return [outer, flip, inner, base]
+
+
+# ------------------------------------------------------------------------- head count
+def head_count(split: HeadSplit, dims: Dims) -> tuple[int, int] | str:
+    """(N, H) of a head split, or why they cannot be determined."""
+    if split.layout == "packed":
+        return _heads_packed(split.reshape, split.x, dims)
+    if split.layout == "sbd":
+        return _heads_sbd(split.reshape, split.merge, split.x, dims)
+    return _heads_bsd(split.reshape, split.x, dims)
+
+
+def _copy_key(reshape: Node) -> tuple:
+    """The target element that copies the input dim (0, unless ``allowzero``)."""
+    return () if reshape.attrs.get("allowzero", 0) else (("int", 0),)
+
+
+def _static_width(x: Tensor) -> int | None:
+    width = x.shape[-1] if x.shape is not None and len(x.shape) == 3 else None
+    return int(width) if isinstance(width, (int, np.integer)) else None
+
+
+def _resolve(n: Key, h: Key, width: int | None, groups: int = 1) -> tuple[int | None, int | None]:
+    """N and H as ints, one -1 among them inferred from the static ``width``."""
+    ints = [e[1] if e[0] == "int" else None for e in (n, h)]
+    if width and ints[0] is not None and ints[0] > 0 and ints[1] == -1:
+        ints[1] = width // (groups * ints[0])
+    elif width and ints[1] is not None and ints[1] > 0 and ints[0] == -1:
+        ints[0] = width // (groups * ints[1])
+    return ints[0], ints[1]
+
+
+def _heads_bsd(reshape: Node, x: Tensor, dims: Dims) -> tuple[int, int] | str:
+    """(N, H) of ``Reshape(x [B,S,D], [B,S,N,H])``, or why not."""
+    target = inputs(reshape)[1]
+    elems = shape_elements(target, dims)
+    if elems is None:
+        return f"the reshape target '{target.name}' is computed at run time and not resolvable"
+    if len(elems) != 4:
+        return f"the reshape target has {len(elems)} elements, not 4"
+    width = _static_width(x)
+    n, h = _resolve(elems[2], elems[3], width)
+    if n is None or h is None or n <= 0 or h <= 0:
+        return f"heads and head size {elems[2:]} are not static"
+    if width is not None and n * h != width:
+        return f"{n}×{h} heads do not split the hidden size {width}"
+    if not _keeps_batch_seq(reshape, elems, x, dims):
+        return f"the reshape target {elems[:2]} does not keep the batch and sequence dims"
+    return n, h
+
+
+def _keeps_batch_seq(reshape: Node, elems: list[Key], x: Tensor, dims: Dims) -> bool:
+    copy = _copy_key(reshape)
+    seq = dims.key(x, 1)
+    s_ok = elems[1] in (*copy, seq, ("int", -1))
+    b_ok = (
+        elems[0] in (*copy, dims.key(x, 0))
+        or (  # dynamo writes [-1, S, N, H]
+            elems[0] == ("int", -1)
+            and elems[1] in (*copy, seq)
+            and all(e[0] == "int" and e[1] > 0 for e in elems[2:])
+        )
+    )
+    return b_ok and s_ok and elems[:2] != [("int", -1), ("int", -1)]
+
+
+def _heads_packed(reshape: Node, x: Tensor, dims: Dims) -> tuple[int, int] | str:
+    """(N, H) of ``Reshape(x [B,S,3·N·H], [B,S,3,N,H])``, or why not."""
+    elems = shape_elements(inputs(reshape)[1], dims)
+    if elems is None or len(elems) != 5:
+        return f"the packed reshape target {elems} is not [B, S, 3, N, H]"
+    width = _static_width(x)
+    n, h = _resolve(elems[3], elems[4], width, 3) if elems[2] == ("int", 3) else (None, None)
+    if n is None or h is None or min(n, h) <= 0:
+        return f"the packed reshape target {elems} does not split into 3 × N × H"
+    if width is None or 3 * n * h != width:
+        return f"3×{n}×{h} does not split the packed width {width}"
+    if not _keeps_batch_seq(reshape, elems, x, dims):
+        return f"the packed reshape target {elems[:2]} does not keep the batch and sequence dims"
+    return n, h
+
+
+def _heads_sbd(split: Node, merge: Node, x: Tensor, dims: Dims) -> tuple[int, int] | str:
+    """(N, H) of ``Reshape(Transpose(Reshape(x [S,B,D], [S,-1,H]), (1,0,2)), [B,N,S,H])``."""
+    ea = shape_elements(inputs(split)[1], dims)
+    eb = shape_elements(inputs(merge)[1], dims)
+    if ea is None or eb is None:
+        return "a sequence-first reshape target is computed at run time and not resolvable"
+    if len(ea) != 3 or len(eb) != 4:
+        return f"the sequence-first reshape targets have {len(ea)} and {len(eb)} elements, not 3, 4"
+    width = _static_width(x)
+    if width is None:
+        return f"the hidden size of '{x.name}' is not static"
+    h, n = ea[2], eb[1]
+    if h[0] != "int" or n[0] != "int" or h[1] <= 0 or n[1] <= 0 or eb[3] != h:
+        return f"heads and head size {[n, h]} are not static and consistent"
+    if n[1] * h[1] != width:
+        return f"{n[1]}×{h[1]} heads do not split the hidden size {width}"
+    seq, batch = dims.key(x, 0), dims.key(x, 1)
+    if ea[0] not in (*_copy_key(split), seq) or ea[1] != ("int", -1):
+        return f"the reshape target {ea} does not keep the sequence dim and fold batch × heads"
+    if eb[2] != seq or eb[0] not in (("int", -1), batch):
+        return f"the reshape target {eb} does not unfold batch × heads"
+    return n[1], h[1]
+
+
+def source_axis(layout: str, which: str) -> int:
+    """The batch or sequence axis of a [B,S,D] or [S,B,D] source."""
+    return int((which == "seq") ^ (layout == "sbd"))
+
+
+__all__ = ["HeadSplit", "head_count", "rank", "source_axis", "split_heads"]

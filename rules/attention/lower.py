@@ -1,0 +1,220 @@
+"""Stage 3 (lower): build the target's attention kernel for a recognized, lifted attention.
+
+``com.microsoft.MultiHeadAttention(q, k, v, bias?, , attention_bias?; num_heads[, scale])``, or
+the ONNX ``Attention`` op (opset ≥ 23: 3-D q/k/v, ``q_num_heads``/``kv_num_heads``, the bias as
+``attn_mask``; the q/k/v bias Adds stay in front, the op has no bias input).  Sequence-first
+sources are made batch-first around the kernel; the output replaces the heads' merging Reshape
+(when it provably yields [B,S,D]; else that Reshape is kept after the kernel) or, where the
+merged heads [B,S,N,H] have other readers, the merging Transpose (then the kernel's [B,S,D] is
+reshaped to [B,S,N,H] and the shape cleanups fold the readers' Reshapes into it).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from graphopt.opt.dims import same_dim
+from graphopt.opt.ir import Tensor, Variable, constant_value, dtype_of
+from graphopt.opt.rewrite import Builder
+
+from ..activation import MS, inputs, producer
+
+if TYPE_CHECKING:
+    from .rule import Attention
+
+
+def lower(a: Attention, b: Builder) -> Tensor:
+    """The replacement of the root's output."""
+    q, k, v, bias = a.q.x, a.k.x, a.v.x, None
+    if a.qkv_bias is not None:
+        q, k, v = a.qkv_bias.sources
+        bias = b.const(a.qkv_bias.vector, "qkv_bias")
+    if a.q.layout == "packed":
+        q, k, v = _unpack(a, b, q)
+    q, k, v = (
+        _batch_first(a, b, t, s.layout, r)
+        for r, t, s in (("q", q, a.q), ("k", k, a.k), ("v", v, a.v))
+    )
+    attention_bias = _attention_bias(a, b, q, k) if a.bias is not None else None
+    if a.op == "Attention":
+        attrs = {"q_num_heads": a.num_heads, "kv_num_heads": a.num_heads}
+        ins = [q, k, v] + ([attention_bias] if attention_bias is not None else [])
+    else:
+        attrs = {"num_heads": a.num_heads}
+        ins = [q, k, v, bias, None, attention_bias]
+        while ins and ins[-1] is None:
+            ins.pop()
+    if a.scale is not None:
+        attrs["scale"] = float(a.scale)
+    name = a.core.root.name
+    out = b.op(
+        a.op, ins, attrs, domain=MS if a.op == "MultiHeadAttention" else "", name=f"{name}/{a.op}"
+    )
+    out.dtype = dtype_of(a.core.root.outputs[0])
+    src = a.q.x
+    if src.shape is not None and len(src.shape) == 3:
+        bax, sax = (1, 0) if a.q.layout == "sbd" else (0, 1)
+        out.shape = [src.shape[bax], src.shape[sax], a.num_heads * a.v_head_size]
+    if a.core.nan_guard is not None:
+        out = _nan_to_zero(a, b, out)
+    if a.core.out_layout == "sbd":
+        out = b.op("Transpose", [out], {"perm": [1, 0, 2]}, name=f"{name}/seq_first")
+    return _merged(a, b, out)
+
+
+def _batch_first(a: Attention, b: Builder, t: Tensor, layout: str, role: str) -> Tensor:
+    if layout != "sbd":
+        return t
+    return b.op(
+        "Transpose", [t], {"perm": [1, 0, 2]}, name=f"{a.core.root.name}/{role}_batch_first"
+    )
+
+
+def _nan_to_zero(a: Attention, b: Builder, out: Tensor) -> Tensor:
+    """The SDPA export's guard of fully masked rows, applied to the fused output."""
+    name = a.core.root.name
+    isnan = b.op("IsNaN", [out], like=out, name=f"{name}/IsNaN")
+    isnan.dtype = np.dtype(bool)
+    zero = b.const(np.zeros((), dtype=dtype_of(a.q.x)), "zero")
+    return b.op("Where", [isnan, zero, out], like=out, name=f"{name}/nan_to_zero")
+
+
+def _merged(a: Attention, b: Builder, out: Tensor) -> Tensor:
+    """``out`` [B,S,D] in the shape of the root's output."""
+    root = a.core.root if a.merge_reshape is None else a.merge_reshape
+    if a.merge_reshape is not None and a.out_direct:
+        out.shape = root.outputs[0].shape if out.shape is None else out.shape
+        return out
+    if a.merge_reshape is not None:
+        target, attrs = inputs(root)[1], dict(root.attrs)
+    else:
+        target = b.const(np.array([0, 0, a.num_heads, a.v_head_size], dtype=np.int64), "heads")
+        attrs = {}
+    return b.op(
+        "Reshape", [out, target], attrs, like=root.outputs[0], name=f"{root.name}/merge_heads"
+    )
+
+
+def _unpack(a: Attention, b: Builder, packed: Tensor) -> list[Tensor]:
+    """Split the [B, S, 3·D] projection into q, k, v of [B, S, D] each."""
+    hidden = a.num_heads * a.head_size
+    sizes = np.full(3, hidden, dtype=np.int64)
+    ins, attrs = [packed], {"axis": 2}
+    if b.ir.opset >= 13:
+        ins.append(b.const(sizes, "qkv_sizes"))
+    else:
+        attrs["split"] = [int(x) for x in sizes]
+    parts = b.op("Split", ins, attrs, outputs=3, name=f"{a.core.root.name}/unpack_qkv")
+    for t in parts:
+        t.dtype = dtype_of(a.q.x)
+        if a.q.x.shape is not None and len(a.q.x.shape) == 3:
+            t.shape = [a.q.x.shape[0], a.q.x.shape[1], hidden]
+    return parts
+
+
+# --------------------------------------------------------------------- attention_bias
+def _attention_bias(a: Attention, b: Builder, q: Tensor, k: Tensor) -> Tensor:
+    plan, dt, name = a.bias, dtype_of(a.q.x), a.core.root.name
+    parts = []
+    if plan.where is not None:
+        cond, fill = plan.where
+        zero = b.const(np.zeros((), dtype=dt), "zero")
+        value = b.const(np.asarray(fill, dtype=dt), "mask_value")
+        parts.append(b.op("Where", [cond, zero, value], name=f"{name}/causal_bias"))
+    parts += plan.terms
+    if plan.window is not None:
+        parts.append(plan.window.mask)
+    bias = parts[0]
+    for i, part in enumerate(parts[1:]):
+        bias = b.op("Add", [bias, part], name=f"{name}/attention_bias{i or ''}")
+        bias.dtype = dt  # known, so that a sum of constant masks folds right away
+    if plan.window is not None:
+        return _tile_windows(a, b, bias, q)
+    if plan.direct:
+        return bias
+    cached = _shared_expand(b, bias, q, k)
+    if cached is not None:
+        return cached
+    lens = [_dim(b, t, f"{name}/{n}_len") for n, t in (("q", q), ("k", k))]
+    ones = b.const(np.ones(2, dtype=np.int64), "bias_prefix")
+    shape = b.op("Concat", [ones, *lens], {"axis": 0}, name=f"{name}/bias_shape")
+    return b.op("Expand", [bias, shape], name=f"{name}/attention_bias_expand")
+
+
+def _tile_windows(a: Attention, b: Builder, bias: Tensor, q: Tensor) -> Tensor:
+    """The [1, nW, N|1, S, T] window bias repeated over the images: [B, N, S, T]."""
+    n_win, heads, s, t = a.bias.window.dims
+    name = a.core.root.name
+    batch = _dim(b, q, f"{name}/windows", axis=0)
+    images = b.op(
+        "Div",
+        [batch, b.const(np.array([n_win], dtype=np.int64), "num_windows")],
+        name=f"{name}/images",
+    )
+    tail = b.const(np.array([n_win, heads, s, t], dtype=np.int64), "window_bias_dims")
+    shape = b.op("Concat", [images, tail], {"axis": 0}, name=f"{name}/window_shape")
+    tiled = b.op("Expand", [bias, shape], name=f"{name}/window_bias")
+    flat = b.const(np.array([-1, heads, s, t], dtype=np.int64), "bias_shape")
+    return b.op("Reshape", [tiled, flat], name=f"{name}/window_bias_flat")
+
+
+def _dim(b: Builder, t: Tensor, name: str, axis: int = 1) -> Tensor:
+    """``Shape(t)[axis:axis+1]``."""
+    if b.ir.opset >= 15:
+        return b.op("Shape", [t], {"start": axis, "end": axis + 1}, name=name)
+    shape = b.op("Shape", [t], name=name)
+    start, end = b.const(np.array([axis]), "start"), b.const(np.array([axis + 1]), "end")
+    return b.op("Slice", [shape, start, end], name=f"{name}/slice")
+
+
+def _shared_expand(b: Builder, bias: Tensor, q: Tensor, k: Tensor) -> Tensor | None:
+    """An Expand of the same bias to provably the same [1,1,S,T], made for another layer.
+
+    Exporters often recompute the mask per layer (``Where(mask, 0, -inf)`` twelve times);
+    a bias computed by an identical node from the same inputs counts as the same bias.
+    """
+    for node in b.ir.graph.nodes:
+        if node.op != "Expand" or b.ir.provenance.get(node.name) != b.rule:
+            continue
+        if not node.outputs or not _same_value(inputs(node)[0], bias):
+            continue
+        concat = producer(inputs(node)[1], "Concat")
+        if concat is None or len(inputs(concat)) != 3:
+            continue
+        srcs = [_shape_source(t) for t in inputs(concat)[1:]]
+        if any(s is None for s in srcs):
+            continue
+        if same_dim(srcs[0], 1, q, 1) and same_dim(srcs[1], 1, k, 1):
+            return node.outputs[0]
+    return None
+
+
+def _same_value(x: Tensor, y: Tensor) -> bool:
+    """``x`` is ``y``, or both come from identical nodes over the same inputs (one level)."""
+    if x is y:
+        return True
+    px = x.inputs[0] if isinstance(x, Variable) and x.inputs else None
+    py = y.inputs[0] if isinstance(y, Variable) and y.inputs else None
+    if px is None or py is None or len(px.outputs) != 1 or len(py.outputs) != 1:
+        return False
+    if (px.op, px.domain or "", px.attrs) != (py.op, py.domain or "", py.attrs):
+        return False
+    ix, iy = inputs(px), inputs(py)
+    if len(ix) != len(iy):
+        return False
+    for s, t in zip(ix, iy):
+        if s is t:
+            continue
+        vs, vt = constant_value(s), constant_value(t)
+        if vs is None or vt is None or vs.dtype != vt.dtype or not np.array_equal(vs, vt):
+            return False
+    return True
+
+
+def _shape_source(t: Tensor) -> Tensor | None:
+    node = producer(t, ("Shape", "Slice"))
+    if node is not None and node.op == "Slice":
+        node = producer(inputs(node)[0], "Shape")
+    return inputs(node)[0] if node is not None else None

@@ -1,0 +1,166 @@
+"""Stage 2 (lift): the additive terms and Where masking of the scores → one ``attention_bias``.
+
+Every term added to the scores (a padding mask such as GPT-2's ``(1 − mask)·finfo.min`` or
+BERT's, a causal mask, T5's relative position bias, or their sum shared by every layer) is an
+input of the fusion, never an intermediate of it: the terms are summed into the kernel's
+``attention_bias`` ``[B|1, N|1, S, T]``.  A ``Where(cond, scores, fill)`` mask becomes
+``Where(cond, 0, fill)`` added to the bias — exact only for ``fill ≤ −1e30`` (then
+``s + fill == fill`` in fp32).  Swin's per-window mask is tiled over the images (see
+:class:`WindowPlan`).  A term that provably adds zeros (dynamo's ViT: ``Where(all-true, 0, min)``)
+is dropped.  Refusals are ``mask-shape`` naming stage 2 and the tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from graphopt.opt.dims import Dims, Key, pins, rank, shape_elements
+from graphopt.opt.ir import Tensor, constant_value, dtype_of
+from graphopt.opt.rewrite import NoMatch
+
+from ..activation import inputs, producer, scalar
+from .core import Core
+
+STAGE = "2 (lift)"
+
+
+@dataclass
+class WindowPlan:
+    """Swin's shifted-window mask: ``mask`` [1, nW, N|1, S, T] with static ``dims`` nW, N, S, T."""
+
+    mask: Tensor
+    dims: list[int]
+
+
+@dataclass
+class BiasPlan:
+    """How ``attention_bias`` is built: the sum of ``terms`` and of the Where mask, then tiled
+    over Swin's windows, used as it is (``direct``: provably [.., S, T]) or expanded to
+    [1, 1, S, T] at run time."""
+
+    terms: list[Tensor] = field(default_factory=list)
+    where: tuple[Tensor, float] | None = None  # (cond, fill)
+    window: WindowPlan | None = None
+    direct: bool = False
+
+
+def mask_refused(message: str, tensor: Tensor | None, softmax_name: str) -> NoMatch:
+    return NoMatch(
+        "mask-shape",
+        f"stage {STAGE}: {message}",
+        stage=STAGE,
+        tensor=tensor.name if tensor is not None else None,
+        softmax=softmax_name,
+    )
+
+
+def plan_bias(core: Core, q_seq: Key, k_seq: Key, dims: Dims) -> BiasPlan | None:
+    """The attention_bias plan of ``core`` (None: nothing masks the scores)."""
+    qdt = dtype_of(core.q)
+    sm = core.softmax.name
+    terms = [t for t in core.terms if not is_zero(t)]
+    plan = BiasPlan(terms=terms)
+    if core.where is not None:
+        cond, _, fill = inputs(core.where)
+        val = scalar(fill)
+        if val is None or val > -1e30:
+            raise mask_refused(
+                f"the Where mask fills {val if val is not None else fill.name}; only −inf or "
+                "≤ −1e30 (which absorbs the score exactly) can move into an additive bias",
+                fill,
+                sm,
+            )
+        if dtype_of(cond) != np.dtype(bool) or rank(cond) is None or rank(cond) > 4:
+            raise mask_refused(
+                f"the Where mask condition '{cond.name}' is not a bool tensor of rank ≤ 4", cond, sm
+            )
+        plan.where = (cond, val)
+    for t in terms:
+        if rank(t) is None or rank(t) > 4:
+            raise mask_refused(
+                f"the additive term '{t.name}' has rank {rank(t)}; attention_bias is 4-D", t, sm
+            )
+        if dtype_of(t) != qdt:
+            raise mask_refused(
+                f"the additive term '{t.name}' is {dtype_of(t)}, the scores are {qdt}", t, sm
+            )
+    if core.window is not None:
+        plan.window = _window(core, dims, qdt)
+    elif not terms and plan.where is None:
+        return None
+    plan.direct = plan.window is not None or (
+        plan.where is None and _provably(terms, 2, q_seq, dims) and _provably(terms, 3, k_seq, dims)
+    )
+    return plan
+
+
+def _provably(terms: list[Tensor], axis: int, want: Key, dims: Dims) -> bool:
+    """Whether the sum of 4-D-aligned ``terms`` has dim ``want`` at ``axis`` of 4."""
+    found = set()
+    for t in terms:
+        a = axis - (4 - rank(t))
+        k = dims.key(t, a) if a >= 0 else ("int", 1)
+        if k != ("int", 1):
+            found.add(k)
+    return found == {want}
+
+
+def _window(core: Core, dims: Dims, qdt) -> WindowPlan:
+    """[nW, N, S, T] of a shifted-window regroup whose mask can be tiled over the batch."""
+    w, sm = core.window, core.softmax.name
+    want = [dims.key(core.scores, i) for i in (1, 2, 3)]
+    split = shape_elements(inputs(w.split)[1], dims)
+    merge = shape_elements(inputs(w.merge)[1], dims)
+    static = split is not None and all(e[0] == "int" and e[1] > 0 for e in split[1:])
+    if not (static and len(split) == 5 and pins(split[2:], want)):
+        raise mask_refused(
+            f"the window regroup {split} does not split the batch of scores "
+            f"{want} into a static number of windows",
+            w.split.outputs[0],
+            sm,
+        )
+    if merge is None or len(merge) != 4 or not pins(merge[1:], want):
+        raise mask_refused(
+            f"the window regroup is not merged back into the scores' layout ({merge})",
+            w.merge.outputs[0],
+            sm,
+        )
+    r = rank(w.mask)
+    if r is None or r > 5 or (r == 5 and w.mask.shape[0] != 1) or dtype_of(w.mask) != qdt:
+        raise mask_refused(
+            f"the window mask '{w.mask.name}' is not a {qdt} tensor of rank ≤ 5 "
+            "shared by every image",
+            w.mask,
+            sm,
+        )
+    cond = inputs(core.where)[0] if core.where is not None else None
+    for t in [*core.terms, cond]:
+        if t is not None and (rank(t) is None or (rank(t) >= 4 and t.shape[0] != 1)):
+            raise mask_refused(f"the mask '{t.name}' varies over the windows' batch", t, sm)
+    return WindowPlan(w.mask, [e[1] for e in split[1:]])
+
+
+def _repeated_constant(t: Tensor | None) -> np.ndarray | None:
+    """The constant value of ``t``, also seen through an Expand (which only repeats it)."""
+    v = constant_value(t)
+    if v is None and producer(t, "Expand") is not None:
+        v = constant_value(inputs(producer(t, "Expand"))[0])
+    return v
+
+
+def is_zero(t: Tensor | None, depth: int = 2) -> bool:
+    """Whether ``t`` is zeros for sure: a constant (maybe expanded) of zeros, or a Where whose
+    constant condition picks a branch of zeros everywhere."""
+    v = _repeated_constant(t)
+    if v is not None:
+        return v.size > 0 and not np.any(v)
+    where = producer(t, "Where")
+    if where is None or depth == 0:
+        return False
+    cond, a, b = inputs(where)
+    c = _repeated_constant(cond)
+    if c is None or c.size == 0 or (c.any() and not c.all()):
+        return False
+    return is_zero(a if c.all() else b, depth - 1)

@@ -1,0 +1,402 @@
+"""The ``fuse-attention`` rule: stage 1 (core), stage 2 (lift), stage 3 (lower) in one rewrite.
+
+Its structure is read by :func:`lift` into a typed :class:`Attention`; its guards are the
+contract of the kernel, each refusal a missed remark with the stage and the tensor in its
+arguments (``stage``, ``tensor``) and the attention's Softmax (``softmax``), which the rules of
+the later ``linear`` phase look up.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from graphopt.opt.dims import Dims, rank, shape_elements
+from graphopt.opt.ir import Constant, Node, Tensor, constant_value, dtype_of
+from graphopt.opt.manager import register_rule
+from graphopt.opt.patterns import Alt, Op
+from graphopt.opt.rewrite import Match, NoMatch, Rule, require
+
+from ..activation import MS, float_type, inputs, lowering, no_match, producer, scalar, split_const
+from .core import Core, match_core, unrecognized
+from .heads import PERM_BNHS, PERM_BNSH, HeadSplit, head_count, source_axis, split_heads
+from .lower import lower
+from .masks import BiasPlan, plan_bias
+
+LIFT = "2 (lift)"
+LOWER = "3 (lower)"
+
+
+@dataclass
+class QkvBias:
+    """Bias Adds of the q/k/v projections that move into the kernel's ``bias`` input."""
+
+    sources: tuple[Tensor, Tensor, Tensor]  # the MatMul outputs (packed: the one, three times)
+    vector: np.ndarray
+    adds: tuple[Node, ...]
+
+
+@dataclass
+class Attention:
+    """A recognized attention: its core, how q/k/v are split into heads, the merge Reshape when
+    it is the root, and what the guards decided."""
+
+    core: Core
+    q: HeadSplit
+    k: HeadSplit
+    v: HeadSplit
+    merge_reshape: Node | None = None
+    op: str = "MultiHeadAttention"
+    num_heads: int = 0
+    head_size: int = 0
+    v_head_size: int = 0
+    scale: float | None = None
+    bias: BiasPlan | None = None
+    qkv_bias: QkvBias | None = None
+    out_direct: bool = False
+
+    def nodes(self) -> list[Node]:
+        """Every node of the fusion, consumers first."""
+        found = [self.merge_reshape] if self.merge_reshape is not None else []
+        found += self.core.nodes()
+        for s in (self.q, self.k, self.v):
+            found += s.nodes + [s.reshape]
+        if self.qkv_bias is not None:
+            found += list(self.qkv_bias.adds)
+        return list({id(n): n for n in found}.values())
+
+    def axis(self, role: str, which: str) -> int:
+        return source_axis(getattr(self, role).layout, which)
+
+
+def lift(root: Node) -> Attention:
+    """Stages 1 and 2 (structure): the core and the head splits of the attention at ``root``."""
+    merge = None
+    if root.op == "Reshape":
+        merge, root = root, producer(inputs(root)[0], "Transpose")
+        if root is None or _merged_readers(root) != [merge]:
+            raise no_match()
+    elif [r.op for r in _merged_readers(root)] == ["Reshape"]:
+        raise no_match()  # that Reshape is the root
+    core = match_core(root)
+    splits = [
+        split_heads(core.q, PERM_BNSH),
+        split_heads(core.kt, PERM_BNHS),
+        split_heads(core.v, PERM_BNSH),
+    ]
+    for name, split, t in zip(("Q", "Kᵀ", "V"), splits, (core.q, core.kt, core.v)):
+        if split is None:
+            raise unrecognized(
+                LIFT,
+                f"{name} '{t.name}' is not split into heads by a Reshape and Transpose the rule "
+                "knows (batch-first, sequence-first, packed, or the 3-D Kᵀ of dynamo exports)",
+                core.softmax,
+                t,
+            )
+    q, k, v = splits
+    packed = [s.layout == "packed" for s in splits]
+    if any(packed) and not (
+        all(packed) and q.x is k.x is v.x and [q.index, k.index, v.index] == [0, 1, 2]
+    ):
+        raise unrecognized(
+            LIFT, "Q, K and V are not the parts 0, 1, 2 of one packed projection", core.softmax, q.x
+        )
+    return Attention(core, q, k, v, merge)
+
+
+def _merged_readers(transpose: Node) -> list[Node]:
+    """The readers of the merged heads, other than Shape."""
+    return [r for r in transpose.outputs[0].outputs if r.op != "Shape"]
+
+
+def _refused(
+    code: str, stage: str, message: str, a: Attention, tensor: Tensor | None, **args
+) -> NoMatch:
+    return NoMatch(
+        code,
+        f"stage {stage}: {message}",
+        stage=stage,
+        tensor=tensor.name if tensor is not None else None,
+        softmax=a.core.softmax.name,
+        **args,
+    )
+
+
+@register_rule
+class FuseMultiHeadAttention(Rule):
+    name = "fuse-attention"
+    pattern = Alt(Op("Reshape", Op("Transpose", "ctx"), "shape"), Op("Transpose", "ctx"))
+    phase = "attention"
+    exclusive = False  # checked here: Shape nodes may read inside the pattern
+    summary = "scaled-dot-product attention → com.microsoft.MultiHeadAttention"
+
+    def match(self, node, cx):
+        a = lift(node)
+        m = Match(node, {f"node{i}": n for i, n in enumerate(a.nodes())})
+        m.stash(attention=a)
+        return m
+
+    # --------------------------------------------------------------------- guards
+    def check(self, m, cx):
+        a: Attention = m.attention
+        dims = Dims()
+        for t in (a.q.x, a.k.x, a.v.x):
+            if rank(t) != 3:
+                raise _refused(
+                    "unknown-shape",
+                    LIFT,
+                    f"'{t.name}' has rank {rank(t)}; MultiHeadAttention takes [B,S,D] inputs",
+                    a,
+                    t,
+                )
+        self._check_exclusive(m, a, cx)
+        self._check_softmax(a, cx)
+        self._check_heads(a, dims)
+        a.scale = self._scale(a)
+        require(
+            all(dtype_of(t) == dtype_of(a.q.x) for t in (a.k.x, a.v.x)),
+            "dtype-mismatch",
+            "q, k and v differ in dtype",
+            softmax=a.core.softmax.name,
+        )
+        if not _mid_is_identity(a, dims):
+            raise _refused(
+                "reshape-not-identity",
+                LIFT,
+                "the Reshape between the two attention MatMuls is not provably a no-op",
+                a,
+                a.core.mid_reshape.outputs[0],
+            )
+        a.out_direct = _out_direct(a, dims)
+        q_seq = dims.key(a.q.x, a.axis("q", "seq"))
+        k_seq = dims.key(a.k.x, a.axis("k", "seq"))
+        a.bias = plan_bias(a.core, q_seq, k_seq, dims)
+        self._lowering(a, cx)
+        if a.qkv_bias is not None:  # the bias Adds the kernel takes belong to the fusion
+            m.stash(**{f"bias_add_{i}": add for i, add in enumerate(a.qkv_bias.adds)})
+            m.stash(absorbed=[add.name for add in a.qkv_bias.adds])
+
+    def _lowering(self, a: Attention, cx) -> None:
+        """Stage 3: the kernel the target has, whether it pays, and the bias it takes."""
+        choices = [("MultiHeadAttention", MS, None, {}), ("Attention", "", 23, {})]
+        try:
+            op, _, _ = lowering(cx, choices, float_type(a.q.x), "attention")
+        except NoMatch as e:
+            e.message = f"stage {LOWER}: {e.message}"
+            e.args_.update(stage=LOWER, tensor=a.q.x.name, softmax=a.core.softmax.name)
+            raise
+        a.op = op
+        if op == "MultiHeadAttention":
+            self._check_pays(a, cx)
+            a.qkv_bias = _qkv_bias(a, cx)
+
+    def _check_softmax(self, a: Attention, cx) -> None:
+        # before opset 13 a Softmax without axis flattens from axis 1: not a per-row softmax
+        axis = a.core.softmax.attrs.get("axis", -1 if cx.ir.opset >= 13 else 1)
+        if axis not in (-1, 3):
+            raise _refused(
+                "softmax-axis",
+                "1 (core)",
+                f"the Softmax normalizes over axis {axis} (opset {cx.ir.opset}), not over the keys",
+                a,
+                a.core.probs,
+            )
+
+    def _check_heads(self, a: Attention, dims: Dims) -> None:
+        heads = [head_count(s, dims) for s in (a.q, a.k, a.v)]
+        bad = [(h, s) for h, s in zip(heads, (a.q, a.k, a.v)) if isinstance(h, str)]
+        if bad:
+            raise _refused(
+                "dynamic-heads",
+                LIFT,
+                f"cannot determine num_heads: {bad[0][0]}",
+                a,
+                bad[0][1].reshape.outputs[0],
+            )
+        (n, h), (nk, hk), (nv, hv) = heads
+        if (nk, hk) != (n, h) or nv != n:
+            raise _refused(
+                "dynamic-heads", LIFT, f"q, k and v split into different heads: {heads}", a, a.k.x
+            )
+        a.num_heads, a.head_size, a.v_head_size = int(n), int(h), int(hv)
+
+    def _check_pays(self, a: Attention, cx) -> None:
+        """Refuse a static key length below the one from which the target's kernel pays."""
+        bound, why = cx.target.slower_below.get("MultiHeadAttention", (0, ""))
+        keys = a.k.x.shape[a.axis("k", "seq")]
+        require(
+            not isinstance(keys, (int, np.integer)) or keys >= bound,
+            "slower-on-target",
+            lambda: (
+                f"stage {LOWER}: MultiHeadAttention over {keys} keys is slower than the unfused "
+                f"attention on target {cx.target.name} below {bound} keys: {why}"
+            ),
+            keys=int(keys) if isinstance(keys, (int, np.integer)) else None,
+            bound=bound,
+            softmax=a.core.softmax.name,
+            stage=LOWER,
+            tensor=a.k.x.name,
+        )
+
+    def _check_exclusive(self, m, a: Attention, cx) -> None:
+        """Intermediates of the fusion feed only it (Shape readers aside); the bias terms,
+        masks and q/k/v sources are its inputs and may be shared (one mask for every layer)."""
+        inside = {id(n) for n in m.nodes()}
+        for node in m.nodes():
+            if node is m.root:
+                continue
+            for out in node.outputs:
+                if cx.ir.is_graph_output(out):
+                    raise _refused(
+                        "shared-intermediate",
+                        LIFT,
+                        f"'{out.name}' inside the attention is a graph output",
+                        a,
+                        out,
+                    )
+                outside = [c.name for c in out.outputs if id(c) not in inside and c.op != "Shape"]
+                if outside:
+                    raise _refused(
+                        "shared-intermediate",
+                        LIFT,
+                        f"'{out.name}' inside the attention also feeds {', '.join(outside[:3])}",
+                        a,
+                        out,
+                    )
+
+    def _scale(self, a: Attention) -> float | None:
+        for f in a.core.factors:
+            if not isinstance(f.value, Constant):
+                raise _refused(
+                    "non-constant-param",
+                    "1 (core)",
+                    f"the attention scale '{f.value.name}' is computed at run time, not a constant",
+                    a,
+                    f.value,
+                )
+        total = 1.0
+        for f in a.core.factors:
+            s = scalar(f.value)
+            if s is None or s == 0:
+                shape = list(constant_value(f.value).shape)
+                raise _refused(
+                    "scale-mismatch",
+                    "1 (core)",
+                    f"the attention scale "
+                    f"'{f.value.name}' of shape {shape} is not one non-zero scalar "
+                    "(per-head scales cannot be a kernel attribute)",
+                    a,
+                    f.value,
+                )
+            total *= (1.0 / s) if f.divides else s
+        if total <= 0:
+            raise _refused(
+                "scale-mismatch",
+                "1 (core)",
+                f"the attention scale is {total:g}; the kernel reads a scale ≤ 0 as 'default'",
+                a,
+                None,
+                seen=total,
+            )
+        default = 1.0 / math.sqrt(a.head_size)
+        return None if abs(total - default) <= 1e-6 * default else total
+
+    # -------------------------------------------------------------------- rewrite
+    def rewrite(self, m, b):
+        return [lower(m.attention, b)]
+
+
+def _mid_is_identity(a: Attention, dims: Dims) -> bool:
+    """Whether the Reshape between P·V and the merge provably keeps [B,N,S,H]."""
+    mid = a.core.mid_reshape
+    if mid is None:
+        return True
+    c = a.core
+    ctx = inputs(mid)[0]
+    elems = shape_elements(inputs(mid)[1], dims)
+    if elems is None or len(elems) != 4:
+        return False
+    want = [dims.key(ctx, i) for i in range(4)]
+    seen = (c.q, c.scores, c.probs, c.ctx)
+    alts = [
+        {dims.key(a.q.x, a.axis("q", "batch"))} | {dims.key(x, 0) for x in seen},
+        {dims.key(x, 1) for x in seen},
+        {dims.key(a.q.x, a.axis("q", "seq"))} | {dims.key(x, 2) for x in seen},
+        {dims.key(x, 3) for x in (c.q, c.v, c.ctx)},
+    ]
+    minus_one = sum(e == ("int", -1) for e in elems)
+    for i, e in enumerate(elems):
+        if e == ("int", -1) and minus_one == 1:
+            continue
+        if e == ("int", 0) and not mid.attrs.get("allowzero", 0):
+            continue
+        if e != want[i] and e not in alts[i]:
+            return False
+    return True
+
+
+def _out_direct(a: Attention, dims: Dims) -> bool:
+    """Whether the merging Reshape provably yields [B,S,N·H]; else it is kept after the kernel."""
+    root = a.merge_reshape
+    if root is None:
+        return False
+    elems = shape_elements(inputs(root)[1], dims)
+    if elems is None or len(elems) != 3 or a.core.out_layout == "sbd":
+        # kept after the kernel: a 0 past axis 1 would copy a dim of [B|S,S|B,N,H] that the
+        # kernel's [B|S,S|B,D] does not have
+        target = constant_value(inputs(root)[1])
+        if target is not None and 0 in list(target)[2:] and not root.attrs.get("allowzero", 0):
+            raise _refused(
+                "reshape-not-identity",
+                LOWER,
+                f"the merging Reshape copies a head dim with 0 in {list(target)}",
+                a,
+                root.outputs[0],
+            )
+        return False
+    if elems[2] == ("int", 0):
+        raise no_match()
+    copy = () if root.attrs.get("allowzero", 0) else (("int", 0),)
+    b_ok = elems[0] in (*copy, dims.key(a.q.x, a.axis("q", "batch")))
+    s_ok = elems[1] in (*copy, dims.key(a.q.x, a.axis("q", "seq")))
+    width = a.num_heads * a.v_head_size
+    return b_ok and s_ok and elems[2] in (("int", -1), ("int", width))
+
+
+def _qkv_bias(a: Attention, cx) -> QkvBias | None:
+    """The q/k/v projections' constant bias vectors, when each source is MatMul + Add."""
+    hidden = a.num_heads * a.head_size
+    if a.q.layout == "packed":
+        found = _bias_add(a.q.x, cx)
+        if found is None or found[1].size != 3 * hidden:
+            return None
+        src, vec, add = found
+        return QkvBias((src, src, src), vec, (add,))
+    parts = [_bias_add(t, cx) for t in (a.q.x, a.k.x, a.v.x)]
+    if any(p is None for p in parts):
+        return None
+    for t, (_, vec, _) in zip((a.q.x, a.k.x, a.v.x), parts):
+        width = t.shape[-1] if t.shape is not None else None
+        if not isinstance(width, (int, np.integer)) or vec.size != width:
+            return None
+    return QkvBias(
+        tuple(p[0] for p in parts),
+        np.concatenate([p[1] for p in parts]),
+        tuple(p[2] for p in parts),
+    )
+
+
+def _bias_add(t: Tensor, cx) -> tuple[Tensor, np.ndarray, Node] | None:
+    """(MatMul output, bias vector, Add) when ``t`` = MatMul + constant vector, read only once."""
+    add = producer(t, "Add")
+    sc = split_const(add) if add is not None else None
+    if sc is None or producer(sc[0], "MatMul") is None:
+        return None
+    vec = constant_value(sc[1])
+    if vec.ndim != 1 or vec.dtype != dtype_of(t):
+        return None
+    if len(t.outputs) != 1 or cx.ir.is_graph_output(t):
+        return None
+    return sc[0], vec, add
