@@ -47,17 +47,21 @@ class RemarkLog:
         return iter(self._by_key.values())
 
     def final(self) -> list[Remark]:
-        """The remarks, less misses that a later fusion made moot: their anchor node is one whose
-        work that fusion took over (its ``absorbed`` nodes: a q/k/v bias Add taken into the
-        attention kernel is no longer a MatMul + Add that stays)."""
-        out: list[Remark] = []
-        absorbed: set[str] = set()
-        for r in reversed(list(self._by_key.values())):
-            absorbed.update(r.args.get("absorbed", ()) if r.kind == "passed" else ())
-            if r.kind == "missed" and r.nodes and r.nodes[0] in absorbed:
-                continue
-            out.append(r)
-        return out[::-1]
+        """The remarks, less misses that a fusion made moot: their anchor node is one whose work
+        that fusion took over (its ``absorbed`` nodes: a q/k/v bias Add taken into the attention
+        kernel is no longer a MatMul + Add that stays), whichever was recorded first (a rule of a
+        later phase may still try the node before dce removes it)."""
+        absorbed = {
+            name
+            for r in self._by_key.values()
+            if r.kind == "passed"
+            for name in r.args.get("absorbed", ())
+        }
+        return [
+            r
+            for r in self._by_key.values()
+            if not (r.kind == "missed" and r.nodes and r.nodes[0] in absorbed)
+        ]
 
     def __len__(self) -> int:
         return len(self._by_key)

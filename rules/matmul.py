@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from graphopt.opt.dims import Dims, shape_elements
 from graphopt.opt.ir import Constant, constant_value, dtype_of, static_shape, type_string
 from graphopt.opt.manager import register_rule
 from graphopt.opt.precision import require_refold_allowed, require_representable
-from graphopt.opt.rewrite import Match, Op, Rule, applies_only_if, opt, require
-from graphopt.rules.activation import MS, inputs, no_match, producer
-from graphopt.opt.dims import Dims, shape_elements
+from graphopt.opt.rewrite import Alt, Const, Op, Rule, applies_only_if, opt, require
+from graphopt.rules.activation import MS, inputs, producer
 
 
 def _rank(t) -> int | None:
@@ -288,6 +288,27 @@ def _axis_vector(c: np.ndarray, out_rank: int, axis: int, n: int) -> np.ndarray 
     return c.reshape(-1) if shape[axis] == n else None
 
 
+_MATMUL_CONST_W = Op("MatMul", "x", Const("W"), name="matmul")
+#: x·W, x·W + b, or the flat form matmul-add-to-gemm writes on cpu: Reshape(Gemm(x, W, b))
+LINEAR = Alt(
+    Op(
+        "Reshape",
+        Op(
+            "Gemm",
+            "x",
+            Const("W"),
+            Const("b"),
+            attrs={"transA": 0, "transB": 0, "alpha": 1.0, "beta": 1.0},
+            name="matmul",
+        ),
+        "shape",
+        name="reshape",
+    ),
+    Op("Add", _MATMUL_CONST_W, Const("b"), commute=True, name="add"),
+    _MATMUL_CONST_W,
+)
+
+
 @register_rule
 class FoldLinearScale(Rule):
     """``(x·W [+ b]) [→ Transpose] · c`` → ``x·(W·c) [+ b·c] [→ Transpose]``, c a constant per
@@ -304,44 +325,16 @@ class FoldLinearScale(Rule):
     name = "fold-linear-scale"
     root = "Mul"
     summary = "per-column constant Mul after MatMul (+ bias) → folded into W and b"
+    pattern = Op(
+        "Mul",
+        Alt(Op("Transpose", LINEAR, name="transpose"), LINEAR),
+        Const("c"),
+        commute=True,
+        name="mul",
+    )
 
-    def match(self, node, cx):
-        for y, c in (inputs(node), inputs(node)[::-1]):
-            if not isinstance(c, Constant):
-                continue
-            found = {"mul": node, "transpose": producer(y, "Transpose"), "c": c}
-            if found["transpose"] is not None:
-                y = inputs(found["transpose"])[0]
-            reshape = producer(y, "Reshape")
-            gemm = producer(inputs(reshape)[0], "Gemm") if reshape is not None else None
-            if gemm is not None:  # the flat form matmul-add-to-gemm writes on cpu
-                a = gemm.attrs
-                if (
-                    a.get("transA", 0)
-                    or a.get("transB", 0)
-                    or a.get("alpha", 1.0) != 1.0
-                    or a.get("beta", 1.0) != 1.0
-                    or len(inputs(gemm)) != 3
-                    or not all(isinstance(t, Constant) for t in inputs(gemm)[1:])
-                ):
-                    continue
-                x, w, bias = inputs(gemm)
-                found.update(add=None, b=bias, matmul=gemm, reshape=reshape)
-                return Match(node, {**found, "x": x, "W": w})
-            add, bias = producer(y, "Add"), None
-            if add is not None:
-                for mm_out, bias in (inputs(add), inputs(add)[::-1]):
-                    if producer(mm_out, "MatMul") is not None and isinstance(bias, Constant):
-                        break
-                else:
-                    continue
-                y = mm_out
-            mm = producer(y, "MatMul")
-            if mm is None or not isinstance(inputs(mm)[1], Constant):
-                continue
-            found.update(add=add, b=bias if add is not None else None, matmul=mm, reshape=None)
-            return Match(node, {**found, "x": inputs(mm)[0], "W": inputs(mm)[1]})
-        raise no_match()
+    def structure(self, m, cx):
+        m.stash(**{k: m.get(k) for k in ("transpose", "add", "b", "reshape")})
 
     def check(self, m, cx):
         w = constant_value(m.W)
@@ -419,32 +412,6 @@ class FoldLinearScale(Rule):
             y = b.op(op, ins, attrs, like=like if last else None, name=f"{name}/{suffix}")
             y.dtype = like.dtype
         return [y]
-        last = m.transpose is None and m.b_new is None
-        y = b.op(
-            "MatMul",
-            [m.x, b.const(m.w_new, "W")],
-            like=like if last else None,
-            name=f"{name}/scaled",
-        )
-        y.dtype = like.dtype
-        if m.b_new is not None:
-            last = m.transpose is None
-            y = b.op(
-                "Add",
-                [y, b.const(m.b_new, "b")],
-                like=like if last else None,
-                name=f"{name}/scaled_bias",
-            )
-            y.dtype = like.dtype
-        if m.transpose is not None:
-            y = b.op(
-                "Transpose",
-                [y],
-                dict(m.transpose.attrs),
-                like=like,
-                name=f"{m.transpose.name or 'Transpose'}/scaled",
-            )
-        return [y]
 
 
 # ------------------------------------------------------- FusedMatMul: transposes and scale
@@ -511,9 +478,16 @@ def _heads_merged_after(sm) -> bool:
     return False
 
 
-def _product(t):
-    """The MatMul or com.microsoft.FusedMatMul computing ``t``, or None."""
-    return producer(t, "MatMul") or producer(t, "FusedMatMul", MS)
+def _last_two_swapped(x: str, name: str) -> Op:
+    """A Transpose of ``x`` that swaps its last two axes."""
+    return Op("Transpose", x, attrs=_swaps_last_two, name=name)
+
+
+#: a product: MatMul or com.microsoft.FusedMatMul
+PRODUCT = Alt(
+    Op("MatMul", "a", "b", name="matmul"),
+    Op("FusedMatMul", "a", "b", domain=MS, name="matmul"),
+)
 
 
 def _fused_matmul_kernel(cx, t) -> None:
@@ -536,17 +510,20 @@ class FuseMatMulTranspose(Rule):
     root = "MatMul"
     phase = "linear"
     summary = "MatMul of a last-two-axes Transpose → FusedMatMul(transA/transB)"
+    pattern = Alt(
+        Op(
+            "MatMul",
+            _last_two_swapped("a", "t_transA"),
+            _last_two_swapped("b", "t_transB"),
+            name="matmul",
+        ),
+        Op("MatMul", _last_two_swapped("a", "t_transA"), "b", name="matmul"),
+        Op("MatMul", "a", _last_two_swapped("b", "t_transB"), name="matmul"),
+    )
 
-    def match(self, node, cx):
-        ins = inputs(node)
-        found = {}
-        for flag, t in (("transA", ins[0]), ("transB", ins[1])):
-            tr = producer(t, "Transpose")
-            if tr is not None and _swaps_last_two(tr) and len(t.outputs) == 1:
-                found[flag] = tr
-        if not found:
-            raise no_match()
-        return Match(node, {"matmul": node, **{f"t_{k}": v for k, v in found.items()}})
+    def structure(self, m, cx):
+        for key in ("t_transA", "t_transB"):  # the transposed copy is read only here
+            applies_only_if(key not in m.bindings or len(m.bindings[key].outputs[0].outputs) == 1)
 
     def check(self, m, cx):
         _fused_matmul_kernel(cx, m.matmul.outputs[0])
@@ -593,16 +570,7 @@ class FoldMatMulScale(Rule):
     root = "Mul"
     phase = "linear"
     summary = "MatMul · scalar → FusedMatMul(alpha)"
-
-    def match(self, node, cx):
-        ins = inputs(node)
-        if len(ins) != 2:
-            raise no_match()
-        for y, c in ((ins[0], ins[1]), (ins[1], ins[0])):
-            mm = _product(y)
-            if mm is not None and isinstance(c, Constant):
-                return Match(node, {"scale": node, "matmul": mm, "c": c})
-        raise no_match()
+    pattern = Op("Mul", PRODUCT, Const("c"), commute=True, name="scale")
 
     def check(self, m, cx):
         c = constant_value(m.c)
@@ -632,10 +600,4 @@ class FoldMatMulDivScale(FoldMatMulScale):
     name = "fold-matmul-div-scale"
     root = "Div"
     summary = "MatMul / scalar → FusedMatMul(alpha)"
-
-    def match(self, node, cx):
-        ins = inputs(node)
-        mm = _product(ins[0]) if len(ins) == 2 else None
-        if mm is None or not isinstance(ins[1], Constant):
-            raise no_match()
-        return Match(node, {"scale": node, "matmul": mm, "c": ins[1]})
+    pattern = Op("Div", PRODUCT, Const("c"), name="scale")

@@ -30,13 +30,20 @@ from __future__ import annotations
 
 import numpy as np
 
+from graphopt.opt.dims import same_dim
 from graphopt.opt.ir import Constant, Node, Tensor, Variable, constant_value, dtype_of
 from graphopt.opt.manager import register_rule
 from graphopt.opt.precision import require_representable
 from graphopt.opt.rewrite import (
+    Alt,
+    Const,
     Match,
+    Op,
+    Pattern,
     Rule,
+    Var,
     applies_only_if,
+    opt,
     require,
     require_constant,
 )
@@ -47,12 +54,10 @@ from .activation import (
     inputs,
     last_dim,
     lowering,
-    no_match,
     producer,
     require_near,
     scalar,
 )
-from graphopt.opt.dims import same_dim
 
 
 # ------------------------------------------------------------------------- matching
@@ -72,74 +77,39 @@ def _reduce_axes(node: Node) -> tuple[list[int] | None, str | None]:
     return (None, None) if axes is None else ([int(a) for a in axes], None)
 
 
-def _variance(t: Tensor) -> dict | None:
-    """``Add(ReduceMean(u²), eps)`` (eps on either side): the squared tensor and the eps."""
-    add = producer(t, "Add")
-    if add is None:
-        return None
-    ins = inputs(add)
-    for rm_t, eps in ((ins[0], ins[1]), (ins[1], ins[0])):
-        rm = producer(rm_t, "ReduceMean")
-        if rm is None or eps is None:
-            continue
-        sq = producer(inputs(rm)[0], ("Pow", "Mul"))
-        if sq is None:
-            continue
-        a, b = inputs(sq)[:2]
-        if sq.op == "Pow":
-            if not isinstance(b, Constant):
-                continue
-            return {"add_eps": add, "eps": eps, "var_mean": rm, "square": sq, "u": a, "c_pow": b}
-        if a is b or _same_sub(a, b):
-            return {"add_eps": add, "eps": eps, "var_mean": rm, "square": sq, "u": a, "u2": b}
-    return None
+def _variance(u: Pattern, u2: Pattern) -> Op:
+    """``ReduceMean(u²) + eps`` (eps on either side), u² as ``Pow(u, c)`` or ``u·u2``."""
+    square = Alt(Op("Pow", u, Const("c_pow"), name="square"), Op("Mul", u, u2, name="square"))
+    mean = Op("ReduceMean", square, extra_inputs=True, name="var_mean")
+    return Op("Add", mean, "eps", commute=True, name="add_eps")
 
 
-def _same_sub(a: Tensor, b: Tensor) -> bool:
-    """Two separate ``Sub(x, μ)`` nodes computing the same value (old PyTorch exports)."""
-    sa, sb = producer(a, "Sub"), producer(b, "Sub")
-    return sa is not None and sb is not None and inputs(sa) == inputs(sb)
+def _std(var: Op) -> Op:
+    return Op("Sqrt", var, name="sqrt")
 
 
-def _inv_std(t: Tensor, reciprocal: bool) -> dict | None:
-    """1/sqrt(var + eps) (``reciprocal``) or sqrt(var + eps)."""
-    if not reciprocal:
-        sqrt = producer(t, "Sqrt")
-        v = _variance(inputs(sqrt)[0]) if sqrt is not None else None
-        return {"sqrt": sqrt, **v} if v else None
-    rcp = producer(t, ("Reciprocal", "Div", "Pow"))
-    if rcp is None:
-        return None
-    ins = inputs(rcp)
-    if rcp.op == "Pow":
-        v = _variance(ins[0])
-        c = scalar(ins[1]) if v else None
-        return {"rsqrt": rcp, **v} if v and c is not None and abs(c + 0.5) < 1e-6 else None
-    if rcp.op == "Div":
-        c = scalar(ins[0])
-        if c is None or c != 1.0:
-            return None
-        t = ins[1]
-    else:
-        t = ins[0]
-    sqrt = producer(t, "Sqrt")
-    v = _variance(inputs(sqrt)[0]) if sqrt is not None else None
-    return {"rsqrt": rcp, "sqrt": sqrt, **v} if v else None
+def _normalized(root: str, num: Pattern, u: Pattern, u2: Pattern) -> Op:
+    """``num / sqrt(var + eps)`` (Div root) or ``num · rsqrt(var + eps)`` (Mul root), rsqrt as
+    ``Reciprocal(sqrt)``, ``1 / sqrt`` or ``Pow(·, −0.5)``."""
+    var = _variance(u, u2)
+    if root == "Div":
+        return Op("Div", num, _std(var), name="norm")
+    rsqrt = Alt(
+        Op("Reciprocal", _std(var), name="rsqrt"),
+        Op("Div", Const("one", value=1.0, scalar=True), _std(var), name="rsqrt"),
+        Op("Pow", var, Const("c_rsqrt", value=-0.5, scalar=True, rel=2e-6), name="rsqrt"),
+    )
+    return Op("Mul", num, rsqrt, commute=True, name="norm")
 
 
-def _normalized(node: Node) -> dict | None:
-    """``n / sqrt(var+eps)`` (Div root) or ``n · rsqrt(var+eps)`` (Mul root): n and the parts."""
-    ins = inputs(node)
-    if len(ins) != 2:
-        return None
-    if node.op == "Div":
-        parts = _inv_std(ins[1], reciprocal=False)
-        return {"num": ins[0], **parts} if parts else None
-    for num, den in ((ins[0], ins[1]), (ins[1], ins[0])):
-        parts = _inv_std(den, reciprocal=True)
-        if parts:
-            return {"num": num, **parts}
-    return None
+def _layer_norm(root: str) -> Op:
+    """``(x − mean(x))`` normalized; the squared difference may be a duplicated ``Sub`` node
+    (old PyTorch exports)."""
+    mean = Op("ReduceMean", "x", extra_inputs=True, name="mean", out="mu")
+    num = Op("Sub", "x", mean, name="sub", out="num")
+    u = Alt(Var("num"), Op("Sub", "x", "mu", name="sub2"))
+    u2 = Alt(Var("num"), Op("Sub", "x", "mu", name="sub3"))
+    return _normalized(root, num, u, u2)
 
 
 def _centered(t: Tensor) -> dict | None:
@@ -209,18 +179,7 @@ class FuseLayerNorm(Rule):
     name = "fuse-layer-norm"
     root = "Div"
     summary = "(x−mean)/sqrt(var+eps) → LayerNormalization"
-
-    def match(self, node, cx):
-        parts = _normalized(node)
-        if parts is None:
-            raise no_match()
-        c = _centered(parts["num"])
-        if c is None or not (parts["u"] is parts["num"] or _same_sub(parts["u"], parts["num"])):
-            raise no_match()
-        extra = {}
-        if parts["u"] is not parts["num"]:
-            extra["sub2"] = producer(parts["u"], "Sub")
-        return Match(node, {"norm": node, **parts, **c, **extra})
+    pattern = _layer_norm("Div")
 
     def check(self, m, cx):
         _check_last_axis(m.mean, m.x, "the mean's ReduceMean")
@@ -258,7 +217,7 @@ class FuseLayerNorm(Rule):
 @register_rule
 class FuseLayerNormReciprocal(FuseLayerNorm):
     name = "fuse-layer-norm-rcp"
-    root = "Mul"
+    pattern = _layer_norm("Mul")
     summary = "(x−mean)·rsqrt(var+eps) → LayerNormalization"
 
 
@@ -267,18 +226,10 @@ class FuseRmsNorm(Rule):
     name = "fuse-rms-norm"
     root = "Div"
     summary = "x/sqrt(mean(x²)+eps) → RMSNormalization"
+    pattern = _normalized("Div", Var("x"), Var("x"), Var("x"))
 
-    def match(self, node, cx):
-        parts = _normalized(node)
-        if (
-            parts is None
-            or parts["u"] is not parts["num"]
-            or "u2" in parts
-            and parts["u2"] is not parts["num"]
-        ):
-            raise no_match()
-        applies_only_if(_centered(parts["num"]) is None)  # that is a LayerNorm
-        return Match(node, {"norm": node, **parts, "x": parts["num"]})
+    def structure(self, m, cx):
+        applies_only_if(_centered(m.x) is None)  # that is a LayerNorm
 
     def check(self, m, cx):
         _check_last_axis(m.var_mean, m.x, "the ReduceMean of x²")
@@ -316,15 +267,8 @@ class FuseRmsNorm(Rule):
 @register_rule
 class FuseRmsNormReciprocal(FuseRmsNorm):
     name = "fuse-rms-norm-rcp"
-    root = "Mul"
+    pattern = _normalized("Mul", Var("x"), Var("x"), Var("x"))
     summary = "x·rsqrt(mean(x²)+eps) → RMSNormalization"
-
-
-NORM_OPS = {
-    ("LayerNormalization", ""),
-    ("RMSNormalization", ""),
-    ("SimplifiedLayerNormalization", MS),
-}
 
 
 def _last_axis_vector(c: np.ndarray, x_rank: int | None, width: int) -> np.ndarray | None:
@@ -345,19 +289,8 @@ class _FoldIntoNorm(Rule):
 
     exclusive = True
 
-    def match(self, node, cx):
-        ins = inputs(node)
-        if len(ins) != 2:
-            raise no_match()
-        for t, c in ((ins[0], ins[1]), (ins[1], ins[0])):
-            ln = t.inputs[0] if t is not None and t.inputs else None
-            if ln is None or (ln.op, ln.domain or "") not in NORM_OPS or ln.outputs[0] is not t:
-                continue
-            if self.root == "Add" and ln.op != "LayerNormalization":
-                continue
-            applies_only_if(isinstance(c, Constant) or cx.ir.is_graph_input(c))
-            return Match(node, {"op_node": node, "ln": ln, "x": inputs(ln)[0], "c": c})
-        raise no_match()
+    def structure(self, m, cx):
+        applies_only_if(isinstance(m.c, Constant) or cx.ir.is_graph_input(m.c))
 
     def check(self, m, cx):
         ln_in = inputs(m.ln)
@@ -427,7 +360,16 @@ class _FoldIntoNorm(Rule):
 @register_rule
 class FoldNormScale(_FoldIntoNorm):
     name = "fold-norm-scale"
-    root = "Mul"
+    pattern = Op(
+        "Mul",
+        Alt(
+            Op(("LayerNormalization", "RMSNormalization"), "x", extra_inputs=True, name="ln"),
+            Op("SimplifiedLayerNormalization", "x", extra_inputs=True, domain=MS, name="ln"),
+        ),
+        "c",
+        commute=True,
+        name="op_node",
+    )
     summary = "Mul(constant) after LayerNormalization/RMSNormalization → scale (and bias)"
 
     def fold(self, g, beta, vec):
@@ -437,7 +379,13 @@ class FoldNormScale(_FoldIntoNorm):
 @register_rule
 class FoldLayerNormBias(_FoldIntoNorm):
     name = "fold-layer-norm-bias"
-    root = "Add"
+    pattern = Op(
+        "Add",
+        Op("LayerNormalization", "x", extra_inputs=True, name="ln"),
+        "c",
+        commute=True,
+        name="op_node",
+    )
     summary = "Add(constant) after LayerNormalization → its bias"
 
     def fold(self, g, beta, vec):
@@ -450,25 +398,12 @@ class FuseSkipLayerNorm(Rule):
     root = "LayerNormalization"
     exclusive = False  # the residual sum may feed the next block: SkipLayerNorm outputs it
     summary = "Add + LayerNormalization → com.microsoft.SkipLayerNormalization"
+    pattern = Op(
+        "LayerNormalization", Op("Add", "a", "skip", name="add"), "gamma", opt("beta"), name="ln"
+    )
 
-    def match(self, node, cx):
-        ins = inputs(node)
-        add = producer(ins[0], "Add")
-        if add is None or len(ins) < 2:
-            raise no_match()
-        a, s = inputs(add)
-        applies_only_if(not isinstance(a, Constant) and not isinstance(s, Constant))
-        return Match(
-            node,
-            {
-                "ln": node,
-                "add": add,
-                "a": a,
-                "skip": s,
-                "gamma": ins[1],
-                "beta": ins[2] if len(ins) > 2 else None,
-            },
-        )
+    def structure(self, m, cx):
+        applies_only_if(not isinstance(m.a, Constant) and not isinstance(m.skip, Constant))
 
     def check(self, m, cx):
         sum_t = m.add.outputs[0]
@@ -540,6 +475,3 @@ class FuseSkipLayerNorm(Rule):
         summed.dtype, summed.shape = sum_t.dtype, sum_t.shape
         b.ir.replace_all_uses(sum_t, summed)
         return [outs[0]] + [None] * (len(m.root.outputs) - 1)
-
-
-__all__ = ["NORM_OPS"]

@@ -217,3 +217,15 @@ def test_matches_are_silent_when_structure_fails_on_every_candidate():
     cx = _run(ir, [NeedsConst()])
     assert not [r for r in cx.remarks if r.kind == "missed"]
     assert cx.stats["test-mul-const"].attempts == 0
+
+
+@pytest.mark.parametrize("miss_first", [True, False])
+def test_a_miss_at_a_node_a_fusion_absorbed_is_dropped_whichever_came_first(miss_first):
+    from graphopt.opt.remarks import Remark, RemarkLog
+
+    miss = Remark("missed", "rules", "test-linear", "shared-intermediate", ("add",), "stays")
+    took = Remark("passed", "rules", "test-fused", "fired", ("root",), "fused", {"absorbed": ["add"]})
+    log = RemarkLog()
+    for r in (miss, took) if miss_first else (took, miss):
+        log.add(r)
+    assert [r.rule for r in log.final()] == ["test-fused"]
