@@ -22,7 +22,7 @@ op's ``cos_cache``/``sin_cache`` constants.
 Positions a fused node can take are bounded by its cache: ``N`` is the row count of a gathered
 table when the model has one (the original fails beyond it too), else
 ``GRAPHOPT_ROTARY_POSITIONS`` (default 8192); onnxruntime refuses a position past the cache
-with an error, never a wrong value.  The ``passed`` remark states ``N``.
+with an error, never a wrong value; the caches' first dim is ``N``.
 
 Lowering: ONNX ``RotaryEmbedding`` (opset ≥ 23; inputs x, cos, sin, position_ids) or
 ``com.microsoft.RotaryEmbedding`` (inputs x, position_ids, cos, sin), whichever the target's

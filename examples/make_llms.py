@@ -1,0 +1,400 @@
+"""Small decoder LLMs with a KV cache, exported like a deployment would (not committed).
+
+    /path/to/venv/bin/python examples/make_llms.py --out models/llm [--only NAME,...] [--list]
+
+Needs torch and transformers (built with torch 2.14, transformers 5.24). Every model is a
+transformers causal LM built from a small config (2 layers, hidden 256, vocab >= 32k) with
+seeded random weights (nothing is downloaded), wrapped so that its ONNX graph has the inputs a
+generation loop feeds and the outputs it reads back:
+
+    input_ids (batch, sequence_length), attention_mask (batch, total_sequence_length),
+    position_ids (batch, sequence_length),
+    past_key_values.{i}.key / .value (batch, kv_heads, past_sequence_length, head_dim)
+    -> logits (batch, sequence_length, vocab), present.{i}.key / .value
+       (batch, kv_heads, total_sequence_length, head_dim)
+
+The cache is transformers' DynamicCache filled with the past tensors, so every layer's present
+is Concat(past, new) — also for Mistral's sliding-window layers, whose window is applied by
+the attention mask (a full cache, as onnxruntime's GroupQueryAttention with local_window_size
+keeps it). Families: llama (GQA 8/2), qwen2 (GQA, q/k/v biases), mistral (GQA, sliding window
+16), phi3 (MHA, fused qkv_proj and gate_up_proj), gemma (MQA, head_dim 64, GELU-tanh, scaled
+embeddings). Each is written as NAME.onnx (TorchScript, opset 17) and NAME_dynamo.onnx
+(torch.export, opset 18) with NAME.json = {"inputs": {name: shape}} (a prefill of 8 tokens after
+16 cached ones, batch 1).
+
+Each export passes onnx.checker, loads in onnxruntime (CPU) and is compared with torch on two
+steps of a generation: a prefill of 20 tokens with an empty cache (batch 2; longer than the
+Mistral window), then one decode step fed with the prefill's present tensors. A model that
+fails is reported and the others go on; the exit code is 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from export_utils import (
+    Net,
+    check_model,
+    export_torchscript,
+    perturb_constant_params,
+    quiet_warnings,
+    rel_l2,
+    rename_dynamic_dims,
+    save_model,
+    seed_all,
+    seed_for,
+    summarize,
+)
+from torch import nn
+
+VOCAB = 32000
+TOLERANCE = 1e-4  # relative L2 of logits and presents, onnxruntime vs torch
+
+
+# ------------------------------------------------------------------------------ configs
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def _qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        use_sliding_window=False,
+        tie_word_embeddings=False,
+    )
+    return Qwen2ForCausalLM(cfg)
+
+
+def _mistral():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        sliding_window=16,
+        rms_norm_eps=1e-5,
+    )
+    return MistralForCausalLM(cfg)
+
+
+def _phi3():
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    cfg = Phi3Config(
+        vocab_size=32064,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=2048,
+        original_max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        pad_token_id=32000,
+    )
+    return Phi3ForCausalLM(cfg)
+
+
+def _gemma():
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    cfg = GemmaConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+    )
+    return GemmaForCausalLM(cfg)
+
+
+@dataclass
+class Family:
+    name: str
+    build: Callable[[], nn.Module]
+    note: str
+
+
+FAMILIES = [
+    Family("llama", _llama, "Llama: GQA 8 query / 2 kv heads, RoPE theta 1e4"),
+    Family("qwen2", _qwen2, "Qwen2: GQA 8/2, q/k/v projection biases, RoPE theta 1e6"),
+    Family("mistral", _mistral, "Mistral: GQA 8/2, sliding window 16 (mask), full cache"),
+    Family("phi3", _phi3, "Phi-3: MHA 8 heads, fused qkv_proj and gate_up_proj"),
+    Family("gemma", _gemma, "Gemma: MQA 4/1, head_dim 64, GELU-tanh MLP, (1+w) RMSNorm"),
+]
+
+
+# ------------------------------------------------------------------------------ wrapping
+class CachedDecoder(nn.Module):
+    """forward(input_ids, attention_mask, position_ids, k0, v0, k1, v1, ...) ->
+    (logits, present k0, v0, ...): the cache as plain tensors, so that the graph's inputs and
+    outputs are the past/present tensors a generation loop binds."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.layers = model.config.num_hidden_layers
+
+    def forward(self, input_ids, attention_mask, position_ids, *past):
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+
+        cache = DynamicCache()
+        cache.layers = []
+        for i in range(self.layers):
+            layer = DynamicLayer()
+            # filled directly: DynamicLayer.update would first concatenate an empty 1-D tensor
+            layer.lazy_initialization(past[2 * i], past[2 * i + 1])
+            layer.keys, layer.values = past[2 * i], past[2 * i + 1]
+            cache.layers.append(layer)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+        )
+        present = []
+        for layer in out.cache.layers:
+            present += [layer.keys, layer.values]
+        return (out.logits, *present)
+
+
+def kv_shape(model: nn.Module) -> tuple[int, int]:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_key_value_heads, head_dim
+
+
+def past_names(layers: int) -> list[str]:
+    return [f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
+
+
+def present_names(layers: int) -> list[str]:
+    return [f"present.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
+
+
+def make_feeds(
+    model: nn.Module, batch: int, seq: int, past: int, vocab: int, gen: torch.Generator
+) -> dict[str, torch.Tensor]:
+    """Random tokens, an all-ones mask over past + new, contiguous positions and a random cache
+    of ``past`` rows (the values of the cache do not change the graph's computation)."""
+    heads, dim = kv_shape(model)
+    feeds = {
+        "input_ids": torch.randint(0, vocab, (batch, seq), generator=gen),
+        "attention_mask": torch.ones(batch, past + seq, dtype=torch.int64),
+        "position_ids": torch.arange(past, past + seq).repeat(batch, 1),
+    }
+    for name in past_names(model.config.num_hidden_layers):
+        feeds[name] = torch.randn(batch, heads, past, dim, generator=gen)
+    return feeds
+
+
+def make_net(model: nn.Module, vocab: int) -> Net:
+    layers = model.config.num_hidden_layers
+    gen = torch.Generator().manual_seed(0)
+    dyn_past = {0: "batch", 2: "past_sequence_length"}
+    dyn_present = {0: "batch", 2: "total_sequence_length"}
+    axes = {
+        "input_ids": {0: "batch", 1: "sequence_length"},
+        "attention_mask": {0: "batch", 1: "total_sequence_length"},
+        "position_ids": {0: "batch", 1: "sequence_length"},
+        "logits": {0: "batch", 1: "sequence_length"},
+        **{n: dyn_past for n in past_names(layers)},
+        **{n: dyn_present for n in present_names(layers)},
+    }
+    return Net(
+        module=CachedDecoder(model),
+        # (batch, seq): a cache of seq rows, so the traced graph has a non-empty past
+        inputs=lambda batch, seq: make_feeds(model, batch, seq, seq, vocab, gen),
+        output_names=["logits", *present_names(layers)],
+        dynamic_axes=axes,
+        export_shape=(2, 8),
+        test_shape=(1, 8),
+        alt_shape=None,
+    )
+
+
+def export_dynamo(net: Net, path: str, opset: int = 18) -> None:
+    """torch.export-based exporter (dynamo=True): forward's variadic cache parameter takes one
+    tuple of per-tensor dynamic shapes."""
+    from torch.export import Dim
+
+    per_input = [
+        {ax: Dim.DYNAMIC for ax in net.dynamic_axes.get(name, {})} for name in net.input_names
+    ]
+    dynamic_shapes = (*per_input[:3], tuple(per_input[3:]))
+    args = tuple(net.inputs(*net.export_shape).values())
+    with torch.no_grad():
+        program = torch.onnx.export(
+            net.module,
+            args,
+            dynamo=True,
+            opset_version=opset,
+            input_names=net.input_names,
+            output_names=net.output_names,
+            dynamic_shapes=dynamic_shapes,
+            verbose=False,
+        )
+    model = program.model_proto
+    rename_dynamic_dims(model, net.dynamic_axes)
+    save_model(model, path)
+
+
+# ------------------------------------------------------------------------------ checking
+def check_generation(path: str, net: Net, model: nn.Module, vocab: int) -> dict[str, float]:
+    """Prefill (batch 2, 20 tokens, empty cache), then one decode step fed with the prefill's
+    present tensors: onnxruntime against torch, relative L2 of every output."""
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    gen = torch.Generator().manual_seed(1)
+    layers = model.config.num_hidden_layers
+    errors: dict[str, float] = {}
+    feeds = make_feeds(model, 2, 20, 0, vocab, gen)
+    for step in ("prefill", "decode"):
+        with torch.no_grad():
+            want = net.module(*feeds.values())
+        got = sess.run(None, {k: v.numpy() for k, v in feeds.items()})
+        worst = 0.0
+        for name, g, w in zip(net.output_names, got, want):
+            if g.shape != tuple(w.shape):
+                raise AssertionError(f"{step} {name}: shape {g.shape} != torch {tuple(w.shape)}")
+            if not np.isfinite(g).all():
+                raise AssertionError(f"{step} {name}: non-finite values")
+            worst = max(worst, rel_l2(g, w.numpy()))
+        if not worst <= TOLERANCE:
+            raise AssertionError(f"{step}: relative L2 {worst:.3g} > {TOLERANCE:g}")
+        errors[step] = worst
+        # the next step: one token per row after the cache the prefill returned
+        total = feeds["attention_mask"].shape[1]
+        feeds = {
+            "input_ids": torch.randint(0, vocab, (2, 1), generator=gen),
+            "attention_mask": torch.ones(2, total + 1, dtype=torch.int64),
+            "position_ids": torch.full((2, 1), total, dtype=torch.int64),
+        }
+        feeds.update(dict(zip(past_names(layers), (w for w in want[1:]))))
+    return errors
+
+
+def write_shapes(path: str, model: nn.Module) -> None:
+    """NAME.json: batch 1, 8 new tokens after 16 cached ones."""
+    heads, dim = kv_shape(model)
+    shapes = {"input_ids": [1, 8], "attention_mask": [1, 24], "position_ids": [1, 8]}
+    shapes.update({n: [1, heads, 16, dim] for n in past_names(model.config.num_hidden_layers)})
+    with open(os.path.splitext(path)[0] + ".json", "w") as f:
+        json.dump({"inputs": shapes}, f, indent=2)
+        f.write("\n")
+
+
+def export_family(fam: Family, out: str, exporters: list[str]) -> list[dict]:
+    seed_all(seed_for(fam.name))
+    model = fam.build().eval()
+    perturb_constant_params(model)  # RMSNorm weights are all ones at init
+    vocab = model.config.vocab_size
+    net = make_net(model, vocab)
+    results = []
+    for exporter in exporters:
+        name = fam.name if exporter == "torchscript" else f"{fam.name}_dynamo"
+        path = os.path.join(out, f"{name}.onnx")
+        t0 = time.perf_counter()
+        row = {"name": name, "exporter": exporter, "family": fam.note}
+        try:
+            if exporter == "torchscript":
+                export_torchscript(net, path, opset=17)
+            else:
+                export_dynamo(net, path, opset=18)
+            check_model(path)
+            row["errors"] = check_generation(path, net, model, vocab)
+            write_shapes(path, model)
+            row["nodes"], row["top_ops"] = summarize(path)
+            row["ok"] = True
+        except Exception as e:  # noqa: BLE001 - reported per model, the others go on
+            row["ok"] = False
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            if os.environ.get("MAKE_LLMS_DEBUG"):
+                traceback.print_exc()
+        row["seconds"] = round(time.perf_counter() - t0, 1)
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    return results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="folder for NAME.onnx and NAME.json")
+    ap.add_argument("--only", default="", help="comma-separated families (default: all)")
+    ap.add_argument(
+        "--exporters",
+        default="torchscript,dynamo",
+        help="comma-separated: torchscript (opset 17), dynamo (opset 18)",
+    )
+    ap.add_argument("--list", action="store_true", help="list the families and exit")
+    args = ap.parse_args()
+    if args.list:
+        for fam in FAMILIES:
+            print(f"{fam.name:8s} {fam.note}")
+        return 0
+    wanted = [s for s in args.only.split(",") if s]
+    unknown = sorted(set(wanted) - {f.name for f in FAMILIES})
+    if unknown:
+        print(f"error: unknown families {unknown}", file=sys.stderr)
+        return 2
+    exporters = [s for s in args.exporters.split(",") if s]
+    if set(exporters) - {"torchscript", "dynamo"}:
+        print(f"error: unknown exporters in {args.exporters!r}", file=sys.stderr)
+        return 2
+    quiet_warnings()
+    torch.set_num_threads(1)
+    os.makedirs(args.out, exist_ok=True)
+    results = []
+    for fam in FAMILIES:
+        if not wanted or fam.name in wanted:
+            results += export_family(fam, args.out, exporters)
+    failed = [r["name"] for r in results if not r["ok"]]
+    print(f"{len(results) - len(failed)} exported, failed: {failed or 'none'}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
