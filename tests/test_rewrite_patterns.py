@@ -224,7 +224,9 @@ def test_a_miss_at_a_node_a_fusion_absorbed_is_dropped_whichever_came_first(miss
     from graphopt.opt.remarks import Remark, RemarkLog
 
     miss = Remark("missed", "rules", "test-linear", "shared-intermediate", ("add",), "stays")
-    took = Remark("passed", "rules", "test-fused", "fired", ("root",), "fused", {"absorbed": ["add"]})
+    took = Remark(
+        "passed", "rules", "test-fused", "fired", ("root",), "fused", {"absorbed": ["add"]}
+    )
     log = RemarkLog()
     for r in (miss, took) if miss_first else (took, miss):
         log.add(r)
