@@ -36,6 +36,7 @@ import math
 import numpy as np
 import onnx.defs
 
+from graphopt.opt.domains import MS, same_domain
 from graphopt.opt.ir import Constant, Node, Tensor, Variable, constant_value, dtype_of, type_string
 from graphopt.opt.manager import register_rule
 from graphopt.opt.rewrite import (
@@ -53,7 +54,6 @@ from graphopt.opt.rewrite import (
 
 #: relative tolerance for the constants of a pattern (√2, 0.5, 0.044715, ...)
 REL_TOL = 1e-4
-MS = "com.microsoft"
 
 
 # ------------------------------------------------------------------------- helpers
@@ -67,7 +67,7 @@ def producer(t: Tensor | None, op: str | tuple[str, ...], domain: str = "") -> N
         return None
     node = t.inputs[0]
     ops = (op,) if isinstance(op, str) else op
-    if node.op not in ops or (node.domain or "") not in ((domain,) if domain else ("", "ai.onnx")):
+    if node.op not in ops or not same_domain(node.domain, domain):
         return None
     return node
 

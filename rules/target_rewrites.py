@@ -45,12 +45,12 @@ from functools import lru_cache
 
 import numpy as np
 
+from graphopt.opt.domains import MS, is_default, same_domain
 from graphopt.opt.ir import Constant, Node, Tensor, constant_value, dtype_of, type_string
 from graphopt.opt.manager import register_rule
 from graphopt.opt.rewrite import Op, Rule, applies_only_if, opt, require
 from graphopt.rules.activation import FuseGeluErf, float_type, inputs, require_near, scalar
 
-MS = "com.microsoft"
 CRD_PERM = (0, 1, 4, 2, 5, 3)
 DCR_PERM = (0, 3, 4, 1, 5, 2)
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -80,10 +80,10 @@ def _float_dtype(t: Tensor, what: str) -> np.dtype:
 
 
 def _opset(cx, domain: str = "") -> int:
-    if not domain:
+    if is_default(domain):
         return cx.ir.opset
     for imp in cx.ir.template.opset_import:
-        if imp.domain == domain:
+        if same_domain(imp.domain, domain):
             return int(imp.version)
     return 1
 
