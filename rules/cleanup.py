@@ -27,9 +27,11 @@ from graphopt.opt.rewrite import (
 
 
 class Forward(Rule):
-    """Base: replace the root's single output by ``m.src`` after the subclass's guards."""
+    """Base: replace the root's single output by ``m.src`` after the subclass's guards.  A no-op
+    goes before any other rule rewrites it (a chain collapse would keep it in another form)."""
 
     level = 1
+    priority = 1
 
     def forward_check(self, m: Match, cx) -> None:
         raise NotImplementedError

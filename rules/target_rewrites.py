@@ -865,6 +865,7 @@ class ClipToRelu(Rule):
     level = 2
     phase = "lower"
     summary = "Clip(x, 0) with no upper bound → Relu"
+    priority = 1  # one Relu rather than a Max, where clip-to-min-max applies too
     pattern = Op("Clip", "x", extra_inputs=True, name="clip")
 
     def structure(self, m, cx):

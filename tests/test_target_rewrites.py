@@ -724,3 +724,12 @@ def test_min_max_bound_dtype_mismatch():
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     _, report = graphopt.optimize(m, target="npu", check=False)
     assert codes(report, "min-max-to-clip") == ["dtype-mismatch"]
+
+
+def test_clip_at_zero_is_relu_not_max_where_both_lowerings_apply(make_target):
+    """clip-to-relu and clip-to-min-max both root at Clip: the rules' priority, not their names
+    or import order, picks one Relu over a Max."""
+    name = make_target("t-no-clip-prefers-relu", drop=("Clip",), prefers={"clip-min-zero": "Relu"})
+    out, report = assert_optimized(clip(0.0, None), target=name)
+    assert ops(out) == {"Relu": 1}
+    assert codes(report, "clip-to-relu", "passed") == ["fired"]
