@@ -1,7 +1,10 @@
 """The pass manager: runs a pipeline of passes and rule sets over a :class:`ModelIR`.
 
 * A pass is ``run(ir, cx) -> bool`` (changed). Rules are grouped into rule-set passes driven by
-  :func:`opt.rewrite.apply_rules`.
+  :func:`opt.rewrite.apply_rules`, one phase after the other (:data:`opt.rewrite.PHASES`: a
+  rule's ``phase``, by default ``cleanup`` at level 1 and ``fuse`` above).  A rule that depends
+  on an earlier phase's outcome reads its typed refusals (``PassContext.misses``), never the
+  remark log.
 * ``fixpoint(...)`` repeats its children until nothing changes, up to ``max-iterations``; when the
   cap is hit a *failure* remark ("did-not-converge") is recorded, naming the passes still changing.
 * ``verify_each`` exports the model after every pass and runs onnx.checker and shape inference on

@@ -7,7 +7,10 @@ Grammar (whitespace ignored)::
 
 ``fixpoint(...){max-iterations=N}`` repeats its children; ``rules{level=N}`` runs every
 registered rule up to level N; a pass name runs that pass; consecutive rule names form one rule
-set.  Example: ``fold-constants,fixpoint(fuse-conv-bn,matmul-add-to-gemm,dce){max-iterations=8}``.
+set.  A rule set runs its rules phase by phase (cleanups; norms, activations and Conv fusions;
+attention; the linear-layer rules that would otherwise take attention's MatMuls; target
+lowering: each rule's ``phase``), so the text needs no phase of its own.
+Example: ``fold-constants,fixpoint(fuse-conv-bn,matmul-add-to-gemm,dce){max-iterations=8}``.
 ``max-iterations`` is at least 1, ``level`` 0..3, an option is given once, and fixpoints nest at
 most ``MAX_DEPTH`` deep; anything else is a usage error.
 """
