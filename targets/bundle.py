@@ -34,7 +34,8 @@ directory (so the whole bundle appears in one rename):
 
 * ``model.machine.onnx`` (cpu bundles by default): the machine-specific fast path, onnxruntime's
   optimized form of model.onnx (``optimized_model_filepath`` at the session config's level)
-  for the machine that wrote the bundle; the manifest's ``fast_path`` records what it was built
+  for the machine that wrote the bundle, its weights in ``model.machine.onnx.data`` (mapped by
+  onnxruntime at load, not parsed); the manifest's ``fast_path`` records what it was built
   for (onnxruntime version, CPU architecture and ``/proc/cpuinfo`` features, providers, level,
   disabled optimizers, session entries) and how it was checked (it reloads with optimizations
   off and agrees with the portable model on the golden inputs), or why there is none
@@ -96,6 +97,10 @@ GOLDEN_OUTPUTS = "golden/outputs.npz"
 #: the machine-specific fast path: model.onnx as onnxruntime optimized it at the session
 #: config's level on the machine that wrote the bundle (loaded there with optimizations off)
 FAST_MODEL = "model.machine.onnx"
+#: its weights, stored beside it so that onnxruntime maps them instead of parsing them (session
+#: creation of ResNet-50 0.35x -> 0.07x of the original's at ALL, BERT-base 0.71x -> 0.39x)
+FAST_DATA = "model.machine.onnx.data"
+FAST_FILES = [FAST_MODEL, FAST_DATA]
 #: integrity at load: the size and a sha256 over the head, the tail and evenly spaced blocks
 FINGERPRINT_BLOCK = 64 * 1024
 FINGERPRINT_SAMPLES = 16
@@ -111,6 +116,7 @@ BUNDLE_KIND = OutputDirKind(
         "model.onnx",
         "model.onnx.data*",
         FAST_MODEL,
+        FAST_DATA,
         "report.json",
         MANIFEST,
         SESSION_CONFIG,
@@ -387,7 +393,9 @@ def write_bundle_files(
     manifest["fast_path"] = _write_fast_path(out_dir, manifest, session, target, wanted)
     if manifest["fast_path"].get("written"):
         files["fast_path"] = FAST_MODEL
-        manifest["integrity"]["files"].update(_integrity(out_dir, [FAST_MODEL])["files"])
+        kept = [f for f in FAST_FILES if (out_dir / f).is_file()]
+        manifest["integrity"]["files"].update(_integrity(out_dir, kept)["files"])
+        manifest["fast_path"]["files"] = kept
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
     return files
 
@@ -933,7 +941,8 @@ def open_session(
     portable = manifest.get("model", "model.onnx")
     info = {"model": portable, "fast_path": False, "why": why, "level": level, "verify": verify}
     files = [portable, *manifest.get("external_data", [])]
-    check_integrity(path, manifest, files + ([FAST_MODEL] if why is None else []), verify)
+    fast_files = (manifest.get("fast_path") or {}).get("files") or [FAST_MODEL]
+    check_integrity(path, manifest, files + (fast_files if why is None else []), verify)
     if why is None:
         try:
             sess = _session(path, manifest, config, FAST_MODEL, wanted, "ORT_DISABLE_ALL", verify)
@@ -988,8 +997,14 @@ def _session(
         so.intra_op_num_threads = int(config["intra_op_num_threads"])
     for key, value in sorted((config.get("session_config_entries") or {}).items()):
         so.add_session_config_entry(key, str(value))
-    if save_to is not None:
+    if save_to is not None:  # weights beside it, mapped at load rather than parsed
         so.optimized_model_filepath = str(save_to)
+        so.add_session_config_entry(
+            "session.optimized_model_external_initializers_file_name", f"{save_to.name}.data"
+        )
+        so.add_session_config_entry(
+            "session.optimized_model_external_initializers_min_size_in_bytes", "1024"
+        )
     _register_kernels(path, manifest, config, so, wanted, verify != "none")
     try:
         with _kernel_threads(config.get("kernel_threads")):
@@ -1094,12 +1109,12 @@ def _write_fast_path(
         inputs = {k: v for k, v in feeds.items() if k in {i.name for i in sess.get_inputs()}}
         ref, got = ref_sess.run(names, inputs), sess.run(names, inputs)
     except Exception as e:  # noqa: BLE001 - not saved, not reloaded or not run: no fast path
-        fast.unlink(missing_ok=True)
+        _remove(out_dir, FAST_FILES)
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return {"written": False, "why": f"onnxruntime could not save, reload or run it: {text}"}
     diffs = compare_outputs(names, ref, got, target.tolerances)
     if not all(d.ok for d in diffs):
-        fast.unlink(missing_ok=True)
+        _remove(out_dir, FAST_FILES)
         bad = ", ".join(d.name for d in diffs if not d.ok)
         return {"written": False, "why": f"its outputs differ from the portable model's ({bad})"}
     return {
@@ -1118,6 +1133,11 @@ def _write_fast_path(
         "note": "used by load_session only on a machine with the same onnxruntime, CPU "
         "architecture and features, providers and requested settings; elsewhere model.onnx",
     }
+
+
+def _remove(out_dir: Path, names: list[str]) -> None:
+    for name in names:
+        (out_dir / name).unlink(missing_ok=True)
 
 
 def _fast_path_obstacle(manifest: dict, config: dict) -> str | None:

@@ -98,7 +98,8 @@ def test_target_help_names_every_target():
 def test_integrity_recorded_once_at_write(written):
     manifest = json.loads((written / "manifest.json").read_text())
     files = manifest["integrity"]["files"]
-    assert set(files) == {"model.onnx", bundle.FAST_MODEL}
+    assert set(files) == {"model.onnx", bundle.FAST_MODEL, bundle.FAST_DATA}
+    assert manifest["fast_path"]["files"] == [bundle.FAST_MODEL, bundle.FAST_DATA]
     rec = files["model.onnx"]
     assert rec["size"] == (written / "model.onnx").stat().st_size > 2 * 2**20
     assert rec["sha256"] == manifest["model_sha256"] == bundle._sha256(written / "model.onnx")
@@ -117,6 +118,15 @@ def test_tampering_in_a_sampled_block_is_caught_at_load(written):
     with pytest.raises(graphopt.GraphoptError, match="fingerprint"):
         graphopt.load_session(written, fast_path=False)
     assert invoke("run", written).exit_code == 1
+
+
+def test_the_fast_path_weights_are_checked_too(written):
+    data = written / bundle.FAST_DATA
+    offset, _ = bundle.sampled_blocks(data.stat().st_size)[5]
+    flip(data, offset)
+    with pytest.raises(graphopt.GraphoptError, match="fingerprint"):
+        graphopt.load_session(written)
+    graphopt.load_session(written, fast_path=False)  # not read on the portable path
 
 
 def test_full_verification_catches_what_sampling_misses(written):
