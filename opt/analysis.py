@@ -47,11 +47,52 @@ def _elem_type(dtype) -> int:
 
 def infer_shapes(ir: ModelIR) -> bool:
     """Infer and record shapes; False when onnx shape inference itself failed.  Skipped when no
-    pass changed the graph since the last inference of it."""
+    pass changed the graph since the last inference of it, and when the graph (its nodes, their
+    inputs and outputs, its bodies, the types it reads from outside) is the one inferred last:
+    a pass that changed one body leaves every other body's shapes as they are."""
     g = ir.graph
-    if ir.inferred.get(id(g)) == ir.mutations:
+    last = ir.inferred.get(id(g))
+    if last is not None and last[0] == ir.mutations:
         return True
-    ir.inferred[id(g)] = ir.mutations
+    # a flat model has one graph: any pass that changed something changed it
+    nested = ir.in_subgraph or any(subgraphs(n) for n in g.nodes if n.attrs)
+    if nested and last is not None and last[1] == _fingerprint(g)[0]:
+        ir.inferred[id(g)] = (ir.mutations, *last[1:])
+        return True
+    ok = _infer(ir, g)
+    # with the types inference filled in; the objects stay alive so that their ids stay theirs
+    ir.inferred[id(g)] = (ir.mutations, *(_fingerprint(g) if nested else (None, None)))
+    return ok
+
+
+def _typed(t: Tensor) -> tuple:
+    shape = t.shape
+    return (id(t), type(t), str(t.dtype), None if shape is None else tuple(shape))
+
+
+def _fingerprint(g) -> tuple[tuple, list]:
+    """What the inference of ``g`` depends on, by identity: every node (bodies included), the
+    tensors it reads and writes (and whether they lack a type), and the types known of the values
+    it reads (the graph's inputs, enclosing-scope values, constants, contrib outputs).  Equal
+    fingerprints, equal results (inference only fills in types a tensor lacks).  Returns the
+    fingerprint and the objects whose ids it holds."""
+    nodes = list(walk_nodes(g))
+    made = {id(t) for n in nodes for t in n.outputs}
+    own = {id(n) for n in g.nodes}  # bodies' own types are their inferences' business
+    parts: list = [tuple(_typed(t) for t in g.inputs), tuple(map(id, g.outputs))]
+    for n in nodes:
+        parts.append((id(n), n.op, n.domain, len(n.attrs)))
+        if id(n) in own:
+            parts.append(tuple((id(t), t.dtype is None, t.shape is None) for t in n.outputs))
+        else:
+            parts.append(tuple(map(id, n.outputs)))
+        parts.append(tuple(id(t) if id(t) in made else _typed(t) for t in n.inputs))
+        if n.domain not in (None, "", "ai.onnx"):
+            parts.append(tuple(_typed(t) for t in n.outputs))
+    return tuple(parts), [nodes, [t for n in nodes for t in n.inputs], list(g.inputs)]
+
+
+def _infer(ir: ModelIR, g) -> bool:
     nodes = [OnnxExporter.export_node(n) for n in g.nodes]
     inits, inputs = [], [_value_info(t) for t in g.inputs]
     seen = {t.name for t in g.inputs}

@@ -111,7 +111,8 @@ class ModelIR:
         self.provenance: dict[str, str] = {}
         #: bumped by the pass manager whenever a pass changes the graph; analyses key on it
         self.mutations = 0
-        self.inferred: dict[int, int] = {}
+        #: per graph (by id): the mutation count and fingerprint its shapes were inferred at
+        self.inferred: dict[int, tuple] = {}
         self.sorted: dict[int, int] = {}
         self._names = _NameSource(self.graph)
 
