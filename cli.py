@@ -1425,28 +1425,6 @@ def _render_target(data: dict) -> None:
     out.print(t)
 
 
-def _check_providers(folder: Path) -> None:
-    """A bundle this machine cannot run as recorded: say which flag runs its semantics."""
-    import onnxruntime as ort
-
-    from .targets.bundle import read_bundle
-
-    _, manifest, config = read_bundle(folder)
-    wanted = list(config.get("providers") or [])
-    missing = [p for p in wanted if p not in ort.get_available_providers()]
-    if wanted and not missing:
-        return
-    why = (
-        f"needs {', '.join(missing)}, not available here"
-        if missing
-        else f"is not run by onnxruntime ({config.get('why', '')})"
-    )
-    raise errors.UsageError(
-        f"the {manifest.get('target')} bundle {why}; add --provider CPUExecutionProvider "
-        "to run its semantics on this machine's CPU"
-    )
-
-
 @app.command()
 def run(
     bundle: Annotated[Path, typer.Argument(help="A bundle directory written by `optimize`.")],
@@ -1491,16 +1469,15 @@ def run(
     """Run a bundle with onnxruntime exactly as its manifest and session config say (on the
     machine that wrote it, its machine-specific fast path)."""
     with handled():
-        from .targets.bundle import MANIFEST, describe_value, run_bundle
+        from .targets.bundle import describe_value, providers_problem, read_bundle, run_bundle
 
-        if bundle.is_file() and bundle.name != MANIFEST:
+        folder, manifest, _ = read_bundle(bundle)
+        why = None if provider else providers_problem(folder)
+        if why:
             raise errors.UsageError(
-                f"{bundle} is a model file, not a bundle: `graphopt optimize {bundle}` writes "
-                "one, and `graphopt run` runs that folder"
+                f"the {manifest.get('target')} bundle {why}; add --provider "
+                "CPUExecutionProvider to run its semantics on this machine's CPU"
             )
-        folder = bundle.parent if bundle.is_file() else bundle
-        if not provider:
-            _check_providers(folder)
         check_side_outputs({"-o": output}, files=[inputs] if inputs else [], dirs=[folder])
         feeds = _load_feeds(inputs, folder / "model.onnx") if inputs else None
         result = run_bundle(

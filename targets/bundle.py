@@ -876,9 +876,15 @@ def _golden(bundle: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]
 
 # ------------------------------------------------------------------------------ loading
 def read_bundle(bundle: str | os.PathLike) -> tuple[Path, dict, dict]:
+    """The bundle folder (or its manifest.json), its manifest and its session config."""
     path = Path(bundle)
     if path.is_file() and path.name == MANIFEST:
         path = path.parent
+    elif path.is_file():
+        raise UsageError(
+            f"{path} is a model file, not a bundle: `graphopt optimize {path}` writes one, "
+            "and `graphopt run` runs that folder"
+        )
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         config = json.loads((path / SESSION_CONFIG).read_text())
@@ -891,6 +897,18 @@ def read_bundle(bundle: str | os.PathLike) -> tuple[Path, dict, dict]:
     if manifest.get("schema") != SCHEMA:
         raise GraphoptError(f"{path}: unknown bundle schema {manifest.get('schema')!r}")
     return path, manifest, config
+
+
+def providers_problem(bundle: str | os.PathLike) -> str | None:
+    """Why this machine cannot run the bundle with the providers it records (None: it can)."""
+    _, _, config = read_bundle(bundle)
+    wanted = list(config.get("providers") or [])
+    missing = [p for p in wanted if p not in ort.get_available_providers()]
+    if wanted and not missing:
+        return None
+    if missing:
+        return f"needs {', '.join(missing)}, not available here"
+    return f"is not run by onnxruntime ({config.get('why', '')})"
 
 
 def load_session(
