@@ -5,10 +5,19 @@
 
 Every model is built from an architecture or config with seeded random weights (nothing is
 downloaded) and written as OUT/NAME.onnx (one external-data file only past 2 GB), with
-OUT/NAME.json = {"inputs": {name: shape}} giving concrete test shapes for the dynamic dims.
-Each model passes onnx.checker, loads in onnxruntime (CPU) and is compared with torch on the test
-shape and on a second shape that exercises the dynamic axes. Each model is made in its own
-process; a model that fails is reported and the others go on; the exit code is 1 if any failed.
+OUT/NAME.json = {"inputs": {name: shape}, ...} giving concrete test shapes for the dynamic dims
+(plus the exporter, opset, Softmax count as "layers", node count, bytes and, for transformers
+onnxruntime's optimizer knows, "model_type"/"num_heads"/"hidden_size"), and OUT/NAME.npz holding
+the test inputs themselves. OUT/index.md lists every model of the folder and is rewritten after
+each one. Each model passes onnx.checker, loads in onnxruntime (CPU) and is compared with torch on
+the test shape and on a second shape that exercises the dynamic axes. Each model is made in its
+own process; a model that fails is reported and the others go on; the exit code is 1 if any failed.
+
+Text models get an attention mask whose row 0 is half padding at every batch size (the trace and
+the test inputs both see zeros; an all-ones mask can be folded away). Decoder steps with a KV
+cache (gpt2_kv, whisper_tiny_decoder) take past_key_values.I.key/value [batch, heads, past,
+head_dim] and return logits and present.I.key/value; their test shape is one new token over a
+past of 128, the export and second shapes use 4 new tokens (so the causal mask is traced).
 
 Unless stated otherwise: TorchScript exporter (dynamo=False), opset 17. CNNs with BatchNorm keep
 their BatchNormalization nodes (non-trivial running statistics). Variants share their base

@@ -163,3 +163,26 @@ def test_latency_cells_prefer_the_head_to_head(ra):
     assert vs_rival == "0.895 vs onnxslim"
     result["duel"] = {"rival": "onnxslim", "ratio": 0.9, "ci95": [0.88, 0.92]}
     assert ra.latency_cells(result)[1] == "0.900 [0.880–0.920] vs onnxslim"
+
+
+def test_render_merges_saved_rows_later_file_wins(ra, tmp_path, capsys):
+    first = tmp_path / "a.json"
+    second = tmp_path / "b.json"
+    first.write_text(
+        json.dumps(
+            [
+                ra.row_from_report("z", "cpu", _report([]), 0, ""),
+                ra.row_from_report("m", "cpu", None, 1, "error: old"),
+                ra.row_from_report("m", "cuda", _report([]), 0, ""),
+            ]
+        )
+    )
+    second.write_text(json.dumps([ra.row_from_report("m", "cpu", _report([]), 0, "")]))
+    assert [(r["model"], r["target"]) for r in ra.merge_rows([first, second])] == [
+        ("m", "cpu"),
+        ("m", "cuda"),
+        ("z", "cpu"),
+    ]
+    assert ra.main(["--render", str(first), str(second)]) == 0
+    out = capsys.readouterr().out
+    assert "error: old" not in out and out.count("MultiHeadAttention 2") == 3

@@ -282,9 +282,22 @@ def add_latency(rows: list[dict], models: dict[str, Path], args) -> None:
                 row.update(latency_vs_original=vs_orig, latency_vs_rival=vs_rival, latency=detail)
 
 
+def merge_rows(paths: list[Path]) -> list[dict]:
+    """Rows of several --json files, one per (model, target), a later file's row winning;
+    sorted by model, targets in first-seen order."""
+    merged: dict[tuple[str, str], dict] = {}
+    for path in paths:
+        for row in json.loads(path.read_text()):
+            merged[(row["model"], row["target"])] = row
+    order = {t: i for i, t in enumerate(dict.fromkeys(t for _, t in merged))}
+    return [merged[k] for k in sorted(merged, key=lambda k: (k[0], order[k[1]]))]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("models_dir", type=Path, help="folder of NAME.onnx + NAME.json (+ NAME.npz)")
+    ap.add_argument(
+        "models_dir", type=Path, nargs="?", help="folder of NAME.onnx + NAME.json (+ NAME.npz)"
+    )
     ap.add_argument("--targets", default="cpu", help="comma-separated graphopt targets")
     ap.add_argument("--names", help="comma-separated model names (default: every model)")
     ap.add_argument(
@@ -323,10 +336,22 @@ def main(argv: list[str] | None = None) -> int:
         help="scratch folder for the bundles",
     )
     ap.add_argument("--keep", action="store_true", help="keep the bundles in --work")
-    ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    ap.add_argument(
+        "--json", type=Path, help="also write the rows as JSON here (rewritten after each row)"
+    )
+    ap.add_argument(
+        "--render",
+        type=Path,
+        nargs="+",
+        help="print the table of rows saved with --json and run nothing (a later file's row "
+        "replaces an earlier one of the same model and target)",
+    )
     args = ap.parse_args(argv)
 
-    if not args.models_dir.is_dir():
+    if args.render:
+        print(render(merge_rows(args.render), latency=False))
+        return 0
+    if args.models_dir is None or not args.models_dir.is_dir():
         ap.error(f"{args.models_dir} is not a folder")
     names = [n.strip() for n in args.names.split(",") if n.strip()] if args.names else None
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
@@ -340,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
             row = run_one(model, target, args.work, not args.no_measure, args.timeout, args.keep)
             print(f"{model.stem} {target}: {json.dumps(row)}", file=sys.stderr, flush=True)
             rows.append(row)
+            if args.json:
+                args.json.write_text(json.dumps(rows, indent=1) + "\n")
     if args.latency:
         add_latency(rows, {m.stem: m for m in models}, args)
     print(render(rows, args.latency))
