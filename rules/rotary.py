@@ -5,7 +5,8 @@ on a 4-D ``x`` in (batch, heads, sequence, head_dim) layout:
 
 * half-rotated (``interleaved=0``, Hugging Face ``rotate_half``):
   ``Concat(Neg(Slice(x, D/2:)), Slice(x, :D/2), axis=−1)``, the two Slices also as one
-  ``Split`` into halves (``slices-to-split`` writes them so);
+  ``Split`` into halves (``slices-to-split`` writes them so; Phi-3's partial-rotary spelling
+  adds an empty pass-through part, which may feed other nodes);
 * interleaved (``interleaved=1``, even/odd pairs):
   ``Reshape(Concat(Unsqueeze(Neg(Slice(x, 1::2)), −1), Unsqueeze(Slice(x, 0::2), −1), −1))``.
 
@@ -24,6 +25,10 @@ table when the model has one (the original fails beyond it too), else
 ``GRAPHOPT_ROTARY_POSITIONS`` (default 8192); onnxruntime refuses a position past the cache
 with an error, never a wrong value; the caches' first dim is ``N``.
 
+The op takes one position per token: positions whose dims are not provably x's batch and
+sequence (they broadcast in the original's ``Mul``) are expanded to them at run time
+(``Shape``, ``Gather``, ``Expand``).
+
 Lowering: ONNX ``RotaryEmbedding`` (opset ≥ 23; inputs x, cos, sin, position_ids) or
 ``com.microsoft.RotaryEmbedding`` (inputs x, position_ids, cos, sin), whichever the target's
 kernel table has first.
@@ -34,8 +39,8 @@ the two halves / the even and odd columns of the head dimension, or the tables' 
 ``unknown-shape`` (rank or head dimension unknown, or odd), ``position-source`` (cos/sin are not
 computed from one integer (batch, sequence) tensor and constants only, or not per position),
 ``layout`` (cos/sin broadcast over another axis than the heads: a (batch, sequence, heads,
-head_dim) input), ``shape-mismatch`` (the position tensor's dims are not provably x's batch and
-sequence), ``dtype-mismatch``, ``evaluation-failed`` (onnxruntime could not compute the tables),
+head_dim) input), ``shape-mismatch`` (the tables' shape or the interleaved Reshape's),
+``dtype-mismatch``, ``evaluation-failed`` (onnxruntime could not compute the tables),
 ``no-kernel`` / ``opset-too-old``.
 """
 
@@ -49,7 +54,7 @@ from graphopt.opt.analysis import EvaluationError, evaluate
 from graphopt.opt.dims import same_dim
 from graphopt.opt.ir import Constant, Node, Tensor, Variable, constant_value, dtype_of
 from graphopt.opt.manager import register_rule
-from graphopt.opt.rewrite import Match, Rule, require, require_constant
+from graphopt.opt.rewrite import Match, Rule, check_exclusive, require, require_constant
 
 from .activation import MS, float_type, inputs, lowering, no_match, producer
 
@@ -95,7 +100,7 @@ def _rotated_half(t: Tensor) -> dict | None:
     neg = producer(inputs(cat)[0], "Neg")
     hi_t, lo_t = (inputs(neg)[0] if neg is not None else None), inputs(cat)[1]
     split = producer(hi_t, "Split")
-    if split is not None and producer(lo_t, "Split") is split and len(split.outputs) == 2:
+    if split is not None and producer(lo_t, "Split") is split:
         if split.outputs[0] is lo_t and split.outputs[1] is hi_t:
             x = inputs(split)[0]
             return {"x": x, "concat": cat, "neg": neg, "split": split}
@@ -173,8 +178,26 @@ def _check_slice(node: Node, cx, want: tuple[int, int, int], rank: int, width: i
     )
 
 
+def _check_exclusive(m: Match, cx) -> None:
+    """The matched nodes feed only the match, except a Split's outputs after the two halves."""
+    inner = {k: v for k, v in m.bindings.items() if k != "split"}
+    check_exclusive(Match(m.root, inner), cx.ir)
+    split = m.bindings.get("split")
+    if split is None:
+        return
+    inside = {id(m.neg), id(m.concat)}
+    for out in split.outputs[:2]:
+        outside = [c.name for c in out.outputs if id(c) not in inside]
+        require(
+            not outside and not cx.ir.is_graph_output(out),
+            "shared-intermediate",
+            f"'{out.name}' also feeds {', '.join(outside[:3]) or 'a graph output'}; fusing would "
+            "duplicate work",
+        )
+
+
 def _check_split(node: Node, cx, rank: int, width: int) -> None:
-    """A Split of the head dimension into two equal halves."""
+    """A Split of the head dimension whose first two parts are the two halves."""
     axis = int(node.attrs.get("axis", 0))
     require(
         axis in (-1, rank - 1),
@@ -187,11 +210,13 @@ def _check_split(node: Node, cx, rank: int, width: int) -> None:
         sizes = [int(v) for v in np.asarray(constant_value(ins[1])).reshape(-1)]
     else:
         sizes = [int(v) for v in node.attrs.get("split", [])] or [width // 2, width // 2]
+    if len(node.outputs) > 2 and len(sizes) != len(node.outputs):
+        sizes = []  # num_outputs > 2 splits evenly: never two halves
     require(
-        sizes == [width // 2, width // 2],
+        sizes[:2] == [width // 2, width // 2] and not any(sizes[2:]),
         "constant-mismatch",
-        f"'{node.name}' splits a head dimension of {width} into {sizes}; the rotation needs "
-        "two halves",
+        f"'{node.name}' splits a head dimension of {width} into {sizes or 'equal parts'}; the "
+        "rotation needs two halves (and empty parts after them)",
     )
 
 
@@ -323,6 +348,9 @@ def _check_per_position(cx, nodes, pos, m, cos, sin) -> None:
 class FuseRotaryEmbedding(Rule):
     name = "fuse-rotary-embedding"
     root = "Add"
+    #: checked in ``check``: a Split may have more outputs than the two halves (Phi-3's
+    #: partial-rotary spelling splits off an empty pass-through part), which may feed others
+    exclusive = False
     summary = "x·cos + rotate_half(x)·sin → RotaryEmbedding"
 
     def match(self, node, cx):
@@ -352,6 +380,7 @@ class FuseRotaryEmbedding(Rule):
         raise no_match()
 
     def check(self, m, cx):
+        _check_exclusive(m, cx)
         x = m.x
         rank = len(x.shape) if x.shape is not None else None
         width = x.shape[-1] if rank else None
@@ -392,13 +421,10 @@ class FuseRotaryEmbedding(Rule):
             "RotaryEmbedding",
         )
         cos, sin, rows = _tables(m, cx, width, interleaved)
-        nodes, pos, _ = _position_subgraph([m.cos, m.sin])
-        require(
-            same_dim(pos, 0, x, 0) and same_dim(pos, 1, x, 2),
-            "shape-mismatch",
-            f"cannot prove '{pos.name}' {list(pos.shape)} is (batch, sequence) of "
-            f"'{x.name}' {list(x.shape)}; RotaryEmbedding takes one position per token",
-        )
+        _, pos, _ = _position_subgraph([m.cos, m.sin])
+        # positions of another (batch, sequence) shape broadcast in the original's Mul: expand
+        # them to x's at run time unless the dims are provably x's already
+        expand = not (same_dim(pos, 0, x, 0) and same_dim(pos, 1, x, 2))
         m.stash(
             op=op,
             op_domain=domain,
@@ -406,6 +432,7 @@ class FuseRotaryEmbedding(Rule):
             sin_cache=sin,
             rows=rows,
             pos=pos,
+            expand=expand,
             interleaved=int(interleaved),
         )
 
@@ -442,6 +469,14 @@ class FuseRotaryEmbedding(Rule):
         if dtype_of(pos) != np.dtype(np.int64):
             pos = b.op("Cast", [pos], {"to": 7}, name=f"{m.root.name}/positions_int64")
             pos.dtype, pos.shape = np.dtype(np.int64), m.pos.shape
+        if m.expand:
+            shape = b.op("Shape", [m.x], name=f"{m.root.name}/x_shape")
+            pick = b.const(np.array([0, 2], dtype=np.int64), "batch_sequence")
+            dims = b.op("Gather", [shape, pick], {"axis": 0}, name=f"{m.root.name}/x_dims")
+            pos = b.op("Expand", [pos, dims], name=f"{m.root.name}/positions")
+            shape.dtype, shape.shape = np.dtype(np.int64), [4]
+            dims.dtype, dims.shape = np.dtype(np.int64), [2]
+            pos.dtype, pos.shape = np.dtype(np.int64), [m.x.shape[0], m.x.shape[2]]
         ins = [m.x, cos, sin, pos] if m.op_domain == "" else [m.x, pos, cos, sin]
         out = b.op(
             m.op,

@@ -265,11 +265,12 @@ def test_dynamic_batch_and_sequence():
     )
     out, _ = assert_optimized(m)
     assert hist(out).get("com.microsoft.RotaryEmbedding") == 1
+    assert "Expand" not in hist(out)  # the dims are provably x's: positions as they are
 
 
 # ------------------------------------------------------------------------------ guards
-def test_positions_of_another_shape_refused():
-    """Positions (1, S) for a batch of 2: the op takes one position per token."""
+def test_positions_broadcast_over_the_batch(rng):
+    """Positions (1, S) for a batch of 2 broadcast in the original: expanded to (2, S)."""
     nodes, inits = freqs_mul()
     n, i = apply("q", "cos", "sin", "q_rot", p="q_")
     m = model(
@@ -278,9 +279,11 @@ def test_positions_of_another_shape_refused():
         [vi("q_rot", [B, H, S, D])],
         inits + i,
     )
-    out, report = run(m)
-    assert "com.microsoft.RotaryEmbedding" not in hist(out)
-    assert "shape-mismatch" in codes(report, "fuse-rotary-embedding")
+    out, _ = assert_optimized(m)
+    h = hist(out)
+    assert h.get("com.microsoft.RotaryEmbedding") == 1 and h.get("Expand") == 1, h
+    f = {"q": feeds(rng)["q"], "position_ids": np.arange(9, 9 + S)[None].astype(np.int64)}
+    np.testing.assert_allclose(run_model(out, f)[0], run_model(m, f)[0], atol=1e-5)
 
 
 def test_bsnh_layout_refused():
@@ -351,3 +354,31 @@ def test_targets_without_the_kernel(target, code):
 def test_cuda_takes_the_contrib_op():
     out, _ = run(decoder_rope(freqs_mul(), two=False), target="cuda")
     assert rotary_node(out).domain == "com.microsoft"
+
+
+def test_phi3_partial_rotary_spelling_fuses(rng):
+    """Phi-3: q_rot = q[..., :rotary_dim], q_pass = q[..., rotary_dim:] (empty when the whole
+    head rotates), Concat(rope(q_rot), q_pass); slices-to-split makes one Split of three parts."""
+    nodes, inits = freqs_mul()
+    nodes += [
+        helper.make_node("Slice", ["q", "p_zero", "p_d", "p_ax"], ["q_r"]),
+        helper.make_node("Slice", ["q", "p_d", "p_big", "p_ax"], ["q_pass"]),
+    ]
+    inits += [
+        const("p_zero", [0], np.int64),
+        const("p_d", [D], np.int64),
+        const("p_big", [2**63 - 1], np.int64),
+        const("p_ax", [3], np.int64),
+    ]
+    n, i = apply("q_r", "cos", "sin", "q_emb", p="q_")
+    nodes += n + [helper.make_node("Concat", ["q_emb", "q_pass"], ["q_out"], axis=-1)]
+    m = model(
+        nodes,
+        [vi("q", [B, H, S, D]), vi("position_ids", [B, S], TensorProto.INT64)],
+        [vi("q_out", [B, H, S, D])],
+        inits + i,
+    )
+    out, _ = assert_optimized(m)
+    assert hist(out).get("com.microsoft.RotaryEmbedding") == 1, hist(out)
+    f = {k: v for k, v in feeds(rng, first=3).items() if k != "k"}
+    np.testing.assert_allclose(run_model(out, f)[0], run_model(m, f)[0], atol=1e-5)
