@@ -15,6 +15,7 @@ the orchestrator stays small).
     python examples/benchmark/bench.py --quick                 # three small models, ~1 min
     python examples/benchmark/bench.py                         # every model in models
     python examples/benchmark/bench.py --only resnet50,gpt2 --tools none,graphopt-O2,onnxsim
+    python examples/benchmark/bench.py --speed --only bert_base   # optimize time and RSS only
 
 See README.md next to this file.
 """
@@ -1285,6 +1286,15 @@ def main(argv: list[str] | None = None) -> int:
         "first); with several, later files replace earlier ones model by model, and their "
         "commands are listed as notes; the merged JSON is written next to --out",
     )
+    ap.add_argument(
+        "--speed",
+        action="store_true",
+        help="only the optimizers' wall time and peak RSS per model: graphopt --no-check, "
+        "graphopt's default run and every rival, with ratios (speed.py; results/SPEED-<date>.md)",
+    )
+    ap.add_argument(
+        "--speed-rounds", type=int, default=1, help="--speed: interleaved rounds per tool"
+    )
     args = ap.parse_args(argv)
     if args.render:
         data = json.loads(args.render[0].read_text())
@@ -1311,6 +1321,10 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     models_dir = args.models or (QUICK_MODELS if args.quick else DEFAULT_MODELS)
     only = [s.strip() for s in args.only.split(",")] if args.only else None
+    if args.speed:
+        from speed import run_speed
+
+        return run_speed(args, models_dir, only)
     tools = [t.strip() for t in args.tools.split(",") if t.strip()]
     bad = [t for t in tools if t not in ALL_TOOLS]
     if bad:

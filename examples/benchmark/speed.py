@@ -1,0 +1,170 @@
+"""``bench.py --speed``: how long each optimizer takes and how much memory it needs.
+
+Per model, every tool runs as a whole process under bench.py's measuring wrapper (wall time and
+peak RSS of the process): ``graphopt optimize --no-check`` (the optimizer and the bundle, no
+parity), graphopt's default run (parity, the performance safety net and generated kernels where
+a compiler is present; ``--shape`` from the sidecar), onnxruntime's offline optimization in a
+Python script (ORT_ENABLE_EXTENDED, the optimized model written by the session), onnxsim,
+onnxslim, onnxscript's optimizer and onnxoptimizer.  With ``--speed-rounds N`` the tools run N
+times, interleaved round by round (the order rotates), and the median wall time is kept (peak
+RSS: the largest).  The table gives each tool's wall time and RSS and both as multiples of
+``graphopt --no-check``, plus graphopt's own phase times (report.json → ``seconds``).
+
+    python examples/benchmark/bench.py --speed --only resnet50,bert_base --speed-rounds 3
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import bench
+
+NO_CHECK = "graphopt --no-check"
+DEFAULT = "graphopt (default run)"
+#: shown name → bench.py tool name
+RIVALS = {
+    "onnxruntime offline": "ort-extended",
+    "onnxsim": "onnxsim",
+    "onnxslim": "onnxslim",
+    "onnxscript": "onnxscript",
+    "onnxoptimizer": "onnxoptimizer",
+}
+TOOLS = [NO_CHECK, DEFAULT, *RIVALS]
+#: graphopt's phases in the order a run goes through them (graphopt.opt.clock.ORDER)
+PHASES = ("startup", "load", "calibration", "passes", "validity", "parity", "measure", "write")
+
+
+def _command(tool: str, src: Path, out_dir: Path, sidecar: dict) -> list[str]:
+    """The process that optimizes ``src`` with ``tool``, writing into ``out_dir``."""
+    if tool in (NO_CHECK, DEFAULT):
+        cmd, _ = bench._optimize_cmd("graphopt-O2", src, out_dir, {})
+        if tool == DEFAULT:  # as a user runs it: parity, safety net, kernels
+            cmd = [c for c in cmd if c not in ("--no-check", "--no-kernels")]
+            for name, shape in sidecar.get("inputs", {}).items():
+                dims = ",".join(str(d) for d in shape)
+                cmd += ["--shape", f"{name}={dims}"]
+        return cmd
+    cmd, _ = bench._optimize_cmd(RIVALS[tool], src, out_dir, sidecar)
+    return cmd
+
+
+def _phases(out_dir: Path) -> dict | None:
+    try:
+        return json.loads((out_dir / "report.json").read_text()).get("seconds")
+    except (OSError, ValueError):
+        return None
+
+
+def speed_model(name: str, path: Path, side: Path, rounds: int, timeout: float, work: Path):
+    """Every tool on one model, ``rounds`` interleaved rounds; one row per tool."""
+    sidecar = json.loads(side.read_text()) if side else {}
+    runs: dict[str, list[dict]] = {t: [] for t in TOOLS}
+    for r in range(rounds):
+        order = TOOLS[r % len(TOOLS) :] + TOOLS[: r % len(TOOLS)]
+        for tool in order:
+            out_dir = work / name / tool.split()[0] / f"r{r}"
+            rec = bench._run_measured(_command(tool, path, out_dir, sidecar), timeout)
+            if tool in (NO_CHECK, DEFAULT):
+                rec["phases"] = _phases(out_dir)
+            runs[tool].append(rec)
+            ok = "ok" if rec.get("rc") == 0 else rec.get("error", "failed")
+            print(f"  {name} round {r + 1}: {tool}: {rec.get('wall_s', 0):.2f} s, {ok}", flush=True)
+    return {tool: _row(recs) for tool, recs in runs.items()}
+
+
+def _row(recs: list[dict]) -> dict:
+    good = [r for r in recs if r.get("rc") == 0]
+    if not good:
+        return {"ok": False, "error": recs[0].get("error", "failed") if recs else "not run"}
+    phases = [r["phases"] for r in good if r.get("phases")]
+    return {
+        "ok": True,
+        "wall_s": statistics.median(r["wall_s"] for r in good),
+        "walls": [round(r["wall_s"], 3) for r in good],
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in good),
+        "phases": phases[len(phases) // 2] if phases else None,
+    }
+
+
+def render(meta: dict, results: dict) -> str:
+    lines = [
+        "# Optimizer speed and memory",
+        "",
+        f"`{meta['command']}` — {meta['date']}, {meta['machine']}; "
+        f"{meta['rounds']} interleaved round(s) per tool, median wall time, largest peak RSS.",
+        "Ratios are each tool's figure divided by `graphopt --no-check`'s on the same model in "
+        "the same run (< 1: the tool is faster / smaller).",
+        "",
+    ]
+    for name, rows in results.items():
+        base = rows.get(NO_CHECK, {})
+        lines += [
+            f"## {name}",
+            "",
+            "| tool | wall s | peak RSS MB | wall ÷ graphopt | RSS ÷ graphopt |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for tool in TOOLS:
+            row = rows.get(tool, {})
+            if not row.get("ok"):
+                lines.append(f"| {tool} | failed: {row.get('error', '?')} | | | |")
+                continue
+            wr = row["wall_s"] / base["wall_s"] if base.get("ok") else None
+            mr = row["peak_rss_mb"] / base["peak_rss_mb"] if base.get("ok") else None
+            lines.append(
+                f"| {tool} | {row['wall_s']:.2f} | {row['peak_rss_mb']:.0f} | "
+                f"{bench._fmt(wr)} | {bench._fmt(mr)} |"
+            )
+        for tool in (NO_CHECK, DEFAULT):
+            phases = rows.get(tool, {}).get("phases")
+            if phases:
+                keys = [k for k in PHASES if k in phases]
+                keys += sorted(k for k in phases if k not in keys and k != "total")
+                shown = ", ".join(f"{k} {phases[k]:.2f}" for k in keys)
+                lines.append(f"\n{tool} phases (report.json, s): {shown}; total {phases['total']}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def run_speed(args, models_dir: Path, only: list[str] | None) -> int:
+    """bench.py --speed: the table for every model found (see the module docstring)."""
+    if args.graphopt_source == "snapshot":
+        snap = bench._snapshot_graphopt(args.work / "_graphopt_snapshot")
+        bench.GRAPHOPT_PYTHONPATH = str(snap)
+    elif args.graphopt_source != "installed":
+        bench.GRAPHOPT_PYTHONPATH = str(Path(args.graphopt_source).resolve())
+    queue = bench._discover(models_dir, only)
+    if not queue:
+        print(f"no models found in {models_dir}", file=sys.stderr)
+        return 1
+    date = _dt.datetime.now().strftime("%Y-%m-%d")
+    out_md = args.out or (bench.HERE / "results" / f"SPEED-{date}.md")
+    meta = {
+        "date": _dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "command": " ".join(["python", "examples/benchmark/bench.py"] + sys.argv[1:]),
+        "machine": bench._machine(),
+        "versions": bench._versions(),
+        "models_dir": bench._shown(models_dir),
+        "graphopt_checkout": bench._git_state(),
+        "rounds": args.speed_rounds,
+    }
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(dir=args.work if args.work.is_dir() else None) as tmp:
+        for name, path, side in queue:
+            print(f"[speed] {name}", flush=True)
+            results[name] = speed_model(
+                name, path, side, args.speed_rounds, args.timeout, Path(tmp)
+            )
+            out_md.parent.mkdir(parents=True, exist_ok=True)
+            out_md.write_text(render(meta, results))
+            out_md.with_suffix(".json").write_text(
+                json.dumps({"meta": meta, "results": results}, indent=1)
+            )
+    print(out_md.read_text())
+    print(f"results: {out_md}")
+    return 0
