@@ -1,14 +1,20 @@
 """Print the optimizer's scaling table: -O2 time and peak RSS on synthetic models of growing size.
 
-    python examples/scale/scaling.py --nodes 10000 50000 200000
-Each size runs `graphopt optimize --no-check` in its own process (peak RSS from getrusage).
+    python examples/scale/scaling.py --nodes 1000 10000 50000 200000 [--models DIR] [--json F]
+
+Each size is generated once by make_synthetic.py (into --models, default a temporary folder;
+an existing synth_<N>.onnx there is reused), then optimized by `graphopt optimize --no-check
+--no-kernels` in its own process: wall time and that process's own peak RSS (os.wait4), and
+graphopt's phase times from report.json (startup, load, passes, validity, write, bundle).
+The last columns say how near-linear the growth is: seconds per 1k nodes of the pipeline
+(passes) and of the whole wait, which stay flat when the cost is linear in the node count.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
+import os
 import subprocess
 import sys
 import tempfile
@@ -16,31 +22,71 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+PHASES = ("startup", "load", "passes", "validity", "write", "bundle")
+
+
+def timed(cmd: list[str]) -> tuple[int, float, float, str]:
+    """Run ``cmd``; its exit code, wall seconds, peak RSS in MB (its own, not its siblings')
+    and stdout."""
+    t0 = time.perf_counter()
+    with tempfile.TemporaryFile() as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t0
+        out.seek(0)
+        text = out.read().decode()
+    return os.waitstatus_to_exitcode(status), wall, usage.ru_maxrss / 1024, text
+
+
+def row(n: int, models: Path, work: Path) -> dict:
+    model = models / f"synth_{n}.onnx"
+    if not model.exists():
+        gen = [sys.executable, str(HERE / "make_synthetic.py"), "--nodes", str(n)]
+        subprocess.run(gen + ["--out", str(model)], check=True, capture_output=True)
+    cmd = [sys.executable, "-m", "graphopt.cli", "optimize", str(model), "-o", str(work / f"{n}")]
+    code, wall, rss, out = timed(cmd + ["--no-check", "--no-kernels", "--format", "json"])
+    if code != 0:
+        return {"nodes": n, "error": f"exit {code}"}
+    report = json.loads(out)
+    return {
+        "nodes": report["nodes_before"],
+        "nodes_after": report["nodes_after"],
+        "wall_s": wall,
+        "peak_rss_mb": rss,
+        "seconds": report["seconds"],
+    }
+
+
+def line(r: dict) -> str:
+    if "error" in r:
+        return f"| {r['nodes']} | {r['error']} |"
+    s = r["seconds"]
+    k = r["nodes"] / 1000
+    phases = " | ".join(f"{s.get(p, 0.0):.1f}" for p in PHASES)
+    return (
+        f"| {r['nodes']} | {r['nodes_after']} | {r['wall_s']:.1f} | {phases} | "
+        f"{r['peak_rss_mb']:.0f} | {s.get('passes', 0.0) / k:.3f} | {r['wall_s'] / k:.3f} |"
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nodes", type=int, nargs="+", default=[10000, 50000, 200000])
+    ap.add_argument("--nodes", type=int, nargs="+", default=[1000, 10000, 50000, 200000])
+    ap.add_argument("--models", type=Path, default=None, help="where synth_<N>.onnx are kept")
+    ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
     args = ap.parse_args()
-    print("| nodes | nodes after | optimize s | wall s | s per 1k nodes | peak RSS MB |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    cols = " | ".join(f"{p} s" for p in PHASES)
+    print(f"| nodes | nodes after | wall s | {cols} | peak RSS MB | passes s/1k | wall s/1k |")
+    print("|---:" * (len(PHASES) + 6) + "|")
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        models = args.models or Path(tmp)
+        models.mkdir(parents=True, exist_ok=True)
         for n in args.nodes:
-            model = Path(tmp) / f"synth_{n}.onnx"
-            subprocess.run([sys.executable, str(HERE / "make_synthetic.py"), "--nodes", str(n),
-                            "--out", str(model)], check=True, capture_output=True)
-            before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-            t0 = time.perf_counter()
-            out = subprocess.run([sys.executable, "-m", "graphopt.cli", "optimize", str(model),
-                                  "-o", str(Path(tmp) / f"out_{n}"), "--no-check",
-                                  "--format", "json"], capture_output=True, text=True)
-            wall = time.perf_counter() - t0
-            rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-            report = json.loads(out.stdout)
-            secs = report["seconds"]["total"]
-            print(f"| {report['nodes_before']} | {report['nodes_after']} | {secs:.1f} | "
-                  f"{wall:.1f} | {1000 * secs / report['nodes_before']:.2f} | "
-                  f"{max(rss, before) / 1024:.0f} |", flush=True)
+            rows.append(row(n, models, Path(tmp)))
+            print(line(rows[-1]), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

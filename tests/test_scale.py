@@ -1,0 +1,25 @@
+"""examples/scale/scaling.py: each size's own peak RSS and phase times, per-1k-node columns."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "scale"))
+import scaling  # noqa: E402
+
+
+def test_peak_rss_is_each_process_own():
+    big = "import numpy as np; a = np.ones(40_000_000); print(a.sum())"  # ~300 MB
+    code, _, rss_big, out = scaling.timed([sys.executable, "-c", big])
+    assert code == 0 and out.strip() == "40000000.0" and rss_big > 250
+    code, _, rss_small, _ = scaling.timed([sys.executable, "-c", "pass"])
+    assert code == 0 and rss_small < rss_big / 2  # not the largest child so far
+
+
+def test_row_gives_phases_and_per_1k_node_costs():
+    seconds = {"startup": 1.0, "load": 0.5, "passes": 4.0, "validity": 1.0, "total": 8.0}
+    r = {"nodes": 2000, "nodes_after": 500, "wall_s": 10.0, "peak_rss_mb": 300.0}
+    text = scaling.line({**r, "seconds": seconds})
+    assert text == "| 2000 | 500 | 10.0 | 1.0 | 0.5 | 4.0 | 1.0 | 0.0 | 0.0 | 300 | 2.000 | 5.000 |"
+    assert scaling.line({"nodes": 5, "error": "exit 1"}) == "| 5 | exit 1 |"
