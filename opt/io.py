@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import os
 import re
 import shutil
@@ -156,10 +157,51 @@ def has_external_data(model: onnx.ModelProto) -> bool:
     return any(external_data_helper.uses_external_data(t) for t in _all_tensors(model))
 
 
+def tensor_nbytes(tensor: onnx.TensorProto) -> int:
+    """The bytes of a tensor's values from its metadata (dims and element type; an external
+    tensor's recorded length), without reading or copying the values."""
+    if external_data_helper.uses_external_data(tensor):
+        info = {e.key: e.value for e in tensor.external_data}
+        if info.get("length"):
+            return int(info["length"])
+    if tensor.data_type == onnx.TensorProto.STRING:
+        return sum(len(s) for s in tensor.string_data)
+    count = math.prod(tensor.dims)
+    bits = _ELEMENT_BITS.get(tensor.data_type)
+    if bits is None:
+        try:
+            bits = 8 * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+        except (KeyError, TypeError, ValueError):
+            bits = 8
+    return (count * bits + 7) // 8
+
+
+#: element widths numpy cannot tell (packed and 8-bit float types)
+_ELEMENT_BITS = {
+    getattr(onnx.TensorProto, name): bits
+    for name, bits in (
+        ("INT4", 4),
+        ("UINT4", 4),
+        ("INT2", 2),
+        ("UINT2", 2),
+        ("FLOAT4E2M1", 4),
+        ("FLOAT8E4M3FN", 8),
+        ("FLOAT8E4M3FNUZ", 8),
+        ("FLOAT8E5M2", 8),
+        ("FLOAT8E5M2FNUZ", 8),
+        ("FLOAT8E8M0", 8),
+        ("BFLOAT16", 16),
+    )
+    if hasattr(onnx.TensorProto, name)
+}
+
+
 def needs_external_data(model: onnx.ModelProto) -> bool:
-    """Large weights, or weights still referenced from an external file, go to external data."""
-    total = sum(len(t.raw_data) for t in model.graph.initializer)
-    return total > EXTERNAL_THRESHOLD or has_external_data(model)
+    """Large weights, or weights still referenced from an external file, go to external data.
+    Sizes come from the tensors' metadata: no weight is read or copied to decide."""
+    if has_external_data(model):
+        return True
+    return sum(tensor_nbytes(t) for t in model.graph.initializer) > EXTERNAL_THRESHOLD
 
 
 def external_region(tensor: onnx.TensorProto, base_dir: str | os.PathLike) -> tuple[Path, int, int]:
