@@ -37,7 +37,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-from onnx import numpy_helper
+from onnx import external_data_helper, numpy_helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
@@ -104,7 +104,7 @@ class ModelIR:
         self.graph.import_domains = [copy.deepcopy(o) for o in model.opset_import] or None
         self.root = self.graph
         self.base_dir = base_dir
-        if base_dir is not None:
+        if base_dir is not None and _has_external(model):
             _map_external_values(self.graph, base_dir)
         _keep_unsupported_types(model.graph, self.graph)
         _keep_node_annotations(model.graph, self.graph)
@@ -551,7 +551,7 @@ def _keep_unsupported_types(graph_proto: onnx.GraphProto, graph: gs.Graph) -> No
     collect(graph_proto)
 
     def attach(g: gs.Graph, proto: onnx.GraphProto) -> None:
-        for name, t in g.tensors().items():
+        for name, t in g.tensors().items() if unsupported else ():
             if name in unsupported:
                 setattr(t, _TYPE_ATTR, unsupported[name])
         for node, node_proto in zip(g.nodes, proto.node):
@@ -591,6 +591,14 @@ class ExternalValues(LazyValues):
             offset=offset,
             shape=tuple(int(d) for d in self.tensor.dims),
         )
+
+
+def _has_external(model: onnx.ModelProto) -> bool:
+    """Whether any tensor of the model (subgraphs included) lives in an external file."""
+    return any(
+        t.data_location == onnx.TensorProto.EXTERNAL
+        for t in external_data_helper._get_all_tensors(model)
+    )
 
 
 def _map_external_values(graph: gs.Graph, base_dir) -> None:
