@@ -36,8 +36,8 @@ class HeadSplit:
     of the split, consumers first."""
 
     x: Tensor
-    reshape: Node
-    layout: str  # "bsd" | "sbd" | "packed"
+    reshape: Node | None  # None for "bnsh": ``x`` is already split
+    layout: str  # "bsd" | "sbd" | "packed" | "bnsh"
     nodes: list[Node] = field(default_factory=list)
     index: int | None = None  # packed: which of q, k, v
     merge: Node | None = None  # sequence-first: the Reshape that unfolds batch × heads
@@ -66,6 +66,16 @@ def split_heads(t: Tensor | None, perm: tuple[int, ...]) -> HeadSplit | None:
     if rs is None:
         return None
     return HeadSplit(inputs(rs)[0], rs, "bsd", chain)
+
+
+def already_split(t: Tensor | None, perm: tuple[int, ...]) -> HeadSplit | None:
+    """K or V given as [B,N,T,H] (a KV cache: ``Concat(past, new)``, also a graph output, or a
+    cache input used as it is): V itself, Kᵀ as ``Transpose(K, (0,1,3,2))``.  The kernel takes
+    such a key and value as they are."""
+    t, chain = _untranspose_k(t, perm)
+    if t is None or rank(t) != 4:
+        return None
+    return HeadSplit(t, None, "bnsh", chain)
 
 
 def _untranspose_k(t: Tensor | None, perm: tuple[int, ...]) -> tuple[Tensor | None, list[Node]]:
@@ -127,13 +137,20 @@ def _k_through_3d(t: Tensor | None) -> list[Node]:
 
 
 # ------------------------------------------------------------------------- head count
-def head_count(split: HeadSplit, dims: Dims) -> tuple[int, int] | str:
-    """(N, H) of a head split, or why they cannot be determined."""
+def head_count(split: HeadSplit, dims: Dims, batch: Key | None = None) -> tuple[int, int] | str:
+    """(N, H) of a head split, or why they cannot be determined.  ``batch``: the query's batch,
+    which a key or value split may name for its own (cross-attention: ``[B_q, -1, N, H]``; were
+    the batches different, the kernel would refuse the inputs at run time)."""
     if split.layout == "packed":
         return _heads_packed(split.reshape, split.x, dims)
     if split.layout == "sbd":
         return _heads_sbd(split.reshape, split.merge, split.x, dims)
-    return _heads_bsd(split.reshape, split.x, dims)
+    if split.layout == "bnsh":
+        n, h = dims.key(split.x, 1), dims.key(split.x, 3)
+        if n[0] != "int" or h[0] != "int":
+            return f"heads and head size of '{split.x.name}' [B,N,T,H] are not static"
+        return n[1], h[1]
+    return _heads_bsd(split.reshape, split.x, dims, batch)
 
 
 def _copy_key(reshape: Node) -> tuple:
@@ -156,7 +173,9 @@ def _resolve(n: Key, h: Key, width: int | None, groups: int = 1) -> tuple[int | 
     return ints[0], ints[1]
 
 
-def _heads_bsd(reshape: Node, x: Tensor, dims: Dims) -> tuple[int, int] | str:
+def _heads_bsd(
+    reshape: Node, x: Tensor, dims: Dims, batch: Key | None = None
+) -> tuple[int, int] | str:
     """(N, H) of ``Reshape(x [B,S,D], [B,S,N,H])``, or why not."""
     target = inputs(reshape)[1]
     elems = shape_elements(target, dims)
@@ -170,17 +189,20 @@ def _heads_bsd(reshape: Node, x: Tensor, dims: Dims) -> tuple[int, int] | str:
         return f"heads and head size {elems[2:]} are not static"
     if width is not None and n * h != width:
         return f"{n}×{h} heads do not split the hidden size {width}"
-    if not _keeps_batch_seq(reshape, elems, x, dims):
+    if not _keeps_batch_seq(reshape, elems, x, dims, batch):
         return f"the reshape target {elems[:2]} does not keep the batch and sequence dims"
     return n, h
 
 
-def _keeps_batch_seq(reshape: Node, elems: list[Key], x: Tensor, dims: Dims) -> bool:
+def _keeps_batch_seq(
+    reshape: Node, elems: list[Key], x: Tensor, dims: Dims, batch: Key | None = None
+) -> bool:
     copy = _copy_key(reshape)
     seq = dims.key(x, 1)
     s_ok = elems[1] in (*copy, seq, ("int", -1))
     b_ok = (
         elems[0] in (*copy, dims.key(x, 0))
+        or (batch is not None and elems[0] == batch and elems[1] == ("int", -1))
         or (  # dynamo writes [-1, S, N, H]
             elems[0] == ("int", -1)
             and elems[1] in (*copy, seq)
@@ -231,8 +253,10 @@ def _heads_sbd(split: Node, merge: Node, x: Tensor, dims: Dims) -> tuple[int, in
 
 
 def source_axis(layout: str, which: str) -> int:
-    """The batch or sequence axis of a [B,S,D] or [S,B,D] source."""
+    """The batch or sequence axis of a [B,S,D], [S,B,D] or [B,N,S,H] source."""
+    if layout == "bnsh":
+        return 2 if which == "seq" else 0
     return int((which == "seq") ^ (layout == "sbd"))
 
 
-__all__ = ["HeadSplit", "head_count", "rank", "source_axis", "split_heads"]
+__all__ = ["HeadSplit", "already_split", "head_count", "rank", "source_axis", "split_heads"]

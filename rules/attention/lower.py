@@ -134,10 +134,11 @@ def _attention_bias(a: Attention, b: Builder, q: Tensor, k: Tensor) -> Tensor:
         return _tile_windows(a, b, bias, q)
     if plan.direct:
         return bias
-    cached = _shared_expand(b, bias, q, k)
+    k_axis = a.axis("k", "seq") if a.k.layout == "bnsh" else 1  # k is batch-first here
+    cached = _shared_expand(b, bias, (q, 1), (k, k_axis))
     if cached is not None:
         return cached
-    lens = [_dim(b, t, f"{name}/{n}_len") for n, t in (("q", q), ("k", k))]
+    lens = [_dim(b, q, f"{name}/q_len"), _dim(b, k, f"{name}/k_len", axis=k_axis)]
     ones = b.const(np.ones(2, dtype=np.int64), "bias_prefix")
     shape = b.op("Concat", [ones, *lens], {"axis": 0}, name=f"{name}/bias_shape")
     return b.op("Expand", [bias, shape], name=f"{name}/attention_bias_expand")
@@ -169,7 +170,9 @@ def _dim(b: Builder, t: Tensor, name: str, axis: int = 1) -> Tensor:
     return b.op("Slice", [shape, start, end], name=f"{name}/slice")
 
 
-def _shared_expand(b: Builder, bias: Tensor, q: Tensor, k: Tensor) -> Tensor | None:
+def _shared_expand(
+    b: Builder, bias: Tensor, q: tuple[Tensor, int], k: tuple[Tensor, int]
+) -> Tensor | None:
     """An Expand of the same bias to provably the same [1,1,S,T], made for another layer.
 
     Exporters often recompute the mask per layer (``Where(mask, 0, -inf)`` twelve times);
@@ -186,7 +189,7 @@ def _shared_expand(b: Builder, bias: Tensor, q: Tensor, k: Tensor) -> Tensor | N
         srcs = [_shape_source(t) for t in inputs(concat)[1:]]
         if any(s is None for s in srcs):
             continue
-        if same_dim(srcs[0], 1, q, 1) and same_dim(srcs[1], 1, k, 1):
+        if all(same_dim(*src, *want) for src, want in zip(srcs, (q, k))):
             return node.outputs[0]
     return None
 
@@ -213,8 +216,15 @@ def _same_value(x: Tensor, y: Tensor) -> bool:
     return True
 
 
-def _shape_source(t: Tensor) -> Tensor | None:
+def _shape_source(t: Tensor) -> tuple[Tensor, int] | None:
+    """(tensor, axis) of ``Shape(tensor)[axis:axis+1]`` as :func:`_dim` writes it."""
     node = producer(t, ("Shape", "Slice"))
-    if node is not None and node.op == "Slice":
-        node = producer(inputs(node)[0], "Shape")
-    return inputs(node)[0] if node is not None else None
+    if node is None:
+        return None
+    if node.op == "Shape":
+        return inputs(node)[0], int(node.attrs.get("start", 0))
+    start = constant_value(inputs(node)[1])
+    node = producer(inputs(node)[0], "Shape")
+    if node is None or start is None or start.size != 1:
+        return None
+    return inputs(node)[0], int(start.reshape(-1)[0])

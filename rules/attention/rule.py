@@ -21,7 +21,15 @@ from graphopt.opt.rewrite import Match, NoMatch, Rule, require
 
 from ..activation import MS, float_type, inputs, lowering, no_match, producer, scalar, split_const
 from .core import Core, match_core, unrecognized
-from .heads import PERM_BNHS, PERM_BNSH, HeadSplit, head_count, source_axis, split_heads
+from .heads import (
+    PERM_BNHS,
+    PERM_BNSH,
+    HeadSplit,
+    already_split,
+    head_count,
+    source_axis,
+    split_heads,
+)
 from .lower import lower
 from .masks import BiasPlan, plan_bias
 
@@ -62,7 +70,7 @@ class Attention:
         found = [self.merge_reshape] if self.merge_reshape is not None else []
         found += self.core.nodes()
         for s in (self.q, self.k, self.v):
-            found += s.nodes + [s.reshape]
+            found += s.nodes + ([s.reshape] if s.reshape is not None else [])
         if self.qkv_bias is not None:
             found += list(self.qkv_bias.adds)
         return list({id(n): n for n in found}.values())
@@ -83,8 +91,8 @@ def lift(root: Node) -> Attention:
     core = match_core(root)
     splits = [
         split_heads(core.q, PERM_BNSH),
-        split_heads(core.kt, PERM_BNHS),
-        split_heads(core.v, PERM_BNSH),
+        split_heads(core.kt, PERM_BNHS) or already_split(core.kt, PERM_BNHS),
+        split_heads(core.v, PERM_BNSH) or already_split(core.v, PERM_BNSH),
     ]
     for name, split, t in zip(("Q", "Kᵀ", "V"), splits, (core.q, core.kt, core.v)):
         if split is None:
@@ -96,6 +104,13 @@ def lift(root: Node) -> Attention:
                 t,
             )
     q, k, v = splits
+    if (k.layout == "bnsh") != (v.layout == "bnsh"):
+        raise unrecognized(
+            LIFT,
+            "one of K and V is split into heads and the other is already [B,N,T,H]",
+            core.softmax,
+            v.x if v.layout == "bnsh" else k.x,
+        )
     packed = [s.layout == "packed" for s in splits]
     if any(packed) and not (
         all(packed) and q.x is k.x is v.x and [q.index, k.index, v.index] == [0, 1, 2]
@@ -142,7 +157,7 @@ class FuseMultiHeadAttention(Rule):
     def check(self, m, cx):
         a: Attention = m.attention
         dims = Dims()
-        for t in (a.q.x, a.k.x, a.v.x):
+        for t in [s.x for s in (a.q, a.k, a.v) if s.layout != "bnsh"]:
             if rank(t) != 3:
                 raise _refused(
                     "unknown-shape",
@@ -188,6 +203,15 @@ class FuseMultiHeadAttention(Rule):
             e.args_.update(stage=LOWER, tensor=a.q.x.name, softmax=a.core.softmax.name)
             raise
         a.op = op
+        if op == "Attention" and a.k.layout == "bnsh":
+            raise _refused(
+                "no-kernel",
+                LOWER,
+                f"key and value [B,N,T,H] ('{a.k.x.name}') need MultiHeadAttention, which target "
+                f"{cx.target.name} has no kernel for",
+                a,
+                a.k.x,
+            )
         if op == "MultiHeadAttention":
             self._check_pays(a, cx)
             a.qkv_bias = _qkv_bias(a, cx)
@@ -205,7 +229,8 @@ class FuseMultiHeadAttention(Rule):
             )
 
     def _check_heads(self, a: Attention, dims: Dims) -> None:
-        heads = [head_count(s, dims) for s in (a.q, a.k, a.v)]
+        batch = dims.key(a.q.x, a.axis("q", "batch"))
+        heads = [head_count(s, dims, batch if s is not a.q else None) for s in (a.q, a.k, a.v)]
         bad = [(h, s) for h, s in zip(heads, (a.q, a.k, a.v)) if isinstance(h, str)]
         if bad:
             raise _refused(
@@ -213,7 +238,7 @@ class FuseMultiHeadAttention(Rule):
                 LIFT,
                 f"cannot determine num_heads: {bad[0][0]}",
                 a,
-                bad[0][1].reshape.outputs[0],
+                bad[0][1].x,
             )
         (n, h), (nk, hk), (nv, hv) = heads
         if (nk, hk) != (n, h) or nv != n:
@@ -367,6 +392,8 @@ def _out_direct(a: Attention, dims: Dims) -> bool:
 
 def _qkv_bias(a: Attention, cx) -> QkvBias | None:
     """The q/k/v projections' constant bias vectors, when each source is MatMul + Add."""
+    if a.k.layout == "bnsh":
+        return None  # the kernel adds no bias to a key and value given per head
     hidden = a.num_heads * a.head_size
     if a.q.layout == "packed":
         found = _bias_add(a.q.x, cx)
