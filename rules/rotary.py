@@ -47,6 +47,7 @@ head_dim) input), ``shape-mismatch`` (the tables' shape or the interleaved Resha
 from __future__ import annotations
 
 import os
+import weakref
 
 import numpy as np
 
@@ -284,8 +285,25 @@ def _run(ir, nodes: list[Node], pos: Tensor, values: np.ndarray, outs: list[Tens
     return [got[t.name] for t in outs]
 
 
+#: the last tables read: every layer of a decoder shares one cos/sin, so one evaluation serves
+#: all of them.  A tensor object's producers never change (rewrites make new tensors), and the
+#: entry refers to the tensors weakly (a live identity match is the same computation; the old
+#: graph is not kept alive).
+_LAST_TABLES: list = []
+
+
 def _tables(m: Match, cx, width: int, interleaved: bool) -> tuple[np.ndarray, np.ndarray, int]:
-    """The half-width cos/sin caches and the number of positions they cover."""
+    """The half-width cos/sin caches and the number of positions they cover (memoized)."""
+    key = (width, interleaved, max_positions())
+    if _LAST_TABLES and _LAST_TABLES[0]() is m.cos and _LAST_TABLES[1]() is m.sin:
+        if _LAST_TABLES[2] == key:
+            return _LAST_TABLES[3]
+    result = _read_tables(m, cx, width, interleaved)
+    _LAST_TABLES[:] = [weakref.ref(m.cos), weakref.ref(m.sin), key, result]
+    return result
+
+
+def _read_tables(m: Match, cx, width: int, interleaved: bool) -> tuple[np.ndarray, np.ndarray, int]:
     nodes, pos, problem = _position_subgraph([m.cos, m.sin])
     require(pos is not None, "position-source", f"cos/sin are not per-position tables: {problem}")
     rows = _table_rows(nodes) or max_positions()

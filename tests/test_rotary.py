@@ -382,3 +382,27 @@ def test_phi3_partial_rotary_spelling_fuses(rng):
     assert hist(out).get("com.microsoft.RotaryEmbedding") == 1, hist(out)
     f = {k: v for k, v in feeds(rng, first=3).items() if k != "k"}
     np.testing.assert_allclose(run_model(out, f)[0], run_model(m, f)[0], atol=1e-5)
+
+
+def test_fp16_fuses_with_fp16_caches(rng):
+    """cos/sin computed in fp32 and cast to the model's fp16 (transformers' spelling): the
+    caches are the fp16 values the model itself computes."""
+    nodes, inits = freqs_mul()
+    for node in nodes:
+        if node.output[0] in ("cosc", "sinc"):
+            node.attribute[0].i = TensorProto.FLOAT16
+    n, i = apply("q", "cos", "sin", "q_rot", p="q_")
+    f16 = TensorProto.FLOAT16
+    m = model(
+        nodes + n,
+        [vi("q", [B, H, S, D], f16), vi("position_ids", [B, S], TensorProto.INT64)],
+        [vi("q_rot", [B, H, S, D], f16)],
+        inits + i,
+    )
+    out, _ = assert_optimized(m)
+    assert hist(out).get("com.microsoft.RotaryEmbedding") == 1
+    assert {i.data_type for i in out.graph.initializer if list(i.dims) == [8192, D // 2]} == {f16}
+    f = {"q": feeds(rng)["q"].astype(np.float16), "position_ids": feeds(rng, 60)["position_ids"]}
+    np.testing.assert_allclose(
+        run_model(out, f)[0].astype(np.float32), run_model(m, f)[0].astype(np.float32), atol=2e-3
+    )
