@@ -10,6 +10,9 @@ on a 4-D ``x`` in (batch, heads, sequence, head_dim) layout:
 * interleaved (``interleaved=1``, even/odd pairs):
   ``Reshape(Concat(Unsqueeze(Neg(Slice(x, 1::2)), −1), Unsqueeze(Slice(x, 0::2), −1), −1))``.
 
+Partial rotation (``Concat(rope(x[..., :R]), x[..., R:])``, GPT-NeoX, Phi-2) fuses the rotation
+of the ``x[..., :R]`` slice; the Slice and Concat around it stay.
+
 ``cos`` and ``sin`` may be spelled any way that computes them per position from one integer
 (batch, sequence) tensor — the position ids — and constants: on the fly (``Mul`` or
 ``MatMul`` of the positions by ``inv_freq``, ``Concat(f, f)``, ``Cos``/``Sin``, an attention

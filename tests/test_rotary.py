@@ -356,9 +356,12 @@ def test_cuda_takes_the_contrib_op():
     assert rotary_node(out).domain == "com.microsoft"
 
 
-def test_phi3_partial_rotary_spelling_fuses(rng):
+@pytest.mark.parametrize("passed", [0, 8], ids=["whole-head", "partial"])
+def test_phi3_partial_rotary_spelling_fuses(rng, passed):
     """Phi-3: q_rot = q[..., :rotary_dim], q_pass = q[..., rotary_dim:] (empty when the whole
-    head rotates), Concat(rope(q_rot), q_pass); slices-to-split makes one Split of three parts."""
+    head rotates), Concat(rope(q_rot), q_pass); slices-to-split makes one Split of three parts.
+    With a pass-through part (GPT-NeoX, Phi-2), q_rot is rotated whole and the Slice/Concat
+    around it stay."""
     nodes, inits = freqs_mul()
     nodes += [
         helper.make_node("Slice", ["q", "p_zero", "p_d", "p_ax"], ["q_r"]),
@@ -372,15 +375,19 @@ def test_phi3_partial_rotary_spelling_fuses(rng):
     ]
     n, i = apply("q_r", "cos", "sin", "q_emb", p="q_")
     nodes += n + [helper.make_node("Concat", ["q_emb", "q_pass"], ["q_out"], axis=-1)]
+    shape = [B, H, S, D + passed]
     m = model(
         nodes,
-        [vi("q", [B, H, S, D]), vi("position_ids", [B, S], TensorProto.INT64)],
-        [vi("q_out", [B, H, S, D])],
+        [vi("q", shape), vi("position_ids", [B, S], TensorProto.INT64)],
+        [vi("q_out", shape)],
         inits + i,
     )
     out, _ = assert_optimized(m)
     assert hist(out).get("com.microsoft.RotaryEmbedding") == 1, hist(out)
-    f = {k: v for k, v in feeds(rng, first=3).items() if k != "k"}
+    f = {
+        "q": rng.standard_normal(shape).astype(np.float32),
+        "position_ids": feeds(rng, first=3)["position_ids"],
+    }
     np.testing.assert_allclose(run_model(out, f)[0], run_model(m, f)[0], atol=1e-5)
 
 
