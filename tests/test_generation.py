@@ -5,33 +5,37 @@ import json
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
+from test_rotary import D, apply, freqs_mul
 
 import graphopt
 from conftest import const, vi
 from graphopt.opt.generation import check_generation, decoder_interface
 from graphopt.targets.bundle import write_bundle
 
-V, E = 50, 8  # vocab, hidden = head_dim (one kv head)
+V, E = 50, D  # vocab, hidden = head_dim (one kv head)
 
 
-def tiny_decoder(present_scale: float = 1.0, opset: int = 17) -> onnx.ModelProto:
+def tiny_decoder(
+    present_scale: float = 1.0, opset: int = 17, rope: bool = False
+) -> onnx.ModelProto:
     """Embedding → one causal attention head over Concat(past, new) → vocab projection.
     ``present_scale`` ≠ 1 writes a wrong key cache (the attention itself reads the right one),
-    so the step that computes it is still exact and only the next steps differ."""
+    so the step that computes it is still exact and only the next steps differ.  ``rope``
+    rotates q and k as transformers exports it (else a learned position term is added)."""
     rng = np.random.default_rng(0)
     f32 = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
     n = helper.make_node
     nodes = [
         n("Gather", ["embed", "input_ids"], ["x0"]),
-        n("Cast", ["position_ids"], ["posf"], to=TensorProto.FLOAT),
-        n("Unsqueeze", ["posf", "ax_m1"], ["pos3"]),
-        n("Mul", ["pos3", "pos_w"], ["pe"]),
+        n("Cast", ["position_ids"], ["pe_posf"], to=TensorProto.FLOAT),
+        n("Unsqueeze", ["pe_posf", "ax_m1"], ["pe_pos3"]),
+        n("Mul", ["pe_pos3", "pos_w"], ["pe"]),
         n("Add", ["x0", "pe"], ["x"]),
         n("MatMul", ["x", "wq"], ["q3"]),
         n("MatMul", ["x", "wk"], ["k3"]),
         n("MatMul", ["x", "wv"], ["v3"]),
-        n("Unsqueeze", ["q3", "ax_1"], ["q"]),
-        n("Unsqueeze", ["k3", "ax_1"], ["k"]),
+        n("Unsqueeze", ["q3", "ax_1"], ["q"] if not rope else ["q_in"]),
+        n("Unsqueeze", ["k3", "ax_1"], ["k"] if not rope else ["k_in"]),
         n("Unsqueeze", ["v3", "ax_1"], ["v"]),
         n("Concat", ["past_key_values.0.key", "k"], ["keys"], axis=2),
         n("Concat", ["past_key_values.0.value", "v"], ["present.0.value"], axis=2),
@@ -68,6 +72,13 @@ def tiny_decoder(present_scale: float = 1.0, opset: int = 17) -> onnx.ModelProto
         const("one", 1, np.int64),
         const("neg", -1e9),
     ]
+    if rope:
+        freqs, tables = freqs_mul()
+        q_rope, q_inits = apply("q_in", "cos", "sin", "q", p="q_")
+        k_rope, k_inits = apply("k_in", "cos", "sin", "k", p="k_")
+        nodes = nodes[:11] + freqs + q_rope + k_rope + nodes[11:]
+        names = {i.name for i in inits}
+        inits += [i for i in tables + q_inits + k_inits if i.name not in names]
     cache = ["batch", 1, "past", E]
     present = ["batch", 1, "total", E]
     g = helper.make_graph(
@@ -133,6 +144,17 @@ def test_bundle_report_has_generation(tmp_path):
     gen = doc["generation"]
     assert gen["ran"] and gen["ok"] and gen["tokens_match"], gen
     assert gen["steps"] == 8 and gen["prefill"] == 8
+
+
+def test_rotary_fused_decoder_generates_the_same_tokens(tmp_path):
+    """End to end: RoPE fused into RotaryEmbedding, then 8 decode steps at growing positions."""
+    m = tiny_decoder(rope=True)
+    out, report = graphopt.optimize(m, target="cpu", level=2)
+    assert report.ops_after.get("com.microsoft.RotaryEmbedding") == 2, report.ops_after
+    doc = json.loads((write_bundle(out, report, tmp_path / "b") / "report.json").read_text())
+    gen = doc["generation"]
+    assert gen["ok"] and gen["tokens_match"] and len(gen["per_step"]) == 9, gen
+    assert gen["max_rel"] < 1e-4  # parity's fp32 rtol, relative to the largest logit
 
 
 def test_bundle_report_of_another_model_has_none(tmp_path):
