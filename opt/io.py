@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 import onnx
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, EncodeError
 from onnx import external_data_helper
 
 from .compat import accept_on_load
@@ -61,7 +61,8 @@ def load_model(
         raise ModelLoadError(f"{path}: empty file, not an ONNX model")
     try:
         with open(path, "rb") as f:
-            model = onnx.load_model_from_string(f.read())
+            data = f.read()
+        model = onnx.load_model_from_string(data)
     except (DecodeError, RuntimeError, ValueError) as e:
         raise ModelLoadError(
             f"{path}: not a valid ONNX model (protobuf parse failed: {e})"
@@ -69,24 +70,32 @@ def load_model(
     _check_structure(model, path)
     base = path.resolve().parent
     _check_external_data(model, base, path)
+    # the bytes read stop being the model once its external data is read in or it is fixed up
+    changed = model.ir_version < 4 or has_external_data(model)
     if has_external_data(model) and not lazy_external:
         external_data_helper.load_external_data_for_model(model, str(base))
     accept_on_load(model)  # in memory: what onnxruntime runs and onnx's checker refuses
     if check:
-        validate(model, path, by_path=has_external_data(model))
+        # the checker reads the bytes just read, not a second serialization of the same model
+        validate(model, path, by_path=has_external_data(model), data=None if changed else data)
     return model
 
 
 def validate(
-    model: onnx.ModelProto, path: str | os.PathLike = "<model>", *, by_path: bool = False
+    model: onnx.ModelProto,
+    path: str | os.PathLike = "<model>",
+    *,
+    by_path: bool = False,
+    data: bytes | None = None,
 ) -> None:
-    """onnx.checker on the model (on its file when external data must resolve beside it);
-    raise ModelLoadError with the checker's first line."""
+    """onnx.checker on the model (on its file when external data must resolve beside it; on
+    ``data`` when the caller has the model's bytes); raise ModelLoadError with the checker's
+    first line."""
     try:
         if by_path:
             onnx.checker.check_model(str(path))
-        elif model.ByteSize() < PROTOBUF_LIMIT:
-            onnx.checker.check_model(model)
+        elif (data := data if data is not None else serialize(model)) is not None:
+            onnx.checker.check_model(data)
     except onnx.checker.ValidationError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelLoadError(f"{path}: invalid ONNX model: {first}") from None
@@ -196,6 +205,23 @@ _ELEMENT_BITS = {
 }
 
 
+def serialize(model: onnx.ModelProto) -> bytes | None:
+    """The model's bytes, or None when it cannot be one protobuf message (2 GiB).  A model whose
+    inline weights (sizes from their metadata) are well below the limit is serialized directly:
+    asking its ByteSize() first walks the whole model once more, as long as serializing it."""
+    inline = sum(
+        tensor_nbytes(t)
+        for t in model.graph.initializer
+        if not external_data_helper.uses_external_data(t)
+    )
+    if inline < PROTOBUF_LIMIT // 2:
+        try:
+            return model.SerializeToString()
+        except (EncodeError, ValueError, RuntimeError, OverflowError):
+            return None  # large constants or bodies beyond the initializers
+    return model.SerializeToString() if model.ByteSize() < PROTOBUF_LIMIT else None
+
+
 def needs_external_data(model: onnx.ModelProto) -> bool:
     """Large weights, or weights still referenced from an external file, go to external data.
     Sizes come from the tensors' metadata: no weight is read or copied to decide."""
@@ -259,12 +285,13 @@ def write_model_files(
     else:
         if has_external_data(model):
             model = _materialized(model, base_dir)
-        if model.ByteSize() > PROTOBUF_LIMIT:
+        data = serialize(model)
+        if data is None:
             raise ModelSaveError(
                 f"{path.name}: model is over 2 GB and cannot be saved without external data"
             )
         with open(path, "wb") as f:
-            f.write(model.SerializeToString())
+            f.write(data)
 
 
 ALIGN = 4096

@@ -22,7 +22,7 @@ from . import compat
 from .clock import Clock
 from .errors import GraphoptError, UsageError
 from .feeds import validate_args
-from .io import PROTOBUF_LIMIT, load_model
+from .io import load_model, serialize
 from .ir import ModelIR, op_histogram
 from .manager import PassContext, run_pass
 from .parity import ParityReport, Session, check_parity, measure_ranges
@@ -355,7 +355,7 @@ def _invalid(
     """Why ``model`` is not a valid, loadable model (onnx.checker with full shape checks, then an
     onnxruntime session), or None.  The model is serialized once for both."""
     _LOADED.clear()
-    data = model.SerializeToString() if model.ByteSize() < PROTOBUF_LIMIT else None
+    data = serialize(model)
     if checker and data is not None:
         try:
             onnx.checker.check_model(data, full_check=True)

@@ -31,7 +31,7 @@ import onnxruntime as ort
 from .customops import register_libraries
 from .errors import GraphoptError, UsageError
 from .feeds import find_runnable, validate_args
-from .io import PROTOBUF_LIMIT, write_model_files
+from .io import serialize, write_model_files
 
 Tolerance = tuple[float, float]  # (rtol relative to the output's scale, atol)
 
@@ -163,8 +163,8 @@ class Session:
         self._tmp = None
         try:
             register_libraries(so, model, providers[0] if providers else "CPUExecutionProvider")
-            if serialized is not None or model.ByteSize() < PROTOBUF_LIMIT:
-                data = serialized if serialized is not None else model.SerializeToString()
+            data = serialized if serialized is not None else serialize(model)
+            if data is not None:
                 self.sess = ort.InferenceSession(data, so, providers=list(providers))
             else:
                 self._tmp = tempfile.TemporaryDirectory(prefix="graphopt-parity-")

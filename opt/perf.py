@@ -43,7 +43,7 @@ import onnxruntime as ort
 
 from .customops import register_libraries
 from .errors import GraphoptError
-from .io import PROTOBUF_LIMIT, write_model_files
+from .io import serialize, write_model_files
 
 #: slower beyond noise: the interval's lower bound above 1 + MARGIN
 MARGIN = 0.015
@@ -217,9 +217,8 @@ class _Loaded:
         self._tmp = None
         try:
             kernels = register_libraries(so, model)
-            if model.ByteSize() < PROTOBUF_LIMIT:
-                src: Any = model.SerializeToString()
-            else:
+            src: Any = serialize(model)
+            if src is None:
                 self._tmp = tempfile.TemporaryDirectory(prefix="graphopt-perf-")
                 src = str(Path(self._tmp.name) / "model.onnx")
                 write_model_files(model, Path(src), external=True, base_dir=base_dir)

@@ -1,4 +1,5 @@
-"""Sizes from tensor metadata: deciding on external data reads no weight."""
+"""Sizes from tensor metadata: deciding on external data reads no weight; a model is
+serialized without asking its size first, and loading checks the bytes it read."""
 
 from __future__ import annotations
 
@@ -6,7 +7,15 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from graphopt.opt.io import EXTERNAL_THRESHOLD, needs_external_data, tensor_nbytes
+from graphopt.opt.errors import ModelLoadError
+from graphopt.opt.io import (
+    EXTERNAL_THRESHOLD,
+    load_model,
+    needs_external_data,
+    serialize,
+    tensor_nbytes,
+    validate,
+)
 
 
 @pytest.mark.parametrize(
@@ -44,3 +53,36 @@ def test_external_data_decided_from_metadata():
     big.dims[0] = 10
     m.graph.initializer[0].CopyFrom(big)
     assert not needs_external_data(m)
+
+
+def small_model(op: str = "Relu"):
+    graph = helper.make_graph(
+        [helper.make_node(op, ["x"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+        [numpy_helper.from_array(np.ones(300, np.float32), "unused")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_serialize_is_the_model_bytes():
+    m = small_model()
+    assert serialize(m) == m.SerializeToString()
+
+
+def test_validate_checks_the_bytes_it_is_given():
+    good, bad = small_model(), small_model("NoSuchOp")
+    validate(good)
+    with pytest.raises(ModelLoadError, match="NoSuchOp"):
+        validate(good, data=bad.SerializeToString())  # the checker read these bytes
+
+
+def test_load_checks_the_file_bytes_and_old_ir_after_fixing(tmp_path):
+    p = tmp_path / "m.onnx"
+    p.write_bytes(small_model().SerializeToString())
+    assert load_model(p).graph.node[0].op_type == "Relu"
+    old = small_model()
+    old.ir_version = 3  # its initializer is not a graph input: listed on load, then checked
+    p.write_bytes(old.SerializeToString())
+    assert "unused" in [i.name for i in load_model(p).graph.input]
