@@ -1,7 +1,9 @@
 """Rotary position embedding (level 2): ``x·cos + rotate(x)·sin`` → ``RotaryEmbedding``.
 
 ``fuse-rotary-embedding`` (root: the ``Add``) matches the rotation as decoder exporters write it
-on a 4-D ``x`` in (batch, heads, sequence, head_dim) layout:
+on a 4-D ``x`` in (batch, heads, sequence, head_dim) layout — or (batch, sequence, heads,
+head_dim) (GPT-J, rotations before the head transpose), which runs as the op's 3-D form between
+two Reshapes, ``num_heads`` set:
 
 * half-rotated (``interleaved=0``, Hugging Face ``rotate_half``):
   ``Concat(Neg(Slice(x, D/2:)), Slice(x, :D/2), axis=−1)``, the two Slices also as one
@@ -39,10 +41,11 @@ kernel table has first.
 Guards (missed remarks): ``non-constant-param`` (Slice bounds or steps computed at run time),
 ``axes-not-last`` (the rotation slices another axis), ``constant-mismatch`` (the slices are not
 the two halves / the even and odd columns of the head dimension, or the tables' halves differ),
-``unknown-shape`` (rank or head dimension unknown, or odd), ``position-source`` (cos/sin are not
-computed from one integer (batch, sequence) tensor and constants only, or not per position),
-``layout`` (cos/sin broadcast over another axis than the heads: a (batch, sequence, heads,
-head_dim) input), ``shape-mismatch`` (the tables' shape or the interleaved Reshape's),
+``unknown-shape`` (rank or head dimension unknown, or odd; the head count of a (batch,
+sequence, heads, head_dim) input unknown), ``position-source`` (cos/sin are not computed from
+one integer (batch, sequence) tensor and constants only, or not per position), ``layout``
+(cos/sin vary along neither sequence axis), ``shape-mismatch`` (the tables' shape or the
+interleaved Reshape's),
 ``dtype-mismatch``, ``evaluation-failed`` (onnxruntime could not compute the tables),
 ``no-kernel`` / ``opset-too-old``.
 """
@@ -306,7 +309,7 @@ def _tables(m: Match, cx, width: int, interleaved: bool) -> tuple[np.ndarray, np
     return result
 
 
-def _read_tables(m: Match, cx, width: int, interleaved: bool) -> tuple[np.ndarray, np.ndarray, int]:
+def _read_tables(m: Match, cx, width: int, interleaved: bool) -> tuple:
     nodes, pos, problem = _position_subgraph([m.cos, m.sin])
     require(pos is not None, "position-source", f"cos/sin are not per-position tables: {problem}")
     rows = _table_rows(nodes) or max_positions()
@@ -319,14 +322,15 @@ def _read_tables(m: Match, cx, width: int, interleaved: bool) -> tuple[np.ndarra
             f"[1, 1, {rows}, {width}]",
         )
         require(
-            v.shape[1] == 1 and v.shape[2] == rows,
+            (v.shape[1], v.shape[2]) in ((1, rows), (rows, 1)),
             "layout",
-            f"{name} has shape {list(v.shape)} for {rows} positions: it broadcasts over axis 2, "
-            "so x is (batch, sequence, heads, head_dim); RotaryEmbedding takes "
-            "(batch, heads, sequence, head_dim)",
+            f"{name} has shape {list(v.shape)} for {rows} positions: it varies along neither "
+            "the sequence axis of (batch, heads, sequence, head_dim) nor that of (batch, "
+            "sequence, heads, head_dim)",
         )
-    cos, sin = cos[0, 0], sin[0, 0]
-    _check_per_position(cx, nodes, pos, m, cos, sin)
+    seq_axis = 2 if cos.shape[2] == rows and cos.shape[1] == 1 else 1
+    cos, sin = cos.reshape(rows, width), sin.reshape(rows, width)
+    _check_per_position(cx, nodes, pos, m, cos, sin, seq_axis)
     halves = (
         (slice(0, None, 2), slice(1, None, 2))
         if interleaved
@@ -344,18 +348,22 @@ def _read_tables(m: Match, cx, width: int, interleaved: bool) -> tuple[np.ndarra
             f"table differ (max {float(np.abs(a - b).max()):.3g}); RotaryEmbedding repeats one "
             "half-width table",
         )
-    return np.ascontiguousarray(cos[:, halves[0]]), np.ascontiguousarray(sin[:, halves[0]]), rows
+    half_cos, half_sin = cos[:, halves[0]], sin[:, halves[0]]
+    return np.ascontiguousarray(half_cos), np.ascontiguousarray(half_sin), rows, seq_axis
 
 
-def _check_per_position(cx, nodes, pos, m, cos, sin) -> None:
+def _check_per_position(cx, nodes, pos, m, cos, sin, seq_axis: int) -> None:
     """Two rows of shuffled positions must give the rows of the tables at those positions."""
     rows = cos.shape[0] - cos.shape[0] % 2
     shuffled = np.random.default_rng(0).permutation(rows).reshape(2, rows // 2)
     c2, s2 = _run(cx.ir, nodes, pos, shuffled, [m.cos, m.sin])
-    ok = c2.shape == (2, 1, rows // 2, cos.shape[1]) and np.allclose(
-        c2[:, 0], cos[shuffled], rtol=1e-6, atol=1e-7
-    )
-    ok = ok and np.allclose(s2[:, 0], sin[shuffled], rtol=1e-6, atol=1e-7)
+    want = [2, 1, 1, cos.shape[1]]
+    want[seq_axis] = rows // 2
+    ok = list(c2.shape) == want and list(s2.shape) == want
+    if ok:
+        c2, s2 = c2.reshape(2, rows // 2, -1), s2.reshape(2, rows // 2, -1)
+        ok = np.allclose(c2, cos[shuffled], rtol=1e-6, atol=1e-7)
+        ok = ok and np.allclose(s2, sin[shuffled], rtol=1e-6, atol=1e-7)
     require(
         ok,
         "position-source",
@@ -441,11 +449,19 @@ class FuseRotaryEmbedding(Rule):
             tname,
             "RotaryEmbedding",
         )
-        cos, sin, rows = _tables(m, cx, width, interleaved)
+        cos, sin, rows, seq_axis = _tables(m, cx, width, interleaved)
+        heads = x.shape[2] if seq_axis == 1 else None
+        if seq_axis == 1:  # (batch, sequence, heads, head_dim): the op's 3-D form
+            require(
+                isinstance(heads, (int, np.integer)) and heads > 0,
+                "unknown-shape",
+                f"'{x.name}' is (batch, sequence, heads, head_dim) with heads {heads}; the "
+                "fused op's 3-D form needs a static head count",
+            )
         _, pos, _ = _position_subgraph([m.cos, m.sin])
         # positions of another (batch, sequence) shape broadcast in the original's Mul: expand
         # them to x's at run time unless the dims are provably x's already
-        expand = not (same_dim(pos, 0, x, 0) and same_dim(pos, 1, x, 2))
+        expand = not (same_dim(pos, 0, x, 0) and same_dim(pos, 1, x, seq_axis))
         m.stash(
             op=op,
             op_domain=domain,
@@ -454,6 +470,8 @@ class FuseRotaryEmbedding(Rule):
             rows=rows,
             pos=pos,
             expand=expand,
+            seq_axis=seq_axis,
+            heads=None if heads is None else int(heads),
             interleaved=int(interleaved),
         )
 
@@ -491,23 +509,43 @@ class FuseRotaryEmbedding(Rule):
             pos = b.op("Cast", [pos], {"to": 7}, name=f"{m.root.name}/positions_int64")
             pos.dtype, pos.shape = np.dtype(np.int64), m.pos.shape
         if m.expand:
-            shape = b.op("Shape", [m.x], name=f"{m.root.name}/x_shape")
-            pick = b.const(np.array([0, 2], dtype=np.int64), "batch_sequence")
-            dims = b.op("Gather", [shape, pick], {"axis": 0}, name=f"{m.root.name}/x_dims")
-            pos = b.op("Expand", [pos, dims], name=f"{m.root.name}/positions")
-            shape.dtype, shape.shape = np.dtype(np.int64), [4]
-            dims.dtype, dims.shape = np.dtype(np.int64), [2]
-            pos.dtype, pos.shape = np.dtype(np.int64), [m.x.shape[0], m.x.shape[2]]
-        ins = [m.x, cos, sin, pos] if m.op_domain == "" else [m.x, pos, cos, sin]
+            pos = self._expanded(m, b, pos)
+        x, attrs = m.x, {"interleaved": m.interleaved}
+        if m.seq_axis == 1:  # (B, S, N, H) → (B, S, N·H) with num_heads, and back
+            flat = b.const(np.array([0, 0, -1], dtype=np.int64), "flat_heads")
+            x = b.op("Reshape", [m.x, flat], name=f"{m.root.name}/merge_heads")
+            x.dtype = m.x.dtype
+            attrs["num_heads"] = m.heads
+        ins = [x, cos, sin, pos] if m.op_domain == "" else [x, pos, cos, sin]
         out = b.op(
             m.op,
             ins,
-            {"interleaved": m.interleaved},
+            attrs,
             domain=m.op_domain,
-            like=m.root.outputs[0],
+            like=None if m.seq_axis == 1 else m.root.outputs[0],
             name=f"{m.root.name}/{m.op}",
         )
+        if m.seq_axis == 1:
+            out.dtype = m.x.dtype
+            split = b.const(np.array([0, 0, m.heads, -1], dtype=np.int64), "split_heads")
+            out = b.op(
+                "Reshape",
+                [out, split],
+                like=m.root.outputs[0],
+                name=f"{m.root.name}/split_heads",
+            )
         return [out]
+
+    def _expanded(self, m, b, pos):
+        """Positions broadcast to x's (batch, sequence) at run time."""
+        shape = b.op("Shape", [m.x], name=f"{m.root.name}/x_shape")
+        pick = b.const(np.array([0, m.seq_axis], dtype=np.int64), "batch_sequence")
+        dims = b.op("Gather", [shape, pick], {"axis": 0}, name=f"{m.root.name}/x_dims")
+        out = b.op("Expand", [pos, dims], name=f"{m.root.name}/positions")
+        shape.dtype, shape.shape = np.dtype(np.int64), [4]
+        dims.dtype, dims.shape = np.dtype(np.int64), [2]
+        out.dtype, out.shape = np.dtype(np.int64), [m.x.shape[0], m.x.shape[m.seq_axis]]
+        return out
 
 
 __all__ = ["DEFAULT_POSITIONS", "POSITION_OPS", "max_positions"]

@@ -286,12 +286,22 @@ def test_positions_broadcast_over_the_batch(rng):
     np.testing.assert_allclose(run_model(out, f)[0], run_model(m, f)[0], atol=1e-5)
 
 
-def test_bsnh_layout_refused():
-    """x as (batch, sequence, heads, head_dim), cos unsqueezed on axis 2."""
-    m = decoder_rope(freqs_mul(head_axis=2), x_shape=(B, S, H, D), two=False)
-    out, report = run(m)
-    assert "com.microsoft.RotaryEmbedding" not in hist(out)
-    assert "layout" in codes(report, "fuse-rotary-embedding")
+@pytest.mark.parametrize("rotate", [rotate_half, rotate_pairs], ids=["half", "interleaved"])
+def test_bsnh_layout_fuses_as_3d(rng, rotate):
+    """x as (batch, sequence, heads, head_dim), cos unsqueezed on axis 2 (GPT-J): the op's 3-D
+    form between two Reshapes, num_heads set."""
+    nodes, inits = freqs_table(interleaved=True) if rotate is rotate_pairs else freqs_mul()
+    inits = [const(i.name, [2], np.int64) if i.name in ("ax_head", "ax_1") else i for i in inits]
+    m = decoder_rope((nodes, inits), rotate=rotate, x_shape=(B, S, H, D), two=False)
+    out, _ = assert_optimized(m)
+    node = rotary_node(out)
+    assert attr(node, "num_heads") == H
+    assert attr(node, "interleaved") == (rotate is rotate_pairs)
+    q = rng.standard_normal((B, S, H, D)).astype(np.float32)
+    f = {"q": q, "position_ids": feeds(rng, first=11)["position_ids"]}
+    np.testing.assert_allclose(run_model(out, f)[0], run_model(m, f)[0], atol=2e-5)
+    want = reference(q.transpose(0, 2, 1, 3), f["position_ids"], rotate is rotate_pairs)
+    np.testing.assert_allclose(run_model(out, f)[0], want.transpose(0, 2, 1, 3), atol=2e-5)
 
 
 def test_cos_from_two_sources_refused():
