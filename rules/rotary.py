@@ -316,17 +316,17 @@ def _read_tables(m: Match, cx, width: int, interleaved: bool) -> tuple:
     cos, sin = _run(cx.ir, nodes, pos, np.arange(rows).reshape(1, rows), [m.cos, m.sin])
     for name, v in (("cos", cos), ("sin", sin)):
         require(
-            v.ndim == 4 and v.shape[-1] == width and v.shape[0] == 1,
+            v.ndim == 4 and v.shape[-1] == width and v.size == rows * width,
             "shape-mismatch",
             f"{name} for {rows} positions has shape {list(v.shape)}; expected "
             f"[1, 1, {rows}, {width}]",
         )
         require(
-            (v.shape[1], v.shape[2]) in ((1, rows), (rows, 1)),
+            list(v.shape[:3]) in ([1, 1, rows], [1, rows, 1]),
             "layout",
-            f"{name} has shape {list(v.shape)} for {rows} positions: it varies along neither "
-            "the sequence axis of (batch, heads, sequence, head_dim) nor that of (batch, "
-            "sequence, heads, head_dim)",
+            f"{name} for {rows} positions has shape {list(v.shape)}: x has its sequence on axis "
+            f"{list(v.shape).index(rows)}; RotaryEmbedding takes (batch, heads, sequence, "
+            "head_dim) or (batch, sequence, heads·head_dim)",
         )
     seq_axis = 2 if cos.shape[2] == rows and cos.shape[1] == 1 else 1
     cos, sin = cos.reshape(rows, width), sin.reshape(rows, width)

@@ -304,6 +304,21 @@ def test_bsnh_layout_fuses_as_3d(rng, rotate):
     np.testing.assert_allclose(run_model(out, f)[0], want.transpose(0, 2, 1, 3), atol=2e-5)
 
 
+def test_sequence_first_layout_refused():
+    """(sequence, batch, heads, head_dim) as Megatron/ChatGLM write it: cos is (S, B, 1, D)."""
+    nodes, inits = freqs_mul(head_axis=2)
+    nodes = [n for n in nodes if n.output[0] not in ("cos", "sin")]
+    for t in ("cos", "sin"):
+        nodes += [
+            helper.make_node("Transpose", [f"{t}c"], [f"{t}_sb"], perm=[1, 0, 2]),
+            helper.make_node("Unsqueeze", [f"{t}_sb", "ax_head"], [t]),
+        ]
+    m = decoder_rope((nodes, inits), x_shape=(S, B, H, D), two=False)
+    out, report = run(m)
+    assert "com.microsoft.RotaryEmbedding" not in hist(out)
+    assert "layout" in codes(report, "fuse-rotary-embedding")
+
+
 def test_cos_from_two_sources_refused():
     """cos computed from the positions and another input is not a per-position table."""
     nodes, inits = freqs_mul()
