@@ -228,10 +228,12 @@ def optimize(
         parity, parity_f64 = _parities(model, optimized, check, reference, kw, base_dir, say)
     why = _unmeasured(measure, check, tgt.name, parity)
     performance: dict[str, Any] = {"measured": False, "why": why}
+    original_outputs: dict[str, dict] = {}
     if why is None:
         with clock.phase("measure"):
             net = _PerfNet(model, optimized, cx, execute, bisect_limit, base_dir, say)
             optimized, cx, performance = net.run(tgt, parity.feeds, optimize_s)
+            original_outputs = net.original_outputs
         if performance.get("reverted"):
             with clock.phase("parity"):
                 parity, parity_f64 = _parities(
@@ -283,6 +285,8 @@ def optimize(
             "base_dir": base_dir,
             "feeds": parity.feeds if parity.ran else None,
             "reference_outputs": parity.reference_outputs if parity.ran else None,
+            # the original's outputs on those inputs by session level (the performance net's)
+            "original_outputs": original_outputs,
         },
     )
     report.seconds = clock.seconds()
@@ -503,6 +507,8 @@ class _PerfNet:
         self.execute, self.limit, self.base_dir, self.say = execute, limit, base_dir, say
         self.rules = list(dict.fromkeys(rule for _, rule, _ in cx.applied))
         self.built: dict[frozenset, tuple] = {frozenset(): (optimized, cx)}
+        #: the original's outputs on the parity inputs by session level, as the net ran it
+        self.original_outputs: dict[str, dict] = {}
 
     def skip_for(self, rules: frozenset) -> frozenset:
         return self.cx.skip | {(r, n) for _, r, n in self.cx.applied if r in rules}
@@ -531,6 +537,7 @@ class _PerfNet:
         start = time.perf_counter()
         try:
             duel = perf.Duel(self.original, feeds, lambda m: session_config(tgt, m), self.base_dir)
+            self.original_outputs = duel.outputs
             net = perf.find_slow_rules(
                 self.rules,
                 lambda rules, s: duel.measure(self.build(rules)[0], s),

@@ -274,9 +274,12 @@ class Duel:
         margin: float = MARGIN,
     ) -> None:
         self.feeds, self.config, self.base_dir, self.margin = feeds, config, base_dir, margin
-        self.base = _Loaded(original, {"graph_optimization_level": BASELINE}, base_dir).runner(
-            feeds
-        )
+        loaded = _Loaded(original, {"graph_optimization_level": BASELINE}, base_dir)
+        self.base = loaded.runner(feeds)
+        names = [o.name for o in loaded.sess.get_outputs()]
+        #: the original's outputs on ``feeds`` by level (name → array): what a later check of
+        #: the bundle at that level compares with, without loading the original once more
+        self.outputs = {BASELINE: dict(zip(names, self.base()))}
 
     def measure(self, model: onnx.ModelProto, seconds: float) -> Timing:
         start = time.perf_counter()
