@@ -38,9 +38,9 @@ directory (so the whole bundle appears in one rename):
   onnxruntime at load, not parsed); the manifest's ``fast_path`` records what it was built
   for (onnxruntime version, CPU architecture and ``/proc/cpuinfo`` features, providers, level,
   disabled optimizers, session entries) and how it was checked (it reloads with optimizations
-  off and agrees with the portable model on the golden inputs), or why there is none
-  (onnxruntime could not save, reload or run it, external data, unknown CPU features); it is
-  checked on the golden inputs, or seeded random ones when parity did not run.
+  off and agrees with the portable model on the golden inputs, or on seeded random ones when
+  parity did not run), or why there is none (onnxruntime could not save, reload or run it,
+  external data, unknown CPU features).
 * the manifest's ``integrity``: per model file its size, the sha256 of every byte (taken once,
   here) and a fingerprint (sha256 of the size and sampled blocks, :func:`fingerprint`).
 
