@@ -10,8 +10,9 @@ optimized model's own greedy choice is compared with the original's.
 A decoder is recognized from its interface (:func:`decoder_interface`): an integer
 ``input_ids`` input, float inputs named ``past_key_values.N.key`` / ``.value`` (or ``past.N.*``,
 ``past_key.N`` / ``past_value.N``) whose ``past`` → ``present`` renamed outputs exist, and a
-``logits`` output (else the first output).  ``attention_mask`` (all ones over past + new) and
-``position_ids`` (the token's position) are fed when the model has them; cache tensors are
+``logits`` output (else the first output).  ``attention_mask`` (all ones over the cache's rows
+and the new tokens) and ``position_ids`` (the tokens' positions in the whole sequence) are fed
+when the model has them; cache tensors are
 (batch, kv_heads, past_sequence, head_dim) with static heads and head_dim.
 
 The result (:class:`GenerationResult`) says whether it ran (and why not), the largest logits
@@ -185,9 +186,10 @@ class _Decoder:
         """Run ``ids`` (batch, new) after the cache; keep the presents; return the logits."""
         spec, (batch, new) = self.spec, ids.shape
         feeds: dict[str, np.ndarray] = {spec.input_ids: ids.astype(spec.ids_dtype), **self.past}
-        if spec.attention_mask:
-            name, dtype = spec.attention_mask
-            feeds[name] = np.ones((batch, self.length + new), dtype)
+        if spec.attention_mask:  # over the cache's rows and the new tokens (a model may keep
+            name, dtype = spec.attention_mask  # fewer rows than tokens seen: a sliding window)
+            cached = next(iter(self.past.values())).shape[2]
+            feeds[name] = np.ones((batch, cached + new), dtype)
         if spec.position_ids:
             name, dtype = spec.position_ids
             pos = np.arange(self.length, self.length + new, dtype=dtype)

@@ -104,6 +104,80 @@ def tiny_decoder(
     return m
 
 
+def windowed_decoder(window: int) -> onnx.ModelProto:
+    """A decoder whose cache keeps the last ``window`` rows (a sliding-window cache) and whose
+    attention adds a bias from ``attention_mask``, which must cover the kept rows + new tokens."""
+    rng = np.random.default_rng(1)
+    f32 = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    n = helper.make_node
+    nodes = [
+        n("Gather", ["embed", "input_ids"], ["x"]),
+        n("MatMul", ["x", "wq"], ["q3"]),
+        n("MatMul", ["x", "wk"], ["k3"]),
+        n("MatMul", ["x", "wv"], ["v3"]),
+        n("Unsqueeze", ["q3", "ax_1"], ["q"]),
+        n("Unsqueeze", ["k3", "ax_1"], ["k"]),
+        n("Unsqueeze", ["v3", "ax_1"], ["v"]),
+        n("Concat", ["past_key_values.0.key", "k"], ["keys"], axis=2),
+        n("Concat", ["past_key_values.0.value", "v"], ["values"], axis=2),
+        n("Slice", ["keys", "last", "big", "ax_2"], ["present.0.key"]),
+        n("Slice", ["values", "last", "big", "ax_2"], ["present.0.value"]),
+        n("Transpose", ["keys"], ["keysT"], perm=[0, 1, 3, 2]),
+        n("MatMul", ["q", "keysT"], ["scores"]),
+        n("Cast", ["attention_mask"], ["maskf"], to=TensorProto.FLOAT),
+        n("Sub", ["maskf", "one_f"], ["off"]),
+        n("Mul", ["off", "big_f"], ["bias2"]),
+        n("Unsqueeze", ["bias2", "ax_12"], ["bias"]),
+        n("Add", ["scores", "bias"], ["biased"]),
+        n("Softmax", ["biased"], ["probs"], axis=-1),
+        n("MatMul", ["probs", "values"], ["ctx4"]),
+        n("Squeeze", ["ctx4", "ax_1"], ["ctx"]),
+        n("MatMul", ["ctx", "w_out"], ["logits"]),
+    ]
+    inits = [
+        const("embed", f32(V, E)),
+        const("wq", f32(E, E)),
+        const("wk", f32(E, E)),
+        const("wv", f32(E, E)),
+        const("w_out", f32(E, V)),
+        const("ax_1", [1], np.int64),
+        const("ax_2", [2], np.int64),
+        const("ax_12", [1, 2], np.int64),
+        const("last", [-window], np.int64),
+        const("big", [2**62], np.int64),
+        const("one_f", 1.0),
+        const("big_f", 1e9),
+    ]
+    cache = ["batch", 1, "past", E]
+    g = helper.make_graph(
+        nodes,
+        "windowed-decoder",
+        [
+            vi("input_ids", ["batch", "seq"], TensorProto.INT64),
+            vi("attention_mask", ["batch", "total"], TensorProto.INT64),
+            vi("past_key_values.0.key", cache),
+            vi("past_key_values.0.value", cache),
+        ],
+        [
+            vi("logits", ["batch", "seq", V]),
+            vi("present.0.key", ["batch", 1, "kept", E]),
+            vi("present.0.value", ["batch", 1, "kept", E]),
+        ],
+        inits,
+    )
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def test_mask_covers_the_rows_a_sliding_cache_keeps():
+    """The cache keeps 4 rows of 6 + 5 tokens: the mask is 4 + 1 long, not 11 + 1."""
+    m = windowed_decoder(window=4)
+    r = check_generation(m, m, prefill=6, steps=5)
+    assert r.ran and r.ok, r.why
+
+
 def test_interface_is_read_from_the_names():
     spec = decoder_interface(tiny_decoder())
     assert spec.cache["past_key_values.0.key"][0] == "present.0.key"
