@@ -25,7 +25,7 @@ directory (so the whole bundle appears in one rename):
   outputs on them (onnxruntime CPU, optimizations disabled).
 * ``memory_plan.json``: activation memory at the parity shapes, with and without buffer reuse
   (:mod:`graphopt.targets.memory`).
-* ``kernels/`` (models with ``graphopt.fused`` nodes, ``optimize --kernels``): the generated
+* ``kernels/`` (models with ``graphopt.fused`` nodes; generated kernels are on by default): the
   kernels' source, ABI header, ``build.sh``, the library built there, the build log and
   ``kernels.json`` (:mod:`graphopt.targets.codegen.library`); the manifest's ``kernels``
   section lists them with their gate numbers (cuda: ptxas resources, ``"device": "not-run"``),
