@@ -10,9 +10,11 @@ optimized model's own greedy choice is compared with the original's.
 A decoder is recognized from its interface (:func:`decoder_interface`): an integer
 ``input_ids`` input, float inputs named ``past_key_values.N.key`` / ``.value`` (or ``past.N.*``,
 ``past_key.N`` / ``past_value.N``) whose ``past`` → ``present`` renamed outputs exist, and a
-``logits`` output (else the first output).  ``attention_mask`` (all ones over the cache's rows
-and the new tokens) and ``position_ids`` (the tokens' positions in the whole sequence) are fed
-when the model has them; cache tensors are
+``logits`` output (else the first output).  ``attention_mask`` (all ones over every token
+seen, as transformers and onnxruntime's GroupQueryAttention take it; for a cache that keeps
+fewer rows, a sliding window, over its rows and the new tokens when the model refuses the
+former) and ``position_ids`` (the tokens' positions in the whole sequence) are fed when the
+model has them; cache tensors are
 (batch, kv_heads, past_sequence, head_dim) with static heads and head_dim.
 
 The result (:class:`GenerationResult`) says whether it ran (and why not), the largest logits
@@ -186,15 +188,24 @@ class _Decoder:
         """Run ``ids`` (batch, new) after the cache; keep the presents; return the logits."""
         spec, (batch, new) = self.spec, ids.shape
         feeds: dict[str, np.ndarray] = {spec.input_ids: ids.astype(spec.ids_dtype), **self.past}
-        if spec.attention_mask:  # over the cache's rows and the new tokens (a model may keep
-            name, dtype = spec.attention_mask  # fewer rows than tokens seen: a sliding window)
-            cached = next(iter(self.past.values())).shape[2]
-            feeds[name] = np.ones((batch, cached + new), dtype)
         if spec.position_ids:
             name, dtype = spec.position_ids
             pos = np.arange(self.length, self.length + new, dtype=dtype)
             feeds[name] = np.tile(pos, (batch, 1))
-        got = self.sess.run(self.outputs, feeds)
+        lengths = [self.length + new]  # the mask over every token seen ...
+        cached = next(iter(self.past.values())).shape[2]
+        if cached != self.length:  # ... or over the rows a sliding-window cache kept
+            lengths.append(cached + new)
+        for i, length in enumerate(lengths if spec.attention_mask else [0]):
+            if spec.attention_mask:
+                name, dtype = spec.attention_mask
+                feeds[name] = np.ones((batch, length), dtype)
+            try:
+                got = self.sess.run(self.outputs, feeds)
+                break
+            except Exception:  # noqa: BLE001 - onnxruntime raises many unrelated types
+                if i + 1 == len(lengths) or not spec.attention_mask:
+                    raise
         self.past = dict(zip(spec.cache, got[1:]))
         self.length += new
         return got[0]

@@ -172,7 +172,8 @@ def windowed_decoder(window: int) -> onnx.ModelProto:
 
 
 def test_mask_covers_the_rows_a_sliding_cache_keeps():
-    """The cache keeps 4 rows of 6 + 5 tokens: the mask is 4 + 1 long, not 11 + 1."""
+    """The cache keeps 4 rows of the 6 + 5 tokens and the model takes the mask over those rows
+    and the new token (4 + 1, where a full cache's model takes 11 + 1)."""
     m = windowed_decoder(window=4)
     r = check_generation(m, m, prefill=6, steps=5)
     assert r.ran and r.ok, r.why
