@@ -17,6 +17,7 @@ inside a folder being read or written.
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import json
 import math
 import os
@@ -272,16 +273,23 @@ def save_model(
 
 def write_model_files(
     model: onnx.ModelProto, path: Path, *, external: bool, base_dir: str | os.PathLike | None = None
-) -> None:
+) -> dict[str, str]:
     """Serialize into ``path`` (a fresh location); external data goes to ``<name>.data`` beside
     it.  Tensors still referenced from the input's external file (``base_dir``) are copied into
-    the new file in chunks, never loaded whole; the result references only its own file."""
+    the new file in chunks, never loaded whole; the result references only its own file.
+
+    Returns the sha256 of every file written (file name → hex digest), taken while writing:
+    nothing needs to read the files back to know it."""
+    hashes: dict[str, str] = {}
     if external:
         to_write = onnx.ModelProto()
         to_write.CopyFrom(model)
-        _stream_external(to_write, path, base_dir)
+        hashes[path.name + ".data"] = _stream_external(to_write, path, base_dir)
+        data = to_write.SerializeToString()
+        del to_write
         with open(path, "wb") as f:
-            f.write(to_write.SerializeToString())
+            f.write(data)
+        hashes[path.name] = hashlib.sha256(data).hexdigest()
     else:
         if has_external_data(model):
             model = _materialized(model, base_dir)
@@ -292,16 +300,35 @@ def write_model_files(
             )
         with open(path, "wb") as f:
             f.write(data)
+        hashes[path.name] = hashlib.sha256(data).hexdigest()
+    return hashes
+
+
+class _Hashing:
+    """A binary file being written and the sha256 of everything written to it."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.sha = f, hashlib.sha256()
+
+    def write(self, data: bytes) -> None:
+        self.f.write(data)
+        self.sha.update(data)
+
+    def tell(self) -> int:
+        return self.f.tell()
 
 
 ALIGN = 4096
 CHUNK = 16 << 20
 
 
-def _stream_external(model: onnx.ModelProto, path: Path, base_dir) -> None:
+def _stream_external(model: onnx.ModelProto, path: Path, base_dir) -> str:
+    """Move every large or external tensor into ``<name>.data``; its sha256."""
     data_name = path.name + ".data"
-    with open(path.with_name(data_name), "wb") as out:
+    with open(path.with_name(data_name), "wb") as sink:
+        out = _Hashing(sink)
         for tensor in _all_tensors(model):
+            raw = b""
             if external_data_helper.uses_external_data(tensor):
                 if base_dir is None:
                     raise ModelSaveError(
@@ -309,15 +336,17 @@ def _stream_external(model: onnx.ModelProto, path: Path, base_dir) -> None:
                         "the model's folder is unknown"
                     )
                 src, offset, length = external_region(tensor, base_dir)
-            elif tensor.HasField("raw_data") and len(tensor.raw_data) >= 1024:
-                src, offset, length = None, 0, len(tensor.raw_data)
+            elif tensor.HasField("raw_data") and tensor_nbytes(tensor) >= 1024:
+                raw = tensor.raw_data  # one copy out of the message, not one per use
+                src, offset, length = None, 0, len(raw)
             else:
                 continue
             pad = (-out.tell()) % ALIGN
             out.write(b"\0" * pad)
             start = out.tell()
             if src is None:
-                out.write(tensor.raw_data)
+                out.write(raw)
+                del raw
                 tensor.ClearField("raw_data")
             else:
                 with open(src, "rb") as f:
@@ -337,6 +366,7 @@ def _stream_external(model: onnx.ModelProto, path: Path, base_dir) -> None:
                 ("length", str(length)),
             ):
                 tensor.external_data.add(key=key, value=value)
+    return out.sha.hexdigest()
 
 
 def _materialized(model: onnx.ModelProto, base_dir) -> onnx.ModelProto:

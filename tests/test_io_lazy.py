@@ -39,3 +39,22 @@ def test_inline_weights_skip_the_mapping_walk(tmp_path, monkeypatch):
     m = load_model(tmp_path / "m.onnx", lazy_external=True)
     ir = ModelIR(m, tmp_path)
     assert ir.graph.tensors()["W"].values.shape == (64, 64)
+
+
+def test_files_are_hashed_while_written(tmp_path):
+    import hashlib
+
+    from graphopt.opt.io import write_model_files
+
+    for external in (False, True):
+        out = tmp_path / ("ext" if external else "inline")
+        out.mkdir()
+        hashes = write_model_files(small(), out / "model.onnx", external=external)
+        names = {"model.onnx", "model.onnx.data"} if external else {"model.onnx"}
+        assert set(hashes) == names == {p.name for p in out.iterdir()}
+        for name, digest in hashes.items():
+            assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest
+    # streamed again from the external file it now references: same weights, same data file
+    m = load_model(tmp_path / "ext" / "model.onnx", lazy_external=True)
+    again = write_model_files(m, tmp_path / "again.onnx", external=True, base_dir=tmp_path / "ext")
+    assert again["again.onnx.data"] == hashes["model.onnx.data"]
