@@ -61,6 +61,9 @@ class Report:
     rewrites: int = 0
     applied: list[tuple[int, str, str]] = field(default_factory=list)
     outputs: dict[str, str] = field(default_factory=dict)
+    #: the generation check of a decoder with a KV cache (:mod:`graphopt.opt.generation`), set
+    #: when the bundle is written; None for other models
+    generation: dict[str, Any] | None = None
     #: the run's clock: a caller that goes on (writing the bundle) times its phases on it and
     #: refreshes ``seconds`` from it; not part of report.json
     clock: Clock = field(default_factory=Clock, repr=False, compare=False)
@@ -101,6 +104,7 @@ class Report:
             "performance": self.performance,
             "seconds": self.seconds,
             "outputs": self.outputs,
+            "generation": self.generation,
         }
 
 

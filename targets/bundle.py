@@ -259,13 +259,11 @@ def write_bundle(
             files = write_bundle_files(
                 staging, model, report, progress=progress, fast_path=fast_path
             )
-            generation = report_generation(report, model)  # decoders with a KV cache
+            report.generation = report_generation(report, model)  # decoders with a KV cache
         report.seconds = report.clock.seconds()  # report.json: every phase up to here
         report.outputs = {k: str(dest / v) for k, v in files.items()}
         report.outputs["report"] = str(dest / "report.json")
-        doc = report.to_dict()
-        doc["generation"] = generation
-        (staging / "report.json").write_text(json.dumps(doc, indent=2, sort_keys=True))
+        (staging / "report.json").write_text(json.dumps(report.to_dict(), indent=2, sort_keys=True))
         check_output_dir(dest, BUNDLE_KIND, protected)  # again: minutes may have passed
         replace_dir(staging, dest)
     except OSError as e:
