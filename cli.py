@@ -351,7 +351,7 @@ def optimize(
                 "".join(json.dumps(r.to_dict(), sort_keys=True) + "\n" for r in report.remarks),
             )
         results = evaluate_expectations(expectations, report.ops_after)
-        payload = report.to_dict()
+        payload = _written_report(dest, report)
         if results:
             payload["expectations"] = [e.to_dict() for e in results]
         if junit:
@@ -375,6 +375,14 @@ def optimize(
         if code:
             err.print(f"error: {reason}", soft_wrap=True)
             raise typer.Exit(code)
+
+
+def _written_report(bundle: Path, report) -> dict:
+    """The report.json the bundle holds (the report and what the bundle phase added to it)."""
+    try:
+        return json.loads((bundle / "report.json").read_text())
+    except (OSError, ValueError):
+        return report.to_dict()
 
 
 def _resolve_expectations(expectations: list, report, target: str) -> list:
