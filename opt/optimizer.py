@@ -230,6 +230,7 @@ def optimize(
     )
     with clock.phase("parity"):
         parity, parity_f64 = _parities(model, optimized, check, reference, kw, base_dir, say)
+    _LOADED.clear()  # the validity check's session, when parity did not take it: its weights go
     why = _unmeasured(measure, check, tgt.name, parity)
     performance: dict[str, Any] = {"measured": False, "why": why}
     original_outputs: dict[str, dict] = {}

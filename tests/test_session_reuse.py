@@ -46,3 +46,10 @@ def test_the_bundle_reuses_the_original_outputs_of_the_performance_net(tmp_path,
     bundle.write_bundle(out, report, tmp_path / "c")
     assert (True, ort.GraphOptimizationLevel.ORT_ENABLE_ALL) in levels
     assert report.parity_deployed.ok
+
+
+def test_the_validity_session_is_dropped_when_parity_does_not_take_it():
+    from graphopt.opt import optimizer
+
+    graphopt.optimize(small(), check=False)
+    assert not optimizer._LOADED  # an output's weights are not held through the bundle
