@@ -249,7 +249,7 @@ def write_bundle(
         raise ModelSaveError(f"cannot write to {dest.parent}: {e.strerror or e}") from None
     try:
         with report.clock.phase("write"):
-            write_model_files(
+            written = write_model_files(
                 model,
                 staging / "model.onnx",
                 external=needs_external_data(model),
@@ -257,7 +257,7 @@ def write_bundle(
             )
         with report.clock.phase("bundle"):
             files = write_bundle_files(
-                staging, model, report, progress=progress, fast_path=fast_path
+                staging, model, report, progress=progress, fast_path=fast_path, sha256=written
             )
             report.generation = report_generation(report, model)  # decoders with a KV cache
         report.seconds = report.clock.seconds()  # report.json: every phase up to here
@@ -287,10 +287,12 @@ def write_bundle_files(
     report,
     progress=None,
     fast_path: bool | None = None,
+    sha256: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """Write manifest, session config, golden files, memory plan and (cpu by default) the
     machine-specific fast path into ``out_dir`` (where model.onnx already is).  Returns {kind:
-    file name relative to the bundle}.  ``progress(msg)`` is told each phase."""
+    file name relative to the bundle}.  ``progress(msg)`` is told each phase; ``sha256``: the
+    model files' digests taken while writing them (else they are read back)."""
     say = progress or (lambda _msg: None)
     target = get_target(report.target)
     ctx = report.bundle_context or {}
@@ -349,7 +351,7 @@ def write_bundle_files(
         "model": "model.onnx",
         "external_data": (data := sorted(p.name for p in out_dir.glob("model.onnx.data*"))),
         # the full hashes are taken here, once; load_session checks sizes and fingerprints
-        "integrity": _integrity(out_dir, ["model.onnx", *data]),
+        "integrity": _integrity(out_dir, ["model.onnx", *data], sha256),
         "source_model": report.model,
         "source_model_sha256": _sha256(Path(report.model))
         if Path(report.model).is_file()
@@ -484,12 +486,13 @@ FINGERPRINT_TEXT = (
 )
 
 
-def _integrity(out_dir: Path, names: list[str]) -> dict[str, Any]:
-    """Per model file: size, full sha256 (taken once, here) and the load-time fingerprint."""
+def _integrity(out_dir: Path, names: list[str], known: dict | None = None) -> dict[str, Any]:
+    """Per model file: size, full sha256 (taken once: ``known`` digests from writing, else
+    read here) and the load-time fingerprint."""
     files = {
         name: {
             "size": (out_dir / name).stat().st_size,
-            "sha256": _sha256(out_dir / name),
+            "sha256": (known or {}).get(name) or _sha256(out_dir / name),
             "fingerprint": fingerprint(out_dir / name),
         }
         for name in names
