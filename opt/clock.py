@@ -4,16 +4,19 @@ A :class:`Clock` charges every instant between its start and now to exactly one 
 open at that instant, or ``other`` when none is.  A phase opened inside another is charged to
 the outer one (re-running the pipeline inside the validity check is validity time).  With
 :meth:`Clock.since_process_start` the interpreter's start-up and imports before the clock
-existed are the ``startup`` phase.  :meth:`Clock.seconds` gives every phase, ``other`` and
-``total``; the phases and ``other`` sum to ``total`` up to rounding.
+existed are the ``startup`` phase (when the process is the graphopt command).
+:meth:`Clock.seconds` gives every phase, ``other`` and ``total``; the phases and ``other`` sum
+to ``total`` up to rounding.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 #: the phases in the order a run goes through them (others are listed after these)
 ORDER = (
@@ -57,8 +60,13 @@ class Clock:
 
     @classmethod
     def since_process_start(cls) -> Clock:
-        """A clock whose ``startup`` phase is the process's life before this call."""
-        return cls(startup=process_age())
+        """A clock whose ``startup`` phase is the process's life before this call, when the
+        process is the graphopt command itself (the ``graphopt`` script, ``python -m
+        graphopt.cli``, ``python -c``); a longer-lived host (a test runner, a notebook) calling
+        the command in-process gets no ``startup``: its age is not part of this command's wait."""
+        command = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+        own = command in ("graphopt", "cli.py", "-c")
+        return cls(startup=process_age() if own else None)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
