@@ -148,35 +148,40 @@ class Dims:
                 r = rank(ins[0])
                 return self.key(ins[0], r - 1 - axis) if r is not None else own
             return self.key(ins[0], int(perm[axis]))
-        if op == "Reshape":
-            elems = shape_elements(ins[1], self)
-            if elems is None or axis >= len(elems):
-                return own
-            e = elems[axis]
-            if e == ("int", 0) and not node.attrs.get("allowzero", 0):
-                return self.key(ins[0], axis)
-            return own if e == ("int", -1) else e
-        if op == "Split":
-            s = int(node.attrs.get("axis", 0))
-            r = rank(ins[0])
-            if r is not None and s < 0:
-                s += r
-            return self.key(ins[0], axis) if axis != s else own
-        if op == "Gather":
-            g = int(node.attrs.get("axis", 0))
-            r_idx = rank(ins[1])
-            if r_idx is None:
-                return own
-            if g < 0 and rank(ins[0]) is not None:
-                g += rank(ins[0])
-            if axis < g:
-                return self.key(ins[0], axis)
-            if axis < g + r_idx:
-                return self.key(ins[1], axis - g)
-            return self.key(ins[0], axis - r_idx + 1)
+        if op in ("Reshape", "Split", "Gather"):
+            return getattr(self, f"_{op.lower()}")(node, ins, axis, own)
         if op == "MultiHeadAttention" and norm_domain(node.domain) == MS and axis < 2:
             return self.key(ins[0], axis)
         return own
+
+    def _reshape(self, node, ins, axis: int, own: Key) -> Key:
+        elems = shape_elements(ins[1], self)
+        if elems is None or axis >= len(elems):
+            return own
+        e = elems[axis]
+        if e == ("int", 0) and not node.attrs.get("allowzero", 0):
+            return self.key(ins[0], axis)
+        return own if e == ("int", -1) else e
+
+    def _split(self, node, ins, axis: int, own: Key) -> Key:
+        s = int(node.attrs.get("axis", 0))
+        r = rank(ins[0])
+        if r is not None and s < 0:
+            s += r
+        return self.key(ins[0], axis) if axis != s else own
+
+    def _gather(self, node, ins, axis: int, own: Key) -> Key:
+        g = int(node.attrs.get("axis", 0))
+        r_idx = rank(ins[1])
+        if r_idx is None:
+            return own
+        if g < 0 and rank(ins[0]) is not None:
+            g += rank(ins[0])
+        if axis < g:
+            return self.key(ins[0], axis)
+        if axis < g + r_idx:
+            return self.key(ins[1], axis - g)
+        return self.key(ins[0], axis - r_idx + 1)
 
     def _broadcast(self, t, axis, nd, operands) -> Key:
         own = ("dim", t.name, axis)
