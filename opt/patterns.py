@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from .domains import in_domains, norm_domain
+from .domains import norm_domain
 from .ir import Constant, Node, Tensor, Variable, constant_value, dtype_of
 
 #: most inputs ``commute=True`` permutes (4! orderings)
@@ -77,12 +77,14 @@ class Const(Pattern):
         v = constant_value(t, VALUE_LIMIT)
         if v is None or v.size == 0 or v.dtype.kind not in "fiub" or (self.scalar and v.size != 1):
             return False
-        if self.value is None:
-            return True
-        return bool(np.all(np.abs(v.astype(np.float64) - self.value) <= self.rel * abs(self.value)))
+        return self.value is None or (self._near(v.flat[0]) and self._near(v))
 
-
-AttrTest = Callable[[Any], bool]
+    def _near(self, v: Any) -> bool:
+        if self.rel == 0:
+            return bool(np.all(v == self.value))
+        return bool(
+            np.all(np.abs(np.asarray(v, np.float64) - self.value) <= self.rel * abs(self.value))
+        )
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,10 @@ class Op(Pattern):
         set_(self, "commute", commute)
         set_(self, "extra_inputs", extra_inputs)
         set_(self, "attrs", attrs)
+        set_(self, "_orders", tuple(_orders(ins, commute)))
+        set_(self, "_ops", frozenset(self.ops))
+        domains = (domain,) if isinstance(domain, str) else domain
+        set_(self, "_domains", frozenset(norm_domain(d) for d in domains))
 
     @property
     def ops(self) -> tuple[str, ...]:
@@ -182,14 +188,13 @@ def _match_tensor(p: Pattern, tensor: Tensor | None, b: dict) -> Iterator[dict]:
     if not isinstance(tensor, Variable) or not tensor.inputs:
         return
     node = tensor.inputs[0]
-    if node.outputs[0] is not tensor:
+    if node.outputs[0] is not tensor or (isinstance(p, Op) and node.op not in p._ops):
         return
     yield from match(p, node, b)
 
 
 def _match_node(p: Op, node: Node, b: dict) -> Iterator[dict]:
-    domains = (p.domain,) if isinstance(p.domain, str) else p.domain
-    if node.op not in p.ops or not in_domains(node.domain, *domains):
+    if node.op not in p._ops or norm_domain(node.domain) not in p._domains:
         return
     if b.get(p.name, node) is not node or not _attrs_ok(p, node):
         return
@@ -203,17 +208,17 @@ def _match_node(p: Op, node: Node, b: dict) -> Iterator[dict]:
     b = {**b, p.name: node}
     if p.out:
         b[p.out] = node.outputs[0]
-    for order in _orders(p):
+    for order in p._orders:
         yield from _match_list(order, inputs, b)
 
 
-def _orders(p: Op) -> Iterator[list[Pattern]]:
+def _orders(pats: tuple[Pattern, ...], commute: bool | tuple[int, ...]) -> Iterator[list]:
     """The input patterns in each ordering ``commute`` allows, the written one first."""
-    pats = list(p.inputs)
-    if not p.commute:
+    pats = list(pats)
+    if not commute:
         yield pats
         return
-    where = range(len(pats)) if p.commute is True else p.commute
+    where = range(len(pats)) if commute is True else commute
     where = [i for i in where if i < len(pats)]
     for perm in itertools.permutations(where):
         order = list(pats)
