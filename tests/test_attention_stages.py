@@ -125,11 +125,13 @@ def test_kv_cache_present_outputs_keep_their_names():
 
 def test_cross_attention_key_split_with_the_querys_batch():
     """Whisper/BART cross-attention: the encoder states are split with the decoder's batch,
-    ``[Shape(x)[0], -1, N, H]``, which cannot be proven to be the encoder's own."""
+    ``[Shape(r)[0], -1, N, H]`` (``r`` the residual stream the query is computed from), which
+    cannot be proven to be the encoder's own."""
     rng = np.random.default_rng(4)
     inits = base_inits() + [const("tail", [-1, N, H], np.int64)]
     nodes = [
-        mk("Shape", ["x"], ["xb"], start=0, end=1),
+        mk("Add", ["r", "h"], ["x"]),
+        mk("Shape", ["r"], ["xb"], start=0, end=1),
         mk("Concat", ["xb", "tail"], ["cross_heads"], axis=0),
     ]
     nodes += project(rng, "q", "x", inits)
@@ -138,9 +140,12 @@ def test_cross_attention_key_split_with_the_querys_batch():
     nodes.append(mk("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]))
     nodes += core("", "q", "kt", "v", [], inits)
     nodes.append(mk("Reshape", ["ctxT", "merge"], ["y"]))
-    inputs = [vi("x", ["batch", "seq", D]), vi("enc", ["enc_batch", "enc_seq", D])]
-    feeds = {"x": np.ones((2, 3, D), np.float32), "enc": np.ones((2, 7, D), np.float32) * 0.5}
-    feeds["enc"] += np.random.default_rng(5).standard_normal((2, 7, D)).astype(np.float32)
+    inputs = [vi(n, [f"{n}_batch", "seq", D]) for n in ("r", "h")]
+    inputs.append(vi("enc", ["enc_batch", "enc_seq", D]))
+    feeds = {
+        n: np.random.default_rng(i).standard_normal(shape).astype(np.float32)
+        for i, (n, shape) in enumerate((("r", (2, 3, D)), ("h", (2, 3, D)), ("enc", (2, 7, D))))
+    }
     out, report = assert_optimized(finish(nodes, inputs, [vi("y", None)], inits), inputs=feeds)
     assert mha_count(out) == 1, codes(report, RULE)
 

@@ -137,10 +137,13 @@ def _k_through_3d(t: Tensor | None) -> list[Node]:
 
 
 # ------------------------------------------------------------------------- head count
-def head_count(split: HeadSplit, dims: Dims, batch: Key | None = None) -> tuple[int, int] | str:
-    """(N, H) of a head split, or why they cannot be determined.  ``batch``: the query's batch,
-    which a key or value split may name for its own (cross-attention: ``[B_q, -1, N, H]``; were
-    the batches different, the kernel would refuse the inputs at run time)."""
+def head_count(
+    split: HeadSplit, dims: Dims, batch: set[Key] | None = None
+) -> tuple[int, int] | str:
+    """(N, H) of a head split, or why they cannot be determined.  ``batch``: the query's batch
+    (:func:`batch_keys`), which a key or value split may name for its own (cross-attention:
+    ``[B_q, -1, N, H]``; were the batches different, the kernel would refuse the inputs at run
+    time)."""
     if split.layout == "packed":
         return _heads_packed(split.reshape, split.x, dims)
     if split.layout == "sbd":
@@ -174,7 +177,7 @@ def _resolve(n: Key, h: Key, width: int | None, groups: int = 1) -> tuple[int | 
 
 
 def _heads_bsd(
-    reshape: Node, x: Tensor, dims: Dims, batch: Key | None = None
+    reshape: Node, x: Tensor, dims: Dims, batch: set[Key] | None = None
 ) -> tuple[int, int] | str:
     """(N, H) of ``Reshape(x [B,S,D], [B,S,N,H])``, or why not."""
     target = inputs(reshape)[1]
@@ -195,14 +198,14 @@ def _heads_bsd(
 
 
 def _keeps_batch_seq(
-    reshape: Node, elems: list[Key], x: Tensor, dims: Dims, batch: Key | None = None
+    reshape: Node, elems: list[Key], x: Tensor, dims: Dims, batch: set[Key] | None = None
 ) -> bool:
     copy = _copy_key(reshape)
     seq = dims.key(x, 1)
     s_ok = elems[1] in (*copy, seq, ("int", -1))
     b_ok = (
         elems[0] in (*copy, dims.key(x, 0))
-        or (batch is not None and elems[0] == batch and elems[1] == ("int", -1))
+        or (batch is not None and elems[0] in batch and elems[1] == ("int", -1))
         or (  # dynamo writes [-1, S, N, H]
             elems[0] == ("int", -1)
             and elems[1] in (*copy, seq)
@@ -250,6 +253,35 @@ def _heads_sbd(split: Node, merge: Node, x: Tensor, dims: Dims) -> tuple[int, in
     if eb[2] != seq or eb[0] not in (("int", -1), batch):
         return f"the reshape target {eb} does not unfold batch × heads"
     return n[1], h[1]
+
+
+_SAME_ROWS = (
+    "Add",
+    "Sub",
+    "Mul",
+    "Div",
+    "MatMul",
+    "Cast",
+    "LayerNormalization",
+    "SimplifiedLayerNormalization",
+    "SkipLayerNormalization",
+    "SkipSimplifiedLayerNormalization",
+)
+
+
+def batch_keys(t: Tensor, dims: Dims, depth: int = 8) -> set[Key]:
+    """The batch (axis 0) of ``t`` and of the tensors of its residual stream: ``t`` is computed
+    from them by linear layers, norms and same-rank element-wise ops (a residual Add is assumed
+    not to broadcast over the batch: no exporter writes one that does)."""
+    keys = {dims.key(t, 0)}
+    node = producer(t, _SAME_ROWS)
+    if node is None or depth == 0:
+        return keys
+    ins = [i for i in inputs(node)[: 1 if node.op == "MatMul" else 2] if i is not None]
+    for i in ins:
+        if rank(i) == rank(t):
+            keys |= batch_keys(i, dims, depth - 1)
+    return keys
 
 
 def source_axis(layout: str, which: str) -> int:

@@ -26,6 +26,7 @@ from .heads import (
     PERM_BNSH,
     HeadSplit,
     already_split,
+    batch_keys,
     head_count,
     source_axis,
     split_heads,
@@ -229,7 +230,7 @@ class FuseMultiHeadAttention(Rule):
             )
 
     def _check_heads(self, a: Attention, dims: Dims) -> None:
-        batch = dims.key(a.q.x, a.axis("q", "batch"))
+        batch = batch_keys(a.q.x, dims) if a.q.layout == "bsd" else None
         heads = [head_count(s, dims, batch if s is not a.q else None) for s in (a.q, a.k, a.v)]
         bad = [(h, s) for h, s in zip(heads, (a.q, a.k, a.v)) if isinstance(h, str)]
         if bad:
