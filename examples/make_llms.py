@@ -362,7 +362,7 @@ def export_family(fam: Family, out: str, exporters: list[str]) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True, help="folder for NAME.onnx and NAME.json")
+    ap.add_argument("--out", help="folder for NAME.onnx and NAME.json (required unless --list)")
     ap.add_argument("--only", default="", help="comma-separated families (default: all)")
     ap.add_argument(
         "--exporters",
@@ -375,6 +375,8 @@ def main() -> int:
         for fam in FAMILIES:
             print(f"{fam.name:8s} {fam.note}")
         return 0
+    if not args.out:
+        ap.error("--out is required")
     wanted = [s for s in args.only.split(",") if s]
     unknown = sorted(set(wanted) - {f.name for f in FAMILIES})
     if unknown:
