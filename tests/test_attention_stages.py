@@ -4,6 +4,7 @@ outputs, cross-attention whose key split names the query's batch, several additi
 and one mask shared by every layer; misses name their stage and tensor."""
 
 import numpy as np
+import pytest
 from onnx import TensorProto, helper
 
 from conftest import assert_optimized, codes, const, model, run, vi
@@ -90,7 +91,31 @@ def test_merged_heads_read_by_two_reshapes_fuse():
     assert codes(report, RULE) == []
 
 
-def test_kv_cache_present_outputs_keep_their_names():
+def k_transposed(k: str, form: str, inits: list) -> list:
+    """``kt`` = Kᵀ of the [B,N,T,H] tensor ``k``: one Transpose, or the dynamo exporter's 3-D
+    transpose with targets built from Shape(k)."""
+    if form == "transpose":
+        return [mk("Transpose", [k], ["kt"], perm=[0, 1, 3, 2])]
+    inits += [
+        const("km1", [-1], np.int64),
+        const("k_2", [-2], np.int64),
+        const("kmin", [np.iinfo(np.int64).min], np.int64),
+        const("kh", [H], np.int64),
+    ]
+    return [
+        mk("Shape", [k], ["ks"], start=0),
+        mk("Slice", ["ks", "k_2", "km1"], ["kslen"]),
+        mk("Slice", ["ks", "kmin", "k_2"], ["kbn"]),
+        mk("Concat", ["km1", "kslen", "kh"], ["k3"], axis=0),
+        mk("Concat", ["kbn", "kh", "kslen"], ["k4t"], axis=0),
+        mk("Reshape", [k, "k3"], ["K3"], allowzero=1),
+        mk("Transpose", ["K3"], ["K3T"], perm=[0, 2, 1]),
+        mk("Reshape", ["K3T", "k4t"], ["kt"], allowzero=1),
+    ]
+
+
+@pytest.mark.parametrize("k_form", ["transpose", "dynamo"])
+def test_kv_cache_present_outputs_keep_their_names(k_form):
     """GPT-2 / Whisper decoder steps: K and V are Concat(past, new) along the sequence and are
     graph outputs (present.*); the kernel reads them as [B,N,T,H] and the Concats stay."""
     rng = np.random.default_rng(1)
@@ -100,8 +125,8 @@ def test_kv_cache_present_outputs_keep_their_names():
     nodes += [
         mk("Concat", ["past_key", "kn"], ["present_key"], axis=-2),
         mk("Concat", ["past_value", "vn"], ["present_value"], axis=2),
-        mk("Transpose", ["present_key"], ["kt"], perm=[0, 1, 3, 2]),
     ]
+    nodes += k_transposed("present_key", k_form, inits)
     nodes += core("", "q", "kt", "present_value", ["mask_bias"], inits)
     nodes.append(mk("Reshape", ["ctxT", "merge"], ["y"]))
     inputs = [

@@ -58,7 +58,10 @@ def split_heads(t: Tensor | None, perm: tuple[int, ...]) -> HeadSplit | None:
     if tr is None and perm == PERM_BNHS:  # K as (0,2,1,3) then (0,1,3,2), or dynamo's 3-D Kᵀ
         outer = transpose_of(t, _SWAP_LAST)
         inner = transpose_of(inputs(outer)[0], PERM_BNSH) if outer is not None else None
-        chain = [outer, inner] if inner is not None else _k_through_3d(t)
+        chain = [outer, inner] if inner is not None else []
+        three_d = _k_through_3d(t) if inner is None else None
+        if three_d is not None and transpose_of(three_d[1], PERM_BNSH) is not None:
+            chain = three_d[0] + [transpose_of(three_d[1], PERM_BNSH)]
         tr = chain[-1] if chain else None
     if tr is None:
         return _split_sbd(t, perm) or _split_packed(t, perm)
@@ -68,11 +71,13 @@ def split_heads(t: Tensor | None, perm: tuple[int, ...]) -> HeadSplit | None:
     return HeadSplit(inputs(rs)[0], rs, "bsd", chain)
 
 
-def already_split(t: Tensor | None, perm: tuple[int, ...]) -> HeadSplit | None:
+def already_split(t_in: Tensor | None, perm: tuple[int, ...]) -> HeadSplit | None:
     """K or V given as [B,N,T,H] (a KV cache: ``Concat(past, new)``, also a graph output, or a
-    cache input used as it is): V itself, Kᵀ as ``Transpose(K, (0,1,3,2))``.  The kernel takes
-    such a key and value as they are."""
-    t, chain = _untranspose_k(t, perm)
+    cache input used as it is): V itself, Kᵀ as ``Transpose(K, (0,1,3,2))`` or dynamo's 3-D
+    transpose.  The kernel takes such a key and value as they are."""
+    t, chain = _untranspose_k(t_in, perm)
+    if t is None and perm == PERM_BNHS and (three_d := _k_through_3d(t_in)) is not None:
+        chain, t = three_d
     if t is None or rank(t) != 4:
         return None
     return HeadSplit(t, None, "bnsh", chain)
@@ -111,29 +116,29 @@ def _split_sbd(t: Tensor | None, perm: tuple[int, ...]) -> HeadSplit | None:
     return HeadSplit(inputs(rs)[0], rs, "sbd", chain + [merge, tr], merge=merge)
 
 
-def _k_through_3d(t: Tensor | None) -> list[Node]:
+def _k_through_3d(t: Tensor | None) -> tuple[list[Node], Tensor] | None:
     """Kᵀ as the dynamo exporter writes it: ``Reshape(Transpose(Reshape(y, [-1,T,H]), (0,2,1)),
-    [B,N,H,T])`` with ``y`` = [B,N,T,H]; the nodes (ending with the Transpose that makes ``y``)
-    when both targets provably have those elements, else []."""
+    [B,N,H,T])`` with ``y`` = [B,N,T,H]: (the three nodes, consumers first; ``y``) when both
+    targets provably have those elements, else None."""
     outer = producer(t, "Reshape")
     flip = transpose_of(inputs(outer)[0], (0, 2, 1)) if outer is not None else None
     inner = producer(inputs(flip)[0], "Reshape") if flip is not None else None
-    base = transpose_of(inputs(inner)[0], PERM_BNSH) if inner is not None else None
-    if base is None:
-        return []
+    y = inputs(inner)[0] if inner is not None else None
+    if y is None or rank(y) not in (None, 4):
+        return None
     dims = Dims()
-    k = [dims.key(base.outputs[0], i) for i in range(4)]
+    k = [dims.key(y, i) for i in range(4)]
     ie = shape_elements(inputs(inner)[1], dims)
     oe = shape_elements(inputs(outer)[1], dims)
     if ie is None or oe is None or len(ie) != 3 or len(oe) != 4:
-        return []
+        return None
     if ie != [("int", -1), k[2], k[3]]:
-        return []
+        return None
     want = [k[0], k[1], k[3], k[2]]
     free = [i for i, e in enumerate(oe) if e == ("int", -1)]
     if len(free) > 1 or any(e != w for i, (e, w) in enumerate(zip(oe, want)) if i not in free):
-        return []
-    return [outer, flip, inner, base]
+        return None
+    return [outer, flip, inner], y
 
 
 # ------------------------------------------------------------------------- head count
@@ -278,8 +283,8 @@ def batch_keys(t: Tensor, dims: Dims, depth: int = 8) -> set[Key]:
     if node is None or depth == 0:
         return keys
     ins = [i for i in inputs(node)[: 1 if node.op == "MatMul" else 2] if i is not None]
-    for i in ins:
-        if rank(i) == rank(t):
+    for i in ins:  # a rewrite's result may not know its rank yet; a bias vector is not a row
+        if rank(i) not in (0, 1) and (rank(i) == rank(t) or None in (rank(i), rank(t))):
             keys |= batch_keys(i, dims, depth - 1)
     return keys
 
