@@ -39,7 +39,7 @@ def attention(
     softmax_axis=-1,
     layout="bsd",
 ):
-    """One self-attention block as the PyTorch exporters write it (see rules/attention.py).
+    """One self-attention block as the PyTorch exporters write it (see rules/attention/).
 
     ``layout="sbd"`` is torch.nn.MultiheadAttention's sequence-first spelling (x is [S,B,D]);
     ``layout="packed"`` timm/Swin's one projection reshaped to [B,S,3,N,H] and unbound;
