@@ -114,10 +114,8 @@ def k_transposed(k: str, form: str, inits: list) -> list:
     ]
 
 
-@pytest.mark.parametrize("k_form", ["transpose", "dynamo"])
-def test_kv_cache_present_outputs_keep_their_names(k_form):
-    """GPT-2 / Whisper decoder steps: K and V are Concat(past, new) along the sequence and are
-    graph outputs (present.*); the kernel reads them as [B,N,T,H] and the Concats stay."""
+def kv_cache(k_form: str = "transpose"):
+    """A decoder step: K and V are Concat(past, new) along the sequence and graph outputs."""
     rng = np.random.default_rng(1)
     inits = base_inits()
     nodes = project(rng, "q", "x", inits) + project(rng, "kn", "x", inits)
@@ -136,16 +134,31 @@ def test_kv_cache_present_outputs_keep_their_names(k_form):
         vi("mask_bias", ["batch", 1, "seq", "total"]),
     ]
     outputs = [vi("y", None), vi("present_key", None), vi("present_value", None)]
+    return finish(nodes, inputs, outputs, inits)
+
+
+@pytest.mark.parametrize("k_form", ["transpose", "dynamo"])
+def test_kv_cache_present_outputs_keep_their_names(k_form):
+    """GPT-2 / Whisper decoder steps: the present.* outputs are K and V; the kernel reads them
+    as [B,N,T,H] and the Concats stay."""
     shapes = {"x": (2, 3, D), "past_key": (2, N, 5, H), "past_value": (2, N, 5, H)}
     feeds = {
         k: np.random.default_rng(2).standard_normal(s).astype(np.float32) for k, s in shapes.items()
     }
     feeds["mask_bias"] = np.where(np.random.default_rng(3).random((2, 1, 3, 8)) < 0.3, -1e4, 0.0)
     feeds["mask_bias"] = feeds["mask_bias"].astype(np.float32)
-    out, report = assert_optimized(finish(nodes, inputs, outputs, inits), inputs=feeds)
+    out, report = assert_optimized(kv_cache(k_form), inputs=feeds)
     assert mha_count(out) == 1 and op_histogram(out.graph.node)["Concat"] >= 2
     mha = next(n for n in out.graph.node if n.op_type == "MultiHeadAttention")
     assert list(mha.input[1:3]) == ["present_key", "present_value"]
+
+
+def test_kv_cache_without_multiheadattention_is_refused_in_stage_3():
+    """The ONNX Attention op (TensorRT's table) takes 3-D q/k/v here: a per-head key stays."""
+    _, report = run(kv_cache(), target="tensorrt", opset=23)
+    missed = [r for r in report.remarks if r.rule == RULE and r.kind == "missed"]
+    assert [r.code for r in missed] == ["no-kernel"]
+    assert missed[0].args["stage"] == "3 (lower)" and missed[0].args["tensor"] == "present_key"
 
 
 def test_cross_attention_key_split_with_the_querys_batch():
