@@ -8,10 +8,13 @@ its MatMuls), in three stages, each a module with typed results:
    Swin's window regroup, ``Softmax`` (with the ``Where(IsNaN(P), 0, P)`` guard of SDPA
    exports), ``MatMul(P, V)`` [→ a Reshape to itself].
 2. lift (:mod:`.heads`, :mod:`.masks`): how q/k/v ``[B,S,D]`` are split into heads
-   (batch-first, sequence-first, one packed projection, dynamo's 3-D Kᵀ) and ``num_heads``/head
-   size from the Reshape targets (constants or shape glue, resolved symbolically with
-   :mod:`graphopt.opt.dims`); the additive terms (padding, causal, relative position bias — a
-   tensor shared by every layer is an input of each fusion) and the Where mask summed into
+   (batch-first, sequence-first, one packed projection, dynamo's 3-D Kᵀ; a cross-attention
+   key split may name the query's batch) and ``num_heads``/head size from the Reshape targets
+   (constants or shape glue, resolved symbolically with :mod:`graphopt.opt.dims`); a key and
+   value already per head ``[B,N,T,H]`` (a KV cache's ``Concat(past, new)``, which stays as the
+   ``present`` output) go to the kernel as they are; the additive terms (padding, causal,
+   relative position bias — a tensor shared by every layer is an input of each fusion) and
+   the Where mask summed into
    ``attention_bias`` ``[B|1, N|1, S, T]``, expanded to ``[1,1,S,T]`` at run time where its last
    two dims are not provably S and T (one Expand shared by layers with provably the same ones);
    Swin's per-window mask tiled over the images; q/k/v bias Adds with constant vectors moved
