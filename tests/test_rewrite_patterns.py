@@ -231,3 +231,23 @@ def test_a_miss_at_a_node_a_fusion_absorbed_is_dropped_whichever_came_first(miss
     for r in (miss, took) if miss_first else (took, miss):
         log.add(r)
     assert [r.rule for r in log.final()] == ["test-fused"]
+
+
+def test_one_domain_normalization():
+    from graphopt.opt.domains import MS, in_domains, is_default, norm_domain, same_domain
+
+    assert [norm_domain(d) for d in (None, "", "ai.onnx", MS)] == ["", "", "", MS]
+    assert is_default("ai.onnx") and not is_default(MS)
+    assert same_domain(None, "ai.onnx") and not same_domain("", MS)
+    assert in_domains("ai.onnx", "", MS) and not in_domains("custom", "", MS)
+
+
+def test_an_op_pattern_may_name_several_domains():
+    nodes = [helper.make_node("Gelu", ["x"], ["y"], name="g", domain="com.microsoft")]
+    g = helper.make_graph(nodes, "t", [vi("x", [2])], [vi("y", [2])])
+    m = helper.make_model(
+        g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    )
+    node = ModelIR(m).graph.nodes[0]
+    assert list(match(Op("Gelu", "x", domain=("", "com.microsoft")), node))
+    assert not list(match(Op("Gelu", "x"), node))
