@@ -170,7 +170,7 @@ def find_slow_rules(
             t = measure(frozenset(reverted) | frozenset(live[mid:]), share)
             out.measurements += 1
             steps = max(1, steps - 1)
-            if t.ratio > 1.0 + margin:
+            if t.ratio > _midway(cur.ratio, margin):
                 hi = mid
             else:
                 lo = mid + 1
@@ -180,7 +180,7 @@ def find_slow_rules(
         culprit = live[lo - 1]
         t = measure(frozenset(reverted) | {culprit}, max(0.0, deadline - clock()) / 2)
         out.measurements += 1
-        if t.ratio > cur.ratio - margin / 2:
+        if t.ratio > cur.ratio - margin / 2 or t.high >= cur.low:  # faster beyond noise only
             out.stopped = f"reverting {culprit} did not make it faster ({t.ratio:.3f})"
             break
         reverted.append(culprit)
@@ -188,6 +188,13 @@ def find_slow_rules(
         cur = out.final = t
     out.seconds = clock() - (deadline - budget_s)
     return out
+
+
+def _midway(slow: float, margin: float) -> float:
+    """Bisection threshold: a measurement counts as still slow above the midpoint between 1 and
+    the slow ratio (never below ``1 + margin``), so noise on a tiny model cannot pass for the
+    slowdown when the slowdown is large."""
+    return max(1.0 + margin, (1.0 + slow) / 2)
 
 
 # ----------------------------------------------------------------------------- measuring

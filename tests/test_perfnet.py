@@ -81,7 +81,7 @@ def test_one_slow_rule_found_by_bisection():
 def test_two_slow_rules_reverted_in_turn():
     fake = Fake({"a": 0.0, "b": 0.1, "c": -0.02, "d": 0.1, "e": 0.0})
     net = fake.search()
-    assert [r for r, _ in net.reverted] == ["b", "d"]
+    assert sorted(r for r, _ in net.reverted) == ["b", "d"]
     assert net.final.ratio == pytest.approx(0.98)
 
 
@@ -99,6 +99,30 @@ def test_budget_bounds_the_search():
     assert net.reverted == [] and "budget" in net.stopped
     assert len(fake.calls) <= 4  # the measurement under way finishes, nothing after
     assert net.seconds <= 4.0
+
+
+def test_a_revert_within_noise_is_not_kept():
+    """Reverting the bisection's culprit must be faster beyond both intervals, or it stays."""
+
+    class Noisy(Fake):
+        def measure(self, reverted, share):
+            t = super().measure(reverted, share)
+            return Timing(t.ratio, t.ratio - 0.5, t.ratio + 0.5, 20, 0.1) if reverted else t
+
+    net = Noisy({"a": 0.2, "b": 0.2}).search()
+    assert net.reverted == [] and "did not make it faster" in net.stopped
+
+
+def test_bisection_is_not_fooled_by_a_little_noise():
+    """A 1.05 reading with the slowdown already reverted is noise when the model ran 3x slower."""
+
+    class Noisy(Fake):
+        def measure(self, reverted, share):
+            t = super().measure(reverted, share)
+            return timing(t.ratio + 0.05) if t.ratio < 1.01 else t
+
+    net = Noisy({"a": 0.0, "b": 2.0}).search()
+    assert [r for r, _ in net.reverted] == ["b"]
 
 
 def test_reverts_are_bounded():
