@@ -25,17 +25,29 @@ HERE = Path(__file__).resolve().parent
 PHASES = ("startup", "load", "passes", "validity", "write", "bundle")
 
 
+# Linux counts the parent's peak RSS in a child's ru_maxrss (exec records the old address
+# space's high-water mark, and a forked child starts from the parent's): a large parent (a test
+# run) would inflate every figure.  So the command is started by a small Python process, whose
+# child's own peak is what gets reported.
+_RUNNER = (
+    "import os, subprocess, sys; p = subprocess.Popen(sys.argv[2:]); "
+    "_, st, ru = os.wait4(p.pid, 0); open(sys.argv[1], 'w').write(f'{st} {ru.ru_maxrss}')"
+)
+
+
 def timed(cmd: list[str]) -> tuple[int, float, float, str]:
-    """Run ``cmd``; its exit code, wall seconds, peak RSS in MB (its own, not its siblings')
-    and stdout."""
+    """Run ``cmd``; its exit code, wall seconds, peak RSS in MB (its own, not its siblings' nor
+    this process's) and stdout."""
     t0 = time.perf_counter()
-    with tempfile.TemporaryFile() as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL)
-        _, status, usage = os.wait4(proc.pid, 0)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryDirectory() as tmp:
+        usage_file = Path(tmp) / "usage"
+        runner = [sys.executable, "-c", _RUNNER, str(usage_file), *cmd]
+        subprocess.run(runner, stdout=out, stderr=subprocess.DEVNULL, check=True)
         wall = time.perf_counter() - t0
+        status, maxrss_kb = (int(x) for x in usage_file.read_text().split())
         out.seek(0)
         text = out.read().decode()
-    return os.waitstatus_to_exitcode(status), wall, usage.ru_maxrss / 1024, text
+    return os.waitstatus_to_exitcode(status), wall, maxrss_kb / 1024, text
 
 
 def row(n: int, models: Path, work: Path) -> dict:
