@@ -251,3 +251,36 @@ class EliminateSingleConcat(Forward):
 
     def forward_check(self, m, cx):
         pass
+
+
+@register_rule
+class RangeScalarInputs(Rule):
+    """``Range`` takes scalars; onnxruntime also runs one-element vectors, which exporters leave
+    behind an ``If`` (AffineGrid's expansion splits a shape vector).  Once a rewrite makes such a
+    [1] shape visible, onnx.checker rejects the model, so the vector becomes the scalar it meant
+    (the same value: exact)."""
+
+    name = "range-scalar-inputs"
+    level = 1
+    summary = "one-element Range inputs as scalars"
+    pattern = Op("Range", "start", "limit", "delta")
+
+    def structure(self, m: Match, cx) -> None:
+        applies_only_if(any(_one_element_vector(t) for t in m.root.inputs))
+
+    def rewrite(self, m: Match, b):
+        scalars = [_as_scalar(t, b) if _one_element_vector(t) else t for t in m.root.inputs]
+        return [b.op("Range", scalars, like=m.root.outputs[0])]
+
+
+def _one_element_vector(t) -> bool:
+    value = constant_value(t)
+    shape = value.shape if value is not None else static_shape(t)
+    return shape is not None and tuple(shape) == (1,)
+
+
+def _as_scalar(t, b):
+    value = constant_value(t)
+    if value is not None:
+        return b.const(value.reshape(()), "scalar")
+    return b.op("Reshape", [t, b.const(np.zeros((0,), np.int64), "scalar_shape")])

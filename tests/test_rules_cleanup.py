@@ -1,6 +1,7 @@
 """Level-1 cleanups and shape glue: identities, no-ops, Transpose/Reshape/Cast chains."""
 
 import numpy as np
+import onnx
 import pytest
 from onnx import TensorProto, helper
 
@@ -295,3 +296,31 @@ def test_slice_keeping_every_element_is_removed(starts, ends, steps, removed):
     )
     out, _ = assert_optimized(m, level=1)
     assert ("Slice" not in ops(out)) == removed
+
+
+def test_range_one_element_inputs_become_scalars():
+    """A [1] Range limit hidden behind an If (AffineGrid's expansion): once the If is inlined the
+    shape shows, and the limit must become the scalar Range requires, or onnx.checker refuses."""
+    branch = helper.make_graph(
+        [helper.make_node("Identity", ["n"], ["w"])],
+        "branch",
+        [],
+        [helper.make_tensor_value_info("w", TensorProto.INT64, None)],
+    )
+    m = model(
+        [
+            helper.make_node("If", ["cond"], ["limit"], then_branch=branch, else_branch=branch),
+            helper.make_node("Range", ["zero", "limit", "one"], ["y"]),
+        ],
+        [vi("n", [1], TensorProto.INT64)],
+        [vi("y", None, TensorProto.INT64)],
+        [
+            const("cond", True, np.bool_),
+            const("zero", 0, np.int64),
+            const("one", 1, np.int64),
+        ],
+    )
+    out, report = assert_optimized(m, level=1)
+    assert ops(out) == {"Reshape": 1, "Range": 1}
+    assert "range-scalar-inputs" in {rule for _, rule, _ in report.applied}
+    onnx.checker.check_model(out, full_check=True)
