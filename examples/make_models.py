@@ -22,7 +22,8 @@ past of 128, the export and second shapes use 4 new tokens (so the causal mask i
 Unless stated otherwise: TorchScript exporter (dynamo=False), opset 17. CNNs with BatchNorm keep
 their BatchNormalization nodes (non-trivial running statistics). Variants share their base
 model's weights: *_fp16 (onnxconverter-common, keep_io_types, repaired so onnxruntime loads it),
-*_dynamo (dynamo=True, opset 18), *_kiai (keep_initializers_as_inputs=True).
+*_dynamo (dynamo=True, opset 18), *_kiai (keep_initializers_as_inputs=True). Every transformer
+here also exports with the dynamo exporter (checked with torch 2.14, transformers 5.24).
 """
 
 from __future__ import annotations
