@@ -39,9 +39,7 @@ broadcast the scores to a larger shape (the kernel would fail at run time, not c
 numbers).
 """
 
-from graphopt.opt.dims import Dims, same_dim, shape_elements  # moved; kept importable here
-
 from . import rule  # noqa: F401  (registers the rule)
 from .rule import Attention, FuseMultiHeadAttention, lift
 
-__all__ = ["Attention", "Dims", "FuseMultiHeadAttention", "lift", "same_dim", "shape_elements"]
+__all__ = ["Attention", "FuseMultiHeadAttention", "lift"]
