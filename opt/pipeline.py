@@ -54,7 +54,8 @@ KERNELS_PASS = "fuse-elementwise"
 
 
 def with_kernels(text: str) -> str:
-    """``text`` with the opt-in kernel generation pass (``optimize --kernels``): before a final
+    """``text`` with the kernel generation pass (on by default at -O2/-O3 for cpu and cuda, and
+    ``optimize --kernels`` for a custom ``--pipeline``): before a final
     ``legalize`` (so legalize sees the fused nodes), else at the end; unchanged if present."""
     if KERNELS_PASS in _tokens(text):
         return text
