@@ -23,6 +23,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from graphopt.opt.domains import is_default
+
 from . import __version__
 from . import optimize as run_optimize
 from .opt import errors
@@ -901,7 +903,7 @@ def _node_ops(graph) -> dict[str, str]:
     """Node name → op type (``domain.op`` outside the default domain), subgraphs included."""
     found: dict[str, str] = {}
     for n in graph.node:
-        found[n.name] = f"{n.domain}.{n.op_type}" if n.domain not in ("", "ai.onnx") else n.op_type
+        found[n.name] = f"{n.domain}.{n.op_type}" if not is_default(n.domain) else n.op_type
         for a in n.attribute:
             for g in [a.g] if a.HasField("g") else list(a.graphs):
                 found.update(_node_ops(g))

@@ -18,6 +18,7 @@ import onnx
 import onnxruntime as ort
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
+from .domains import is_default
 from .ir import Constant, ModelIR, Node, Tensor, Variable, subgraphs, walk_nodes
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ def _fingerprint(g) -> tuple[tuple, list]:
         else:
             parts.append(tuple(map(id, n.outputs)))
         parts.append(tuple(id(t) if id(t) in made else _typed(t) for t in n.inputs))
-        if n.domain not in (None, "", "ai.onnx"):
+        if not is_default(n.domain):
             parts.append(tuple(_typed(t) for t in n.outputs))
     return tuple(parts), [nodes, [t for n in nodes for t in n.inputs], list(g.inputs)]
 
@@ -125,7 +126,7 @@ def _infer(ir: ModelIR, g) -> bool:
     known = [
         _value_info(t)
         for n in g.nodes
-        if n.domain not in (None, "", "ai.onnx")
+        if not is_default(n.domain)
         for t in n.outputs
         if t.name and t.dtype is not None and t.shape is not None
     ]

@@ -33,6 +33,7 @@ from xml.sax.saxutils import escape, quoteattr
 
 import numpy as np
 
+from .domains import is_default
 from .errors import EXIT_TARGET, GraphoptError, UsageError
 from .parity import ParityReport
 
@@ -82,7 +83,7 @@ def op_vocabulary(*histograms: dict[str, int], kernels: Iterable[tuple[str, str]
     names = {k for h in histograms for k in h}
     names |= {f"{d}.{op}" if d else op for op, d in kernels}
     names |= {
-        s.name if s.domain in ("", "ai.onnx") else f"{s.domain}.{s.name}"
+        s.name if is_default(s.domain) else f"{s.domain}.{s.name}"
         for s in onnx.defs.get_all_schemas()
     }
     return names

@@ -36,6 +36,7 @@ from google.protobuf.message import DecodeError, EncodeError
 from onnx import external_data_helper
 
 from .compat import accept_on_load
+from .domains import is_default
 from .errors import ModelLoadError, ModelSaveError, UsageError
 
 # Protobuf cannot serialize a message of 2 GiB or more; stay well below when deciding.
@@ -110,7 +111,7 @@ def _check_structure(model: onnx.ModelProto, path: Path) -> None:
         raise ModelLoadError(f"{path}: not an ONNX model (no opset_import)")
     newest = onnx.defs.onnx_opset_version()
     for imp in model.opset_import:
-        if imp.domain in ("", "ai.onnx") and imp.version > newest:
+        if is_default(imp.domain) and imp.version > newest:
             raise ModelLoadError(
                 f"{path}: default-domain opset {imp.version} is newer than this onnx supports "
                 f"(up to {newest}); upgrade onnx/onnxruntime or re-export at a released opset"

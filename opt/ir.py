@@ -42,6 +42,7 @@ from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from .compat import Note, function_id, inline_functions
+from .domains import is_default
 
 PROVENANCE_KEY = "graphopt.rule"
 
@@ -134,7 +135,7 @@ class ModelIR:
         # Opsets: keep the original imports, add any domain a rule introduced.
         have = {o.domain for o in model.opset_import}
         for imp in exported.opset_import:
-            if imp.domain not in have and imp.domain not in ("", "ai.onnx"):
+            if imp.domain not in have and not is_default(imp.domain):
                 model.opset_import.append(imp)
         present = {i.name for i in model.graph.input}
         for name, tensor in self.input_defaults.items():
@@ -164,9 +165,7 @@ class ModelIR:
         every other inferred annotation is dropped: an optimized model is never bigger for
         shapes onnxruntime infers itself."""
         for g in _all_graphs(graph):
-            typed = {
-                o for n in g.node if n.domain not in ("", "ai.onnx") for o in n.output if o
-            }
+            typed = {o for n in g.node if not is_default(n.domain) for o in n.output if o}
             keep = [vi for vi in g.value_info if vi.name in self.annotated or vi.name in typed]
             if len(keep) != len(g.value_info):
                 del g.value_info[:]
@@ -182,7 +181,7 @@ class ModelIR:
     @property
     def opset(self) -> int:
         for imp in self.template.opset_import:
-            if imp.domain in ("", "ai.onnx"):
+            if is_default(imp.domain):
                 return imp.version
         return self.graph.opset
 
@@ -274,7 +273,7 @@ def op_histogram(nodes: Iterable[Node | onnx.NodeProto]) -> dict[str, int]:
 
     def key(n) -> str:
         op = n.op_type if isinstance(n, onnx.NodeProto) else n.op
-        return op if n.domain in ("", "ai.onnx", None) else f"{n.domain}.{op}"
+        return op if is_default(n.domain) else f"{n.domain}.{op}"
 
     return dict(sorted(Counter(key(n) for n in nodes).items()))
 

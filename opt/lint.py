@@ -25,6 +25,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from .domains import is_default
+
 FP16_TINY = float(np.finfo(np.float16).tiny)  # smallest normal fp16, 6.1e-5
 FP16_MAX = float(np.finfo(np.float16).max)
 
@@ -78,7 +80,7 @@ def lint(model: onnx.ModelProto, *, missed_remarks: list | None = None) -> list[
     for graph in _all_graphs(g):
         for n in graph.node:
             domain = n.domain or ""
-            if domain in ("", "ai.onnx"):
+            if is_default(domain):
                 continue
             if domain not in imported:
                 findings.append(
@@ -104,7 +106,7 @@ def lint(model: onnx.ModelProto, *, missed_remarks: list | None = None) -> list[
                     )
                 )
 
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    opset = next((o.version for o in model.opset_import if is_default(o.domain)), 0)
     if opset < 17:
         findings.append(
             Finding(

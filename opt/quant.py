@@ -24,6 +24,7 @@ from collections.abc import Iterable
 import numpy as np
 import onnx
 
+from .domains import DEFAULT, MS, in_domains
 from .ir import Constant, Node, Tensor, walk_nodes
 
 QUANTIZE = "QuantizeLinear"
@@ -73,7 +74,7 @@ LOW_BIT_NAMES = frozenset(_LOW_BIT.values())
 
 
 def is_qdq(node: Node) -> bool:
-    return node.op in QDQ_OPS and node.domain in (None, "", "ai.onnx", "com.microsoft")
+    return node.op in QDQ_OPS and in_domains(node.domain, DEFAULT, MS)
 
 
 def is_quantized_op(node: Node) -> bool:

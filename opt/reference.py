@@ -15,6 +15,7 @@ import os
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .domains import is_default
 from .errors import GraphoptError
 from .target import Target
 
@@ -41,7 +42,7 @@ def upcast_to_float64(
         raise GraphoptError(
             "float64 reference: models with subgraphs (If/Loop/Scan) are not supported yet"
         )
-    opset = next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), 0)
+    opset = next((o.version for o in m.opset_import if is_default(o.domain)), 0)
     float_types = _float_value_types(model)
 
     for i, init in enumerate(g.initializer):

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .domains import norm_domain
 from .errors import UsageError
 
 #: (op_type, domain) -> list of (since_version, end_version or None, frozenset of type strings)
@@ -75,7 +76,7 @@ class Target:
         self, op: str, domain: str = "", opset: int | None = None, dtype: str | None = None
     ) -> bool:
         """Whether the runtime registers a kernel for op at this opset for this element type."""
-        entries = self.kernels().get((op, _norm_domain(domain)))
+        entries = self.kernels().get((op, norm_domain(domain)))
         if not entries:
             return False
         for since, end, types in entries:
@@ -90,10 +91,6 @@ class Target:
 
     def allows_rule(self, rule: str) -> bool:
         return rule not in self.disabled_rules
-
-
-def _norm_domain(domain: str | None) -> str:
-    return "" if domain in (None, "", "ai.onnx") else domain
 
 
 _CACHE: dict[str, KernelTable] = {}

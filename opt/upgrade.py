@@ -18,11 +18,12 @@ import onnx
 from onnx import version_converter
 
 from .compat import called_functions, inline_functions
+from .domains import is_default
 from .errors import UsageError
 
 
 def default_opset(model: onnx.ModelProto) -> int:
-    return next((i.version for i in model.opset_import if i.domain in ("", "ai.onnx")), 1)
+    return next((i.version for i in model.opset_import if is_default(i.domain)), 1)
 
 
 def upgrade_opset(model: onnx.ModelProto, version: int) -> tuple[onnx.ModelProto, int]:

@@ -47,6 +47,7 @@ import numpy as np
 from onnx_graphsurgeon import Graph
 
 from graphopt.opt.analysis import EvaluationError, evaluate, infer_shapes
+from graphopt.opt.domains import is_default
 from graphopt.opt.ir import Constant, ModelIR, Node, Variable, static_shape
 from graphopt.opt.manager import Pass, PassContext, register_pass
 from graphopt.opt.quant import DEQUANTIZE, is_low_bit
@@ -234,7 +235,7 @@ class FoldConstants(Pass):
 
     @staticmethod
     def _candidate(node: Node) -> bool:
-        if not node.outputs or node.domain not in (None, "", "ai.onnx"):
+        if not node.outputs or not is_default(node.domain):
             return False
         if node.op in NEVER_FOLD:
             return False
@@ -485,11 +486,11 @@ def _builds_weight(node: Node) -> bool:
         for t in frontier:
             for user in t.outputs:
                 slots = WEIGHT_SLOTS.get(user.op, ())
-                if user.domain in (None, "", "ai.onnx") and any(
+                if is_default(user.domain) and any(
                     i < len(user.inputs) and user.inputs[i] is t for i in slots
                 ):
                     return True
-                if user.op not in WEIGHT_PATH or user.domain not in (None, "", "ai.onnx"):
+                if user.op not in WEIGHT_PATH or not is_default(user.domain):
                     continue
                 others = [u for u in user.inputs if _named(u) and u is not t]
                 if all(_constant_derived(u, memo, WEIGHT_PATH_DEPTH) for u in others):

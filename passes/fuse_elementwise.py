@@ -49,6 +49,7 @@ import onnx
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
 from graphopt.opt.analysis import infer_shapes
+from graphopt.opt.domains import is_default, norm_domain
 from graphopt.opt.ir import Constant, ModelIR, Node, Tensor, Variable, subgraphs, toposort
 from graphopt.opt.manager import Pass, PassContext, register_pass
 from graphopt.opt.rewrite import Builder
@@ -183,7 +184,7 @@ def out_type(node: Node) -> tuple[list | None, str | None]:
 
 def fusible(node: Node, target: str) -> bool:
     """Whether ``node`` can be part of a fused region (structure, dtype, operand shapes)."""
-    if node.domain not in (None, "", "ai.onnx") or len(node.outputs) != 1:
+    if not is_default(node.domain) or len(node.outputs) != 1:
         return False
     op = node.op
     if op not in UNARY and op not in BINARY and op not in WITH_ATTRS:
@@ -595,10 +596,7 @@ class FuseElementwise(Pass):
         regions = [r for r in find_regions(ir, target) if _big_enough(r)]
         if not regions:
             return False
-        opsets = {
-            ("" if o.domain in ("", "ai.onnx") else o.domain): o.version
-            for o in ir.template.opset_import
-        }
+        opsets = {norm_domain(o.domain): o.version for o in ir.template.opset_import}
         opsets.setdefault("", ir.opset)
         candidates: list[Region] = []
         for r in regions:

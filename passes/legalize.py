@@ -33,10 +33,11 @@ from collections import defaultdict
 import numpy as np
 
 from graphopt.opt.analysis import infer_shapes
+from graphopt.opt.domains import norm_domain
 from graphopt.opt.ir import Constant, ModelIR, Node, Tensor, Variable, walk_nodes
 from graphopt.opt.manager import Pass, PassContext, register_pass, run_pass
 from graphopt.opt.pipeline import parse
-from graphopt.targets.kernels import OK, model_opsets, norm_domain, resolve_node
+from graphopt.targets.kernels import OK, model_opsets, resolve_node
 
 PASS = "legalize"
 #: run after pinning input shapes (exact cleanups only)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from graphopt.opt.analysis import infer_shapes
+from graphopt.opt.domains import is_default
 from graphopt.opt.ir import Constant, ModelIR, Node, Tensor, constant_value
 from graphopt.opt.manager import Pass, PassContext, register_pass
 
@@ -86,7 +87,7 @@ def _ints(elems: list[Dim] | None) -> list[int] | None:
 def _propagate(node: Node, vals: _Values) -> None:
     op, ins = node.op, node.inputs
     out = node.outputs[0] if node.outputs else None
-    if out is None or node.domain not in (None, "", "ai.onnx"):
+    if out is None or not is_default(node.domain):
         return
     if op == "Shape":
         x = ins[0]

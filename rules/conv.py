@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from graphopt.opt.dims import same_dim
 from graphopt.opt.ir import Constant, constant_value, dtype_of
 from graphopt.opt.manager import register_rule
 from graphopt.opt.precision import (
@@ -39,7 +40,6 @@ from graphopt.opt.rewrite import (
     value,
 )
 from graphopt.rules.activation import MS, float_type, inputs, scalar
-from graphopt.opt.dims import same_dim
 
 
 def _float_weights(m) -> np.dtype:

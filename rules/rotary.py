@@ -62,6 +62,7 @@ import numpy as np
 
 from graphopt.opt.analysis import EvaluationError, evaluate
 from graphopt.opt.dims import same_dim
+from graphopt.opt.domains import is_default
 from graphopt.opt.ir import Constant, Node, Tensor, Variable, constant_value, dtype_of
 from graphopt.opt.manager import register_rule
 from graphopt.opt.rewrite import Match, Rule, check_exclusive, require, require_constant
@@ -252,7 +253,7 @@ def _position_subgraph(roots: list[Tensor]) -> tuple[list[Node], Tensor | None, 
             if node.op == "Constant":
                 nodes[id(node)] = node
             continue
-        if node.op not in POSITION_OPS or (node.domain or "") not in ("", "ai.onnx"):
+        if node.op not in POSITION_OPS or not is_default(node.domain):
             return [], None, f"'{t.name}' comes from a {node.op} node ('{node.name}')"
         nodes[id(node)] = node
         stack.extend(inputs(node))

@@ -71,6 +71,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from graphopt.opt.domains import norm_domain
 from graphopt.opt.errors import GraphoptError, ModelSaveError, UsageError
 from graphopt.opt.generation import report_generation
 from graphopt.opt.io import (
@@ -85,7 +86,7 @@ from graphopt.opt.io import (
 )
 from graphopt.opt.parity import ParityReport, Session, compare_outputs, compute_dtype, make_inputs
 from graphopt.opt.target import Target, get_target
-from graphopt.targets.kernels import model_opsets, norm_domain, primary_slots, resolve
+from graphopt.targets.kernels import model_opsets, primary_slots, resolve
 from graphopt.targets.memory import dtype_name, measured_view, memory_plan, nbytes, shape_view
 
 SCHEMA = "graphopt.bundle/1"

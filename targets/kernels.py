@@ -32,6 +32,7 @@ import numpy as np
 import onnx
 
 from graphopt.opt.compat import FunctionId, proto_nodes
+from graphopt.opt.domains import norm_domain
 from graphopt.opt.ir import Node, Tensor, Variable, type_string
 from graphopt.opt.target import TARGETS, Target
 
@@ -86,10 +87,6 @@ class Resolution:
             "kind": self.kind,
             "kernel_def": self.kernel_def(),
         }
-
-
-def norm_domain(domain: str | None) -> str:
-    return "" if domain in (None, "", "ai.onnx") else domain
 
 
 def tensor_type(t: Tensor | None) -> str | None:

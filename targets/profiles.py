@@ -23,6 +23,7 @@ from importlib import resources
 
 import onnxruntime as ort
 
+from graphopt.opt.domains import norm_domain
 from graphopt.opt.errors import GraphoptError
 from graphopt.opt.parity import DEFAULT_TOLERANCES
 from graphopt.opt.target import KernelTable, Target, register_target
@@ -31,9 +32,7 @@ from graphopt.opt.target import KernelTable, Target, register_target
 def _add(
     table: KernelTable, op: str, domain: str, since: int, end: int | None, types: frozenset[str]
 ) -> None:
-    table.setdefault((op, "" if domain in ("", "ai.onnx") else domain), []).append(
-        (since, end, types)
-    )
+    table.setdefault((op, norm_domain(domain)), []).append((since, end, types))
 
 
 def live_cpu_kernels() -> KernelTable:
