@@ -11,8 +11,9 @@ not run proves nothing.  So the sizes are derived, then tried on the *original* 
   ladder 224, 256, 320, 128, 64, 640, 512, 32 — unless the model's metadata carries an image
   size (``imgsz``, ``image_size``...), which is tried first;
 * other dims (sequences, samples) follow 16, 64, 256, 1024, 32, 128, 512, 4096;
-* integer inputs are drawn in [0, 100) (``mask``: ones, ``token_type``/``segment``: zeros),
-  then in {0, 1} once the ladder is exhausted (indices into a small table).
+* integer inputs are drawn in [0, 100) (``mask``: ones with the first row's last quarter zero,
+  as padding; ``token_type``/``segment``: zeros), then in {0, 1} once the ladder is exhausted
+  (indices into a small table).
 
 The first assignment on which the original runs is used.  User-given ``--shape`` / ``--inputs``
 / ``--tolerance`` that cannot apply to the model (unknown names, wrong dtype or rank, a size that

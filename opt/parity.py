@@ -235,10 +235,20 @@ def _random(
     if dtype.kind == "b":
         return rng.integers(0, 2, shape).astype(bool)
     if "mask" in name:
-        return np.ones(shape, dtype=dtype)
+        return _padded_mask(shape, dtype)
     if "token_type" in name or "segment" in name:
         return np.zeros(shape, dtype=dtype)
     return rng.integers(0, high, shape).astype(dtype)
+
+
+def _padded_mask(shape: list[int], dtype: np.dtype) -> np.ndarray:
+    """Ones, but the first row's last quarter zero, as a padded batch has it: a rewrite that
+    dropped the mask (a fused attention that ignored it) changes the outputs.  Every row keeps
+    its leading positions, so no query is left with nothing to attend to."""
+    mask = np.ones(shape, dtype=dtype)
+    if len(shape) >= 2 and shape[-1] >= 4:
+        mask[(0,) * (len(shape) - 1) + (slice(shape[-1] - shape[-1] // 4, None),)] = 0
+    return mask
 
 
 def compare_outputs(

@@ -199,3 +199,26 @@ def test_string_inputs_get_random_words():
     )
     _, report = graphopt.optimize(m, level=1)
     assert report.parity.ran and report.parity.ok, report.parity
+
+
+def test_attention_masks_are_padded_so_a_dropped_mask_shows():
+    """Parity feeds a mask with padding (the first row's last quarter zero): a rewrite that
+    ignored the mask would change the outputs instead of passing on an all-ones mask."""
+    nodes = [
+        helper.make_node("Cast", ["attention_mask"], ["m"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["x", "m"], ["y"]),
+    ]
+    m = model(
+        nodes,
+        [vi("x", ["b", "s"]), vi("attention_mask", ["b", "s"], TensorProto.INT64)],
+        [vi("y", ["b", "s"])],
+    )
+    import onnxruntime as ort
+
+    from graphopt.opt.parity import make_inputs
+
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    mask = make_inputs(sess, {"x": [2, 16], "attention_mask": [2, 16]}, seed=0)["attention_mask"]
+    assert mask[0, :12].all() and not mask[0, 12:].any() and mask[1].all()
+    _, report = graphopt.optimize(m, level=1)
+    assert report.parity.ran and report.parity.ok
