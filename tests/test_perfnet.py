@@ -210,7 +210,9 @@ def test_slow_rule_is_found_and_reverted_within_budget(slow_rule, measuring):
     assert perf_["measured"] and perf_["budget_s"] == BUDGET_S
     assert [r["rule"] for r in perf_["reverted"]] == ["test-slow-neg"]
     assert perf_["reverted"][0]["before"]["low"] > 1 + perf.MARGIN
-    assert perf_["low"] <= 1 + perf.MARGIN  # no longer slower beyond noise
+    # the 8-10x slowdown is gone (the tiny model's own ratio is within a few % of 1: how few
+    # depends on the machine's load, so only "far from the slow one" is asserted)
+    assert perf_["ratio"] < 1.2 and perf_["high"] < perf_["reverted"][0]["before"]["low"]
     # the slow rewrite is gone, the harmless one stays, parity holds on the final model
     assert ops(out) == {"Neg": 1, "Add": 1}
     assert report.parity.ok and check_parity(m, out).ok
