@@ -568,7 +568,8 @@ def context_models(ir: ModelIR, cx: PassContext, region: Region, fused_node: onn
     unfused.ir_version = fused.ir_version = ir.template.ir_version or 8
     rng = np.random.default_rng(0)
     feeds = {
-        name: (rng.standard_normal(shape) * 3).astype(np.dtype(dt)) for name, dt, shape in inputs
+        name: np.asarray(rng.standard_normal(shape) * 3, dtype=np.dtype(dt))  # 0-d: an array too
+        for name, dt, shape in inputs
     }
     return unfused, fused, feeds, [n.op for n in ctx]
 

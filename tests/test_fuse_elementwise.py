@@ -453,3 +453,20 @@ def test_consecutive_regions_both_fused(faster):
     assert len(fused_ops(out)) == 2
     assert not [r for r in report.remarks if r.kind == "failure"]
     assert report.parity.ok
+
+
+def test_a_scalar_runtime_input_is_fed_as_an_array():
+    """A 0-d runtime input (a dynamic quantizer's scale) reaches the gates' feeds as a 0-d array,
+    not a numpy scalar onnxruntime refuses."""
+    rng = np.random.default_rng(3)
+    inits = [const("W", rng.standard_normal((8, 8, 1, 1)) * 0.3), const("t", rng.random((8, 1, 1)))]
+    nodes = [
+        helper.make_node("Conv", ["x", "W"], ["c"], name="conv"),
+        helper.make_node("Mul", ["c", "s"], ["m"], name="mul_s"),
+        helper.make_node("Add", ["m", "t"], ["a"], name="add_t"),
+        helper.make_node("Sigmoid", ["a"], ["g"], name="sig"),
+        helper.make_node("Mul", ["c", "g"], ["y"], name="gate"),
+    ]
+    m = model(nodes, [vi("x", [1, 8, 8, 8]), vi("s", [])], [vi("y", [1, 8, 8, 8])], inits)
+    out, report = run(m, pipeline=PIPE)
+    assert report.parity.ran and report.parity.ok

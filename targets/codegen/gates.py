@@ -77,7 +77,7 @@ def session(
 
 def make_feeds(names: list[str], shape: list[int], dtype, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {n: (rng.standard_normal(shape) * 3).astype(dtype) for n in names}
+    return {n: np.asarray(rng.standard_normal(shape) * 3, dtype=dtype) for n in names}
 
 
 def numerics(
