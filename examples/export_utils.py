@@ -291,9 +291,11 @@ def export_dynamo(net: Net, path: str, opset: int = 18) -> None:
     dynamic_shapes = tuple(
         {ax: Dim.DYNAMIC for ax in net.dynamic_axes.get(name, {})} for name in net.input_names
     )
-    params = inspect.signature(net.module.forward).parameters.values()
-    if any(p.kind is p.VAR_POSITIONAL for p in params):  # forward(*args): one parameter
-        dynamic_shapes = (dynamic_shapes,)
+    params = list(inspect.signature(net.module.forward).parameters.values())
+    variadic = [i for i, p in enumerate(params) if p.kind is p.VAR_POSITIONAL]
+    if variadic:  # forward(a, b, *rest): the tensors of *rest are one parameter, one tuple
+        fixed = variadic[0]
+        dynamic_shapes = (*dynamic_shapes[:fixed], tuple(dynamic_shapes[fixed:]))
     args = tuple(net.inputs(*net.export_shape).values())
     with torch.no_grad():
         program = torch.onnx.export(

@@ -44,12 +44,11 @@ import torch
 from export_utils import (
     Net,
     check_model,
+    export_dynamo,
     export_torchscript,
     perturb_constant_params,
     quiet_warnings,
     rel_l2,
-    rename_dynamic_dims,
-    save_model,
     seed_all,
     seed_for,
     summarize,
@@ -253,32 +252,6 @@ def make_net(model: nn.Module, vocab: int) -> Net:
         test_shape=(1, 8),
         alt_shape=None,
     )
-
-
-def export_dynamo(net: Net, path: str, opset: int = 18) -> None:
-    """torch.export-based exporter (dynamo=True): forward's variadic cache parameter takes one
-    tuple of per-tensor dynamic shapes."""
-    from torch.export import Dim
-
-    per_input = [
-        {ax: Dim.DYNAMIC for ax in net.dynamic_axes.get(name, {})} for name in net.input_names
-    ]
-    dynamic_shapes = (*per_input[:3], tuple(per_input[3:]))
-    args = tuple(net.inputs(*net.export_shape).values())
-    with torch.no_grad():
-        program = torch.onnx.export(
-            net.module,
-            args,
-            dynamo=True,
-            opset_version=opset,
-            input_names=net.input_names,
-            output_names=net.output_names,
-            dynamic_shapes=dynamic_shapes,
-            verbose=False,
-        )
-    model = program.model_proto
-    rename_dynamic_dims(model, net.dynamic_axes)
-    save_model(model, path)
 
 
 # ------------------------------------------------------------------------------ checking
