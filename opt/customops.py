@@ -15,6 +15,8 @@ from collections.abc import Callable
 import onnx
 import onnxruntime as ort
 
+from .ir import all_graphs
+
 #: (model, provider) -> paths of custom-op libraries to register
 Resolver = Callable[[onnx.ModelProto, str], list[str]]
 
@@ -26,20 +28,7 @@ def register_domain(domain: str, resolver: Resolver) -> None:
 
 
 def domains_used(model: onnx.ModelProto) -> set[str]:
-    found: set[str] = set()
-
-    def visit(g: onnx.GraphProto) -> None:
-        for n in g.node:
-            found.add(n.domain)
-            for a in n.attribute:
-                if a.type == onnx.AttributeProto.GRAPH:
-                    visit(a.g)
-                elif a.type == onnx.AttributeProto.GRAPHS:
-                    for sub in a.graphs:
-                        visit(sub)
-
-    visit(model.graph)
-    return found
+    return {n.domain for g in all_graphs(model.graph) for n in g.node}
 
 
 def libraries_for(model: onnx.ModelProto, provider: str = "CPUExecutionProvider") -> list[str]:

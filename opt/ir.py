@@ -72,7 +72,7 @@ class ModelIR:
             model, self.notes = inline_functions(model)
         self.template = _model_shell(model)
         #: value_info names the model itself annotated (any graph): kept on export
-        self.annotated = {vi.name for g in _all_graphs(model.graph) for vi in g.value_info}
+        self.annotated = {vi.name for g in all_graphs(model.graph) for vi in g.value_info}
         #: model-local functions still in the model (kept verbatim): (domain, name) -> proto
         self.functions = {function_id(f): f for f in model.functions}
         #: graph inputs and outputs as the model declared them (doc_string, dim_params)
@@ -164,7 +164,7 @@ class ModelIR:
         default domain (onnx's shape inference cannot type those when the model is read again);
         every other inferred annotation is dropped: an optimized model is never bigger for
         shapes onnxruntime infers itself."""
-        for g in _all_graphs(graph):
+        for g in all_graphs(graph):
             typed = {o for n in g.node if not is_default(n.domain) for o in n.output if o}
             keep = [vi for vi in g.value_info if vi.name in self.annotated or vi.name in typed]
             if len(keep) != len(g.value_info):
@@ -639,13 +639,13 @@ def to_tensor_proto(value: np.ndarray, name: str) -> onnx.TensorProto:
     return numpy_helper.from_array(np.asarray(value), name)
 
 
-def _all_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+def all_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
     """A graph and every subgraph of its nodes' attributes, at any depth."""
     yield graph
     for node in graph.node:
         for attr in node.attribute:
             if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _all_graphs(attr.g)
+                yield from all_graphs(attr.g)
             elif attr.type == onnx.AttributeProto.GRAPHS:
                 for sub in attr.graphs:
-                    yield from _all_graphs(sub)
+                    yield from all_graphs(sub)

@@ -26,6 +26,7 @@ import onnx
 from onnx import numpy_helper
 
 from .domains import is_default
+from .ir import all_graphs
 
 FP16_TINY = float(np.finfo(np.float16).tiny)  # smallest normal fp16, 6.1e-5
 FP16_MAX = float(np.finfo(np.float16).max)
@@ -41,16 +42,6 @@ class Finding:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _all_graphs(g: onnx.GraphProto):
-    yield g
-    for n in g.node:
-        for a in n.attribute:
-            if a.HasField("g"):
-                yield from _all_graphs(a.g)
-            for sub in a.graphs:
-                yield from _all_graphs(sub)
 
 
 def lint(model: onnx.ModelProto, *, missed_remarks: list | None = None) -> list[Finding]:
@@ -77,7 +68,7 @@ def lint(model: onnx.ModelProto, *, missed_remarks: list | None = None) -> list[
         )
 
     imported = {o.domain or "" for o in model.opset_import}
-    for graph in _all_graphs(g):
+    for graph in all_graphs(g):
         for n in graph.node:
             domain = n.domain or ""
             if is_default(domain):
@@ -119,7 +110,7 @@ def lint(model: onnx.ModelProto, *, missed_remarks: list | None = None) -> list[
             )
         )
 
-    used = {i for graph in _all_graphs(g) for n in graph.node for i in n.input}
+    used = {i for graph in all_graphs(g) for n in graph.node for i in n.input}
     used |= {o.name for o in g.output}
     unused = [name for name in inits if name not in used]
     if unused:

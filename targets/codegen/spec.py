@@ -13,6 +13,8 @@ from functools import cached_property
 
 import onnx
 
+from graphopt.opt.ir import all_graphs
+
 from .expr import Expr, ExprError, kernel_id, op_type, parse
 
 DOMAIN = "graphopt.fused"
@@ -73,21 +75,10 @@ def _attr(a: onnx.AttributeProto):
 def specs_of(model: onnx.ModelProto) -> list[KernelSpec]:
     """The distinct kernels the model's ``graphopt.fused`` nodes need (sorted by op type)."""
     out: dict[str, KernelSpec] = {}
-    for g in _graphs(model.graph):
+    for g in all_graphs(model.graph):
         for n in g.node:
             if n.domain != DOMAIN:
                 continue
             spec = KernelSpec.from_attrs(n.op_type, {a.name: _attr(a) for a in n.attribute})
             out[spec.op_type] = spec
     return [out[k] for k in sorted(out)]
-
-
-def _graphs(g: onnx.GraphProto):
-    yield g
-    for n in g.node:
-        for a in n.attribute:
-            if a.type == onnx.AttributeProto.GRAPH:
-                yield from _graphs(a.g)
-            elif a.type == onnx.AttributeProto.GRAPHS:
-                for sub in a.graphs:
-                    yield from _graphs(sub)
