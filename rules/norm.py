@@ -1,4 +1,5 @@
-"""Normalization fusions (level 2): LayerNorm, RMSNorm, Add + LayerNorm → SkipLayerNormalization.
+"""Normalization fusions (level 2): LayerNorm, RMSNorm, Add + LayerNorm → SkipLayerNormalization,
+Add + RMSNorm → SkipSimplifiedLayerNormalization.
 
 Three small rules compose into the whole LayerNorm fusion, so a partial form still fuses as far as
 its guards allow and every refusal names the clause that failed:
@@ -7,12 +8,21 @@ its guards allow and every refusal names the clause that failed:
   with ``Pow(d, 2)`` or ``d·d``, ``Div`` or ``Mul`` by ``Reciprocal``/``1/·``/``Pow(·, −0.5)``,
   duplicated ``Sub`` nodes accepted → ``LayerNormalization(x, ones, axis=−1, epsilon=eps)``.
 * ``fold-norm-scale`` (root: ``Mul``) — ``Mul(LN(x, γ0, β0), c)`` → ``LN(x, γ0·c, β0·c)``, also for
-  RMSNormalization; ``fold-layer-norm-bias`` (root: ``Add``) — ``Add(LN(x, γ, β0), c)`` →
-  ``LN(x, γ, β0 + c)``.  ``c`` must be constant and vary along the last axis only.
+  RMSNormalization and SkipSimplifiedLayerNormalization (its residual-sum output kept);
+  ``fold-layer-norm-bias`` (root: ``Add``) — ``Add(LN(x, γ, β0), c)`` → ``LN(x, γ, β0 + c)``.
+  ``c`` must be constant and vary along the last axis only.
 * ``fuse-rms-norm`` — ``x / sqrt(mean(x²) + eps)`` (or ``x · rsqrt``) → ``RMSNormalization``
   (opset ≥ 23).  onnxruntime's ``SimplifiedLayerNormalization`` is registered only in the ONNX
   domain, where onnx.checker rejects it, so it is used only if a target lists it under
-  com.microsoft.
+  com.microsoft; below opset 23 the norm stays decomposed with ``opset-too-old`` (``--opset 23``).
+* ``fuse-skip-rms-norm`` (before ``fuse-rms-norm`` at the same root) — the same RMSNorm of a
+  residual sum ``a + b`` of two run-time tensors of one 2-D/3-D shape (a decoder's
+  ``h = h + attn; n = RMSNorm(h)``) → ``com.microsoft.SkipSimplifiedLayerNormalization(a, b, γ)``
+  at any opset; the sum, when read elsewhere (the next residual), comes from its fourth output
+  (``input_skip_bias_sum``), the statistics outputs are left out.  Both exporters' spellings
+  (``Div(1, Sqrt)``·x, ``Reciprocal(Sqrt)``·x, ``x / Sqrt``), and the fp32 upcast Casts of an
+  fp32 model, which the cleanups remove first.  The weight (Gemma's folded ``1 + w`` too) is
+  then folded into γ by ``fold-norm-scale``.
 * ``fuse-skip-layer-norm`` (root: ``LayerNormalization``) — ``LN(a + b)`` →
   ``com.microsoft.SkipLayerNormalization(a, b, γ, β)``; the sum, when read elsewhere, comes from
   its fourth output.  Refused with ``slower-on-target`` where the target profile records it as
@@ -23,7 +33,8 @@ Guards (missed remarks): ``axes-not-last`` (the reductions are not over exactly 
 ``constant-mismatch`` (the square is not a power 2), ``unknown-shape`` (the normalized width is
 not static), ``opset-too-old`` (LayerNormalization is standard from opset 17),
 ``precision-accumulation`` (fp16/bf16 unless the target declares fp32 accumulation for the
-kernel), ``no-kernel``, ``not-last-axis``, ``shape-mismatch``, ``slower-on-target``.
+kernel), ``no-kernel``, ``not-last-axis``, ``shape-mismatch``, ``slower-on-target``,
+``shared-intermediate`` (a skip norm's residual sum is a graph output).
 """
 
 from __future__ import annotations
@@ -271,6 +282,124 @@ class FuseRmsNormReciprocal(FuseRmsNorm):
     summary = "x·rsqrt(mean(x²)+eps) → RMSNormalization"
 
 
+def _residual_add(x: Tensor) -> Node | None:
+    """The ``Add`` of two run-time tensors that computes ``x`` (a residual sum), else None."""
+    add = producer(x, "Add")
+    if add is None:
+        return None
+    ins = inputs(add)
+    if len(ins) != 2 or any(i is None or isinstance(i, Constant) for i in ins):
+        return None
+    return add
+
+
+@register_rule
+class FuseSkipRmsNorm(Rule):
+    name = "fuse-skip-rms-norm"
+    root = "Div"
+    priority = 1  # before fuse-rms-norm at the same root: it takes the residual Add too
+    summary = "Add + x/sqrt(mean(x²)+eps) → com.microsoft.SkipSimplifiedLayerNormalization"
+    pattern = _normalized("Div", Var("x"), Var("x"), Var("x"))
+
+    def structure(self, m, cx):
+        applies_only_if(_centered(m.x) is None)  # that is a LayerNorm
+        add = _residual_add(m.x)
+        applies_only_if(add is not None)
+        m.stash(residual=(add,))  # a tuple: the Add is not part of the match (it may stay)
+
+    def check(self, m, cx):
+        (add,) = m.residual
+        a, skip = inputs(add)
+        _check_last_axis(m.var_mean, m.x, "the ReduceMean of x²")
+        _check_square(m)
+        eps = _check_eps(cx, m.eps)
+        require(
+            not cx.ir.is_graph_output(m.x),
+            "shared-intermediate",
+            f"the residual sum '{m.x.name}' is a graph output",
+        )
+        width = last_dim(m.x)
+        rank = _rank(a)
+        require(
+            rank in (2, 3)
+            and _rank(skip) == rank
+            and width is not None
+            and last_dim(a) == width
+            and last_dim(skip) == width
+            and all(same_dim(a, i, skip, i) for i in range(rank - 1)),
+            "shape-mismatch",
+            f"SkipSimplifiedLayerNormalization adds two 2-D or 3-D tensors of one shape; cannot "
+            f"prove that of '{a.name}' (rank {rank}) and '{skip.name}' (rank {_rank(skip)}), "
+            f"last dims {last_dim(a)} and {last_dim(skip)}",
+        )
+        tname = _check_precision(cx, a, "SkipSimplifiedLayerNormalization")
+        lowering(
+            cx,
+            [("SkipSimplifiedLayerNormalization", MS, None, {})],
+            tname,
+            "SkipSimplifiedLayerNormalization",
+        )
+        slower = cx.target.measured_slower.get("SkipSimplifiedLayerNormalization")
+        require(
+            slower is None,
+            "slower-on-target",
+            f"SkipSimplifiedLayerNormalization is slower than Add + RMSNorm on target "
+            f"{cx.target.name}: {slower}",
+            measured=slower,
+        )
+        m.stash(eps_value=eps, width=width, a=a, skip=skip)
+
+    def rewrite(self, m, b):
+        sum_t = m.x
+        inside = {id(n) for n in m.nodes()}
+        others = [c for c in sum_t.outputs if id(c) not in inside]
+        gamma = b.const(np.ones(m.width, dtype=dtype_of(m.a)), "gamma")
+        outs = b.op(
+            "SkipSimplifiedLayerNormalization",
+            [m.a, m.skip, gamma],
+            {"epsilon": float(m.eps_value)},
+            domain=MS,
+            outputs=4 if others else 1,
+            like=m.root.outputs[0],
+            name=f"{m.root.name}/SkipSimplifiedLayerNormalization",
+        )
+        if not others:
+            return [outs]
+        _route_sum(b, b.created[-1], sum_t)
+        return [outs[0]]
+
+
+@register_rule
+class FuseSkipRmsNormReciprocal(FuseSkipRmsNorm):
+    name = "fuse-skip-rms-norm-rcp"
+    root = "Mul"
+    pattern = _normalized("Mul", Var("x"), Var("x"), Var("x"))
+    summary = "Add + x·rsqrt(mean(x²)+eps) → com.microsoft.SkipSimplifiedLayerNormalization"
+
+
+def _route_sum(b, node: Node, sum_t: Tensor) -> None:
+    """``node`` (a skip norm with four outputs) gives the residual sum ``sum_t`` to its
+    readers from its fourth output; the statistics outputs are left out."""
+    node.outputs[1] = Variable.empty()
+    node.outputs[2] = Variable.empty()
+    summed = node.outputs[3]
+    summed.dtype, summed.shape = sum_t.dtype, sum_t.shape
+    b.ir.replace_all_uses(sum_t, summed)
+
+
+def _is_skip_norm(node: Node) -> bool:
+    return node.op == "SkipSimplifiedLayerNormalization"
+
+
+def _norm_params(node: Node) -> tuple[list[Tensor], Tensor, Tensor | None]:
+    """(the normalized inputs, the scale, the bias added after the scale) of a norm node; the
+    skip norm's bias is added before normalizing, so it is not one."""
+    ins = inputs(node)
+    if _is_skip_norm(node):
+        return ins[:2], ins[2], None
+    return ins[:1], ins[1], ins[2] if len(ins) > 2 else None
+
+
 def _last_axis_vector(c: np.ndarray, x_rank: int | None, width: int) -> np.ndarray | None:
     """``c`` as a per-last-axis vector of ``width`` if it broadcasts along the last axis only."""
     if c.ndim == 0:
@@ -293,9 +422,7 @@ class _FoldIntoNorm(Rule):
         applies_only_if(isinstance(m.c, Constant) or cx.ir.is_graph_input(m.c))
 
     def check(self, m, cx):
-        ln_in = inputs(m.ln)
-        scale = ln_in[1]
-        bias = ln_in[2] if len(ln_in) > 2 else None
+        lead, scale, bias = _norm_params(m.ln)
         require_constant(
             cx,
             cx.ir,
@@ -303,7 +430,13 @@ class _FoldIntoNorm(Rule):
             ("the norm's scale", scale),
             ("the norm's bias", bias),
         )
-        extra_outputs = [t for t in m.ln.outputs[1:] if t.outputs or cx.ir.is_graph_output(t)]
+        extra_outputs = [
+            t
+            for i, t in enumerate(m.ln.outputs)
+            if i > 0
+            and not (i == 3 and _is_skip_norm(m.ln))  # the skip norm's residual sum
+            and (t.outputs or cx.ir.is_graph_output(t))
+        ]
         applies_only_if(not extra_outputs)
         rank = len(m.x.shape) if m.x.shape is not None else None
         axis = int(m.ln.attrs.get("axis", -1))
@@ -342,19 +475,24 @@ class _FoldIntoNorm(Rule):
         raise NotImplementedError
 
     def rewrite(self, m, b):
-        ins = [m.x, b.const(m.g_new, "scale")]
-        if m.b_new is not None and (np.any(m.b_new != 0) or len(inputs(m.ln)) > 2):
+        lead, _, bias = _norm_params(m.ln)
+        ins = [*lead, b.const(m.g_new, "scale")]
+        if m.b_new is not None and (np.any(m.b_new != 0) or bias is not None):
             ins.append(b.const(m.b_new, "bias"))
-        return [
-            b.op(
-                m.ln.op,
-                ins,
-                dict(m.ln.attrs),
-                domain=m.ln.domain or "",
-                like=m.root.outputs[0],
-                name=f"{m.ln.name}/{self.root.lower()}",
-            )
-        ]
+        summed = _is_skip_norm(m.ln) and len(m.ln.outputs) > 3 and bool(m.ln.outputs[3].outputs)
+        out = b.op(
+            m.ln.op,
+            ins,
+            dict(m.ln.attrs),
+            domain=m.ln.domain or "",
+            outputs=4 if summed else 1,
+            like=m.root.outputs[0],
+            name=f"{m.ln.name}/{self.root.lower()}",
+        )
+        if not summed:
+            return [out]
+        _route_sum(b, b.created[-1], m.ln.outputs[3])
+        return [out[0]]
 
 
 @register_rule
@@ -365,12 +503,32 @@ class FoldNormScale(_FoldIntoNorm):
         Alt(
             Op(("LayerNormalization", "RMSNormalization"), "x", extra_inputs=True, name="ln"),
             Op("SimplifiedLayerNormalization", "x", extra_inputs=True, domain=MS, name="ln"),
+            Op(
+                "SkipSimplifiedLayerNormalization",
+                "x",
+                "skip",
+                "gamma",
+                domain=MS,
+                name="ln",
+            ),
         ),
         "c",
         commute=True,
         name="op_node",
     )
-    summary = "Mul(constant) after LayerNormalization/RMSNormalization → scale (and bias)"
+    # the skip norm's residual sum (its fourth output) may feed the next block
+    exclusive = False
+    summary = (
+        "Mul(constant) after LayerNormalization/RMSNormalization/SkipSimplifiedLayerNormalization"
+        " → scale (and bias)"
+    )
+
+    def structure(self, m, cx):
+        super().structure(m, cx)
+        normalized = m.ln.outputs[0]
+        applies_only_if(
+            len(normalized.outputs) == 1 and not cx.ir.is_graph_output(normalized)
+        )  # the norm's output feeds this Mul only
 
     def fold(self, g, beta, vec):
         return g * vec, beta * vec if np.any(beta) else None
