@@ -22,6 +22,12 @@ difference per step and overall (absolute, and relative to the largest original 
 greedy tokens of both, and ``ok``: same tokens and every step's logits within
 ``atol + rtol·max|original|`` (parity's tolerances for the logits' dtype).  onnxruntime runs both
 on CPU with graph optimizations disabled, as parity does.
+
+``verdict`` is ``ok``, ``failed`` (it ran and the optimized model generated other tokens or
+logits out of tolerance, or it failed at a step where the original ran) or ``not-run`` (not a
+decoder this loop can drive, a model onnxruntime could not load, over 2 GB).  A failed check is
+a failed verification, like failed parity: :func:`failure_line` gives its one line (the CLI
+exits 3 with it) and the report keeps the numbers.
 """
 
 from __future__ import annotations
@@ -79,14 +85,23 @@ class GenerationResult:
     tokens_optimized: list[list[int]] = field(default_factory=list)
     per_step: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
+    #: the optimized model failed at a step where the original ran (a failure, not a skip)
+    crashed: bool = False
 
     @classmethod
-    def not_run(cls, why: str) -> GenerationResult:
-        return cls(ran=False, ok=False, why=why)
+    def not_run(cls, why: str, crashed: bool = False) -> GenerationResult:
+        return cls(ran=False, ok=False, why=why, crashed=crashed)
+
+    @property
+    def verdict(self) -> str:
+        if self.ran:
+            return "ok" if self.ok else "failed"
+        return "failed" if self.crashed else "not-run"
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["tolerance"] = list(self.tolerance) if self.tolerance else None
+        d["verdict"] = self.verdict
         return d
 
 
@@ -245,9 +260,19 @@ def check_generation(
     worst_ok = True
     for step in range(steps + 1):
         try:
-            want, got = ref.step(ids), opt.step(ids)
+            want = ref.step(ids)
         except Exception as e:  # noqa: BLE001
-            return GenerationResult.not_run(f"step {step} failed in onnxruntime: {_line(e)}")
+            return GenerationResult.not_run(
+                f"step {step} failed in onnxruntime on the original: {_line(e)}"
+            )
+        try:
+            got = opt.step(ids)
+        except Exception as e:  # noqa: BLE001
+            return GenerationResult.not_run(
+                f"step {step} failed in onnxruntime on the optimized model (the original ran): "
+                f"{_line(e)}",
+                crashed=True,
+            )
         rtol, atol = (tolerances or DEFAULT_TOLERANCES).get(want.dtype.name, (1e-4, 1e-6))
         result.tolerance = (rtol, atol)
         diff = float(np.max(np.abs(got.astype(np.float64) - want))) if want.size else 0.0
@@ -299,6 +324,32 @@ def report_generation(report, optimized: onnx.ModelProto) -> dict[str, Any] | No
     return check_generation(source, optimized).to_dict()
 
 
+def failure_line(generation: dict[str, Any] | None) -> str | None:
+    """One line when report.json's ``generation`` says the check failed, else None."""
+    if not generation or generation.get("verdict") != "failed":
+        return None
+    head = "generation check failed"
+    if not generation.get("ran"):
+        return f"{head}: {generation.get('why')}"
+    steps = generation.get("per_step") or []
+    tol = generation.get("tolerance") or [0.0, 0.0]
+    where = f"max |Δlogits| {generation['max_abs']:.3g} ({generation['max_rel']:.3g} of the "
+    where += f"largest logit; tolerance rtol {tol[0]:g}, atol {tol[1]:g})"
+    first = generation.get("first_mismatch")
+    if first is not None:
+        pairs = zip(generation["tokens_original"], generation["tokens_optimized"])
+        ref, got = next((r[first], o[first]) for r, o in pairs if r[first] != o[first])
+        tokens = f"greedy tokens differ from {_step(first, len(steps))} (original {ref}, "
+        tokens += f"optimized {got})"
+        return f"{head}: {tokens}; {where}"
+    bad = next((s["step"] for s in steps if not s["ok"]), 0)
+    return f"{head}: logits out of tolerance from {_step(bad, len(steps))}; {where}"
+
+
+def _step(step: int, count: int) -> str:
+    return "the prefill" if step == 0 else f"decode step {step} of {count - 1}"
+
+
 def _line(e: Exception) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else repr(e)
@@ -309,5 +360,6 @@ __all__ = [
     "Interface",
     "check_generation",
     "decoder_interface",
+    "failure_line",
     "report_generation",
 ]

@@ -76,6 +76,14 @@ class Report:
         return not any(r.code == "did-not-converge" for r in self.remarks)
 
     @property
+    def generation_failure(self) -> str | None:
+        """One line when the generation check ran and failed (a failed verification, like
+        failed parity: exit 3), else None."""
+        from .generation import failure_line
+
+        return failure_line(self.generation)
+
+    @property
     def legal(self) -> bool:
         """No node the target cannot run (legalize reported no failure)."""
         return not any(r.kind == "failure" and r.pass_name == "legalize" for r in self.remarks)

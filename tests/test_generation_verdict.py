@@ -1,0 +1,86 @@
+"""A failed generation check is a failed verification: the report says so in one line, the CLI
+exits 3 with it, report.json keeps the numbers."""
+
+import json
+
+import numpy as np
+import onnx
+from test_generation import tiny_decoder
+from typer.testing import CliRunner
+
+import graphopt
+from graphopt.cli import app
+from graphopt.opt import generation
+from graphopt.opt.errors import EXIT_PARITY
+from graphopt.opt.generation import check_generation, failure_line
+from graphopt.targets import bundle as bundle_module
+from graphopt.targets.bundle import write_bundle
+
+
+def test_same_tokens_are_no_failure():
+    r = check_generation(tiny_decoder(), tiny_decoder(), prefill=4, steps=2).to_dict()
+    assert r["verdict"] == "ok" and failure_line(r) is None
+    assert failure_line(None) is None
+
+
+def test_a_wrong_cache_is_one_line_with_the_numbers():
+    r = check_generation(tiny_decoder(), tiny_decoder(present_scale=1.5), prefill=4, steps=3)
+    d = r.to_dict()
+    assert d["verdict"] == "failed"
+    line = failure_line(d)
+    assert line.startswith("generation check failed: ") and "\n" not in line
+    assert f"{d['max_abs']:.3g}" in line and "tolerance" in line
+    assert "from decode step " in line and " of 3" in line  # the prefill is exact
+
+
+def test_a_model_that_fails_where_the_original_runs_is_a_failure():
+    broken = tiny_decoder()  # the embeddings reshaped to 2 tokens: a decode step of 1 fails
+    gather = broken.graph.node[0]
+    gather.output[0] = "x0_flat"
+    shape = onnx.numpy_helper.from_array(np.array([1, 2, -1], np.int64), "two_tokens")
+    broken.graph.initializer.append(shape)
+    reshape = onnx.helper.make_node("Reshape", ["x0_flat", "two_tokens"], ["x0"])
+    broken.graph.node.insert(1, reshape)
+    r = check_generation(tiny_decoder(), broken, prefill=2, steps=2)
+    assert not r.ran and r.verdict == "failed" and "the original ran" in r.why
+    assert failure_line(r.to_dict()).startswith("generation check failed: step ")
+
+
+def test_not_a_decoder_is_not_a_failure():
+    m = tiny_decoder()
+    m.graph.input[0].name = "tokens"  # no input_ids: not a decoder the loop can drive
+    r = check_generation(m, m).to_dict()
+    assert r["verdict"] == "not-run" and failure_line(r) is None
+
+
+def _tampered(real):
+    """report_generation run against a decoder whose cache is written wrong."""
+
+    def report_generation(report, optimized):
+        return real(report, tiny_decoder(present_scale=1.5))
+
+    return report_generation
+
+
+def test_report_says_the_failure(tmp_path, monkeypatch):
+    out, report = graphopt.optimize(tiny_decoder(), target="cpu", level=2)
+    monkeypatch.setattr(bundle_module, "report_generation", _tampered(generation.report_generation))
+    write_bundle(out, report, tmp_path / "b")
+    assert report.generation["verdict"] == "failed"
+    assert report.generation_failure == failure_line(report.generation)
+
+
+def test_cli_exits_3_and_report_keeps_the_numbers(tmp_path, monkeypatch):
+    path = tmp_path / "decoder.onnx"
+    onnx.save(tiny_decoder(), path)
+    args = ["optimize", str(path), "-o", str(tmp_path / "b"), "--no-measure", "--no-kernels"]
+    ok = CliRunner().invoke(app, args)
+    assert ok.exit_code == 0, ok.output
+    monkeypatch.setattr(bundle_module, "report_generation", _tampered(generation.report_generation))
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == EXIT_PARITY == 3, res.output
+    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "generation check failed" in errors[0]
+    doc = json.loads((tmp_path / "b" / "report.json").read_text())
+    assert doc["generation"]["verdict"] == "failed" and doc["generation"]["max_abs"] > 1e-3
+    assert doc["parity"]["ok"]  # parity alone passed
