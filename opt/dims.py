@@ -96,6 +96,8 @@ class Dims:
 
     def __init__(self) -> None:
         self.memo: dict[tuple[int, int], Key] = {}
+        #: id(tensor) -> its value as an object array of keys (see :func:`shape_elements`)
+        self.values_memo: dict[int, np.ndarray | None] = {}
 
     def key(self, t: Tensor, axis: int) -> Key:
         r = rank(t)
@@ -148,8 +150,13 @@ class Dims:
                 r = rank(ins[0])
                 return self.key(ins[0], r - 1 - axis) if r is not None else own
             return self.key(ins[0], int(perm[axis]))
-        if op in ("Reshape", "Split", "Gather"):
+        if op in ("Reshape", "Split", "Gather", "Pad", "Slice", "Concat"):
             return getattr(self, f"_{op.lower()}")(node, ins, axis, own)
+        if op in ("Unsqueeze", "Squeeze"):
+            return self._squeeze(node, ins, axis, own)
+        if op == "ConstantOfShape":
+            elems = shape_elements(ins[0], self)
+            return elems[axis] if elems is not None and axis < len(elems) else own
         if op == "MultiHeadAttention" and norm_domain(node.domain) == MS and axis < 2:
             return self.key(ins[0], axis)
         return own
@@ -161,7 +168,99 @@ class Dims:
         e = elems[axis]
         if e == ("int", 0) and not node.attrs.get("allowzero", 0):
             return self.key(ins[0], axis)
-        return own if e == ("int", -1) else e
+        if e == ("int", -1):
+            return self._inferred(node, ins, elems, axis, own)
+        # a computed element could be 0 or -1 at run time: only a dim's own key is trusted
+        return own if e[0] == "expr" else e
+
+    def _inferred(self, node, ins, elems: list[Key], axis: int, own: Key) -> Key:
+        """The -1 of a Reshape target: the input's size over the other (static) elements; the
+        input's symbolic dims stay factors (``B·nW``)."""
+        r = rank(ins[0])
+        if r is None:
+            return own
+        size = [self.key(ins[0], i) for i in range(r)]
+        zero = not node.attrs.get("allowzero", 0)
+        rest = [
+            _int(size[i]) if e == ("int", 0) and zero and i < r else _int(e)
+            for i, e in enumerate(elems)
+            if i != axis
+        ]
+        static = [_int(k) for k in size if _int(k) is not None]
+        if any(v is None or v <= 0 for v in rest + static):
+            return own
+        total, other = int(np.prod(static)), int(np.prod(rest))
+        if total % other:
+            return own
+        key: Key = ("int", total // other)
+        for k in sorted((k for k in size if _int(k) is None), key=repr):
+            key = arith("Mul", key, k)
+        return key
+
+    def _pad(self, node, ins, axis: int, own: Key) -> Key:
+        """in + pads_begin + pads_end (pads an attribute before opset 11, else an input,
+        possibly computed; ``axes`` from opset 18)."""
+        pads = node.attrs.get("pads")
+        if pads is not None:
+            pads = [("int", int(p)) for p in pads]
+        elif len(ins) > 1:
+            pads = shape_elements(ins[1], self)
+        r = rank(ins[0])
+        if pads is None or r is None:
+            return own
+        axes = list(range(r))
+        if len(ins) > 3 and ins[3] is not None:
+            given = _const_ints(ins[3])
+            if given is None:
+                return own
+            axes = _norm(given, r)
+        if len(pads) != 2 * len(axes):
+            return own
+        k = self.key(ins[0], axis)
+        if axis not in axes:
+            return k
+        i = axes.index(axis)
+        return arith("Add", arith("Add", k, pads[i]), pads[i + len(axes)])
+
+    def _slice(self, node, ins, axis: int, own: Key) -> Key:
+        r = rank(ins[0])
+        spec = _slice_spec(ins, r) if r is not None else None
+        if spec is None:
+            return own
+        k = self.key(ins[0], axis)
+        if axis not in spec:
+            return k
+        s = spec[axis]
+        if _int(k) is not None:
+            return ("int", len(range(_int(k))[s]))
+        big = np.iinfo(np.int64).max // 2
+        return k if s.step == 1 and s.start == 0 and s.stop >= big else own
+
+    def _concat(self, node, ins, axis: int, own: Key) -> Key:
+        r = rank(ins[0])
+        c = int(node.attrs.get("axis", 0))
+        if r is None or any(rank(i) != r for i in ins):
+            return own
+        c = c + r if c < 0 else c
+        keys = [self.key(i, axis) for i in ins]
+        if axis != c:  # every input has the output's dim here: the most informative key
+            return min(keys, key=lambda k: ("int", "param", "dim", "expr").index(k[0]))
+        total = keys[0]
+        for k in keys[1:]:
+            total = arith("Add", total, k)
+        return own if total[0] == "expr" else total
+
+    def _squeeze(self, node, ins, axis: int, own: Key) -> Key:
+        r, axes = rank(ins[0]), _axes(node, ins)
+        if r is None or axes is None:
+            return own
+        if node.op == "Unsqueeze":
+            axes = _norm(axes, r + len(axes))
+            if axis in axes:
+                return ("int", 1)
+            return self.key(ins[0], axis - sum(a < axis for a in axes))
+        kept = [i for i in range(r) if i not in _norm(axes, r)]
+        return self.key(ins[0], kept[axis]) if axis < len(kept) else own
 
     def _split(self, node, ins, axis: int, own: Key) -> Key:
         s = int(node.attrs.get("axis", 0))
@@ -228,63 +327,231 @@ class Dims:
         return found.pop() if len(found) == 1 else own
 
 
-def shape_elements(t: Tensor | None, dims: Dims | None = None) -> list[Key] | None:
-    """The elements of a small int64 shape tensor as dim keys (constants as ``("int", v)``)."""
-    dims = dims or Dims()
-    if t is None:
+#: most elements a shape value may have to be read as keys (shape glue is small)
+MAX_VALUES = 64
+#: element-wise integer ops on shape values that :func:`arith` computes
+ARITH = frozenset({"Add", "Sub", "Mul", "Div", "Mod", "Max", "Min"})
+_COMMUTATIVE = frozenset({"Add", "Mul", "Max", "Min"})
+
+
+def _int(k: Key) -> int | None:
+    return k[1] if k[0] == "int" else None
+
+
+def _eval(op: str, x: int, y: int, fmod: bool = False) -> int | None:
+    """``x op y`` as onnxruntime computes it on int64 (Div truncates; Mod takes the divisor's
+    sign unless ``fmod``); None for a zero divisor."""
+    if op in ("Div", "Mod") and y == 0:
         return None
-    v = constant_value(t)
+    if op == "Div":
+        q = abs(x) // abs(y)
+        return q if (x >= 0) == (y >= 0) else -q
+    if op == "Mod":
+        return x - y * _eval("Div", x, y) if fmod else x % y
+    return {"Add": x + y, "Sub": x - y, "Mul": x * y, "Max": max(x, y), "Min": min(x, y)}[op]
+
+
+def arith(op: str, a: Key, b: Key, fmod: bool = False) -> Key:
+    """The key of ``a op b`` for ``op`` in :data:`ARITH`: computed for two static sizes,
+    simplified for the identities (``x+0``, ``x-0``, ``x·1``, ``x/1``, ``(x·c)/c``), else the
+    expression itself ``("expr", op, a, b)`` (equal expressions of equal keys are equal)."""
+    x, y = _int(a), _int(b)
+    if x is not None and y is not None:
+        v = _eval(op, x, y, fmod)
+        if v is not None:
+            return ("int", v)
+    if op in _COMMUTATIVE and x is not None:
+        a, b, x, y = b, a, y, x
+    if (op in ("Add", "Sub") and y == 0) or (op in ("Mul", "Div") and y == 1):
+        return a
+    if op == "Div" and y and a[0] == "expr" and a[1] == "Mul" and b in a[2:]:
+        return a[3] if a[2] == b else a[2]
+    if op in _COMMUTATIVE:
+        a, b = sorted((a, b), key=repr)
+    return ("expr", op, a, b) if not fmod else ("expr", "FMod", a, b)
+
+
+def _array(keys: list[Key], shape: tuple[int, ...] | None = None) -> np.ndarray:
+    """Keys as a numpy object array (element by element: a key is a tuple)."""
+    a = np.empty(len(keys), dtype=object)
+    for i, k in enumerate(keys):
+        a[i] = k
+    return a.reshape(shape if shape is not None else (len(keys),))
+
+
+def _ints(a: np.ndarray | None) -> list[int] | None:
+    """The elements of a key array as ints, when all are static."""
+    if a is None:
+        return None
+    out = [_int(k) for k in a.reshape(-1)]
+    return None if any(v is None for v in out) else out
+
+
+def _const_ints(t: Tensor | None) -> list[int] | None:
+    v = constant_value(t, MAX_VALUES)
+    if v is None or v.dtype.kind not in "iu":
+        return None
+    return [int(x) for x in v.reshape(-1)]
+
+
+def _axes(node, ins) -> list[int] | None:
+    """Unsqueeze/Squeeze axes as written (attribute before opset 13, input after); None when
+    absent or computed at run time."""
+    axes = node.attrs.get("axes")
+    if axes is None and len(ins) > 1 and ins[1] is not None:
+        return _const_ints(ins[1])
+    return None if axes is None else [int(a) for a in axes]
+
+
+def _norm(axes: list[int], r: int) -> list[int]:
+    return [a + r if a < 0 else a for a in axes]
+
+
+def _reshaped(a: np.ndarray, target: list[int], allowzero: bool) -> np.ndarray | None:
+    shape = [
+        a.shape[i] if v == 0 and not allowzero and i < a.ndim else v for i, v in enumerate(target)
+    ]
+    try:
+        return a.reshape(shape)
+    except ValueError:
+        return None
+
+
+def _slice_spec(ins, r: int) -> dict[int, slice] | None:
+    """Slice's constant starts/ends/axes/steps as a Python slice per axis (Python's clamping
+    is ONNX's)."""
+    starts, ends = _const_ints(ins[1]), _const_ints(ins[2])
+    axes = _const_ints(ins[3]) if len(ins) > 3 and ins[3] is not None else None
+    steps = _const_ints(ins[4]) if len(ins) > 4 and ins[4] is not None else None
+    if starts is None or ends is None or (len(ins) > 3 and ins[3] is not None and axes is None):
+        return None
+    if len(ins) > 4 and ins[4] is not None and steps is None:
+        return None
+    axes = axes if axes is not None else list(range(len(starts)))
+    steps = steps if steps is not None else [1] * len(starts)
+    if not (len(axes) == len(starts) == len(ends) == len(steps)) or 0 in steps:
+        return None
+    return {
+        (a + r if a < 0 else a): slice(s, e, st) for a, s, e, st in zip(axes, starts, ends, steps)
+    }
+
+
+def _values(t: Tensor | None, dims: Dims, depth: int = 48) -> np.ndarray | None:
+    """The value of a small integer tensor as an object array of keys, or None."""
+    if t is None or depth == 0:
+        return None
+    memo = dims.values_memo
+    if id(t) not in memo:
+        memo[id(t)] = None  # cycle guard
+        v = _compute_values(t, dims, depth)
+        if v is not None and not isinstance(v, np.ndarray):  # one element picked out
+            v = _array([v], ())
+        memo[id(t)] = v
+    return memo[id(t)]
+
+
+def _compute_values(t: Tensor, dims: Dims, depth: int) -> np.ndarray | None:
+    v = constant_value(t, MAX_VALUES)
     if v is not None:
-        if v.dtype.kind not in "iu" or v.ndim > 1:
+        if v.dtype.kind not in "iu":
             return None
-        return [("int", int(x)) for x in v.reshape(-1)]
-    if not t.inputs:
+        return _array([("int", int(x)) for x in v.reshape(-1)], v.shape)
+    if isinstance(t, Constant) or not t.inputs:
         return None
     node = t.inputs[0]
     ins = _inputs(node)
-    if node.op == "Shape":
+    op = node.op
+    if op == "Shape":
         r = rank(ins[0])
         if r is None:
             return None
         start = int(node.attrs.get("start", 0))
         end = node.attrs.get("end")
-        start = start + r if start < 0 else start
+        start = min(max(start + r if start < 0 else start, 0), r)
         end = r if end is None else (int(end) + r if int(end) < 0 else min(int(end), r))
-        return [dims.key(ins[0], i) for i in range(max(start, 0), end)]
-    if node.op == "Concat":
-        out: list[Key] = []
-        for i in ins:
-            e = shape_elements(i, dims)
-            if e is None:
-                return None
-            out += e
-        return out
-    if node.op in ("Cast", "Identity"):
-        return shape_elements(ins[0], dims)
-    if node.op in ("Unsqueeze", "Squeeze", "Reshape"):  # scalar <-> [1]
-        e = shape_elements(ins[0], dims)
-        return e if e is not None and len(e) == 1 else None
-    if node.op == "Gather" and int(node.attrs.get("axis", 0)) == 0:
-        e = shape_elements(ins[0], dims)
-        idx = constant_value(ins[1])
-        if e is None or idx is None:
+        return _array([dims.key(ins[0], i) for i in range(start, max(end, start))])
+    if op == "Size" or not ins or ins[0] is None:
+        return None
+    if op in ARITH:
+        return _binary(node, ins, dims, depth)
+    x = _values(ins[0], dims, depth - 1)
+    if x is None:
+        return None
+    if op in ("Cast", "Identity"):
+        return x
+    if op == "Concat":
+        parts = [x] + [_values(i, dims, depth - 1) for i in ins[1:]]
+        if any(p is None or p.ndim != x.ndim for p in parts) or x.ndim == 0:
             return None
         try:
-            return [e[int(i)] for i in np.asarray(idx).reshape(-1)]
-        except IndexError:
+            return np.concatenate(parts, axis=int(node.attrs.get("axis", 0)))
+        except ValueError:
             return None
-    if node.op == "Slice":
-        e = shape_elements(ins[0], dims)
-        consts = [constant_value(i) if i is not None else None for i in ins[1:]]
-        if e is None or any(c is None for c in consts[:2]):
-            return None
-        axes = consts[2] if len(consts) > 2 and consts[2] is not None else [0]
-        steps = consts[3] if len(consts) > 3 and consts[3] is not None else [1]
-        if list(np.asarray(axes).reshape(-1)) not in ([0], [-1]):
-            return None
-        s, en, st = (int(np.asarray(c).reshape(-1)[0]) for c in (consts[0], consts[1], steps))
-        return e[slice(s, min(en, len(e)) if en >= 0 else en, st)]
+    return _layout(node, ins, x)
+
+
+def _layout(node, ins, x: np.ndarray) -> np.ndarray | None:
+    """Unsqueeze, Squeeze, Reshape, Flatten, Transpose, Gather and Slice of a key array."""
+    op, r = node.op, x.ndim
+    try:
+        axes = _axes(node, ins) if op in ("Unsqueeze", "Squeeze") else None
+        if op == "Unsqueeze":
+            return None if axes is None else np.expand_dims(x, tuple(_norm(axes, r + len(axes))))
+        if op == "Squeeze":
+            if axes is None:
+                return np.squeeze(x) if len(ins) < 2 or ins[1] is None else None
+            return np.squeeze(x, axis=tuple(_norm(axes, r)))
+        if op == "Reshape":
+            target = _const_ints(ins[1])
+            return (
+                None
+                if target is None
+                else _reshaped(x, target, bool(node.attrs.get("allowzero", 0)))
+            )
+        if op == "Flatten":
+            a = int(node.attrs.get("axis", 1))
+            a = a + r if a < 0 else a
+            return x.reshape(int(np.prod(x.shape[:a])), -1)
+        if op == "Transpose":
+            perm = node.attrs.get("perm")
+            return np.transpose(x, None if perm is None else [int(p) for p in perm])
+        if op == "Gather":
+            idx = constant_value(ins[1], MAX_VALUES)
+            if idx is None or idx.dtype.kind not in "iu":
+                return None
+            return np.take(x, idx.astype(np.int64), axis=int(node.attrs.get("axis", 0)))
+        if op == "Slice":
+            spec = _slice_spec(ins, r)
+            if spec is None or any(a >= r for a in spec):
+                return None
+            return x[tuple(spec.get(a, slice(None)) for a in range(r))]
+    except (ValueError, IndexError, TypeError):
+        return None
     return None
+
+
+def _binary(node, ins, dims: Dims, depth: int) -> np.ndarray | None:
+    """Element-wise integer arithmetic of shape values, broadcast."""
+    a, b = (_values(i, dims, depth - 1) for i in ins[:2])
+    if a is None or b is None or len(ins) != 2:
+        return None
+    try:
+        a, b = np.broadcast_arrays(a, b)
+    except ValueError:
+        return None
+    fmod = bool(node.attrs.get("fmod", 0))
+    out = [arith(node.op, x, y, fmod) for x, y in zip(a.reshape(-1), b.reshape(-1))]
+    return _array(out, a.shape)
+
+
+def shape_elements(t: Tensor | None, dims: Dims | None = None) -> list[Key] | None:
+    """The elements of a small int64 shape tensor (rank ≤ 1) as dim keys: constants as
+    ``("int", v)``, shape glue (Shape, Concat, Gather, Slice, Unsqueeze, Squeeze, Reshape,
+    Transpose, Cast) followed, integer arithmetic (:data:`ARITH`) computed by :func:`arith`."""
+    a = _values(t, dims or Dims())
+    if a is None or a.ndim > 1:
+        return None
+    return list(a.reshape(-1))
 
 
 def same_dim(a: Tensor, i: int, b: Tensor, j: int) -> bool:

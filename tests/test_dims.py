@@ -1,0 +1,304 @@
+"""opt/dims: dims and shape values followed through Pad, Slice, Concat and integer arithmetic,
+and a shifted-window attention whose window count is computed from a padded, rolled input."""
+
+import math
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import pytest
+from onnx import TensorProto, helper
+
+from conftest import assert_optimized, const, model, vi
+from graphopt.opt.dims import Dims, arith, shape_elements
+from graphopt.opt.ir import op_histogram
+
+WIN, N, H = 2, 2, 4
+C = N * H
+I64_MAX = np.iinfo(np.int64).max
+
+
+def tensors(m: onnx.ModelProto) -> dict:
+    """The graphsurgeon tensors of ``m`` after onnx shape inference (as the passes see them)."""
+    return gs.import_onnx(onnx.shape_inference.infer_shapes(m)).tensors()
+
+
+def pad_to_windows(x: str, axis: int, p: str) -> list[onnx.NodeProto]:
+    """``(WIN - dim % WIN) % WIN`` of ``x``'s ``axis``, as a [1] tensor named ``p``."""
+    return [
+        helper.make_node("Shape", [x], [f"{p}_s"], start=axis, end=axis + 1),
+        helper.make_node("Mod", [f"{p}_s", "win"], [f"{p}_r"]),
+        helper.make_node("Sub", ["win", f"{p}_r"], [f"{p}_d"]),
+        helper.make_node("Mod", [f"{p}_d", "win"], [p]),
+    ]
+
+
+def padded_input(x: str = "x") -> tuple[list, list]:
+    """torch's ``F.pad(x, (0, 0, 0, pad_r, 0, pad_b))`` on [B, Hs, Ws, C], pads computed at run
+    time and written as the TorchScript exporter does (pairs reversed, then transposed)."""
+    inits = [
+        const("win", [WIN], np.int64),
+        const("zero1", [0], np.int64),
+        const("zeros2", [0, 0], np.int64),
+        const("pairs", [-1, 2], np.int64),
+        const("rev_s", [-1], np.int64),
+        const("rev_e", [-I64_MAX], np.int64),
+        const("ax0", [0], np.int64),
+        const("flat", [-1], np.int64),
+    ]
+    nodes = pad_to_windows(x, 1, "pad_b") + pad_to_windows(x, 2, "pad_r")
+    nodes += [
+        helper.make_node(
+            "Concat", ["zero1", "zero1", "zero1", "pad_r", "zero1", "pad_b"], ["torch_pads"], axis=0
+        ),
+        helper.make_node("Concat", ["torch_pads", "zeros2"], ["pads8"], axis=0),
+        helper.make_node("Reshape", ["pads8", "pairs"], ["pads42"]),
+        helper.make_node("Slice", ["pads42", "rev_s", "rev_e", "ax0", "rev_s"], ["pads_rev"]),
+        helper.make_node("Transpose", ["pads_rev"], ["pads24"], perm=[1, 0]),
+        helper.make_node("Reshape", ["pads24", "flat"], ["pads"]),
+        helper.make_node("Cast", ["pads"], ["pads_i"], to=TensorProto.INT64),
+        helper.make_node("Pad", [x, "pads_i"], ["xp"], mode="constant"),
+    ]
+    return nodes, inits
+
+
+def rolled(x: str, shift: int) -> tuple[list, list]:
+    """torch.roll(x, (-shift, -shift), (1, 2)) as the TorchScript exporter writes it."""
+    inits = [
+        const("sh", [shift], np.int64),
+        const("zero_s", [0], np.int64),
+        const("end", [I64_MAX], np.int64),
+    ]
+    nodes = []
+    src = x
+    for axis in (1, 2):
+        ax = f"axis{axis}"
+        inits.append(const(ax, [axis], np.int64))
+        nodes += [
+            helper.make_node("Slice", [src, "sh", "end", ax], [f"tail{axis}"]),
+            helper.make_node("Slice", [src, "zero_s", "sh", ax], [f"head{axis}"]),
+            helper.make_node("Concat", [f"tail{axis}", f"head{axis}"], [f"roll{axis}"], axis=axis),
+        ]
+        src = f"roll{axis}"
+    return nodes, inits
+
+
+def window_count() -> tuple[list, list]:
+    """``nW = (pH // WIN) · (pW // WIN)`` and ``[B·nW // nW, nW, N, S, S]`` from the rolled
+    input's shape, as the window regroup of torchvision's Swin reads it."""
+    inits = [
+        const("i1", 1, np.int64),
+        const("i2", 2, np.int64),
+        const("win0", WIN, np.int64),
+        const("ax0s", [0], np.int64),
+        const("tail", [N, WIN * WIN, WIN * WIN], np.int64),
+    ]
+    nodes = [
+        helper.make_node("Shape", ["roll2"], ["rs"]),
+        helper.make_node("Gather", ["rs", "i1"], ["ph"], axis=0),
+        helper.make_node("Gather", ["rs", "i2"], ["pw"], axis=0),
+        helper.make_node("Div", ["ph", "win0"], ["nh"]),
+        helper.make_node("Div", ["pw", "win0"], ["nw"]),
+        helper.make_node("Mul", ["nh", "nw"], ["n_win"]),
+        helper.make_node("Shape", ["win_tokens"], ["ts"], start=0, end=1),
+        helper.make_node("Squeeze", ["ts", "ax0s"], ["bw"]),
+        helper.make_node("Div", ["bw", "n_win"], ["images"]),
+        helper.make_node("Unsqueeze", ["images", "ax0s"], ["images1"]),
+        helper.make_node("Unsqueeze", ["n_win", "ax0s"], ["n_win1"]),
+        helper.make_node("Concat", ["images1", "n_win1", "tail"], ["win5"], axis=0),
+    ]
+    return nodes, inits
+
+
+def shifted_window_block(hs: int = 3, ws: int = 4) -> onnx.ModelProto:
+    """torchvision's shifted_window_attention on [B, hs, ws, C]: pad to whole windows, roll,
+    partition, packed QKV, relative bias, the per-window mask through a 5-D regroup whose
+    window count is computed from the padded input's shape."""
+    rng = np.random.default_rng(0)
+    s = WIN * WIN
+    ph, pw = -(-hs // WIN) * WIN, -(-ws // WIN) * WIN
+    n_win = (ph // WIN) * (pw // WIN)
+    nodes, inits = padded_input()
+    more, more_inits = rolled("xp", 1)
+    nodes, inits = nodes + more, inits + more_inits
+    inits += [
+        const("part_tail", [WIN, C], np.int64),
+        const("part_win", [WIN], np.int64),
+        const("tokens", [-1, s, C], np.int64),
+        const("Wpk", rng.standard_normal((C, 3 * C)) * 0.3),
+        const("bpk", rng.standard_normal(3 * C)),
+        const("five", [0, 0, 3, N, H], np.int64),
+        const("g0", 0, np.int64),
+        const("scale", 1 / math.sqrt(H)),
+        const("relpos", rng.standard_normal((1, N, s, s))),
+        const("wmask", np.where(rng.random((1, n_win, 1, s, s)) < 0.3, -100.0, 0.0)),
+        const("win4", [-1, N, s, s], np.int64),
+        const("merge", [0, 0, C], np.int64),
+        const("Wo", rng.standard_normal((C, C)) * 0.3),
+    ]
+    nodes += [  # partition: [B, pH/W, W, pW/W, W, C] from the rolled shape, then windows
+        helper.make_node("Shape", ["roll2"], ["shp"]),
+        helper.make_node("Slice", ["shp", "zero_s", "axis1"], ["bdim"]),
+        helper.make_node("Slice", ["shp", "axis1", "axis2"], ["hdim"]),
+        helper.make_node("Slice", ["shp", "axis2", "sh_end"], ["wdim"]),
+        helper.make_node("Div", ["hdim", "part_win"], ["hwin"]),
+        helper.make_node("Div", ["wdim", "part_win"], ["wwin"]),
+        helper.make_node(
+            "Concat", ["bdim", "hwin", "part_win", "wwin", "part_tail"], ["part6"], axis=0
+        ),
+        helper.make_node("Reshape", ["roll2", "part6"], ["x6"]),
+        helper.make_node("Transpose", ["x6"], ["x6t"], perm=[0, 1, 3, 2, 4, 5]),
+        helper.make_node("Reshape", ["x6t", "tokens"], ["win_tokens"]),
+    ]
+    inits.append(const("sh_end", [3], np.int64))
+    more, more_inits = window_count()
+    nodes, inits = nodes + more, inits + more_inits
+    nodes += [
+        helper.make_node("MatMul", ["win_tokens", "Wpk"], ["pk0"]),
+        helper.make_node("Add", ["pk0", "bpk"], ["pk"]),
+        helper.make_node("Reshape", ["pk", "five"], ["pk5"]),
+        helper.make_node("Transpose", ["pk5"], ["pkT"], perm=[2, 0, 3, 1, 4]),
+        helper.make_node("Gather", ["pkT", "g0"], ["Q"], axis=0),
+        helper.make_node("Gather", ["pkT", "i1"], ["K"], axis=0),
+        helper.make_node("Gather", ["pkT", "i2"], ["V"], axis=0),
+        helper.make_node("Mul", ["Q", "scale"], ["Qs"]),
+        helper.make_node("Transpose", ["K"], ["KT"], perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["Qs", "KT"], ["qk"]),
+        helper.make_node("Add", ["qk", "relpos"], ["zr"]),
+        helper.make_node("Reshape", ["zr", "win5"], ["z5"]),
+        helper.make_node("Add", ["z5", "wmask"], ["z5m"]),
+        helper.make_node("Reshape", ["z5m", "win4"], ["z"]),
+        helper.make_node("Softmax", ["z"], ["P"], axis=-1),
+        helper.make_node("MatMul", ["P", "V"], ["ctx"]),
+        helper.make_node("Transpose", ["ctx"], ["ctxT"], perm=[0, 2, 1, 3]),
+        helper.make_node("Reshape", ["ctxT", "merge"], ["attn"]),
+        helper.make_node("MatMul", ["attn", "Wo"], ["y"]),
+    ]
+    for i, nd in enumerate(nodes):
+        nd.name = f"n{i}_{nd.op_type}"
+    return model(nodes, [vi("x", ["batch", hs, ws, C])], [vi("y", None)], inits)
+
+
+# ------------------------------------------------------------------------- arithmetic
+@pytest.mark.parametrize(
+    "op,a,b,want",
+    [
+        ("Add", 3, 4, 7),
+        ("Sub", 3, 4, -1),
+        ("Mul", 3, 4, 12),
+        ("Div", 7, 2, 3),
+        ("Div", -7, 2, -3),  # int64 Div truncates
+        ("Mod", -7, 2, 1),  # Mod takes the divisor's sign
+        ("Max", 3, 4, 4),
+        ("Min", 3, 4, 3),
+    ],
+)
+def test_arith_on_static_sizes(op, a, b, want):
+    assert arith(op, ("int", a), ("int", b)) == ("int", want)
+
+
+def test_arith_identities_and_expressions():
+    b = ("param", "batch")
+    assert arith("Add", b, ("int", 0)) == b
+    assert arith("Mul", ("int", 1), b) == b
+    assert arith("Div", arith("Mul", b, ("int", 16)), ("int", 16)) == b
+    assert arith("Mul", b, ("int", 2)) == arith("Mul", ("int", 2), b)  # one key for both
+    assert arith("Div", b, ("int", 2)) != b
+    assert arith("Div", ("int", 1), ("int", 0))[0] == "expr"  # never evaluated
+    assert arith("Mod", ("int", -7), ("int", 2), fmod=True) == ("int", -1)
+
+
+# ------------------------------------------------------------------------- dims
+def test_dims_through_a_computed_pad():
+    """The padded dims of torch's F.pad with pads computed from the input's shape."""
+    nodes, inits = padded_input()
+    m = model(nodes, [vi("x", ["batch", 3, 4, C])], [vi("xp", None)], inits)
+    t = tensors(m)
+    assert t["xp"].shape is None or not isinstance(t["xp"].shape[1], int)  # inference: unknown
+    d = Dims()
+    assert shape_elements(t["pads_i"], d) == [("int", v) for v in (0, 0, 0, 0, 0, 1, 0, 0)]
+    assert [d.key(t["xp"], i) for i in range(4)] == [
+        ("param", "batch"),
+        ("int", 4),
+        ("int", 4),
+        ("int", C),
+    ]
+
+
+def test_dims_through_roll_slices_and_concat():
+    nodes, inits = padded_input()
+    more, more_inits = rolled("xp", 1)
+    m = model(nodes + more, [vi("x", ["batch", 3, 5, C])], [vi("roll2", None)], inits + more_inits)
+    t = tensors(m)
+    d = Dims()
+    assert d.key(t["tail1"], 1) == ("int", 3) and d.key(t["head1"], 1) == ("int", 1)
+    assert d.key(t["tail1"], 0) == ("param", "batch")
+    assert [d.key(t["roll2"], i) for i in range(4)] == [
+        ("param", "batch"),
+        ("int", 4),
+        ("int", 6),
+        ("int", C),
+    ]
+
+
+def test_dims_of_a_symbolic_pad_and_unsqueeze():
+    """A symbolic dim padded by zero keeps its key; by a computed amount it gets an expression
+    (equal only to the same expression); Unsqueeze/Squeeze map the dims."""
+    inits = [const("p0", [0, 0, 0, 0], np.int64), const("ax", [0], np.int64)]
+    nodes = [
+        helper.make_node("Pad", ["x", "p0"], ["same"]),
+        helper.make_node("Shape", ["x"], ["s"], start=1, end=2),
+        helper.make_node("Concat", ["ax", "ax", "ax", "s"], ["p1"], axis=0),
+        helper.make_node("Pad", ["x", "p1"], ["grown"]),
+        helper.make_node("Unsqueeze", ["x", "ax"], ["u"]),
+        helper.make_node("Squeeze", ["u", "ax"], ["sq"]),
+    ]
+    outs = [vi(n, None) for n in ("same", "grown", "u", "sq")]
+    t = tensors(model(nodes, [vi("x", ["b", "n"])], outs, inits))
+    d = Dims()
+    assert d.key(t["same"], 1) == ("param", "n")
+    assert d.key(t["grown"], 1) == ("expr", "Add", ("param", "n"), ("param", "n"))
+    assert d.key(t["grown"], 0) == ("param", "b")
+    assert [d.key(t["u"], i) for i in range(3)] == [("int", 1), ("param", "b"), ("param", "n")]
+    assert [d.key(t["sq"], i) for i in range(2)] == [("param", "b"), ("param", "n")]
+
+
+def test_reshape_minus_one_is_inferred_when_static():
+    inits = [const("t", [-1, 4], np.int64)]
+    nodes = [helper.make_node("Reshape", ["x", "t"], ["y"])]
+    t = tensors(model(nodes, [vi("x", [3, 8])], [vi("y", [6, 4])], inits))
+    t["y"].shape = None  # as after a rewrite: no inferred shape
+    assert Dims().key(t["y"], 0) == ("int", 6)
+
+
+def test_window_regroup_target_is_proven():
+    """The 5-D regroup target [B·nW // nW, nW, N, S, S] of a padded, rolled input: nW static,
+    the images the batch itself."""
+    t = tensors(shifted_window_block())
+    elems = shape_elements(t["win5"], Dims())
+    s = WIN * WIN
+    assert elems == [("param", "batch"), ("int", 4), ("int", N), ("int", s), ("int", s)]
+
+
+# ------------------------------------------------------------------------- end to end
+@pytest.mark.parametrize("target", ["cuda", "cpu"])
+def test_shifted_window_attention_through_pad_fuses(target):
+    """The window count is computed at run time (folding refused: no budget): the mask shape is
+    proven through Pad and the roll, so the block fuses (cpu: short windows are refused as
+    slower there, by measurement, not for the mask)."""
+    rng = np.random.default_rng(1)
+    feed = {"x": rng.standard_normal((3, 3, 4, C)).astype(np.float32)}
+    out, report = assert_optimized(
+        shifted_window_block(),
+        target=target,
+        inputs=feed,
+        options={"fold_size_limit": 0},
+    )
+    h = op_histogram(out.graph.node)
+    missed = [r.code for r in report.remarks if r.rule == "fuse-attention" and r.kind == "missed"]
+    assert "mask-shape" not in missed
+    if target == "cuda":
+        assert h["com.microsoft.MultiHeadAttention"] == 1 and "Softmax" not in h
+        assert "Pad" in h  # the window count was not folded away
+    else:
+        assert missed == ["slower-on-target"]
