@@ -193,9 +193,15 @@ def strip_scale(t: Tensor | None) -> tuple[Tensor | None, list[Factor]]:
     if node.op == "Div":
         return ins[0], [Factor(ins[1], True, node)]
     for u, c in ((ins[0], ins[1]), (ins[1], ins[0])):
-        if producer(u, _SCALED) is not None and producer(c, _SCALED[1:]) is None:
+        scaled = producer(u, _SCALED) is not None or rotary_of(u) is not None
+        if scaled and producer(c, _SCALED[1:]) is None:
             return u, [Factor(c, False, node)]
     return t, []
+
+
+def rotary_of(t: Tensor | None) -> Node | None:
+    """The ``RotaryEmbedding`` (ONNX or com.microsoft) computing ``t``, or None."""
+    return producer(t, "RotaryEmbedding") or producer(t, "RotaryEmbedding", MS)
 
 
 def is_scores(t: Tensor | None, depth: int = _MAX_TERMS) -> bool:

@@ -23,6 +23,7 @@ from graphopt.opt.dims import Dims, Key, rank, shape_elements
 from graphopt.opt.ir import Node, Tensor, constant_value
 
 from ..activation import inputs, producer, scalar
+from .core import rotary_of
 
 PERM_BNSH = (0, 2, 1, 3)
 PERM_BNHS = (0, 2, 3, 1)
@@ -41,6 +42,7 @@ class HeadSplit:
     nodes: list[Node] = field(default_factory=list)
     index: int | None = None  # packed: which of q, k, v
     merge: Node | None = None  # sequence-first: the Reshape that unfolds batch × heads
+    rotary: Node | None = None  # a RotaryEmbedding over the [B,N,S,H] heads, redone on ``x``
 
 
 def transpose_of(t: Tensor | None, perm: tuple[int, ...]) -> Node | None:
@@ -69,6 +71,21 @@ def split_heads(t: Tensor | None, perm: tuple[int, ...]) -> HeadSplit | None:
     if rs is None:
         return None
     return HeadSplit(inputs(rs)[0], rs, "bsd", chain)
+
+
+def rotated_split(t: Tensor | None) -> HeadSplit | None:
+    """Q as ``RotaryEmbedding(heads)`` over a batch-first head split (decoders rotate the heads
+    [B,N,S,H] after the split): the split, the rotary among its nodes, to be redone on the
+    [B,S,D] source with ``num_heads`` (the same per-head rotation)."""
+    rot = rotary_of(t)
+    if rot is None or rank(inputs(rot)[0]) not in (None, 4):
+        return None
+    split = split_heads(inputs(rot)[0], PERM_BNSH)
+    if split is None or split.layout != "bsd":
+        return None
+    split.nodes.insert(0, rot)
+    split.rotary = rot
+    return split
 
 
 def already_split(t_in: Tensor | None, perm: tuple[int, ...]) -> HeadSplit | None:
@@ -296,4 +313,12 @@ def source_axis(layout: str, which: str) -> int:
     return int((which == "seq") ^ (layout == "sbd"))
 
 
-__all__ = ["HeadSplit", "already_split", "head_count", "rank", "source_axis", "split_heads"]
+__all__ = [
+    "HeadSplit",
+    "already_split",
+    "head_count",
+    "rank",
+    "rotated_split",
+    "source_axis",
+    "split_heads",
+]

@@ -37,6 +37,8 @@ def lower(a: Attention, b: Builder) -> Tensor:
         _batch_first(a, b, t, s.layout, r)
         for r, t, s in (("q", q, a.q), ("k", k, a.k), ("v", v, a.v))
     )
+    if a.q.rotary is not None:
+        q = _rotated(a, b, q)
     attention_bias = _attention_bias(a, b, q, k) if a.bias is not None else None
     if a.op == "Attention":
         attrs = {"q_num_heads": a.num_heads, "kv_num_heads": a.num_heads}
@@ -70,6 +72,22 @@ def _batch_first(a: Attention, b: Builder, t: Tensor, layout: str, role: str) ->
     return b.op(
         "Transpose", [t], {"perm": [1, 0, 2]}, name=f"{a.core.root.name}/{role}_batch_first"
     )
+
+
+def _rotated(a: Attention, b: Builder, q: Tensor) -> Tensor:
+    """The query's RotaryEmbedding redone on [B,S,N·H] with ``num_heads``: the same rotation of
+    each head, without going through [B,N,S,H]."""
+    rot = a.q.rotary
+    attrs = {**rot.attrs, "num_heads": a.num_heads}
+    out = b.op(
+        rot.op,
+        [q, *inputs(rot)[1:]],
+        attrs,
+        domain=rot.domain or "",
+        name=f"{a.core.root.name}/q_rotary",
+    )
+    out.dtype, out.shape = dtype_of(a.q.x), q.shape
+    return out
 
 
 def _nan_to_zero(a: Attention, b: Builder, out: Tensor) -> Tensor:

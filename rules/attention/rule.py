@@ -28,6 +28,7 @@ from .heads import (
     already_split,
     batch_keys,
     head_count,
+    rotated_split,
     source_axis,
     split_heads,
 )
@@ -91,7 +92,7 @@ def lift(root: Node) -> Attention:
         raise no_match()  # that Reshape is the root
     core = match_core(root)
     splits = [
-        split_heads(core.q, PERM_BNSH),
+        split_heads(core.q, PERM_BNSH) or rotated_split(core.q),
         split_heads(core.kt, PERM_BNHS) or already_split(core.kt, PERM_BNHS),
         split_heads(core.v, PERM_BNSH) or already_split(core.v, PERM_BNSH),
     ]
