@@ -2,14 +2,19 @@
 
 :class:`Dims` says what each dimension of a tensor provably equals, as a hashable key:
 ``("int", n)`` for a static size, ``("param", name)`` for a graph input's named dim (or a dim
-onnx shape inference proved equal to one), and ``("dim", tensor, axis)`` — the dim itself — when
-nothing better is known.  Two equal keys mean equal dims at run time; unequal keys mean
+onnx shape inference proved equal to one), ``("dim", tensor, axis)`` — the dim itself — when
+nothing better is known, and ``("expr", op, a, b)`` for integer arithmetic on keys that does not
+simplify (``B·4``, ``n + p``).  Two equal keys mean equal dims at run time; unequal keys mean
 "unknown", never "different".  Keys are derived through element-wise ops (broadcasting),
-MatMul/Gemm, Transpose, Reshape (with constant or shape-glue targets), Split, Gather and Expand.
+MatMul/Gemm, Transpose, Reshape (with constant or shape-glue targets; a -1 is the input's size
+over the other elements when those are static), Split, Gather, Expand, Pad (pads constant or
+computed), Slice (constant bounds), Concat, Unsqueeze/Squeeze and ConstantOfShape — so a Swin
+window count computed from a padded, rolled input's shape is static when the input's sizes are.
 
 :func:`shape_elements` reads a small int64 shape tensor (a constant, or shape glue: Shape,
-Concat, Gather, Slice, Unsqueeze, Cast) as a list of such keys; :func:`same_dim` compares two
-dims; :func:`pins` says whether a Reshape target keeps given dims.
+Concat, Gather, Slice, Unsqueeze, Squeeze, Reshape, Transpose, Cast, of any rank on the way, and
+the integer arithmetic of :data:`ARITH`, computed by :func:`arith`) as a list of such keys;
+:func:`same_dim` compares two dims; :func:`pins` says whether a Reshape target keeps given dims.
 """
 
 from __future__ import annotations
@@ -332,6 +337,8 @@ MAX_VALUES = 64
 #: element-wise integer ops on shape values that :func:`arith` computes
 ARITH = frozenset({"Add", "Sub", "Mul", "Div", "Mod", "Max", "Min"})
 _COMMUTATIVE = frozenset({"Add", "Mul", "Max", "Min"})
+#: ONNX element types a Cast of shape values may go to and keep them (u)int8..64
+_INT_TYPES = frozenset({2, 3, 4, 5, 6, 7, 12, 13})
 
 
 def _int(k: Key) -> int | None:
@@ -477,7 +484,7 @@ def _compute_values(t: Tensor, dims: Dims, depth: int) -> np.ndarray | None:
     x = _values(ins[0], dims, depth - 1)
     if x is None:
         return None
-    if op in ("Cast", "Identity"):
+    if op == "Identity" or (op == "Cast" and node.attrs.get("to") in _INT_TYPES):
         return x
     if op == "Concat":
         parts = [x] + [_values(i, dims, depth - 1) for i in ins[1:]]
@@ -568,4 +575,4 @@ def pins(target: list[Key], dims: list[Key]) -> bool:
     )
 
 
-__all__ = ["Dims", "Key", "pins", "rank", "same_dim", "shape_elements"]
+__all__ = ["ARITH", "Dims", "Key", "arith", "pins", "rank", "same_dim", "shape_elements"]

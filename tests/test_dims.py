@@ -302,3 +302,16 @@ def test_shifted_window_attention_through_pad_fuses(target):
         assert "Pad" in h  # the window count was not folded away
     else:
         assert missed == ["slower-on-target"]
+
+
+def test_shape_values_through_casts_to_integers_only():
+    inits = [const("t", [2, 0], np.int64)]
+    nodes = [
+        helper.make_node("Add", ["t", "t"], ["tt"]),
+        helper.make_node("Cast", ["tt"], ["tt32"], to=TensorProto.INT32),
+        helper.make_node("Cast", ["tt"], ["ttb"], to=TensorProto.BOOL),
+    ]
+    outs = [vi(n, None, e) for n, e in (("tt32", TensorProto.INT32), ("ttb", TensorProto.BOOL))]
+    t = tensors(model(nodes, [vi("x", [1])], outs, inits))
+    assert shape_elements(t["tt32"]) == [("int", 4), ("int", 0)]
+    assert shape_elements(t["ttb"]) is None
