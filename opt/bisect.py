@@ -6,20 +6,43 @@ rewrite N is the culprit.  That costs one full run plus ceil(log2(rewrites)) run
 remark (rule, nodes) is returned with a minimal before/after pair of models: the nodes the rewrite
 replaced, and the nodes it created, each cut out as a standalone model with the same inputs (for a
 rewrite inside an If/Loop/Scan body, the whole models before and after it).
+:func:`write_bisect_result` writes them with the result as ``report.json`` into a folder that
+is replaced only when it is one bisect wrote (see :data:`BISECT_KIND`).
 """
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import onnx
 from onnx import helper
 
+from .errors import ModelSaveError
+from .io import (
+    OutputDirKind,
+    check_output_dir,
+    discard,
+    replace_dir,
+    staging_dir,
+    write_model_files,
+)
 from .optimizer import Report, optimize
 from .remarks import Remark
+
+BISECT_SCHEMA = "graphopt.bisect/1"
+#: A bisect folder: marked by its report.json's schema, holding only what bisect writes.
+BISECT_KIND = OutputDirKind(
+    "graphopt bisect folder",
+    "report.json",
+    BISECT_SCHEMA,
+    ("report.json", "before.onnx", "after.onnx"),
+)
 
 
 @dataclass
@@ -117,6 +140,41 @@ def bisect(
         "first_divergence": failing.parity.first_divergence,
     }
     return BisectResult(True, message, total, runs, culprit, remark, before, after, failing)
+
+
+def default_bisect_dir(model: str | os.PathLike) -> Path:
+    """``<stem>.bisect`` beside the model."""
+    path = Path(model)
+    return path.with_name(f"{path.stem}.bisect")
+
+
+def write_bisect_result(
+    result: BisectResult, dest: Path, protected: Sequence[Path] = ()
+) -> dict[str, Any]:
+    """The result as a dict; when a culprit was found, also before.onnx, after.onnx and
+    report.json (its schema marks the folder as bisect's) written into ``dest`` — through a
+    staging folder renamed into place, which never survives — and ``files`` names ``dest``.
+    ``dest`` may replace only an empty folder or a bisect folder, never a ``protected`` path."""
+    payload = result.to_dict()
+    if not result.found or result.before is None:
+        return payload
+    try:
+        staging = staging_dir(dest)
+    except OSError as e:
+        raise ModelSaveError(f"cannot write to {dest.parent}: {e.strerror or e}") from None
+    try:
+        write_model_files(result.before, staging / "before.onnx", external=False)
+        if result.after is not None:
+            write_model_files(result.after, staging / "after.onnx", external=False)
+        marked = {"schema": BISECT_SCHEMA, **payload}
+        (staging / "report.json").write_text(json.dumps(marked, indent=2, sort_keys=True))
+        check_output_dir(dest, BISECT_KIND, list(protected))
+        replace_dir(staging, dest)
+    except OSError as e:
+        raise ModelSaveError(f"cannot write {dest}: {e.strerror or e}") from None
+    finally:
+        discard(staging)
+    return {**payload, "files": str(dest)}
 
 
 def minimal_pair(

@@ -216,3 +216,17 @@ def explain(
         ],
         "notes": [r.to_dict() for r in other],
     }
+
+
+def node_ops(*models) -> dict[str, str]:
+    """Node name → op type (``domain.op`` outside the default domain) over the models' graphs,
+    subgraphs included (a name in a later model wins): what ``--op`` and ``--node`` read."""
+    from .domains import is_default
+    from .ir import all_graphs
+
+    return {
+        n.name: n.op_type if is_default(n.domain) else f"{n.domain}.{n.op_type}"
+        for model in models
+        for graph in all_graphs(model.graph)
+        for n in graph.node
+    }

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,6 +85,34 @@ def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
             )
         specs.append(InputSpec(vi.name, dtype, dims))
     return specs
+
+
+def read_feeds(path: str | os.PathLike, model: onnx.ModelProto | str | os.PathLike):
+    """``--inputs``: an .npz of named arrays, or an .npy holding the one input of a model (a
+    proto or a path, read without its weights) that has exactly one."""
+    from .io import load_model
+    from .parity import load_inputs
+
+    try:
+        with open(path, "rb") as f:
+            is_npy = f.read(6) == b"\x93NUMPY"
+    except OSError as e:
+        raise UsageError(f"--inputs {path}: cannot read ({e.strerror or e})") from None
+    if not is_npy:
+        return load_inputs(path)
+    try:
+        array = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--inputs {path}: cannot read as .npy ({e})") from None
+    if not isinstance(model, onnx.ModelProto):
+        model = load_model(model, check=False, lazy_external=True)
+    names = [s.name for s in input_specs(model)]
+    if len(names) != 1:
+        raise UsageError(
+            f"--inputs {path}: an .npy holds one array but the model has {len(names)} inputs "
+            f"({', '.join(names) or 'none'}); give an .npz with one array per input name"
+        )
+    return {names[0]: array}
 
 
 #: dim_params that mean "unknown", not a size shared with other dims (Paddle writes "?")

@@ -15,6 +15,9 @@ distribution-free (order statistics of the paired ratios).  Rounds continue unti
 narrower than the precision asked for (or the time budget ends).  A baseline is saved only from
 a run whose interval is narrower than the allowed regression; a later run regressed only when
 its whole interval lies above the baseline interval's upper end × (1 + allowed regression).
+:func:`gate_latency` builds the two sessions as ``graphopt bench`` does and measures them;
+:func:`gate_verdict` turns the measurement, the baseline and the optimization's own verdict into
+the gate's exit code and lines.  :func:`bench_junit_xml` is ``graphopt bench``'s JUnit file.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import math
 import re
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from statistics import NormalDist
 from typing import Any
@@ -34,7 +37,7 @@ from xml.sax.saxutils import escape, quoteattr
 import numpy as np
 
 from .domains import is_default
-from .errors import EXIT_TARGET, GraphoptError, UsageError
+from .errors import EXIT_PERF, EXIT_TARGET, GraphoptError, UsageError
 from .parity import ParityReport
 
 _EXPECT = re.compile(r"^\s*([A-Za-z0-9_.]+)\s*(>=|<=|==|!=|>|<)\s*(\d+)\s*$")
@@ -321,3 +324,109 @@ def compare_baseline(latency: PairedLatency, path: Path, max_regression: float) 
         "max_regression": max_regression,
         "regressed": latency.low / max(base_ratio, base_high) - 1.0 > max_regression,
     }
+
+
+def gate_latency(
+    original_path: Path,
+    optimized,
+    parity_inputs: dict[str, list[int]] | None,
+    feeds: dict[str, np.ndarray] | None,
+    seed: int,
+    *,
+    threads: int,
+    precision: float,
+    max_seconds: float,
+    progress: Callable[[str], None] | None = None,
+) -> PairedLatency:
+    """:func:`paired_rounds` of the original model (read from ``original_path``) and
+    ``optimized``, each in a session as ``bench`` builds it (ORT_ENABLE_ALL, CPU, ``threads``),
+    on inputs of the sizes parity used (``parity_inputs``) or the user's ``feeds``."""
+    from .bench import _session
+    from .io import load_model
+    from .parity import Session, make_inputs
+
+    original = load_model(original_path)
+    inputs = make_inputs(Session(original).sess, dict(parity_inputs or {}), seed, feeds)
+    runs = []
+    for model, which in ((original, "original"), (optimized, "optimized")):
+        sess, _ = _session(model, "all", threads, which)
+        names = {i.name for i in sess.get_inputs()}
+        feed = {k: v for k, v in inputs.items() if k in names}
+        sess.run(None, feed)  # warm-up
+        runs.append(lambda s=sess, f=feed: s.run(None, f))
+    return paired_rounds(*runs, precision=precision, max_seconds=max_seconds, progress=progress)
+
+
+@dataclass
+class GateVerdict:
+    """The gate's exit code and one line (``reason``), the latency line and its JUnit failure,
+    the comparison with the baseline and the baseline to save (when asked and narrow enough)."""
+
+    code: int
+    reason: str
+    line: str = ""
+    failure: str | None = None
+    comparison: dict[str, Any] | None = None
+    baseline: dict[str, Any] | None = field(default=None, repr=False)
+
+    def junit_case(self) -> dict[str, Any]:
+        """The latency test case for :func:`junit_xml`."""
+        return {"text": self.line, "failure": self.failure}
+
+
+def gate_verdict(
+    latency: PairedLatency | None,
+    code: int,
+    reason: str,
+    *,
+    baseline: Path | None = None,
+    save_baseline: bool = False,
+    max_regression: float,
+    meta: dict[str, Any] | None = None,
+) -> GateVerdict:
+    """The optimization's verdict (``code``, ``reason``) first; then, when latency was
+    measured, a regression against ``baseline`` (exit 5), and the baseline to save with
+    ``meta`` (refused, exit 4, when the interval is wider than ``max_regression``)."""
+    verdict = GateVerdict(code, reason)
+    if latency is None:
+        return verdict
+    verdict.line = (
+        f"optimized/original {latency.ratio:.3f} [{latency.low:.3f}, {latency.high:.3f}] "
+        f"({latency.rounds} paired rounds, {latency.seconds:.1f}s)"
+    )
+    if baseline:
+        cmp = compare_baseline(latency, baseline, max_regression)
+        verdict.comparison = cmp
+        verdict.line += (
+            f"; vs baseline {cmp['baseline_ratio']:.3f}: {cmp['change']:+.1%} "
+            f"[{cmp['change_low']:+.1%}, {cmp['change_high']:+.1%}] "
+            f"(limit {max_regression:.1%})"
+        )
+        if cmp["regressed"]:
+            verdict.failure = verdict.reason = f"latency regression: {verdict.line}"
+            verdict.code = EXIT_PERF
+            return verdict
+    if save_baseline:
+        try:
+            verdict.baseline = gate_baseline(latency, max_regression, **(meta or {}))
+        except IntervalTooWide as e:
+            verdict.code, verdict.reason, verdict.failure = e.exit_code, str(e), str(e)
+    return verdict
+
+
+def bench_junit_xml(name: str, result) -> str:
+    """``graphopt bench --junit``: one test case, failed when the normalized p95 regressed
+    past the limit against the baseline."""
+    body = ""
+    if result.regression is not None and result.regressed:
+        msg = (
+            f"normalized p95 {result.ratio_p95:.3f} is {result.regression:+.1%} vs baseline "
+            f"(limit {result.max_regression:.1%})"
+        )
+        body = f"<failure message={quoteattr(msg)}/>"
+    return (
+        '<?xml version="1.0" encoding="UTF-8"?>\n'
+        f'<testsuite name="graphopt.bench" tests="1" failures="{int(result.regressed)}">\n'
+        f'  <testcase classname="graphopt.bench" name={quoteattr(name)}>{body}</testcase>\n'
+        "</testsuite>\n"
+    )

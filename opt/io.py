@@ -26,6 +26,7 @@ import shutil
 import stat
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,13 +74,16 @@ def load_model(
     base = path.resolve().parent
     _check_external_data(model, base, path)
     # the bytes read stop being the model once its external data is read in or it is fixed up
-    changed = model.ir_version < 4 or has_external_data(model)
-    if has_external_data(model) and not lazy_external:
+    external = has_external_data(model)
+    changed = model.ir_version < 4 or external
+    if external and not lazy_external:
         external_data_helper.load_external_data_for_model(model, str(base))
     accept_on_load(model)  # in memory: what onnxruntime runs and onnx's checker refuses
     if check:
-        # the checker reads the bytes just read, not a second serialization of the same model
-        validate(model, path, by_path=has_external_data(model), data=None if changed else data)
+        # the checker reads the bytes just read, not a second serialization of the same model;
+        # external data still on disk (lazy) is checked through the file
+        by_path = external and lazy_external
+        validate(model, path, by_path=by_path, data=None if changed else data)
     return model
 
 
@@ -464,6 +468,15 @@ def remove_path(path: Path) -> None:
         raise OSError(f"could not remove {path}")
 
 
+def discard(path: Path) -> None:
+    """Remove a temporary file or folder if it exists; a failure is a warning, never an error."""
+    if os.path.lexists(path):
+        try:
+            remove_path(path)
+        except OSError as e:
+            warnings.warn(f"could not remove {path}: {e}", stacklevel=3)
+
+
 def staging_dir(final: Path) -> Path:
     """A fresh directory beside ``final`` to write into, with normal (umask) permissions; stale
     staging folders of ``final`` from killed runs are removed first."""
@@ -491,8 +504,12 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write a text file via a temporary sibling and a rename, with normal permissions."""
-    atomic_write(path, lambda f: f.write(text.encode()))
+    """Write a text file via a temporary sibling and a rename, with normal permissions; an
+    OSError is a ModelSaveError (one line: the path and why)."""
+    try:
+        atomic_write(path, lambda f: f.write(text.encode()))
+    except OSError as e:
+        raise ModelSaveError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def replace_dir(staging: Path, final: Path) -> None:

@@ -14,11 +14,15 @@ from typer.testing import CliRunner
 
 import graphopt.cli as cli
 from conftest import ROOT, const, model, vi
+from graphopt import render
 from graphopt.cli import app
 from graphopt.opt.errors import UsageError
+from graphopt.opt.explain import group_misses
 from graphopt.opt.gate import resolve_op
 from graphopt.opt.parity import ParityReport
 from graphopt.opt.remarks import Remark
+from graphopt.opt.verdict import parity_hint
+from graphopt.progress import PhaseLines
 
 runner = CliRunner()
 
@@ -195,9 +199,9 @@ def test_parity_hint_is_not_repeated():
     carried = ParityReport.not_run(
         "the original failed to run on every assignment; give real sizes with --shape NAME=..."
     )
-    assert cli._parity_hint(carried) == ""
+    assert parity_hint(carried) == ""
     bare = ParityReport.not_run("the original failed to run: Reshape")
-    assert "--shape" in cli._parity_hint(bare)
+    assert "--shape" in parity_hint(bare)
 
 
 def test_safety_net_reverts_are_loud(tmp_path, rng, monkeypatch):
@@ -274,9 +278,9 @@ def test_summary_shows_at_most_ten_groups(capsys):
         Remark("missed", "rules", f"rule-{i}", f"code-{i}", (f"n{i}",), "why") for i in range(14)
     ]
     remarks += [Remark("missed", "rules", "rule-0", "code-0", ("m",), "why")]
-    cli._render_misses(cli.group_misses(SimpleNamespace(remarks=remarks)))
+    render.render_misses(group_misses(SimpleNamespace(remarks=remarks)))
     text = capsys.readouterr().out
-    assert text.count("×") == cli.MAX_MISS_GROUPS
+    assert text.count("×") == render.MAX_MISS_GROUPS
     assert "2× rule-0 code-0 (e.g. 'n0')" in text
     assert "4 more groups (4 remarks)" in text
 
@@ -318,7 +322,7 @@ def test_every_long_command_reports_progress(tmp_path, rng, args):
 
 
 def test_phase_lines_print_only_phases_that_last(capsys):
-    lines = cli._PhaseLines(0.2)
+    lines = PhaseLines(0.2)
     lines.say("quick")
     lines.say("slow")
     time.sleep(0.6)

@@ -1,0 +1,393 @@
+"""What the commands print: the optimization summary, parity tables, explain, lint, bench, gate,
+targets, rules and run, on stdout (``out``); warnings and errors on stderr (``err``).
+
+Only presentation lives here: every number and decision comes from the library (the report,
+:mod:`graphopt.opt.verdict`, :mod:`graphopt.opt.gate`, :mod:`graphopt.opt.explain`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .opt.clock import phase_summary
+from .opt.explain import group_misses, levers
+from .opt.manager import RULES
+from .opt.pipeline import LEVEL_NAMES
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+MAX_MISS_GROUPS = 10
+
+
+def print_json(data: Any, default=None) -> None:
+    """One JSON document on stdout."""
+    print(json.dumps(data, indent=2, sort_keys=True, default=default))
+
+
+def warn(line: str) -> None:
+    err.print(f"[yellow]warning:[/] {line}", markup=True, soft_wrap=True)
+
+
+def error(line: str) -> None:
+    """The one line a failed verdict prints (even with --quiet or --format json)."""
+    err.print(f"error: {line}", soft_wrap=True)
+
+
+def render_expectations(results: list) -> None:
+    for e in results:
+        mark = "[green]ok[/]" if e.ok else "[red]FAILED[/]"
+        out.print(f"expect {e.text}: {mark} (found {e.actual})")
+
+
+def device_note(report) -> str:
+    """Where parity ran, for targets other than cpu: onnxruntime's CPU provider here, and
+    whether the bundle ran on the device (its manifest says)."""
+    if report.target == "cpu":
+        return ""
+    device = "not-run"
+    manifest = Path(report.outputs.get("manifest", "")) if report.outputs else None
+    if manifest and manifest.is_file():
+        try:
+            device = json.loads(manifest.read_text()).get("verified", {}).get("device", device)
+        except (OSError, ValueError):
+            pass
+    ran = "not run" if device == "not-run" else f"run ({device})"
+    return (
+        "parity ran on this machine's CPU (onnxruntime CPUExecutionProvider); "
+        f"the {report.target} device was {ran}"
+    )
+
+
+def render_report(report, custom_pipeline: bool = False) -> None:
+    how = f"pipeline '{report.pipeline}'" if custom_pipeline else f"-O{report.level}"
+    took = phase_summary(report.seconds)  # the wait, phase by phase
+    out.print(
+        f"[bold]{report.model}[/] → target [cyan]{report.target}[/], {how}: "
+        f"{report.nodes_before} → {report.nodes_after} nodes, {report.rewrites} rewrites, {took}",
+        soft_wrap=True,
+    )
+    changed = [
+        f"{op} {report.ops_before.get(op, 0)}→{report.ops_after.get(op, 0)}"
+        for op in sorted(set(report.ops_before) | set(report.ops_after))
+        if report.ops_before.get(op, 0) != report.ops_after.get(op, 0)
+    ]
+    if changed:
+        out.print("ops (before→after): " + ", ".join(changed), soft_wrap=True)
+    render_fired(report)
+    render_misses(group_misses(report))
+    note = device_note(report)
+    render_parity(report.parity, note)
+    if report.parity_float64 is not None:
+        render_parity(report.parity_float64, note)
+    deployed = report.parity_deployed
+    if deployed is not None:
+        verdict = "[green]ok[/]" if deployed.ok else "[red]FAILED[/]" if deployed.ran else "not run"
+        out.print(f"parity at the bundle's session settings ({deployed.reference}): {verdict}")
+    render_performance(report.performance)
+    passes = {}
+    for p in report.passes:
+        passes[p["name"]] = passes.get(p["name"], 0.0) + p["seconds"]
+    out.print("time per pass: " + ", ".join(f"{k} {v:.3f}s" for k, v in passes.items()))
+    if report.outputs:
+        out.print(f"wrote {report.outputs.get('model')}")
+
+
+def render_fired(report) -> None:
+    """Fired fusions (rules of level 2+) and cleanups with their counts, most first."""
+    fired = sorted(
+        ((n, st["fired"]) for n, st in report.rules.items() if st["fired"]),
+        key=lambda kv: (-kv[1], kv[0]),
+    )
+    fusions = [(n, c) for n, c in fired if n in RULES and RULES[n].level >= 2]
+    cleanups = [(n, c) for n, c in fired if (n, c) not in fusions]
+    for label, rows in (("[green]fused[/]", fusions), ("cleaned up", cleanups)):
+        if rows:
+            out.print(f"{label}: " + ", ".join(f"{n} ×{c}" for n, c in rows), soft_wrap=True)
+
+
+def render_misses(groups: list[dict]) -> None:
+    """Missed/failed remarks grouped by (rule, code), one line each: count, rule, code, one
+    example node, what to do; at most MAX_MISS_GROUPS lines, then the flags that would let more
+    fuse.  The full list is in report.json, --remarks and `graphopt explain`."""
+    if not groups:
+        return
+    total = sum(g["count"] for g in groups)
+    out.print(f"[yellow]missed[/]: {total} remarks in {len(groups)} groups, actionable first")
+    for g in groups[:MAX_MISS_GROUPS]:
+        what = "[red]failure[/] " if g["kind"] == "failure" else ""
+        todo = g["hint"] or g["message"]
+        todo = todo if len(todo) <= 160 else todo[:159] + "…"
+        if g["lever"]:
+            todo = f"[bold]{g['lever']}[/]: {todo}"
+        out.print(
+            f"  {g['count']:>4}× {what}{g['rule']} {g['code']} (e.g. '{g['example']}'): {todo}",
+            soft_wrap=True,
+        )
+    if len(groups) > MAX_MISS_GROUPS:
+        rest = groups[MAX_MISS_GROUPS:]
+        out.print(
+            f"  ... {len(rest)} more groups ({sum(g['count'] for g in rest)} remarks): "
+            "`graphopt explain`, --remarks FILE or report.json list them all",
+            soft_wrap=True,
+        )
+    more = levers(groups)
+    if more:
+        out.print(
+            "to get more: " + "; ".join(f"{lever} ({n} missed)" for lever, n in more),
+            soft_wrap=True,
+        )
+
+
+def render_performance(perf: dict) -> None:
+    """One line: the performance safety net's verdict, or why it did not measure."""
+    if not perf.get("measured"):
+        if perf.get("why"):
+            out.print(f"latency vs original: not measured ({perf['why']})")
+        return
+    reverted = perf.get("reverted") or []
+    tail = f"; reverted {', '.join(str(r) for r in reverted)}" if reverted else ""
+    out.print(
+        f"latency vs original (1 thread, this machine): {perf.get('ratio', 0):.3f} "
+        f"[{perf.get('low', 0):.3f}, {perf.get('high', 0):.3f}], {perf.get('rounds', 0)} rounds"
+        f"{tail}"
+    )
+
+
+def render_parity(parity, note: str = "") -> None:
+    if not parity.ran:
+        out.print(f"parity: [yellow]not run[/] ({parity.error})")
+        return
+    verdict = "[green]ok[/]" if parity.ok else "[red]FAILED[/]"
+    t = Table(title=f"parity vs {parity.reference}: {verdict}", show_edge=False)
+    for col in ("output", "dtype", "max abs", "max rel", "mean abs", "mismatch", "cosine", "ok"):
+        t.add_column(col, justify="left" if col in ("output", "dtype") else "right")
+    for d in parity.outputs:
+        t.add_row(
+            d.name,
+            d.dtype,
+            f"{d.max_abs:.3g}",
+            f"{d.max_rel:.3g}",
+            f"{d.mean_abs:.3g}",
+            f"{d.mismatch:.2%}",
+            f"{d.cosine:.6f}",
+            "yes" if d.ok else "[red]NO[/]",
+        )
+    out.print(t)
+    if note:
+        out.print(note, soft_wrap=True)
+    if parity.error:
+        out.print(f"[red]{parity.error}[/]")
+    if parity.first_divergence:
+        d = parity.first_divergence
+        out.print(
+            f"first diverging tensor: '{d['tensor']}' from {d['op']} '{d['producer']}' "
+            f"(max abs {d['max_abs']:.3g})"
+        )
+
+
+def render_bisect(result, payload: dict) -> None:
+    out.print(result.message)
+    if result.remark is not None:
+        r = result.remark
+        out.print(f"remark: {r.kind} {r.rule} nodes={list(r.nodes)}: {r.message}")
+    div = (result.culprit or {}).get("first_divergence")
+    if div:
+        out.print(
+            f"first diverging tensor: '{div['tensor']}' from {div['op']} '{div['producer']}' "
+            f"(max abs {div['max_abs']:.3g})"
+        )
+    out.print(f"parity runs: {result.parity_runs} (bound {payload['max_parity_runs']})")
+    if "files" in payload:
+        out.print(f"wrote {payload['files']}/before.onnx and after.onnx")
+
+
+def render_explain(data: dict) -> None:
+    t = Table(title=f"rules (target {data['target']}, -O{data['level']})", show_edge=False)
+    for col in ("rule", "attempts", "fired", "missed", "missed by code", "seconds"):
+        t.add_column(
+            col,
+            justify="right" if col in ("attempts", "fired", "missed", "seconds") else "left",
+            overflow="fold",
+        )
+    for name, st in data["rules"].items():
+        if st["attempts"] or st["fired"] or st["missed"]:
+            codes = ", ".join(f"{c}×{n}" for c, n in st["missed_by_code"].items())
+            t.add_row(
+                name,
+                str(st["attempts"]),
+                str(st["fired"]),
+                str(st["missed"]),
+                codes,
+                f"{st['seconds']:.3f}",
+            )
+    out.print(t)
+    for f in data["fired"][:50]:
+        created = ", ".join(f["created"]) or "(removed)"
+        out.print(f"[green]fired[/]  {f['rule']}: {', '.join(f['nodes'])} → {created}")
+    if len(data["fired"]) > 50:
+        out.print(f"... {len(data['fired']) - 50} more fired (--format json for all)")
+    for m in data["missed"]:
+        out.print(f"[yellow]missed[/] {m['rule']} at '{m['node']}': {m['code']}: {m['message']}")
+        if m["hint"]:
+            out.print(f"         hint: {m['hint']}")
+    if data["never_matched"]:
+        out.print("never matched: " + ", ".join(data["never_matched"]))
+
+
+def gate_payload(report, results: list, latency, verdict, model: Path) -> dict[str, Any]:
+    """``graphopt gate --format json``: the verdict, the report, expectations and latency."""
+    return {
+        "schema": "graphopt.gate/1",
+        "model": str(model),
+        "exit_code": verdict.code,
+        "reason": verdict.reason,
+        "report": report.to_dict(),
+        "expectations": [e.to_dict() for e in results],
+        "latency": latency.to_dict() if latency else None,
+        "comparison": verdict.comparison,
+    }
+
+
+def render_gate(report, results: list, latency, verdict, model: Path) -> None:
+    parity = report.parity
+    out.print(
+        f"[bold]{model}[/] → {report.target}: parity "
+        + ("[green]ok[/]" if parity.ran and parity.ok else "[red]not ok[/]")
+        + f", {report.nodes_before} → {report.nodes_after} nodes",
+        soft_wrap=True,
+    )
+    render_expectations(results)
+    if latency is not None:
+        out.print(f"latency: {verdict.line}", soft_wrap=True)
+    if not verdict.code:
+        out.print("[green]gate passed[/]")
+
+
+def render_bench(result) -> None:
+    t = Table(
+        title=f"latency (onnxruntime {result.level}, {result.threads} thread(s), "
+        f"{result.original.runs} interleaved runs)",
+        show_edge=False,
+    )
+    for col in ("model", "p50 ms", "p95 ms", "session ms"):
+        t.add_column(col, justify="left" if col == "model" else "right")
+    for name, lat in (("original", result.original), ("optimized", result.optimized)):
+        t.add_row(name, f"{lat.p50_ms:.3f}", f"{lat.p95_ms:.3f}", f"{lat.session_ms:.1f}")
+    out.print(t)
+    out.print(f"optimized / original: p50 {result.ratio_p50:.3f}, p95 {result.ratio_p95:.3f}")
+    if result.regression is not None:
+        verdict = "[red]REGRESSION[/]" if result.regressed else "[green]ok[/]"
+        out.print(
+            f"vs baseline: {result.regression:+.1%} (limit {result.max_regression:.1%}) {verdict}"
+        )
+
+
+def render_target(data: dict) -> None:
+    p = data["profile"]
+    out.print(f"[bold]{data['name']}[/]: {p['description']}")
+    for key in (
+        "runtime",
+        "runtime_version",
+        "providers",
+        "kernels_source",
+        "layout",
+        "static_shapes",
+        "fallback",
+        "approximations",
+        "disabled_rules",
+        "session",
+    ):
+        out.print(f"  {key}: {p[key]}")
+    for key, value in p["prefers"].items():
+        why = p["prefers_why"].get(key)
+        out.print(f"  prefers {key}: {value}" + (f"  ({why})" if why else ""))
+    for op, why in p["measured_slower"].items():
+        out.print(f"  slower: {op}  ({why})")
+    for op, (bound, why) in p["slower_below"].items():
+        out.print(f"  slower below {bound}: {op}  ({why})")
+    out.print(f"  tolerances: {p['tolerances']}")
+    doc = data.get("document") or {}
+    if doc:
+        out.print(f"  source: {doc.get('source')}; commit: {doc.get('commit')}")
+    t = Table(title=f"{len(data['kernels'])} kernels", show_edge=False)
+    for col in ("op", "domain", "opsets", "types", "restrictions"):
+        t.add_column(col, overflow="fold")
+    for k in data["kernels"]:
+        t.add_row(
+            k["op"],
+            k["domain"] or "ai.onnx",
+            f"{k['since']}+" if k["end"] is None else f"{k['since']}-{k['end']}",
+            ", ".join(x.removeprefix("tensor(").removesuffix(")") for x in k["types"]),
+            k.get("restrictions") or "",
+        )
+    out.print(t)
+
+
+def render_lint(payload: dict, findings: list) -> None:
+    if not findings:
+        out.print("no findings")
+    for f in findings:
+        color = {"error": "red", "warning": "yellow"}.get(f.severity, "cyan")
+        out.print(f"[{color}]{f.severity}[/] {f.code}: {f.message}")
+        out.print(f"    fix: {f.fix}")
+    if "frozen" in payload:
+        out.print(
+            f"wrote {payload['frozen']['output']} "
+            f"({payload['frozen']['initializers']} initializers frozen)"
+        )
+
+
+def render_rules(rows: list[dict]) -> None:
+    t = Table(show_edge=False)
+    for col in ("name", "kind", "root", "level", "summary"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["name"], r["kind"], r["root"], f"O{r['level']}", r["summary"])
+    out.print(t)
+    out.print("levels: " + "; ".join(f"O{k} {v}" for k, v in LEVEL_NAMES.items()))
+
+
+def render_targets(rows: list[dict]) -> None:
+    t = Table(show_edge=False)
+    for col in ("name", "description", "kernels", "device here"):
+        t.add_column(col, overflow="fold")
+    for r in rows:
+        t.add_row(
+            r["name"], r["description"], r["kernels"], "yes" if r["device_available"] else "no"
+        )
+    out.print(t)
+
+
+def render_run(summary: dict) -> None:
+    """``graphopt run``: the session, which model ran and why, the outputs, the golden check."""
+    out.print(
+        f"[bold]{summary['bundle']}[/] ({summary['target']}) on "
+        f"{', '.join(summary['providers'])}: session {summary['session_create_ms']} ms, "
+        f"run {', '.join(f'{t:.2f}' for t in summary['run_ms'][:5])} ms"
+    )
+    how = summary["session"]
+    out.print(
+        f"  model: {how['model']} "
+        + (
+            "(machine-specific fast path, optimizations off)"
+            if how["fast_path"]
+            else f"at {how['level']} (fast path not used: {how['why']})"
+        )
+        + f"; integrity checked: {how['verify']}",
+        soft_wrap=True,
+    )
+    for k, v in summary["outputs"].items():
+        out.print(f"  {k}: {v['dtype']} {v['shape']}")
+    if summary["golden"] is not None:
+        g = summary["golden"]
+        worst = max((d["max_abs"] for d in g["outputs"]), default=0.0)
+        out.print(
+            "golden outputs: "
+            + ("[green]match[/]" if g["ok"] else "[red]DIFFER[/]")
+            + f" (max abs {worst:.3g})"
+        )
