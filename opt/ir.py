@@ -336,41 +336,49 @@ def walk_nodes(graph: gs.Graph) -> Iterator[Node]:
 
 def toposort(graph: gs.Graph) -> None:
     """Order ``graph.nodes`` topologically in O(nodes + edges), keeping the existing order where
-    it is free (Kahn's algorithm over a min-heap of original positions).  A node with subgraphs
-    also depends on the producers of the outer values its bodies read."""
+    it is free (Kahn's algorithm over a min-heap of original positions: an order that is already
+    topological stays as it is, found in one pass without the heap).  A node with subgraphs also
+    depends on the producers of the outer values its bodies read."""
     nodes = graph.nodes
-    position = {id(n): i for i, n in enumerate(nodes)}
-    producer_of = {id(t): id(n) for n in nodes for t in n.outputs}
-    deps: dict[int, set[int]] = {}
-    users: dict[int, list[Node]] = {}
-    get = producer_of.get
-    for n in nodes:
+    producer_at: dict[int, int] = {}
+    for i, n in enumerate(nodes):
+        for t in n.outputs:
+            producer_at[id(t)] = i
+    get = producer_at.get
+    #: per node, the positions of the nodes it reads from (once per edge, itself excluded)
+    reads_from: list[list[int]] = []
+    ordered = True
+    for i, n in enumerate(nodes):
         reads = n.inputs
         subs = subgraphs(n) if n.attrs else ()
         if subs:
             reads = list(reads)
             for sub in subs:
                 reads += [t for inner in walk_nodes(sub) for t in inner.inputs]
-        mine = {get(id(t)) for t in reads}
-        mine.discard(None)
-        mine.discard(id(n))
-        deps[id(n)] = mine
-        for d in mine:
-            users.setdefault(d, []).append(n)
-    ready = [(position[id(n)], n) for n in nodes if not deps[id(n)]]
+        mine = [p for p in map(get, map(id, reads)) if p is not None and p != i]
+        if ordered and any(p > i for p in mine):
+            ordered = False
+        reads_from.append(mine)
+    if ordered:
+        return
+    pending = [len(set(m)) for m in reads_from]
+    users: list[list[int]] = [[] for _ in nodes]
+    for i, mine in enumerate(reads_from):
+        for p in set(mine):
+            users[p].append(i)
+    ready = [i for i, k in enumerate(pending) if not k]
     heapq.heapify(ready)
-    ordered = []
+    order = []
     while ready:
-        _, n = heapq.heappop(ready)
-        ordered.append(n)
-        for u in users.get(id(n), ()):
-            pending = deps[id(u)]
-            pending.discard(id(n))
-            if not pending:
-                heapq.heappush(ready, (position[id(u)], u))
-    if len(ordered) != len(nodes):
+        i = heapq.heappop(ready)
+        order.append(i)
+        for u in users[i]:
+            pending[u] -= 1
+            if not pending[u]:
+                heapq.heappush(ready, u)
+    if len(order) != len(nodes):
         raise ValueError(f"graph '{graph.name}' has a cycle")
-    graph.nodes = ordered
+    graph.nodes = [nodes[i] for i in order]
 
 
 def dtype_of(tensor: Tensor) -> np.dtype | None:

@@ -84,7 +84,10 @@ class PassContext:
         self.misses.setdefault(rule, []).append(Miss(rule, code, tuple(nodes), dict(args)))
 
     def rule_stats(self, rule: str) -> RuleStats:
-        return self.stats.setdefault(rule, RuleStats())
+        stats = self.stats.get(rule)
+        if stats is None:
+            stats = self.stats[rule] = RuleStats()
+        return stats
 
     def take_bisect_step(self, rule: str, node: str) -> bool:
         """Count one rewrite; False when past the bisect limit or reverted (``skip``)."""

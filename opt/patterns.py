@@ -15,7 +15,10 @@
 
 :func:`match` yields every binding (a dict name → node or tensor), first the one with the inputs
 in the written order; the rule driver tries them in that order.  :func:`roots` is the op types a
-pattern can be rooted at (a rule is indexed under each).
+pattern can be rooted at (a rule is indexed under each).  :func:`feasible` is a cheap necessary
+condition for :func:`match` to yield anything (op types, domains and input counts along the
+pattern, constant and present leaves, no bindings, attributes or values): the driver skips a
+node it rejects without building a single candidate.
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ class Op(Pattern):
         set_(self, "extra_inputs", extra_inputs)
         set_(self, "attrs", attrs)
         set_(self, "_orders", tuple(_orders(ins, commute)))
+        set_(self, "_free", _commuted(ins, commute))
         set_(self, "_ops", frozenset(self.ops))
         domains = (domain,) if isinstance(domain, str) else domain
         set_(self, "_domains", frozenset(norm_domain(d) for d in domains))
@@ -157,6 +161,58 @@ def root_domain(p: Pattern) -> str:
     if isinstance(p, Alt):
         return root_domain(p.options[0])
     return p.domain if isinstance(p.domain, str) else p.domain[0]
+
+
+def feasible(p: Pattern, node: Node) -> bool:
+    """False only when :func:`match` of ``p`` at ``node`` yields nothing: every Op of the pattern
+    must find a node of its op type and domain, with no more inputs than it names (unless
+    ``extra_inputs``), producing the tensor its parent reads as first output; every Const leaf a
+    constant, every non-optional leaf a present input.  Commuted inputs need each pattern to fit
+    one of the commuted tensors.  Bindings, attributes and constant values are left to
+    :func:`match`."""
+    if isinstance(p, Alt):
+        return any(feasible(o, node) for o in p.options)
+    return _feasible_node(p, node)
+
+
+def _feasible_node(p: Op, node: Node) -> bool:
+    if node.op not in p._ops or norm_domain(node.domain) not in p._domains:
+        return False
+    ins = node.inputs
+    n = len(p.inputs)
+    if len(ins) > n and not p.extra_inputs:
+        return False
+    free = p._free
+    for i, q in enumerate(p.inputs):
+        if i in free:
+            continue
+        if not _feasible_tensor(q, _present(ins, i)):
+            return False
+    if not free:
+        return True
+    pool = [_present(ins, i) for i in free]
+    return all(any(_feasible_tensor(p.inputs[i], t) for t in pool) for i in free)
+
+
+def _present(ins: list, i: int) -> Tensor | None:
+    """Input ``i`` as :func:`_match_node` sees it: None when absent or empty."""
+    if i >= len(ins):
+        return None
+    t = ins[i]
+    return None if (t is None or (isinstance(t, Variable) and t.name == "")) else t
+
+
+def _feasible_tensor(p: Pattern, tensor: Tensor | None) -> bool:
+    if isinstance(p, Var):
+        return tensor is not None or p.optional
+    if isinstance(p, Const):
+        return isinstance(tensor, Constant) if tensor is not None else p.optional
+    if isinstance(p, Alt):
+        return any(_feasible_tensor(o, tensor) for o in p.options)
+    if not isinstance(tensor, Variable) or not tensor.inputs:
+        return False
+    node = tensor.inputs[0]
+    return node.outputs[0] is tensor and _feasible_node(p, node)
 
 
 def match(p: Pattern, node: Node, b: dict | None = None) -> Iterator[dict]:
@@ -225,6 +281,14 @@ def _orders(pats: tuple[Pattern, ...], commute: bool | tuple[int, ...]) -> Itera
         for dst, src in zip(where, perm):
             order[dst] = pats[src]
         yield order
+
+
+def _commuted(pats: tuple[Pattern, ...], commute: bool | tuple[int, ...]) -> frozenset[int]:
+    """The input positions whose patterns ``commute`` permutes."""
+    if not commute:
+        return frozenset()
+    where = range(len(pats)) if commute is True else commute
+    return frozenset(i for i in where if i < len(pats))
 
 
 def _match_list(pats: list[Pattern], tensors: list, b: dict) -> Iterator[dict]:

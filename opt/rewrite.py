@@ -20,8 +20,10 @@ builds the replacement.
   refused, and so is a DQ output where a rule requires a constant (code ``quantized-boundary``).
 
 The driver is a greedy work queue over nodes in topological order, with rules indexed by root op
-type and ordered by ``priority`` (then name).  After a rewrite, the new nodes and the readers of
-their outputs are queued again.  Rules that depend on another rule's outcome do not wait for it
+type and ordered by ``priority`` (then name).  A rule is tried at a node only when its pattern
+may fit there (:func:`opt.patterns.feasible`: op types, domains and input counts along the
+pattern, constant leaves), so a mismatch costs no candidate.  After a rewrite, the new nodes and
+the readers of their outputs are queued again.  Rules that depend on another rule's outcome do not wait for it
 here: rule sets run in :data:`PHASES` (:class:`opt.manager.RuleSetPass`), so the later rule runs
 once the earlier phase is done and reads its typed outcomes (``PassContext.misses``).
 """
@@ -40,7 +42,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from .ir import Constant, ModelIR, Node, Tensor, Variable, constant_value
-from .patterns import Alt, Const, Op, Pattern, Var, opt, root_domain
+from .patterns import Alt, Const, Op, Pattern, Var, feasible, opt, root_domain
 from .patterns import match as match_pattern
 from .patterns import roots as pattern_roots
 from .quant import boundary_violation, dequantized_by
@@ -165,6 +167,14 @@ class Rule:
                 continue
             yield m
 
+    def may_match(self, node: Node) -> bool:
+        """False only when ``candidates`` at ``node`` would yield nothing, checked cheaply on
+        the pattern's structure (:func:`opt.patterns.feasible`); True for a rule with its own
+        ``match``."""
+        if type(self).match is not Rule.match or self.pattern is None:
+            return True
+        return feasible(self.pattern, node)
+
     def match(self, node: Node, cx: PassContext) -> Match:
         """The first candidate (rules with an own matcher override this)."""
         for m in self.candidates(node, cx):
@@ -265,10 +275,11 @@ def apply_rules(ir: ModelIR, rules: Sequence[Rule], cx: PassContext, pass_name: 
     """Apply ``rules`` greedily until none fires; return whether anything changed.  Rules rooted
     at the same op are tried by ``priority`` (higher first), then by name."""
     cx.ir = ir
-    index: dict[str, list[Rule]] = {}
+    index: dict[str, list[tuple[Rule, Pattern | None]]] = {}
     for r in sorted(rules, key=lambda r: (-r.priority, r.name)):
+        prefilter = r.pattern if type(r).match is Rule.match else None
         for op in r.roots:
-            index.setdefault(op, []).append(r)
+            index.setdefault(op, []).append((r, prefilter))
         cx.rule_stats(r.name)  # every rule of the set appears in the report, matched or not
     ir.toposort()
     queue = deque(n for n in ir.graph.nodes if n.op in index)
@@ -284,7 +295,7 @@ def _drain(
     ir: ModelIR,
     queue: deque,
     queued: set,
-    index: dict[str, list[Rule]],
+    index: dict[str, list[tuple[Rule, Pattern | None]]],
     cx: PassContext,
     pass_name: str,
     budget: int,
@@ -299,7 +310,9 @@ def _drain(
         queued.discard(id(node))
         if not node.outputs:  # removed by an earlier rewrite
             continue
-        for rule in index.get(node.op, ()):
+        for rule, pattern in index.get(node.op, ()):
+            if pattern is not None and not feasible(pattern, node):
+                continue  # no candidate: nothing to count or say
             new_nodes = _try_rule(ir, rule, node, cx, pass_name)
             if new_nodes is None:
                 continue

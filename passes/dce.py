@@ -2,11 +2,16 @@
 
 Graph inputs are never removed (that would change the model's interface).  Nodes with side
 effects do not exist in inference ONNX, so reachability from the outputs is the whole story.
+A graph without If/Loop/Scan bodies or local functions is swept here in one walk back from its
+outputs (by object identity, O(nodes + edges)); any other graph goes through graphsurgeon's
+``cleanup``, which also handles values the bodies read from enclosing scopes.
 """
 
 from __future__ import annotations
 
-from graphopt.opt.ir import ModelIR, walk_nodes
+import onnx_graphsurgeon as gs
+
+from graphopt.opt.ir import ModelIR, subgraphs, walk_nodes
 from graphopt.opt.manager import Pass, PassContext, register_pass
 
 
@@ -17,9 +22,50 @@ class DeadCodeElimination(Pass):
     level = 1
 
     def run(self, ir: ModelIR, cx: PassContext) -> bool:
-        before = sum(1 for _ in walk_nodes(ir.graph))
-        ir.graph.cleanup(remove_unused_graph_inputs=False)
-        removed = before - sum(1 for _ in walk_nodes(ir.graph))
+        graph = ir.graph
+        if _flat(graph):
+            removed = sweep(graph)
+        else:
+            before = sum(1 for _ in walk_nodes(graph))
+            graph.cleanup(remove_unused_graph_inputs=False)
+            removed = before - sum(1 for _ in walk_nodes(graph))
         if removed:
             cx.rule_stats(self.name).fired += removed
         return removed > 0
+
+
+def _flat(graph: gs.Graph) -> bool:
+    """No local functions and no node with a body: reachability needs no scope rules."""
+    return not graph.functions and not any(subgraphs(n) for n in graph.nodes if n.attrs)
+
+
+def sweep(graph: gs.Graph) -> int:
+    """Drop the nodes of a flat graph that no output depends on (detached, as graphsurgeon's
+    ``cleanup`` leaves them, order kept); the number dropped."""
+    for inp in graph.inputs:  # a graph input has no producer in the graph
+        inp.inputs.clear()
+    nodes = graph.nodes
+    members = {id(n) for n in nodes}
+    live: set[int] = set()
+    seen: set[int] = set()
+    stack = list(graph.outputs)
+    while stack:
+        t = stack.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        for node in t.inputs:
+            if id(node) in members and id(node) not in live:
+                live.add(id(node))
+                stack.extend(node.inputs)
+    if len(live) == len(members):
+        return 0
+    kept = []
+    for node in nodes:
+        if id(node) in live:
+            kept.append(node)
+        else:
+            node.inputs.clear()
+            node.outputs.clear()
+    graph.nodes = kept
+    return len(nodes) - len(kept)

@@ -1,0 +1,185 @@
+"""The optimizer's fast paths give the results of the slow ones: the pattern prefilter of the
+rule driver, the topological sort of an already ordered graph, and the flat-graph sweep of dce."""
+
+import random
+
+import numpy as np
+import onnx_graphsurgeon as gs
+import pytest
+from onnx import helper
+
+from conftest import check_parity, const, model, vi
+from graphopt.opt import ir as ir_module
+from graphopt.opt.ir import ModelIR, toposort
+from graphopt.opt.manager import PassContext, RuleSetPass, run_pass
+from graphopt.opt.patterns import feasible, match
+from graphopt.opt.rewrite import Const, Op, Rule
+from graphopt.opt.target import get_target
+from graphopt.passes.dce import DeadCodeElimination, sweep
+
+
+def _chain_model():
+    """y = Relu(Add(Mul(x, c), x)) + Sqrt(x) (a commutable Add, a constant, a second branch)."""
+    nodes = [
+        helper.make_node("Mul", ["x", "c"], ["m"], name="mul"),
+        helper.make_node("Add", ["x", "m"], ["a"], name="add"),
+        helper.make_node("Relu", ["a"], ["r"], name="relu"),
+        helper.make_node("Sqrt", ["x"], ["s"], name="sqrt"),
+        helper.make_node("Sub", ["r", "s"], ["y"], name="sub"),
+    ]
+    m = model(nodes, [vi("x", [4])], [vi("y", None)], [const("c", [2.0] * 4)])
+    return m, ModelIR(m)
+
+
+PATTERNS = [
+    Op("Relu", Op("Add", Op("Mul", "x", Const("c")), "x", commute=True)),
+    Op("Relu", Op("Add", "x", Op("Mul", "x", Const("c")))),
+    Op("Relu", Op("Add", Op("Mul", "x", Const("c")), "x")),  # written order only: no match
+    Op("Relu", Op("Add", Op("Div", "x", "c"), "x", commute=True)),
+    Op("Sub", Op("Relu", "r"), Op("Sqrt", "x")),
+    Op("Sub", Op("Relu", "r"), Const("s")),
+    Op("Sub", "a"),  # too few inputs named
+    Op("Mul", "x", Op("Identity", "c")),
+    Op("Mul", Const("c"), "x", commute=True),
+]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_feasible_is_never_false_where_match_yields(pattern):
+    _, ir = _chain_model()
+    for node in ir.graph.nodes:
+        if not feasible(pattern, node):
+            assert not list(match(pattern, node)), (pattern, node.name)
+
+
+def test_feasible_rejects_on_structure_alone():
+    _, ir = _chain_model()
+    relu = next(n for n in ir.graph.nodes if n.name == "relu")
+    assert feasible(PATTERNS[0], relu) and list(match(PATTERNS[0], relu))
+    assert not feasible(PATTERNS[3], relu)  # the Add reads a Mul, not a Div
+    sub = next(n for n in ir.graph.nodes if n.name == "sub")
+    assert not feasible(PATTERNS[5], sub)  # a computed tensor where a constant is named
+    assert not feasible(PATTERNS[6], sub)  # more inputs than the pattern names
+
+
+class _Counting(Rule):
+    name = "test-counting"
+    pattern = Op("Relu", Op("Add", Op("Div", "x", "c"), "x", commute=True))
+    tried = 0
+
+    def candidates(self, node, cx):
+        type(self).tried += 1
+        yield from super().candidates(node, cx)
+
+    def rewrite(self, m, b):
+        raise AssertionError("never matches")
+
+
+def test_driver_builds_no_candidate_where_the_pattern_cannot_fit():
+    _, ir = _chain_model()
+    cx = PassContext(target=get_target("cpu"), level=2, ir=ir)
+    _Counting.tried = 0
+    run_pass(RuleSetPass([_Counting()]), ir, cx)
+    assert _Counting.tried == 0
+    assert cx.stats["test-counting"].attempts == 0
+
+
+def _graph(n_layers: int = 30) -> gs.Graph:
+    nodes, prev = [], "x"
+    for i in range(n_layers):
+        nodes.append(helper.make_node("Relu", [prev], [f"r{i}"], name=f"relu{i}"))
+        nodes.append(helper.make_node("Add", [f"r{i}", prev], [f"a{i}"], name=f"add{i}"))
+        prev = f"a{i}"
+    nodes.append(helper.make_node("Identity", [prev], ["y"], name="out"))
+    m = model(nodes, [vi("x", [2])], [vi("y", None)])
+    return ModelIR(m).graph
+
+
+def _reference_toposort(nodes: list) -> list:
+    """Kahn's algorithm taking the earliest ready node by current position, written plainly."""
+    position = {id(n): i for i, n in enumerate(nodes)}
+    producer = {id(t): n for n in nodes for t in n.outputs}
+    done: set[int] = set()
+    order = []
+    while len(order) < len(nodes):
+        ready = [
+            n
+            for n in nodes
+            if id(n) not in done
+            and all(
+                id(producer[id(t)]) in done or producer[id(t)] is n
+                for t in n.inputs
+                if id(t) in producer
+            )
+        ]
+        first = min(ready, key=lambda n: position[id(n)])
+        done.add(id(first))
+        order.append(first)
+    return order
+
+
+def test_toposort_keeps_an_ordered_graph_and_sorts_any_shuffle_as_kahn_does():
+    g = _graph()
+    ordered = list(g.nodes)
+    toposort(g)
+    assert all(a is b for a, b in zip(g.nodes, ordered))
+    rng = random.Random(0)
+    for _ in range(5):
+        shuffled = list(ordered)
+        rng.shuffle(shuffled)
+        g.nodes = list(shuffled)
+        toposort(g)
+        assert [n.name for n in g.nodes] == [n.name for n in _reference_toposort(shuffled)]
+
+
+def test_toposort_refuses_a_cycle():
+    g = _graph(2)
+    first, last = g.nodes[0], g.nodes[-1]
+    first.inputs[0] = last.outputs[0]
+    with pytest.raises(ValueError, match="cycle"):
+        ir_module.toposort(g)
+
+
+def test_dce_sweep_drops_what_reaches_no_output_and_keeps_the_order():
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"], name="relu"),
+        helper.make_node("Neg", ["r"], ["dead1"], name="neg"),
+        helper.make_node("Abs", ["dead1"], ["dead2"], name="abs"),
+        helper.make_node("Sqrt", ["r"], ["s"], name="sqrt"),
+        helper.make_node("Add", ["r", "s"], ["y"], name="add"),
+    ]
+    m = model(nodes, [vi("x", [3]), vi("unused", [1])], [vi("y", None)])
+    ir = ModelIR(m)
+    dead = [n for n in ir.graph.nodes if n.name in ("neg", "abs")]
+    assert sweep(ir.graph) == 2
+    assert [n.name for n in ir.graph.nodes] == ["relu", "sqrt", "add"]
+    assert all(not n.inputs and not n.outputs for n in dead)
+    assert [t.name for t in ir.graph.inputs] == ["x", "unused"]
+    assert sweep(ir.graph) == 0
+    out = ir.to_onnx()
+    assert check_parity(m, out, seed=0).ok
+
+
+def test_dce_inside_a_body_keeps_what_the_body_reads_from_outside():
+    then_g = helper.make_graph(
+        [helper.make_node("Mul", ["t", "t"], ["o"], name="sq")], "then", [], [vi("o", [2])]
+    )
+    else_g = helper.make_graph(
+        [helper.make_node("Identity", ["t"], ["e"], name="id")], "else", [], [vi("e", [2])]
+    )
+    nodes = [
+        helper.make_node("Relu", ["x"], ["t"], name="relu"),
+        helper.make_node("Neg", ["x"], ["dead"], name="neg"),
+        helper.make_node("If", ["c"], ["y"], name="if", then_branch=then_g, else_branch=else_g),
+    ]
+    m = model(
+        nodes,
+        [vi("x", [2]), vi("c", [], elem=9)],
+        [vi("y", [2])],
+    )
+    ir = ModelIR(m)
+    cx = PassContext(target=get_target("cpu"), level=1, ir=ir)
+    assert run_pass(DeadCodeElimination(), ir, cx)
+    assert [n.name for n in ir.graph.nodes] == ["relu", "if"]
+    feeds = {"x": np.array([1.0, -2.0], np.float32), "c": np.array(True)}
+    assert check_parity(m, ir.to_onnx(), inputs=feeds, seed=0).ok
