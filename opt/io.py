@@ -62,6 +62,7 @@ def load_model(
     size = path.stat().st_size
     if size == 0:
         raise ModelLoadError(f"{path}: empty file, not an ONNX model")
+    key = _file_key(path)  # taken before reading: a file changed since is parsed again
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -73,6 +74,10 @@ def load_model(
     _check_structure(model, path)
     base = path.resolve().parent
     _check_external_data(model, base, path)
+    if key is not None:
+        if len(_EXTERNAL_FILES) >= 64:
+            _EXTERNAL_FILES.clear()
+        _EXTERNAL_FILES[key] = _referenced_files(model, path)
     # the bytes read stop being the model once its external data is read in or it is fixed up
     external = has_external_data(model)
     changed = model.ir_version < 4 or external
@@ -637,11 +642,31 @@ def check_output_dir(
 
 
 def external_data_files(model_path: Path) -> list[Path]:
-    """The external-data files a model file references (read without loading the weights)."""
+    """The external-data files a model file references (read without loading the weights; a
+    file :func:`load_model` read, unchanged since, is not parsed again)."""
+    key = _file_key(model_path)
+    if key is not None and key in _EXTERNAL_FILES:
+        return list(_EXTERNAL_FILES[key])
     try:
         proto = onnx.load_model(str(model_path), load_external_data=False)
     except Exception:  # noqa: BLE001 - unreadable models are reported by load_model
         return []
+    return _referenced_files(proto, model_path)
+
+
+#: (resolved path, size, mtime) of a model file → the external-data files it references
+_EXTERNAL_FILES: dict[tuple, list[Path]] = {}
+
+
+def _file_key(path: Path) -> tuple | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (_resolved(path), st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def _referenced_files(proto: onnx.ModelProto, model_path: Path) -> list[Path]:
     base = _resolved(model_path).parent
     files = set()
     for tensor in _all_tensors(proto):

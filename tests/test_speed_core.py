@@ -1,15 +1,18 @@
 """The optimizer's fast paths give the results of the slow ones: the pattern prefilter of the
 rule driver, the topological sort of an already ordered graph, and the flat-graph sweep of dce."""
 
+import os
 import random
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 import pytest
 from onnx import helper
 
 from conftest import check_parity, const, model, vi
 from graphopt.opt import ir as ir_module
+from graphopt.opt.io import external_data_files, load_model, save_model
 from graphopt.opt.ir import ModelIR, toposort
 from graphopt.opt.manager import PassContext, RuleSetPass, run_pass
 from graphopt.opt.patterns import feasible, match
@@ -183,3 +186,30 @@ def test_dce_inside_a_body_keeps_what_the_body_reads_from_outside():
     assert [n.name for n in ir.graph.nodes] == ["relu", "if"]
     feeds = {"x": np.array([1.0, -2.0], np.float32), "c": np.array(True)}
     assert check_parity(m, ir.to_onnx(), inputs=feeds, seed=0).ok
+
+
+def _external_model(tmp_path, values):
+    nodes = [helper.make_node("Add", ["x", "w"], ["y"], name="add")]
+    m = model(nodes, [vi("x", [64, 64])], [vi("y", None)], [const("w", values)])
+    path = tmp_path / "m.onnx"
+    save_model(m, path, external=True)
+    return path
+
+
+def test_external_files_of_a_model_just_read_are_not_parsed_again(tmp_path, monkeypatch):
+    path = _external_model(tmp_path, np.ones((64, 64)))
+    load_model(path, lazy_external=True)
+    expected = sorted(p.resolve() for p in tmp_path.iterdir() if p.name != "m.onnx")
+    assert expected
+    parsed = []
+    real_load = onnx.load_model
+    monkeypatch.setattr(onnx, "load_model", lambda *a, **k: parsed.append(a) or real_load(*a, **k))
+    assert external_data_files(path) == expected
+    assert not parsed
+    # the file changed since it was read: parsed again
+    other = tmp_path / "other"
+    other.mkdir()
+    moved = _external_model(other, np.full((64, 64), 2.0))
+    os.replace(moved, path)
+    external_data_files(path)
+    assert parsed
