@@ -23,6 +23,9 @@ greedy tokens of both, and ``ok``: same tokens and every step's logits within
 ``atol + rtol·max|original|`` (parity's tolerances for the logits' dtype).  onnxruntime runs both
 on CPU with graph optimizations disabled, as parity does.
 
+With weights quantized (opt-in int4: ``weights-int4-error`` remarks) the logits are held to
+the int4 error limit instead of parity's tolerance; the tokens must still be the same.
+
 ``verdict`` is ``ok``, ``failed`` (it ran and the optimized model generated other tokens or
 logits out of tolerance, or it failed at a step where the original ran) or ``not-run`` (not a
 decoder this loop can drive, a model onnxruntime could not load, over 2 GB).  A failed check is
@@ -321,7 +324,21 @@ def report_generation(report, optimized: onnx.ModelProto) -> dict[str, Any] | No
     if optimized.ByteSize() >= 2**31 - 2**20:
         return GenerationResult.not_run("the optimized model is over 2 GB in memory").to_dict()
     source = original if isinstance(original, onnx.ModelProto) else str(original)
-    return check_generation(source, optimized).to_dict()
+    return check_generation(source, optimized, tolerances=_quantized_tolerances(report)).to_dict()
+
+
+def _quantized_tolerances(report) -> dict[str, tuple[float, float]] | None:
+    """With weights quantized (opt-in int4), the logits are held to the error limit the
+    quantization was measured against (``max |Δ| ≤ limit × max |original|`` per step) instead
+    of parity's fp32 tolerance; the greedy tokens must still be the same."""
+    limits = [
+        float(r.args["limit"])
+        for r in report.remarks
+        if r.rule == "weights-int4-error" and r.kind == "analysis" and "limit" in r.args
+    ]
+    if not limits:
+        return None
+    return {dt: (max(limits), 0.0) for dt in ("float32", "float16", "bfloat16", "float64")}
 
 
 def failure_line(generation: dict[str, Any] | None) -> str | None:

@@ -27,6 +27,7 @@ from .ir import ModelIR, op_histogram
 from .manager import PassContext, run_pass
 from .parity import ParityReport, Session, check_parity, measure_ranges
 from .pipeline import parse, preset, to_text
+from .precision import quantized_weight_tolerances
 from .reference import upcast_to_float64
 from .remarks import Remark
 from .target import get_target
@@ -233,7 +234,7 @@ def optimize(
         inputs=inputs,
         seed=seed,
         tolerances=tgt.tolerances,
-        per_output=output_tolerances,
+        per_output=quantized_weight_tolerances(cx.options, output_tolerances),  # opt-in int4
         base_dir=base_dir,
     )
     with clock.phase("parity"):

@@ -11,6 +11,12 @@ the level: it runs the folded and the unfused layer on seeded probe inputs (the
 BatchNormalization's running statistics set each channel's scale and offset) and compares both
 with the exact float64 result; the fold is kept when neither its worst nor its systematic error
 is worse than the unfused graph's.
+
+Weight-only quantization (opt-in, ``rules/weights_int4.py``) keeps, in the pass options under
+:data:`QUANTIZED_REFERENCE`, the model's outputs before its first weight was quantized and the
+error limit it was held to; :func:`quantized_weight_tolerances` turns them into parity's
+per-output tolerances (``atol = limit × max |reference|``, the guard's own measure), so parity
+checks the stated int4 tolerance instead of fp32's.
 """
 
 from __future__ import annotations
@@ -23,6 +29,24 @@ from .rewrite import NoMatch
 STORE_TOLERANCE = {"float16": 1e-3, "bfloat16": 1e-2, "float32": 1e-6, "float64": 1e-12}
 #: fraction of non-zero values allowed to flush to zero
 FLUSH_TOLERANCE = 1e-3
+#: pass-options key: {"feeds", "outputs", "limit"} of a model whose weights were quantized
+QUANTIZED_REFERENCE = "_quantized_weights_reference"
+
+
+def quantized_weight_tolerances(
+    options: dict, given: dict[str, tuple[float, float]] | None
+) -> dict[str, tuple[float, float]] | None:
+    """Parity's per-output tolerances once weights were quantized: ``(0, limit × max
+    |reference|)`` for each float output the user gave none for; ``given`` unchanged otherwise."""
+    ref = options.get(QUANTIZED_REFERENCE)
+    if not ref or not ref.get("quantized"):
+        return given
+    out = {
+        name: (0.0, float(ref["limit"]) * float(np.max(np.abs(v))))
+        for name, v in ref["outputs"].items()
+        if np.asarray(v).dtype.kind == "f" and np.asarray(v).size
+    }
+    return out | dict(given or {})
 
 
 def require_representable(exact: np.ndarray, dtype: np.dtype, what: str) -> np.ndarray:

@@ -13,4 +13,5 @@ from . import (  # noqa: F401
     rotary,
     shape,
     target_rewrites,
+    weights_int4,
 )
