@@ -117,7 +117,7 @@ def mask(window: int | None, fill: float) -> tuple[list, list]:
     return nodes, inits
 
 
-def decoder(nkv: int = 2, dynamo: bool = False, window: int | None = None):
+def decoder(nkv: int = 2, dynamo: bool = False, window: int | None = None, batch="batch"):
     """One decoder self-attention with a KV cache and RoPE, as the exporters write it."""
     rng = np.random.default_rng(7)
     nodes, inits = freqs_mul("position_ids")
@@ -158,26 +158,32 @@ def decoder(nkv: int = 2, dynamo: bool = False, window: int | None = None):
     for i, nd in enumerate(nodes):
         nd.name = f"n{i}_{nd.op_type}"
     inputs = [
-        vi("x", ["batch", "seq", HIDDEN]),
-        vi("attention_mask", ["batch", "total"], TensorProto.INT64),
-        vi("position_ids", ["batch", "seq"], TensorProto.INT64),
-        vi("past_key", ["batch", nkv, "past", H]),
-        vi("past_value", ["batch", nkv, "past", H]),
+        vi("x", [batch, "seq", HIDDEN]),
+        vi("attention_mask", [batch, "total"], TensorProto.INT64),
+        vi("position_ids", [batch, "seq"], TensorProto.INT64),
+        vi("past_key", [batch, nkv, "past", H]),
+        vi("past_value", [batch, nkv, "past", H]),
     ]
     outputs = [
-        vi("y", ["batch", "seq", HIDDEN]),
-        vi("present_key", ["batch", nkv, "total", H]),
-        vi("present_value", ["batch", nkv, "total", H]),
+        vi("y", [batch, "seq", HIDDEN]),
+        vi("present_key", [batch, nkv, "total", H]),
+        vi("present_value", [batch, nkv, "total", H]),
     ]
     return model(nodes, inputs, outputs, inits, opset=18 if dynamo else 17)
 
 
-def feeds(nkv: int, batch: int = 2, seq: int = 3, past: int = 5, seed: int = 0) -> dict:
-    """A decode step with padding: the first row right-padded, the second left-padded."""
+def feeds(
+    nkv: int, batch: int = 2, seq: int = 3, past: int = 5, seed: int = 0, left: bool = False
+) -> dict:
+    """A decode step with padding: the first row right-padded (left-padded with ``left``), the
+    second left-padded."""
     rng = np.random.default_rng(seed)
     total = past + seq
     am = np.ones((batch, total), np.int64)
-    am[0, total - 2 :] = 0
+    if left:
+        am[0, :2] = 0
+    else:
+        am[0, total - 2 :] = 0
     if batch > 1:
         am[1, :2] = 0
     pos = np.broadcast_to(np.arange(past, total), (batch, seq)).astype(np.int64)
@@ -244,3 +250,40 @@ def test_unknown_query_head_split_is_missed_in_stage_2():
     missed = [r for r in report.remarks if r.rule == RULE and r.kind == "missed"]
     assert [r.code for r in missed] == ["unrecognized-layout"]
     assert missed[0].args["stage"] == "2 (lift)" and missed[0].args["tensor"]
+
+
+GQA = "com.microsoft.GroupQueryAttention"
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+@pytest.mark.parametrize("nkv", [2, 1, NQ], ids=["gqa-4-2", "mqa-4-1", "mha-4-4"])
+def test_batch_of_one_lowers_to_group_query_attention(nkv, dynamo):
+    """A batch provably 1: GroupQueryAttention takes the new k/v (rotated on [B,S,D]) and the
+    past, writes the present outputs, and matches on right- and left-padded masks, a prefill
+    and a decode step."""
+    m = decoder(nkv, dynamo, batch=1)
+    out, report = assert_optimized(m, inputs=feeds(nkv, batch=1))
+    h = op_histogram(out.graph.node)
+    assert h.get(GQA) == 1 and MHA not in h, h
+    readers = {n.op_type for n in out.graph.node if "past_key" in n.input}
+    assert readers <= {"GroupQueryAttention", "Shape"}, readers  # the cache Concat is gone
+    assert h.get(ROT) == 2, h
+    gqa = node(out, "GroupQueryAttention")
+    assert list(gqa.output[1:]) == ["present_key", "present_value"]
+    attrs = {a.name: a.i for a in gqa.attribute}
+    assert attrs["kv_num_heads"] == nkv and attrs["num_heads"] == NQ and attrs["causal"] == 0
+    for f in (
+        feeds(nkv, batch=1, left=True, seed=1),
+        feeds(nkv, batch=1, seq=6, past=0, seed=2),
+        feeds(nkv, batch=1, seq=1, past=9, left=True, seed=3),
+    ):
+        _, again = run(m, inputs=f)
+        assert again.parity.ok
+        assert run(out, inputs=f)[1].parity.ok
+
+
+def test_group_query_attention_with_a_sliding_window_mask():
+    """Mistral's window is in the mask, which the kernel takes whole (causal=0)."""
+    m = decoder(2, window=4, batch=1)
+    out, _ = assert_optimized(m, inputs=feeds(2, batch=1, seq=3, past=6))
+    assert op_histogram(out.graph.node).get(GQA) == 1

@@ -12,7 +12,10 @@ its MatMuls), in three stages, each a module with typed results:
    key split may name the query's batch) and ``num_heads``/head size from the Reshape targets
    (constants or shape glue, resolved symbolically with :mod:`graphopt.opt.dims`); a key and
    value already per head ``[B,N,T,H]`` (a KV cache's ``Concat(past, new)``, which stays as the
-   ``present`` output) go to the kernel as they are; the additive terms (padding, causal,
+   ``present`` output) go to the kernel as they are, so do a decoder's kv heads repeated for
+   grouped-query attention (HF's repeat_kv stays in front of MultiHeadAttention); a query
+   rotated by RotaryEmbedding after its split is rotated on [B,S,D] instead (``num_heads``);
+   the additive terms (padding, causal,
    relative position bias — a tensor shared by every layer is an input of each fusion) and
    the Where mask summed into
    ``attention_bias`` ``[B|1, N|1, S, T]``, expanded to ``[1,1,S,T]`` at run time where its last
@@ -23,6 +26,10 @@ its MatMuls), in three stages, each a module with typed results:
    ``Attention`` (opset ≥ 23: 3-D q/k/v, ``q_num_heads``/``kv_num_heads``, ``attn_mask``); the
    result replaces the heads' merging Reshape, or — where the merged [B,S,N,H] heads have other
    readers (a Reshape for the output projection beside one for shapes) — the merging Transpose.
+   A decoder's self-attention over a ``Concat(past, new)`` cache with a batch or a new-token
+   count provably 1 lowers to ``GroupQueryAttention`` where the target has it (:mod:`.gqa`:
+   the new k/v and the past in, the present outputs out, ``causal=0`` and the whole mask as
+   ``attention_bias``, exact for any padding).
 
 Guards (missed remarks carry ``stage``, ``tensor`` and ``softmax`` in their arguments):
 ``unrecognized-layout`` (a spelling the stages do not know), ``unknown-shape`` (q/k/v not known

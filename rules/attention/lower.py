@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from graphopt.opt.dims import same_dim
-from graphopt.opt.ir import Tensor, Variable, constant_value, dtype_of
+from graphopt.opt.ir import Node, Tensor, Variable, constant_value, dtype_of
 from graphopt.opt.rewrite import Builder
 
 from ..activation import MS, inputs, producer
+from .gqa import lower_gqa
 
 if TYPE_CHECKING:
     from .rule import Attention
@@ -37,15 +38,16 @@ def lower(a: Attention, b: Builder) -> Tensor:
         _batch_first(a, b, t, s.layout, r)
         for r, t, s in (("q", q, a.q), ("k", k, a.k), ("v", v, a.v))
     )
-    if a.q.rotary is not None:
-        q = _rotated(a, b, q)
-    attention_bias = _attention_bias(a, b, q, k) if a.bias is not None else None
+    q = rotated(b, a.q.rotary, q, a.num_heads, f"{a.core.root.name}/q_rotary")
+    if a.gqa is not None:
+        return _finish(a, b, lower_gqa(a, b, q))
+    bias_in = attention_bias(a, b, q, k) if a.bias is not None else None
     if a.op == "Attention":
         attrs = {"q_num_heads": a.num_heads, "kv_num_heads": a.num_heads}
-        ins = [q, k, v] + ([attention_bias] if attention_bias is not None else [])
+        ins = [q, k, v] + ([bias_in] if bias_in is not None else [])
     else:
         attrs = {"num_heads": a.num_heads}
-        ins = [q, k, v, bias, None, attention_bias]
+        ins = [q, k, v, bias, None, bias_in]
         while ins and ins[-1] is None:
             ins.pop()
     if a.scale is not None:
@@ -55,6 +57,12 @@ def lower(a: Attention, b: Builder) -> Tensor:
         a.op, ins, attrs, domain=MS if a.op == "MultiHeadAttention" else "", name=f"{name}/{a.op}"
     )
     out.dtype = dtype_of(a.core.root.outputs[0])
+    return _finish(a, b, out)
+
+
+def _finish(a: Attention, b: Builder, out: Tensor) -> Tensor:
+    """The kernel's [B,S,N·H] output guarded, made sequence-first and merged like the root's."""
+    name = a.core.root.name
     src = a.q.x
     if src.shape is not None and len(src.shape) == 3:
         bax, sax = (1, 0) if a.q.layout == "sbd" else (0, 1)
@@ -74,19 +82,14 @@ def _batch_first(a: Attention, b: Builder, t: Tensor, layout: str, role: str) ->
     )
 
 
-def _rotated(a: Attention, b: Builder, q: Tensor) -> Tensor:
-    """The query's RotaryEmbedding redone on [B,S,N·H] with ``num_heads``: the same rotation of
-    each head, without going through [B,N,S,H]."""
-    rot = a.q.rotary
-    attrs = {**rot.attrs, "num_heads": a.num_heads}
-    out = b.op(
-        rot.op,
-        [q, *inputs(rot)[1:]],
-        attrs,
-        domain=rot.domain or "",
-        name=f"{a.core.root.name}/q_rotary",
-    )
-    out.dtype, out.shape = dtype_of(a.q.x), q.shape
+def rotated(b: Builder, rot: Node | None, x: Tensor, heads: int, name: str) -> Tensor:
+    """``x`` [B,S,N·H] rotated as ``rot`` rotates its [B,N,S,H] heads: the same RotaryEmbedding
+    with ``num_heads`` (the same per-head rotation, without going through [B,N,S,H])."""
+    if rot is None:
+        return x
+    attrs = {**rot.attrs, "num_heads": heads}
+    out = b.op(rot.op, [x, *inputs(rot)[1:]], attrs, domain=rot.domain or "", name=name)
+    out.dtype, out.shape = dtype_of(x), x.shape
     return out
 
 
@@ -133,7 +136,10 @@ def _unpack(a: Attention, b: Builder, packed: Tensor) -> list[Tensor]:
 
 
 # --------------------------------------------------------------------- attention_bias
-def _attention_bias(a: Attention, b: Builder, q: Tensor, k: Tensor) -> Tensor:
+def attention_bias(
+    a: Attention, b: Builder, q: Tensor, k: Tensor | None, k_len: Tensor | None = None
+) -> Tensor:
+    """The kernel's attention_bias; its key length read from ``k`` or given as ``k_len``."""
     plan, dt, name = a.bias, dtype_of(a.q.x), a.core.root.name
     parts = []
     if plan.where is not None:
@@ -153,10 +159,12 @@ def _attention_bias(a: Attention, b: Builder, q: Tensor, k: Tensor) -> Tensor:
     if plan.direct:
         return bias
     k_axis = a.axis("k", "seq") if a.k.layout == "bnsh" else 1  # k is batch-first here
-    cached = _shared_expand(b, bias, (q, 1), (k, k_axis))
+    cached = _shared_expand(b, bias, (q, 1), (k, k_axis)) if k is not None else None
     if cached is not None:
         return cached
-    lens = [_dim(b, q, f"{name}/q_len"), _dim(b, k, f"{name}/k_len", axis=k_axis)]
+    if k_len is None:
+        k_len = _dim(b, k, f"{name}/k_len", axis=k_axis)
+    lens = [_dim(b, q, f"{name}/q_len"), k_len]
     ones = b.const(np.ones(2, dtype=np.int64), "bias_prefix")
     shape = b.op("Concat", [ones, *lens], {"axis": 0}, name=f"{name}/bias_shape")
     return b.op("Expand", [bias, shape], name=f"{name}/attention_bias_expand")

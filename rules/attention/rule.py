@@ -21,6 +21,7 @@ from graphopt.opt.rewrite import Match, NoMatch, Rule, require
 
 from ..activation import MS, float_type, inputs, lowering, no_match, producer, scalar, split_const
 from .core import Core, match_core, unrecognized
+from .gqa import GqaPlan, plan_gqa
 from .heads import (
     PERM_BNHS,
     PERM_BNSH,
@@ -66,6 +67,7 @@ class Attention:
     bias: BiasPlan | None = None
     qkv_bias: QkvBias | None = None
     out_direct: bool = False
+    gqa: GqaPlan | None = None  # lowered to GroupQueryAttention: the decoder's key/value caches
 
     def nodes(self) -> list[Node]:
         """Every node of the fusion, consumers first."""
@@ -197,6 +199,11 @@ class FuseMultiHeadAttention(Rule):
 
     def _lowering(self, a: Attention, cx) -> None:
         """Stage 3: the kernel the target has, whether it pays, and the bias it takes."""
+        if cx.target.has_kernel("GroupQueryAttention", MS, 1, float_type(a.q.x)):
+            a.gqa = plan_gqa(a, Dims())
+            if a.gqa is not None:
+                a.op = "GroupQueryAttention"
+                return
         choices = [("MultiHeadAttention", MS, None, {}), ("Attention", "", 23, {})]
         try:
             op, _, _ = lowering(cx, choices, float_type(a.q.x), "attention")

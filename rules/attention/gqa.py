@@ -1,0 +1,196 @@
+"""Decoder grouped-query self-attention → ``com.microsoft.GroupQueryAttention`` (stages 2, 3).
+
+Stage 2 reads the key and value of a recognized attention back to the decoder's cache:
+``present = Concat(past, new, axis=2)`` (a graph output), the new heads a batch-first split of
+``[B,S,Nkv·H]`` (the key's rotated by a RotaryEmbedding after the split), and HF's repeat_kv
+``Reshape(Expand(Unsqueeze(present, 2), [B,Nkv,rep,T,H]), [B,Nkv·rep,T,H])`` — query head
+``j`` reads kv head ``j // rep``, as the kernel groups them — or no repeat (``Nkv = N``).
+
+Stage 3 builds ``GroupQueryAttention(q, k_new, v_new, past_key, past_value, seqlens_k,
+total_sequence_length, , , , attention_bias; causal=0)`` whose present outputs take the
+``present`` names.  It is exact for any mask, measured against the exporters' attention with
+onnxruntime 1.32 CPU (right, left and no padding, prefill and decode, sliding windows, −inf and
+finfo.min fills; outputs within 5e-7, present tensors equal): every row's ``seqlens_k`` is
+``T − 1`` (no key is hidden by the kernel's per-row length, so the new tokens are written at
+``past`` in every row, as the Concat does), ``causal=0`` and the exporter's whole mask
+(causal, padding, window) is the ``attention_bias`` (with the kernel's causal masking a fully
+masked row of a finite fill would average over fewer keys than the exporter's).  The kernel
+refuses a batch above 1 with a past and several new tokens, so it is chosen only where the
+batch or the new tokens are provably 1; elsewhere the attention lowers to MultiHeadAttention
+over the repeated heads.  Rotary embeddings are redone on the 3-D q and k (``num_heads``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from graphopt.opt.dims import Dims, rank, shape_elements
+from graphopt.opt.ir import Node, Tensor, constant_value, dtype_of
+from graphopt.opt.rewrite import Builder
+
+from ..activation import MS, inputs, producer
+from .heads import PERM_BNSH, HeadSplit, head_count, rotated_split, split_heads
+
+if TYPE_CHECKING:
+    from .rule import Attention
+
+
+@dataclass
+class KvCache:
+    """One side (key or value) of a decoder's cache feeding the attention."""
+
+    present: Tensor  # Concat(past, new): a graph output
+    past: Tensor
+    new: HeadSplit  # the split of the [B,S,Nkv·H] projection (with its rotary, for the key)
+    kv_heads: int
+
+
+@dataclass
+class GqaPlan:
+    """The key and value caches of an attention that lowers to GroupQueryAttention."""
+
+    key: KvCache
+    value: KvCache
+
+
+def plan_gqa(a: Attention, dims: Dims) -> GqaPlan | None:
+    """The caches when the attention is provably GroupQueryAttention's computation, else None."""
+    if a.k.layout != "bnsh" or a.q.layout != "bsd" or a.qkv_bias is not None:
+        return None
+    batch, seq = dims.key(a.q.x, 0), dims.key(a.q.x, 1)
+    if ("int", 1) not in (batch, seq):
+        return None  # the kernel refuses batch > 1 with a past and several new tokens
+    key, value = _cache(a.k.x, a, dims, True), _cache(a.v.x, a, dims, False)
+    if key is None or value is None or key.kv_heads != value.kv_heads:
+        return None
+    if dims.key(key.new.x, 1) != seq or dims.key(value.new.x, 1) != seq:
+        return None
+    if a.v_head_size != a.head_size:
+        return None
+    return GqaPlan(key, value)
+
+
+def _cache(x: Tensor, a: Attention, dims: Dims, rotated: bool) -> KvCache | None:
+    """``x`` [B,N,T,H] as present [→ repeat_kv], present = Concat(past, new split)."""
+    present, kv_heads = _unrepeat(x, a.num_heads, dims)
+    concat = producer(present, "Concat")
+    if concat is None or len(inputs(concat)) != 2 or concat.attrs.get("axis") not in (2, -2):
+        return None
+    past, new_heads = inputs(concat)
+    split = (rotated_split(new_heads) if rotated else None) or split_heads(new_heads, PERM_BNSH)
+    if split is None or split.layout != "bsd":
+        return None
+    if rank(past) != 4 or head_count(split, dims) != (kv_heads, a.head_size):
+        return None
+    for axis in (1, 3):
+        if dims.key(past, axis) != ("int", (kv_heads, a.head_size)[axis // 2]):
+            return None
+    return KvCache(present, past, split, kv_heads)
+
+
+def _unrepeat(x: Tensor, heads: int, dims: Dims) -> tuple[Tensor, int]:
+    """(present, kv heads) under HF's repeat_kv of ``x``, or (``x``, ``heads``) without one."""
+    rs = producer(x, "Reshape")
+    ex = producer(inputs(rs)[0], "Expand") if rs is not None else None
+    un = producer(inputs(ex)[0], "Unsqueeze") if ex is not None else None
+    if un is None:
+        return x, heads
+    present = inputs(un)[0]
+    axes = constant_value(inputs(un)[1]) if len(inputs(un)) > 1 else un.attrs.get("axes")
+    if axes is None or list(np.asarray(axes).reshape(-1)) not in ([2], [-3]) or rank(present) != 4:
+        return x, 0
+    kv = dims.key(present, 1)
+    if kv[0] != "int" or kv[1] <= 0 or heads % kv[1]:
+        return x, 0
+    rep = heads // kv[1]
+    shape = _expand_elements(inputs(ex)[1], dims)
+    want = [dims.key(present, i) for i in range(4)]
+    if shape is None or len(shape) != 5 or shape[2] != ("int", rep):
+        return x, 0
+    if any(e not in (("int", 1), w) for e, w in zip(shape[:2] + shape[3:], want)):
+        return x, 0
+    target = shape_elements(inputs(rs)[1], dims)
+    copy = () if rs.attrs.get("allowzero", 0) else (("int", 0),)
+    if target is None or len(target) != 4 or target[1] != ("int", heads):
+        return x, 0
+    if target[0] not in (*copy, want[0]) or target[2] not in (want[2], ("int", -1)):
+        return x, 0
+    if target[3] != want[3] and not (target[3] == ("int", -1) and target[2] == want[2]):
+        return x, 0
+    return present, kv[1]
+
+
+def _expand_elements(shape: Tensor, dims: Dims) -> list | None:
+    """The elements of an Expand's shape; TorchScript's ``Where(Equal(s, -1), 1, s)`` (its
+    expand(-1) keeps a dim: Expand's 1) is read as ``s`` with -1 as 1."""
+    where = producer(shape, "Where")
+    eq = producer(inputs(where)[0], "Equal") if where is not None else None
+    if eq is None or inputs(eq)[0] is not inputs(where)[2]:
+        return shape_elements(shape, dims)
+    minus, ones = constant_value(inputs(eq)[1]), constant_value(inputs(where)[1])
+    if minus is None or ones is None or np.any(minus != -1) or np.any(ones != 1):
+        return None
+    elems = shape_elements(inputs(where)[2], dims)
+    return None if elems is None else [("int", 1) if e == ("int", -1) else e for e in elems]
+
+
+# ------------------------------------------------------------------------------ stage 3
+def lower_gqa(a: Attention, b: Builder, q: Tensor) -> Tensor:
+    """GroupQueryAttention for ``a`` (its plan in ``a.gqa``) from the 3-D query ``q`` (already
+    rotated); returns the [B,S,N·H] output, the present outputs moved onto the kernel's."""
+    from .lower import attention_bias, rotated  # lower dispatches here: imported on use
+
+    plan: GqaPlan = a.gqa
+    name = a.core.root.name
+    k = rotated(b, plan.key.new.rotary, plan.key.new.x, plan.key.kv_heads, f"{name}/k_rotary")
+    total = b.op(
+        "Add",
+        [_len(b, plan.key.past, 2, f"{name}/past_len"), _len(b, q, 1, f"{name}/new_len")],
+        name=f"{name}/total_len",
+    )
+    ins = [q, k, plan.value.new.x, plan.key.past, plan.value.past, *_lengths(b, q, total, name)]
+    if a.bias is not None:
+        ins += [None, None, None, attention_bias(a, b, q, None, total)]
+    attrs = {"num_heads": a.num_heads, "kv_num_heads": plan.key.kv_heads, "causal": 0}
+    if a.scale is not None:
+        attrs["scale"] = float(a.scale)
+    out, pk, pv = b.op(
+        "GroupQueryAttention", ins, attrs, domain=MS, outputs=3, name=f"{name}/GroupQueryAttention"
+    )
+    out.dtype = dtype_of(a.core.root.outputs[0])
+    for new, old in ((pk, plan.key.present), (pv, plan.value.present)):
+        new.dtype, new.shape = old.dtype, old.shape
+        b.ir.replace_all_uses(old, new)
+    return out
+
+
+def _len(b: Builder, t: Tensor, axis: int, name: str) -> Tensor:
+    out = b.op("Shape", [t], {"start": axis, "end": axis + 1}, name=name)
+    out.dtype, out.shape = np.dtype(np.int64), [1]
+    return out
+
+
+def _lengths(b: Builder, q: Tensor, total: Tensor, name: str) -> list[Tensor]:
+    """``seqlens_k`` = T − 1 in every row (int32 [B]) and ``total_sequence_length`` (int32 [])."""
+    last = b.op("Sub", [total, b.const(np.array([1], np.int64), "one")], name=f"{name}/last_key")
+    rows = last
+    if Dims().key(q, 0) != ("int", 1):
+        rows = b.op("Expand", [last, _len(b, q, 0, f"{name}/batch")], name=f"{name}/seqlens")
+    seqlens = b.op("Cast", [rows], {"to": 6}, name=f"{name}/seqlens_k")
+    scalar = b.op("Squeeze", [total, b.const(np.array([0], np.int64), "axis0")], name=f"{name}/t")
+    total32 = b.op("Cast", [scalar], {"to": 6}, name=f"{name}/total_sequence_length")
+    for t in (seqlens, total32):
+        t.dtype = np.dtype(np.int32)
+    return [seqlens, total32]
+
+
+def gqa_nodes(plan: GqaPlan) -> list[Node]:
+    """Nodes of the new key/value splits (consumers first); they die once the kernel replaces
+    the Concats."""
+    found: list[Node] = []
+    for c in (plan.key, plan.value):
+        found += c.new.nodes + [c.new.reshape]
+    return found
