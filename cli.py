@@ -1,8 +1,8 @@
 """The ``graphopt`` command line: parse flags, call the library, render, map verdicts to exit codes.
 
-Each command is a table of typer options and a short body: the work is the library's (optimize,
-bundle, parity, bisect, explain, lint, bench, gate, verdict), what is printed is
-:mod:`graphopt.render`'s, progress is :mod:`graphopt.progress`'s.
+Each command is a list of flags (declared once in :mod:`graphopt.flags`) and a short body: the
+work is the library's (optimize, bundle, parity, bisect, explain, lint, bench, gate, verdict),
+what is printed is :mod:`graphopt.render`'s, progress is :mod:`graphopt.progress`'s.
 
 Exit codes (stable): 0 ok, 1 error, 2 usage, 3 parity failed, 4 target cannot run the model /
 did not converge, 5 performance regression.  Errors are one line on stderr; ``--debug`` (before
@@ -17,15 +17,17 @@ import json
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from . import __version__
+from . import __version__, flags, render
 from . import optimize as run_optimize
+from .flags import STATE, TARGET, Format, Reference
 from .opt import errors
+from .opt import gate as ci
+from .opt import verdict as verdicts
 from .opt.bench import apply_baseline, baseline_payload, measure, parse_regression
 from .opt.bisect import BISECT_KIND, default_bisect_dir, write_bisect_result
 from .opt.bisect import bisect as run_bisect
@@ -33,14 +35,6 @@ from .opt.clock import Clock
 from .opt.explain import check_filters, check_rule, node_ops, resolve_explain_op
 from .opt.explain import explain as explain_report
 from .opt.feeds import read_feeds
-from .opt.gate import (
-    bench_junit_xml,
-    evaluate_expectations,
-    gate_latency,
-    gate_verdict,
-    junit_xml,
-    parse_expectations,
-)
 from .opt.io import (
     atomic_write,
     atomic_write_text,
@@ -57,35 +51,12 @@ from .opt.parity import check_parity, parse_shapes, parse_tolerances
 from .opt.reference import upcast_to_float64
 from .opt.report_html import render_html
 from .opt.target import TARGETS, get_target
-from .opt.verdict import (
-    decide,
-    parities,
-    parity_not_run_warnings,
-    resolve_report_expectations,
-    safety_net_warnings,
-)
 from .progress import progress
-from .render import (
-    err,
-    error,
-    gate_payload,
-    print_json,
-    render_bench,
-    render_bisect,
-    render_expectations,
-    render_explain,
-    render_gate,
-    render_lint,
-    render_parity,
-    render_report,
-    render_rules,
-    render_run,
-    render_target,
-    render_targets,
-    warn,
-)
+from .render import err, print_json
 from .targets.bundle import BUNDLE_KIND, default_bundle_dir, protected_paths, write_bundle
 from .targets.codegen import kernel_pipeline
+
+__all__ = ["TARGET", "app"]  # TARGET: the --target option (its help names every target)
 
 app = typer.Typer(
     add_completion=False,
@@ -93,75 +64,12 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Optimize ONNX models for a target, prove parity, explain every rewrite.",
 )
-STATE = {"debug": False}
-MAX_THREADS = 1024
-
-
-class Format(str, Enum):
-    text = "text"
-    json = "json"
-
-
-class Verify(str, Enum):
-    fingerprint = "fingerprint"
-    full = "full"
-    none = "none"
-
-
-class Reference(str, Enum):
-    original = "original"
-    float64 = "float64"
-    both = "both"
 
 
 def _show_version(value: bool) -> None:
     if value:
         print(f"graphopt {__version__}")
         raise typer.Exit()
-
-
-def _set_debug(value: bool) -> bool:
-    """``--debug`` after the command name: the same switch as before it."""
-    if value:
-        STATE["debug"] = True
-    return value
-
-
-# ------------------------------------------------------------------ options shared by commands
-FORMAT = typer.Option("--format", help="text or json (json: one document on stdout).")
-TARGET = typer.Option("--target", "-t", help=f"Target: {', '.join(TARGETS)}.")
-DEBUG = typer.Option(
-    "--debug", help="Show tracebacks (also accepted before the command).", callback=_set_debug
-)
-SEED = typer.Option("--seed", min=0, help="Seed of random parity inputs (>= 0).")
-SHAPE = typer.Option(
-    "--shape",
-    help="NAME=D0,D1,... sizes of an input's dynamic dims for the random inputs (repeatable).",
-)
-INPUTS = typer.Option(
-    "--inputs", help="Real inputs: an .npz (one array per input name) or an .npy (one input)."
-)
-QUIET_PROGRESS = typer.Option("--quiet", "-q", help="No progress lines on stderr.")
-Fmt = Annotated[Format, FORMAT]
-Debug = Annotated[bool, DEBUG]
-Target = Annotated[str, TARGET]
-Seed = Annotated[int, SEED]
-Shapes = Annotated[list[str] | None, SHAPE]
-Inputs = Annotated[Path | None, INPUTS]
-Quiet = Annotated[bool, QUIET_PROGRESS]
-Level = Annotated[int, typer.Option("-O", "--level", min=0, max=3)]
-Pipeline = Annotated[str | None, typer.Option("--pipeline")]
-PipelineText = Annotated[
-    str | None, typer.Option("--pipeline", help="Pipeline text (overrides -O).")
-]
-Tolerances = Annotated[
-    list[str] | None,
-    typer.Option("--tolerance", help="OUTPUT=RTOL,ATOL overriding the dtype default."),
-]
-JUnit = Annotated[Path | None, typer.Option("--junit", help="Write JUnit XML.")]
-Threads = Annotated[
-    int, typer.Option("--threads", min=1, max=MAX_THREADS, help="intra-op threads.")
-]
 
 
 @app.callback()
@@ -215,15 +123,14 @@ def _feeds(inputs: Path | None, model):
 
 def _write_remarks(path: Path, remarks: list) -> None:
     """``--remarks``: the remark objects as JSON lines."""
-    atomic_write_text(
-        path, "".join(json.dumps(r.to_dict(), sort_keys=True) + "\n" for r in remarks)
-    )
+    text = "".join(json.dumps(r.to_dict(), sort_keys=True) + "\n" for r in remarks)
+    atomic_write_text(path, text)
 
 
 def _exit(code: int, reason: str) -> None:
     """The verdict's one line on stderr (even with --quiet or --format json) and its code."""
     if code:
-        error(reason)
+        render.error(reason)
         raise typer.Exit(code)
 
 
@@ -231,89 +138,29 @@ def _exit(code: int, reason: str) -> None:
 @app.command()
 def optimize(
     model: Annotated[Path, typer.Argument(help="Input .onnx model (never modified).")],
-    output: Annotated[
-        Path | None,
-        typer.Option(
-            "-o",
-            "--output",
-            help="Output directory (default: <stem>.<target>.graphopt beside the input).",
-        ),
-    ] = None,
-    target: Target = "cpu",
-    level: Annotated[
-        int,
-        typer.Option(
-            "-O",
-            "--level",
-            min=0,
-            max=3,
-            help="0 none, 1 exact cleanups, 2 standard fusions, 3 guarded numerics-changing.",
-        ),
-    ] = 2,
-    pipeline: PipelineText = None,
-    fmt: Fmt = Format.text,
-    debug: Debug = False,
-    shape: Annotated[
-        list[str] | None, typer.Option("--shape", help="NAME=D0,D1,... for parity inputs.")
-    ] = None,
-    inputs: Annotated[
-        Path | None, typer.Option("--inputs", help=".npz of inputs for parity.")
-    ] = None,
-    no_check: Annotated[bool, typer.Option("--no-check", help="Skip the parity check.")] = False,
-    no_measure: Annotated[
-        bool,
-        typer.Option("--no-measure", help="Skip timing the bundle against the original (cpu)."),
-    ] = False,
-    seed: Seed = 0,
-    bisect_limit: Annotated[
-        int | None,
-        typer.Option("--bisect-limit", min=0, help="Apply only the first N rewrites (opt-bisect)."),
-    ] = None,
-    verify_each: Annotated[
-        bool, typer.Option("--verify-each", help="Check the model after every pass.")
-    ] = False,
-    fold_size_limit: Annotated[
-        float,
-        typer.Option("--fold-size-limit", help="MiB a folded constant may grow to (finite, >= 0)."),
-    ] = 1.0,
-    remarks: Annotated[
-        Path | None, typer.Option("--remarks", help="Write remarks as JSONL.")
-    ] = None,
-    reference: Annotated[
-        Reference,
-        typer.Option("--reference", help="Parity vs the original, its float64 upcast, or both."),
-    ] = Reference.original,
-    tolerance: Tolerances = None,
-    expect: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--expect", help='Op-count assertions, e.g. "LayerNormalization>=25" (exit 4).'
-        ),
-    ] = None,
-    junit: JUnit = None,
-    html_report: Annotated[
-        Path | None, typer.Option("--html", help="Write a self-contained HTML report.")
-    ] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success.")] = False,
-    kernels: Annotated[
-        bool | None,
-        typer.Option(
-            "--kernels/--no-kernels",
-            help="Fuse element-wise chains into generated C/CUDA kernels (fuse-elementwise; "
-            "each kept only where its gates pass; the bundle ships kernels/). Default: on for "
-            "the -O presets on cpu/cuda where a compiler is present (GRAPHOPT_NO_KERNELS=1 "
-            "turns the default off); --kernels also adds it to a --pipeline.",
-        ),
-    ] = None,
-    opset: Annotated[
-        int | None,
-        typer.Option(
-            "--opset",
-            min=1,
-            help="Upgrade the model to this ONNX opset first (e.g. 23 for RMSNormalization); "
-            "parity still compares with the original.",
-        ),
-    ] = None,
+    output: flags.BundleDir = None,
+    target: flags.Target = "cpu",
+    level: flags.OptLevel = 2,
+    pipeline: flags.PipelineText = None,
+    fmt: flags.Fmt = Format.text,
+    debug: flags.Debug = False,
+    shape: flags.ParityShapes = None,
+    inputs: flags.ParityInputs = None,
+    no_check: flags.NoCheck = False,
+    no_measure: flags.NoMeasure = False,
+    seed: flags.Seed = 0,
+    bisect_limit: flags.BisectLimit = None,
+    verify_each: flags.VerifyEach = False,
+    fold_size_limit: flags.FoldSizeLimit = 1.0,
+    remarks: flags.RemarksOut = None,
+    reference: flags.ParityReference = Reference.original,
+    tolerance: flags.Tolerances = None,
+    expect: flags.Expect = None,
+    junit: flags.JUnit = None,
+    html_report: flags.HtmlOut = None,
+    quiet: flags.QuietAll = False,
+    kernels: flags.Kernels = None,
+    opset: flags.Opset = None,
 ) -> None:
     """Optimize MODEL for a target; write OUT_DIR/model.onnx and OUT_DIR/report.json."""
     with handled(), sparse_collection():  # writing the bundle of a large graph too
@@ -324,7 +171,7 @@ def optimize(
         side = {"--remarks": remarks, "--junit": junit, "--html": html_report}
         check_side_outputs(side, models=[src], files=[inputs] if inputs else [], dirs=[dest])
         fold_limit = _finite(fold_size_limit, "--fold-size-limit")
-        expectations = parse_expectations(expect)
+        expectations = ci.parse_expectations(expect)
         shapes = parse_shapes(shape)
         feeds = _feeds(inputs, src)
         custom = pipeline is not None
@@ -349,19 +196,23 @@ def optimize(
                 opset=opset,
                 clock=clock,
             )
-            expectations = resolve_report_expectations(expectations, report, target)
+            expectations = verdicts.resolve_report_expectations(expectations, report, target)
             say("writing the bundle")
             write_bundle(optimized, report, dest, protected=protected, progress=say)
         if remarks:
             _write_remarks(remarks, report.remarks)
-        results = evaluate_expectations(expectations, report.ops_after)
+        results = ci.evaluate_expectations(expectations, report.ops_after)
         payload = _written_report(dest, report, results)
-        _write_optimize_side_outputs(report, payload, results, dest, model.stem, junit, html_report)
+        if junit:
+            suite = f"graphopt.optimize.{model.stem}"
+            atomic_write_text(junit, ci.junit_xml(suite, verdicts.parities(report), results))
+        if html_report:
+            atomic_write_text(html_report, render_html(payload, _manifest(dest)))
         if fmt == Format.json:
             print_json(payload)
         elif not quiet:
-            render_report(report, custom_pipeline=custom)
-            render_expectations(results)
+            render.render_report(report, custom_pipeline=custom)
+            render.render_expectations(results)
         _conclude(report, results, checked=not no_check)
 
 
@@ -377,26 +228,19 @@ def _written_report(bundle: Path, report, results: list) -> dict:
     return payload
 
 
-def _write_optimize_side_outputs(
-    report, payload: dict, results: list, dest: Path, name: str, junit, html: Path | None
-) -> None:
-    """``--junit`` (one case per parity output and expectation) and ``--html``."""
-    if junit:
-        atomic_write_text(junit, junit_xml(f"graphopt.optimize.{name}", parities(report), results))
-    if html:
-        manifest_path = dest / "manifest.json"
-        manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
-        atomic_write_text(html, render_html(payload, manifest))
+def _manifest(bundle: Path) -> dict | None:
+    path = bundle / "manifest.json"
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def _conclude(report, results: list, checked: bool) -> None:
     """Warnings a run still owes, then the verdict's line and exit code."""
-    for line in safety_net_warnings(report):
-        warn(line)
-    verdict = decide(report, results, checked=checked)
+    for line in verdicts.safety_net_warnings(report):
+        render.warn(line)
+    verdict = verdicts.decide(report, results, checked=checked)
     if not verdict.parity_not_run:
-        for line in parity_not_run_warnings(report, checked=checked):
-            warn(line)
+        for line in verdicts.parity_not_run_warnings(report, checked=checked):
+            render.warn(line)
     _exit(verdict.code, verdict.reason)
 
 
@@ -405,17 +249,14 @@ def _conclude(report, results: list, checked: bool) -> None:
 def check(
     original: Annotated[Path, typer.Argument(help="Reference model.")],
     optimized: Annotated[Path, typer.Argument(help="Model to compare (a file or a bundle dir).")],
-    shape: Shapes = None,
-    inputs: Inputs = None,
-    seed: Seed = 0,
-    reference: Annotated[
-        Reference,
-        typer.Option("--reference", help="Compare with ORIGINAL, its float64 upcast, or both."),
-    ] = Reference.original,
-    tolerance: Tolerances = None,
-    fmt: Fmt = Format.text,
-    quiet: Quiet = False,
-    debug: Debug = False,
+    shape: flags.Shapes = None,
+    inputs: flags.Inputs = None,
+    seed: flags.Seed = 0,
+    reference: flags.CheckReference = Reference.original,
+    tolerance: flags.Tolerances = None,
+    fmt: flags.Fmt = Format.text,
+    quiet: flags.Quiet = False,
+    debug: flags.Debug = False,
 ) -> None:
     """Compare two models' outputs with onnxruntime; exit 3 when they differ."""
     with handled():
@@ -438,17 +279,14 @@ def check(
             if reference in (Reference.float64, Reference.both):
                 say("parity vs a float64 upcast of the original")
                 f64 = upcast_to_float64(ref_model, TARGETS["cpu"])
-                results.append(
-                    check_parity(
-                        ref_model, opt_model, reference=f64, reference_name="float64", **kw
-                    )
-                )
+                kw.update(reference=f64, reference_name="float64")
+                results.append(check_parity(ref_model, opt_model, **kw))
         if fmt == Format.json:
             payload = [p.to_dict() for p in results]
             print_json(payload[0] if len(payload) == 1 else payload)
         else:
             for p in results:
-                render_parity(p)
+                render.render_parity(p)
         if not all(p.ok for p in results):
             raise typer.Exit(errors.EXIT_PARITY)
 
@@ -456,19 +294,16 @@ def check(
 @app.command()
 def bisect(
     model: Annotated[Path, typer.Argument(help="Model whose optimization breaks parity.")],
-    output: Annotated[
-        Path | None,
-        typer.Option("-o", "--output", help="Directory for the minimal before/after models."),
-    ] = None,
-    target: Target = "cpu",
-    level: Level = 2,
-    pipeline: Pipeline = None,
-    shape: Shapes = None,
-    inputs: Inputs = None,
-    seed: Seed = 0,
-    fmt: Fmt = Format.text,
-    quiet: Quiet = False,
-    debug: Debug = False,
+    output: flags.BisectDir = None,
+    target: flags.Target = "cpu",
+    level: flags.Level = 2,
+    pipeline: flags.Pipeline = None,
+    shape: flags.Shapes = None,
+    inputs: flags.Inputs = None,
+    seed: flags.Seed = 0,
+    fmt: flags.Fmt = Format.text,
+    quiet: flags.Quiet = False,
+    debug: flags.Debug = False,
 ) -> None:
     """Find the first rewrite that breaks parity (binary search on --bisect-limit).
 
@@ -491,7 +326,7 @@ def bisect(
         if fmt == Format.json:
             print_json(payload)
         else:
-            render_bisect(result, payload)
+            render.render_bisect(result, payload)
         if result.found:
             raise typer.Exit(errors.EXIT_PARITY)
 
@@ -500,22 +335,19 @@ def bisect(
 @app.command()
 def explain(
     model: Annotated[Path, typer.Argument(help="Model to explain.")],
-    target: Target = "cpu",
-    level: Level = 2,
-    pipeline: Pipeline = None,
-    rule: Annotated[str | None, typer.Option("--rule", help="Only this rule.")] = None,
-    node: Annotated[str | None, typer.Option("--node", help="Only remarks on this node.")] = None,
-    code: Annotated[str | None, typer.Option("--code", help="Only this guard code.")] = None,
-    op: Annotated[
-        str | None,
-        typer.Option("--op", help="Only remarks on nodes of this op (FusedConv or its domain.op)."),
-    ] = None,
-    shape: Shapes = None,
-    inputs: Inputs = None,
-    remarks: Annotated[Path | None, typer.Option("--remarks", help="Write JSONL.")] = None,
-    fmt: Fmt = Format.text,
-    quiet: Quiet = False,
-    debug: Debug = False,
+    target: flags.Target = "cpu",
+    level: flags.Level = 2,
+    pipeline: flags.Pipeline = None,
+    rule: flags.RuleFilter = None,
+    node: flags.NodeFilter = None,
+    code: flags.CodeFilter = None,
+    op: flags.OpFilter = None,
+    shape: flags.Shapes = None,
+    inputs: flags.Inputs = None,
+    remarks: flags.RemarksJsonl = None,
+    fmt: flags.Fmt = Format.text,
+    quiet: flags.Quiet = False,
+    debug: flags.Debug = False,
 ) -> None:
     """Which rules fired where, which were refused where and why (with a hint for the fix).
 
@@ -536,7 +368,7 @@ def explain(
                 progress=say,
             )
         original = load_model(src, check=False, lazy_external=True)
-        ops = node_ops(optimized, original)
+        ops = node_ops(optimized, original)  # the original's names win
         check_filters(report, ops, node=node, code=code)
         op = resolve_explain_op(op, report) if op is not None else None
         data = explain_report(report, rule=rule, node=node, code=code, op=op, node_ops=ops)
@@ -545,27 +377,18 @@ def explain(
         if fmt == Format.json:
             print_json(data)
             return
-        render_explain(data)
+        render.render_explain(data)
 
 
 @app.command()
 def lint(
     model: Annotated[Path, typer.Argument(help="Model to lint.")],
-    freeze_initializers: Annotated[
-        bool,
-        typer.Option(
-            "--freeze-initializers",
-            help="Write a copy whose initializers are not graph inputs (changes the interface).",
-        ),
-    ] = False,
-    output: Annotated[
-        Path | None,
-        typer.Option("-o", "--output", help="Where --freeze-initializers writes the model."),
-    ] = None,
-    target: Target = "cpu",
-    fmt: Fmt = Format.text,
-    quiet: Quiet = False,
-    debug: Debug = False,
+    freeze_initializers: flags.FreezeInitializers = False,
+    output: flags.FrozenOut = None,
+    target: flags.Target = "cpu",
+    fmt: flags.Fmt = Format.text,
+    quiet: flags.Quiet = False,
+    debug: flags.Debug = False,
 ) -> None:
     """Pitfalls of real exports (weights as inputs, custom domains, fp16 saturation...), each
     with its fix."""
@@ -600,49 +423,30 @@ def lint(
         if fmt == Format.json:
             print_json(payload)
             return
-        render_lint(payload, findings)
+        render.render_lint(payload, findings)
 
 
 # ------------------------------------------------------------------ bench, gate
 @app.command()
 def bench(
     model: Annotated[Path, typer.Argument(help="Original model.")],
-    optimized: Annotated[
-        Path | None,
-        typer.Option(
-            "--optimized", help="Optimized model or bundle (default: optimize MODEL now)."
-        ),
-    ] = None,
-    target: Target = "cpu",
-    level: Level = 2,
-    runs: Annotated[int, typer.Option("--runs", min=1)] = 100,
-    warmup: Annotated[int, typer.Option("--warmup", min=0)] = 10,
-    threads: Threads = 1,
-    ort_level: Annotated[
-        str,
-        typer.Option(
-            "--ort-level", help="onnxruntime session level: disable, basic, extended, all."
-        ),
-    ] = "all",
-    shape: Shapes = None,
-    inputs: Inputs = None,
-    baseline: Annotated[
-        Path | None,
-        typer.Option(
-            "--baseline", help="Compare with this baseline; exit 5 past --max-regression."
-        ),
-    ] = None,
-    save_baseline: Annotated[
-        Path | None, typer.Option("--save-baseline", help="Write this run as a baseline file.")
-    ] = None,
-    max_regression: Annotated[str, typer.Option("--max-regression")] = "5%",
-    min_seconds: Annotated[
-        float, typer.Option("--min-seconds", help="Keep measuring at least this long.")
-    ] = 2.0,
-    junit: Annotated[Path | None, typer.Option("--junit")] = None,
-    fmt: Fmt = Format.text,
-    quiet: Quiet = False,
-    debug: Debug = False,
+    optimized: flags.OptimizedModel = None,
+    target: flags.Target = "cpu",
+    level: flags.Level = 2,
+    runs: flags.Runs = 100,
+    warmup: flags.Warmup = 10,
+    threads: flags.Threads = 1,
+    ort_level: flags.OrtLevel = "all",
+    shape: flags.Shapes = None,
+    inputs: flags.Inputs = None,
+    baseline: flags.BenchBaseline = None,
+    save_baseline: flags.BenchSaveBaseline = None,
+    max_regression: flags.BenchMaxRegression = "5%",
+    min_seconds: flags.MinSeconds = 2.0,
+    junit: flags.BenchJUnit = None,
+    fmt: flags.Fmt = Format.text,
+    quiet: flags.Quiet = False,
+    debug: flags.Debug = False,
 ) -> None:
     """p50/p95 latency of original and optimized (interleaved); the CI regression gate."""
     with handled():
@@ -683,11 +487,11 @@ def bench(
             saved = baseline_payload(result, str(model), target)
             atomic_write_text(save_baseline, json.dumps(saved, indent=2, sort_keys=True))
         if junit:
-            atomic_write_text(junit, bench_junit_xml(model.stem, result))
+            atomic_write_text(junit, ci.bench_junit_xml(model.stem, result))
         if fmt == Format.json:
             print_json(result.to_dict())
         else:
-            render_bench(result)
+            render.render_bench(result)
         if result.regressed:
             raise typer.Exit(errors.EXIT_PERF)
 
@@ -695,45 +499,23 @@ def bench(
 @app.command()
 def gate(
     model: Annotated[Path, typer.Argument(help="Model to gate (never modified).")],
-    target: Target = "cpu",
-    level: Level = 2,
-    pipeline: PipelineText = None,
-    expect: Annotated[
-        list[str] | None,
-        typer.Option("--expect", help='Op-count assertions, e.g. "FusedConv>=10" (exit 4).'),
-    ] = None,
-    baseline: Annotated[
-        Path | None,
-        typer.Option("--baseline", help="Gate baseline to compare with (exit 5 on regression)."),
-    ] = None,
-    save_baseline: Annotated[
-        Path | None,
-        typer.Option(
-            "--save-baseline",
-            help="Write this run's latency as the baseline (refused, exit 4, when its interval "
-            "is wider than --max-regression).",
-        ),
-    ] = None,
-    max_regression: Annotated[
-        str,
-        typer.Option(
-            "--max-regression",
-            help="Allowed slowdown of optimized/original vs the baseline, e.g. 5%.",
-        ),
-    ] = "5%",
-    max_seconds: Annotated[
-        float,
-        typer.Option("--max-seconds", help="Longest the latency measurement may take."),
-    ] = 60.0,
-    threads: Threads = 1,
-    shape: Shapes = None,
-    inputs: Inputs = None,
-    seed: Seed = 0,
-    tolerance: Tolerances = None,
-    junit: JUnit = None,
-    fmt: Fmt = Format.text,
-    quiet: Quiet = False,
-    debug: Debug = False,
+    target: flags.Target = "cpu",
+    level: flags.Level = 2,
+    pipeline: flags.PipelineText = None,
+    expect: flags.GateExpect = None,
+    baseline: flags.GateBaseline = None,
+    save_baseline: flags.GateSaveBaseline = None,
+    max_regression: flags.GateMaxRegression = "5%",
+    max_seconds: flags.MaxSeconds = 60.0,
+    threads: flags.Threads = 1,
+    shape: flags.Shapes = None,
+    inputs: flags.Inputs = None,
+    seed: flags.Seed = 0,
+    tolerance: flags.Tolerances = None,
+    junit: flags.JUnit = None,
+    fmt: flags.Fmt = Format.text,
+    quiet: flags.Quiet = False,
+    debug: flags.Debug = False,
 ) -> None:
     """The CI gate in one call: optimize, parity, --expect, latency against a baseline, JUnit.
 
@@ -752,7 +534,7 @@ def gate(
             models=[src],
             files=[f for f in (inputs, baseline) if f],
         )
-        expectations = parse_expectations(expect)
+        expectations = ci.parse_expectations(expect)
         feeds = _feeds(inputs, src)
         with progress(quiet) as say:
             optimized, report = run_optimize(
@@ -767,14 +549,13 @@ def gate(
                 progress=say,
                 output_tolerances=parse_tolerances(tolerance),
             )
-            results = evaluate_expectations(
-                resolve_report_expectations(expectations, report, target), report.ops_after
-            )
-            first = decide(report, results, checked=True)
+            expectations = verdicts.resolve_report_expectations(expectations, report, target)
+            results = ci.evaluate_expectations(expectations, report.ops_after)
+            first = verdicts.decide(report, results, checked=True)
             latency = None
             if first.ok:
                 say("latency: paired interleaved rounds")
-                latency = gate_latency(
+                latency = ci.gate_latency(
                     src,
                     optimized,
                     report.parity.inputs,
@@ -785,7 +566,7 @@ def gate(
                     max_seconds=max_seconds,
                     progress=say,
                 )
-        verdict = gate_verdict(
+        verdict = ci.gate_verdict(
             latency,
             first.code,
             first.reason,
@@ -794,22 +575,27 @@ def gate(
             max_regression=limit,
             meta={"model": str(model), "target": target},
         )
-        if save_baseline and verdict.baseline:
-            atomic_write_text(save_baseline, json.dumps(verdict.baseline, indent=2, sort_keys=True))
-        if junit:
-            case = verdict.junit_case() if latency else None
-            suite = f"graphopt.gate.{model.stem}"
-            atomic_write_text(junit, junit_xml(suite, parities(report), results, case))
+        _gate_outputs(model, report, results, latency, verdict, save_baseline, junit)
         if fmt == Format.json:
-            print_json(gate_payload(report, results, latency, verdict, model), default=float)
+            print_json(render.gate_payload(report, results, latency, verdict, model), default=float)
         else:
-            render_gate(report, results, latency, verdict, model)
+            render.render_gate(report, results, latency, verdict, model)
         _exit(verdict.code, verdict.reason)
+
+
+def _gate_outputs(model: Path, report, results, latency, verdict, save_baseline, junit) -> None:
+    """``--save-baseline`` (when the verdict has one to save) and ``--junit``."""
+    if save_baseline and verdict.baseline:
+        atomic_write_text(save_baseline, json.dumps(verdict.baseline, indent=2, sort_keys=True))
+    if junit:
+        case = verdict.junit_case() if latency else None
+        suite = f"graphopt.gate.{model.stem}"
+        atomic_write_text(junit, ci.junit_xml(suite, verdicts.parities(report), results, case))
 
 
 # ------------------------------------------------------------------ rules, targets, run
 @app.command()
-def rules(fmt: Fmt = Format.text, debug: Debug = False) -> None:
+def rules(fmt: flags.Fmt = Format.text, debug: flags.Debug = False) -> None:
     """List every rule and pass with its level and one line."""
     rows = [
         {"name": r.name, "kind": "rule", "root": r.root, "level": r.level, "summary": r.summary}
@@ -823,7 +609,7 @@ def rules(fmt: Fmt = Format.text, debug: Debug = False) -> None:
     if fmt == Format.json:
         print(json.dumps(rows, indent=2))
         return
-    render_rules(rows)
+    render.render_rules(rows)
 
 
 @app.command()
@@ -832,8 +618,8 @@ def targets(
         str | None, typer.Argument(help="'show' to print one target's profile and kernel table.")
     ] = None,
     name: Annotated[str | None, typer.Argument(help="The target to show.")] = None,
-    fmt: Fmt = Format.text,
-    debug: Debug = False,
+    fmt: flags.Fmt = Format.text,
+    debug: flags.Debug = False,
 ) -> None:
     """List the targets; `targets show NAME` prints one target's profile and kernel table."""
     with handled():
@@ -846,7 +632,7 @@ def targets(
             if fmt == Format.json:
                 print_json(data)
             else:
-                render_target(data)
+                render.render_target(data)
             return
     rows = [
         {
@@ -861,49 +647,20 @@ def targets(
     if fmt == Format.json:
         print(json.dumps(rows, indent=2))
         return
-    render_targets(rows)
+    render.render_targets(rows)
 
 
 @app.command()
 def run(
     bundle: Annotated[Path, typer.Argument(help="A bundle directory written by `optimize`.")],
-    inputs: Annotated[
-        Path | None,
-        typer.Option(
-            "--inputs",
-            help=".npz of inputs (default: the bundle's golden inputs, "
-            "compared with its golden outputs).",
-        ),
-    ] = None,
-    output: Annotated[
-        Path | None, typer.Option("-o", "--output", help="Write the outputs to this .npz.")
-    ] = None,
-    provider: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--provider",
-            help="Override the bundle's providers (repeatable), e.g. "
-            "CPUExecutionProvider to run a cuda/npu bundle's semantics on CPU.",
-        ),
-    ] = None,
-    repeat: Annotated[int, typer.Option("--repeat", min=1, help="Runs (timed).")] = 1,
-    verify: Annotated[
-        Verify,
-        typer.Option(
-            "--verify",
-            help="Integrity of the model files: fingerprint (size and sampled blocks), full "
-            "(every byte against the sha256 taken when the bundle was written) or none.",
-        ),
-    ] = Verify.fingerprint,
-    portable: Annotated[
-        bool,
-        typer.Option(
-            "--portable",
-            help="Run the portable model.onnx even where the machine-specific fast path applies.",
-        ),
-    ] = False,
-    fmt: Fmt = Format.text,
-    debug: Debug = False,
+    inputs: flags.RunInputs = None,
+    output: flags.RunOutput = None,
+    provider: flags.Providers = None,
+    repeat: flags.Repeat = 1,
+    verify: flags.VerifyFiles = flags.Verify.fingerprint,
+    portable: flags.Portable = False,
+    fmt: flags.Fmt = Format.text,
+    debug: flags.Debug = False,
 ) -> None:
     """Run a bundle with onnxruntime exactly as its manifest and session config say (on the
     machine that wrote it, its machine-specific fast path)."""
@@ -929,20 +686,14 @@ def run(
         )
         if output:
             _save_outputs(output, result["outputs"])
-        summary = {
-            "bundle": result["bundle"],
-            "target": result["target"],
-            "providers": result["providers"],
-            "outputs": {k: describe_value(v) for k, v in result["outputs"].items()},
-            "session_create_ms": result["session_create_ms"],
-            "session": result["session"],
-            "run_ms": result["run_ms"],
-            "golden": result["golden"],
-        }
+        keys = ("bundle", "target", "providers", "session_create_ms", "session", "run_ms")
+        summary = {k: result[k] for k in keys}
+        summary["outputs"] = {k: describe_value(v) for k, v in result["outputs"].items()}
+        summary["golden"] = result["golden"]
         if fmt == Format.json:
             print_json(summary, default=float)
         else:
-            render_run(summary)
+            render.render_run(summary)
         if result["golden"] is not None and not result["golden"]["ok"]:
             raise typer.Exit(errors.EXIT_PARITY)
 
