@@ -225,7 +225,7 @@ def optimize(
         say("checking that the output is valid")
         budget = max(10.0, 2 * clock.elapsed("passes"))
         optimized, cx = _keep_valid(
-            model, optimized, cx, execute, bisect_limit, say, base_dir, budget
+            model, optimized, cx, execute, bisect_limit, say, base_dir, budget, keep=check
         )
     optimize_s = clock.elapsed("passes") + clock.elapsed("validity")
 
@@ -367,11 +367,23 @@ def _guarded_ranges(model, inputs, shapes, seed, base_dir) -> tuple[dict | None,
 _LOADED: dict[str, Any] = {}
 
 
+#: session config of a validity check's session that parity will not reuse: loading is all it
+#: proves, so weights are not pre-packed (copied) for the kernels, and external weights stay
+#: mapped from their file: a decoder's 705 MB of weights cost 55 MB instead of 750 MB
+CHECK_ONLY = {"session.disable_prepacking": "1"}
+
+
 def _invalid(
-    model: onnx.ModelProto, base_dir=None, checker: bool = True, runtime: bool = True
+    model: onnx.ModelProto,
+    base_dir=None,
+    checker: bool = True,
+    runtime: bool = True,
+    keep: bool = False,
 ) -> str | None:
     """Why ``model`` is not a valid, loadable model (onnx.checker with full shape checks, then an
-    onnxruntime session), or None.  The model is serialized once for both."""
+    onnxruntime session), or None.  The model is serialized once for both.  With ``keep`` the
+    session is built as parity builds its own and kept for it (``_loaded_session``); otherwise
+    it is built to load only (:data:`CHECK_ONLY`) and dropped."""
     _LOADED.clear()
     data = serialize(model)
     if checker and data is not None:
@@ -384,10 +396,13 @@ def _invalid(
     if not runtime:
         return None
     try:
-        session = Session(model, base_dir=base_dir, serialized=data)
+        session = Session(
+            model, base_dir=base_dir, serialized=data, config=None if keep else CHECK_ONLY
+        )
     except GraphoptError as e:
         return str(e)
-    _LOADED.update(model=model, session=session)
+    if keep:
+        _LOADED.update(model=model, session=session)
     return None
 
 
@@ -398,22 +413,25 @@ def _loaded_session(model: onnx.ModelProto):
     return session
 
 
-def _keep_valid(original, optimized, cx, execute, limit, say, base_dir, budget_s: float):
-    """Every output passes onnx.checker (full) and loads in onnxruntime, or the run fails.
+def _keep_valid(
+    original, optimized, cx, execute, limit, say, base_dir, budget_s: float, keep: bool = True
+):
+    """Every output passes onnx.checker (full) and loads in onnxruntime, or the run fails;
+    ``keep``: the valid output's session is kept for parity (see ``_invalid``).
 
     Checks the original's standing too: a clause the original already fails (its own shapes
     contradict the checker, onnxruntime refuses it) is not held against the output.  When the
     output is invalid, the safety net bisects to the rewrite responsible and reverts it, at most
     three times and within ``budget_s`` seconds; each revert is a failure remark and a warning
     (a firing is a bug in a rule).  If that does not make the output valid, GraphoptError."""
-    error = _invalid(optimized, base_dir)
+    error = _invalid(optimized, base_dir, keep=keep)
     if error is None:
         return optimized, cx
     clauses = {
         "checker": _invalid(original, base_dir, runtime=False) is None,
         "runtime": _invalid(original, base_dir, checker=False) is None,
     }
-    error = _invalid(optimized, base_dir, **clauses)
+    error = _invalid(optimized, base_dir, **clauses, keep=keep)
     if error is None:
         return optimized, cx
     deadline = time.perf_counter() + budget_s
@@ -436,7 +454,7 @@ def _keep_valid(original, optimized, cx, execute, limit, say, base_dir, budget_s
         reverted.append((rule, node, error))
         skip = skip | {(rule, node)}
         optimized, cx = execute(limit, skip)
-        error = _invalid(optimized, base_dir, **clauses)
+        error = _invalid(optimized, base_dir, **clauses, keep=keep)
         if error is None:
             break
     if error is not None:

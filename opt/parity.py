@@ -150,12 +150,16 @@ class Session:
         level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
         base_dir: str | os.PathLike | None = None,
         serialized: bytes | None = None,
+        config: dict[str, str] | None = None,
     ):
         """``base_dir``: the folder external-data references resolve against (lazy loading);
-        ``serialized``: the model's bytes when the caller has them already."""
+        ``serialized``: the model's bytes when the caller has them already; ``config``: more
+        session config entries."""
         so = ort.SessionOptions()
         so.graph_optimization_level = level
         so.log_severity_level = 4
+        for key, value in (config or {}).items():
+            so.add_session_config_entry(key, value)
         if base_dir is not None:
             so.add_session_config_entry(
                 "session.model_external_initializers_file_folder_path", str(base_dir)

@@ -123,7 +123,9 @@ def test_an_invalid_output_is_never_returned(monkeypatch):
     monkeypatch.setattr(
         optimizer,
         "_invalid",
-        lambda model, base_dir=None, checker=True, runtime=True: None if model is m else "bad",
+        lambda model, base_dir=None, checker=True, runtime=True, keep=False: (
+            None if model is m else "bad"
+        ),
     )
     with pytest.raises(GraphoptError, match="invalid"):
         graphopt.optimize(m, level=1, check=False)

@@ -213,3 +213,26 @@ def test_external_files_of_a_model_just_read_are_not_parsed_again(tmp_path, monk
     os.replace(moved, path)
     external_data_files(path)
     assert parsed
+
+
+def test_the_validity_session_loads_without_copying_weights_unless_parity_takes_it(monkeypatch):
+    from graphopt.opt import optimizer
+
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")]
+    w = np.random.default_rng(0).random((16, 16)).astype(np.float32)
+    m = model(nodes, [vi("x", [4, 16])], [vi("y", None)], [const("w", w)])
+    made = []
+    real = optimizer.Session
+
+    def recorded(*args, config=None, **kw):
+        made.append(config)
+        return real(*args, config=config, **kw)
+
+    monkeypatch.setattr(optimizer, "Session", recorded)
+    optimizer.optimize(m, check=False)
+    assert made == [optimizer.CHECK_ONLY]
+    assert optimizer.CHECK_ONLY["session.disable_prepacking"] == "1"
+    made.clear()
+    _, report = optimizer.optimize(m, check=True)
+    assert report.parity.ok
+    assert made[0] is None  # the session parity reuses is built as parity builds its own
