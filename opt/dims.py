@@ -34,6 +34,8 @@ def _inputs(node) -> list[Tensor | None]:
 
 Key = tuple
 
+#: output 0 (the normalized sum) and 3 (the sum) have the shape of input 0
+_SKIP_NORMS = ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization")
 _UNARY = {
     "Cast",
     "Relu",
@@ -134,7 +136,7 @@ class Dims:
         node = t.inputs[0]
         ins = _inputs(node)
         op, out_index = node.op, node.outputs.index(t)
-        if op in _UNARY or (op == "SkipLayerNormalization" and out_index in (0, 3)):
+        if op in _UNARY or (op in _SKIP_NORMS and out_index in (0, 3)):
             return self.key(ins[0], axis) if ins and ins[0] is not None else own
         if op in _BROADCAST:
             return self._broadcast(t, axis, nd, [(i, None) for i in ins if i is not None])

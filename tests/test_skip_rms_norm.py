@@ -60,9 +60,11 @@ def rms_nodes(x, y, *, p, opset, div="one-over", gemma=False, casts=False, eps=1
     return nodes, inits
 
 
-def decoder(*, layers=2, opset=17, residual_read=True, shapes=None, **kw):
+def decoder(*, layers=2, opset=17, residual_read=True, shapes=None, unnamed=False, **kw):
     """``layers`` blocks ``h = h + MatMul(RMSNorm(h))`` after ``h = a + b``; the last norm is
-    the output (``residual_read=False``: no block reads the last sum again)."""
+    the output (``residual_read=False``: no block reads the last sum again).  ``unnamed``: one
+    input ``a`` with unnamed batch and sequence dims and ``b = Relu(a)`` (shape inference then
+    names the dims ``unk__N``, which prove nothing, as after onnx's version converter)."""
     rng = np.random.default_rng(0)
     a_shape, b_shape = shapes or (["B", "S", D], ["B", "S", D])
     nodes = [helper.make_node("Add", ["a", "b"], ["h0"])]
@@ -76,9 +78,13 @@ def decoder(*, layers=2, opset=17, residual_read=True, shapes=None, **kw):
             nodes.append(helper.make_node("MatMul", [f"y{i}", f"W{i}"], [f"f{i}"]))
             nodes.append(helper.make_node("Add", [f"h{i}", f"f{i}"], [f"h{i + 1}"]))
     last = f"h{layers}" if residual_read else f"y{layers - 1}"
+    graph_inputs = [vi("a", a_shape), vi("b", b_shape)]
+    if unnamed:
+        nodes.insert(0, helper.make_node("Relu", ["a"], ["b"]))
+        graph_inputs = [vi("a", [None, None, D])]
     return model(
         nodes,
-        [vi("a", a_shape), vi("b", b_shape)],
+        graph_inputs,
         [vi(last, None)],
         inits,
         opset=opset,
@@ -159,3 +165,11 @@ def test_residual_sum_as_graph_output_is_missed():
     out, report = run(m)
     assert report.parity.ok
     assert codes(report, "fuse-skip-rms-norm-rcp") == ["shared-intermediate"]
+
+
+def test_residual_whose_dims_come_from_a_previous_skip_norm():
+    """The next residual adds the previous skip norm's sum (its fourth output) to a block's
+    output computed from its normalized output (its first): both have the dims of the skip
+    norm's input, proved without names from shape inference."""
+    out, report = assert_optimized(decoder(layers=3, unnamed=True))
+    assert hist(out)[SSLN] == 3, report.remarks
