@@ -553,18 +553,12 @@ def gate(
             results = ci.evaluate_expectations(expectations, report.ops_after)
             first = verdicts.decide(report, results, checked=True)
             latency = None
-            if first.ok:
+            if first.ok:  # latency only for a model that passed everything else
                 say("latency: paired interleaved rounds")
+                budget = dict(threads=threads, precision=limit, max_seconds=max_seconds)
+                shapes = report.parity.inputs
                 latency = ci.gate_latency(
-                    src,
-                    optimized,
-                    report.parity.inputs,
-                    feeds,
-                    seed,
-                    threads=threads,
-                    precision=limit,
-                    max_seconds=max_seconds,
-                    progress=say,
+                    src, optimized, shapes, feeds, seed, **budget, progress=say
                 )
         verdict = ci.gate_verdict(
             latency,
