@@ -537,10 +537,15 @@ def _restore_declared(vi: onnx.ValueInfoProto, declared: onnx.ValueInfoProto, di
             d_have.denotation = d_want.denotation
 
 
+_TYPED_ATTRS = (onnx.AttributeProto.TYPE_PROTO, onnx.AttributeProto.TYPE_PROTOS)
+
+
 def _keep_unsupported_types(graph_proto: onnx.GraphProto, graph: gs.Graph) -> None:
     unsupported = {}
+    typed_attrs = False
 
     def collect(g: onnx.GraphProto) -> None:
+        nonlocal typed_attrs
         for vi in list(g.input) + list(g.output) + list(g.value_info):
             kind = vi.type.WhichOneof("value")
             seq_elem = (
@@ -552,21 +557,20 @@ def _keep_unsupported_types(graph_proto: onnx.GraphProto, graph: gs.Graph) -> No
                 unsupported[vi.name] = vi.type
         for node in g.node:
             for attr in node.attribute:
+                typed_attrs = typed_attrs or attr.type in _TYPED_ATTRS
                 for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
                     collect(sub)
 
     collect(graph_proto)
+    if not unsupported and not typed_attrs:
+        return  # nothing to attach: no walk over every node and tensor
 
     def attach(g: gs.Graph, proto: onnx.GraphProto) -> None:
         for name, t in g.tensors().items() if unsupported else ():
             if name in unsupported:
                 setattr(t, _TYPE_ATTR, unsupported[name])
         for node, node_proto in zip(g.nodes, proto.node):
-            typed = {
-                a.name: a
-                for a in node_proto.attribute
-                if a.type in (onnx.AttributeProto.TYPE_PROTO, onnx.AttributeProto.TYPE_PROTOS)
-            }
+            typed = {a.name: a for a in node_proto.attribute if a.type in _TYPED_ATTRS}
             if typed:
                 setattr(node, _ATTR_ATTR, typed)
             subs = [a.g for a in node_proto.attribute if a.HasField("g")]
