@@ -186,3 +186,34 @@ def test_render_merges_saved_rows_later_file_wins(ra, tmp_path, capsys):
     assert ra.main(["--render", str(first), str(second)]) == 0
     out = capsys.readouterr().out
     assert "error: old" not in out and out.count("MultiHeadAttention 2") == 3
+
+
+def test_latency_table_has_every_tool_and_why_not(ra):
+    def tool(ratio, ok=True):
+        return {"parity": {"ok": ok}, "ENABLE_ALL": {"ratio": ratio, "ratio_p10_p90": [0.8, 0.9]}}
+
+    result = {
+        "tools": {
+            "none": tool(1.0),
+            "graphopt-O2": tool(0.9),
+            "graphopt-O2-bundle": tool(0.85),
+            "onnxslim": tool(0.95),
+            "onnxscript": tool(0.97, ok=False),
+            "ort-transformers": {"na": True},
+            "ort-extended": {"opt_error": "exit 1: boom"},
+        },
+        "duel": {"rival": "onnxslim", "ratio": 0.9, "ci95": [0.88, 0.92]},
+    }
+    vs_orig, vs_rival, detail = ra.latency_cells(result)
+    row = {"model": "m", "target": "cpu", "latency_vs_original": vs_orig}
+    row.update(latency_vs_rival=vs_rival, latency=detail)
+    lines = ra.render_latency([row, {"model": "m", "target": "cuda"}]).splitlines()
+    assert lines[0] == (
+        "| model | graphopt -O2 | bundle | onnxslim | onnxscript | ort-transformers | "
+        "ort-extended | bundle vs fastest rival |"
+    )
+    assert lines[2] == (
+        "| m | 0.900 [0.80–0.90] | 0.850 [0.80–0.90] | 0.950 [0.80–0.90] | outputs differ | "
+        "n/a | failed: exit 1: boom | 0.900 [0.880–0.920] vs onnxslim |"
+    )
+    assert len(lines) == 3

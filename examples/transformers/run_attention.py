@@ -20,7 +20,9 @@ With --latency (cpu only), each model also goes through the benchmark's rivals a
 worker (examples/benchmark/bench.py: one latency process, onnxruntime ORT_ENABLE_ALL,
 1 thread, interleaved rounds): graphopt's output (with its bundle's session config) against the
 original, and against the fastest rival whose output matched (a head-to-head ratio with its
-95 % interval). Markdown to stdout; --json FILE writes the rows.
+95 % interval); a second table gives every tool's ratio to the original (graphopt -O2, its
+bundle, each rival, or why it has none). Markdown to stdout; --json FILE writes the rows;
+--render FILE... prints the tables of saved rows (several files merged).
 """
 
 from __future__ import annotations
@@ -227,10 +229,30 @@ def _bench():
     return bench
 
 
+def tool_cell(r: dict) -> str:
+    """One tool's latency at ENABLE_ALL over the original's (median of per-round ratios,
+    p10-p90), or why there is none."""
+    if r.get("na"):
+        return "n/a"
+    if r.get("opt_error"):
+        return "failed: " + str(r["opt_error"]).replace("|", "/")[:60]
+    if r.get("session_error_ENABLE_ALL"):
+        return "no session"
+    if "parity" in r and not r["parity"].get("ok"):
+        return "outputs differ"
+    e = r.get("ENABLE_ALL", {})
+    if "ratio" not in e:
+        return "not timed"
+    lo, hi = e.get("ratio_p10_p90", [e["ratio"], e["ratio"]])
+    return f"{e['ratio']:.3f} [{lo:.2f}–{hi:.2f}]"
+
+
 def latency_cells(result: dict) -> tuple[str, str, dict]:
     """From bench.bench_model's result: graphopt/original at ENABLE_ALL (median of per-round
-    ratios, p10-p90) and graphopt/best rival (the head-to-head, else the ratio of ratios)."""
+    ratios, p10-p90) and graphopt/best rival (the head-to-head, else the ratio of ratios); the
+    detail keeps every tool's cell (:func:`tool_cell`) under ``cells``."""
     tools = result.get("tools", {})
+    cells = {t: tool_cell(r) for t, r in tools.items() if t != "none"}
 
     def usable(tool: str) -> dict | None:
         r = tools.get(tool, {})
@@ -239,13 +261,13 @@ def latency_cells(result: dict) -> tuple[str, str, dict]:
 
     mine_tool = next((t for t in ("graphopt-O2-bundle", "graphopt-O2") if usable(t)), None)
     if mine_tool is None:
-        return "no usable graphopt output", "", {}
+        return "no usable graphopt output", "", {"cells": cells}
     mine = tools[mine_tool]["ENABLE_ALL"]
     lo, hi = mine["ratio_p10_p90"]
     vs_orig = f"{mine['ratio']:.3f} [{lo:.2f}–{hi:.2f}]"
     rivals = {t: r["ENABLE_ALL"]["ratio"] for t in tools if t not in MINE and (r := usable(t))}
     if not rivals:
-        return vs_orig, "no matching rival", {"mine": mine_tool}
+        return vs_orig, "no matching rival", {"mine": mine_tool, "cells": cells}
     best = min(rivals, key=rivals.get)
     duel = result.get("duel") or {}
     if duel.get("rival") == best and "ratio" in duel:
@@ -253,7 +275,23 @@ def latency_cells(result: dict) -> tuple[str, str, dict]:
         vs_rival = f"{duel['ratio']:.3f} [{lo:.3f}–{hi:.3f}] vs {best}"
     else:
         vs_rival = f"{mine['ratio'] / rivals[best]:.3f} vs {best}"
-    return vs_orig, vs_rival, {"mine": mine_tool, "rivals": rivals, "duel": duel}
+    return vs_orig, vs_rival, {"mine": mine_tool, "rivals": rivals, "duel": duel, "cells": cells}
+
+
+def render_latency(rows: list[dict]) -> str:
+    """The latency table: per cpu row with --latency, graphopt -O2 and its bundle, each rival
+    (ENABLE_ALL over the original), and the head-to-head against the fastest matching rival."""
+    rows = [r for r in rows if r.get("target") == "cpu" and "latency_vs_original" in r]
+    cells = [(r.get("latency") or {}).get("cells", {}) for r in rows]
+    rivals = list(dict.fromkeys(t for c in cells for t in c if t not in MINE))
+    head = ["model", "graphopt -O2", "bundle", *rivals, "bundle vs fastest rival"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r, c in zip(rows, cells):
+        tools = [c.get("graphopt-O2", ""), c.get("graphopt-O2-bundle", "")]
+        tools += [c.get(t, "") for t in rivals]
+        duel = r.get("latency_vs_rival") or r.get("latency_vs_original", "")
+        lines.append("| " + " | ".join([r["model"], *tools, duel]) + " |")
+    return "\n".join(lines)
 
 
 def add_latency(rows: list[dict], models: dict[str, Path], args) -> None:
@@ -349,7 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     if args.render:
-        print(render(merge_rows(args.render), latency=False))
+        rows = merge_rows(args.render)
+        print(render(rows, latency=False))
+        if any("latency_vs_original" in r for r in rows):
+            print("\n" + render_latency(rows))
         return 0
     if args.models_dir is None or not args.models_dir.is_dir():
         ap.error(f"{args.models_dir} is not a folder")
@@ -370,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.latency:
         add_latency(rows, {m.stem: m for m in models}, args)
     print(render(rows, args.latency))
+    if args.latency:
+        print("\n" + render_latency(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
     return 0
