@@ -31,15 +31,17 @@ VERIFY = Remark("failure", "verify", "verify", "ort-refused", (), "onnxruntime r
 ILLEGAL = Remark("failure", "legalize", "legalize", "no-kernel", ("n",), "no kernel for X")
 UNMET = Expectation("Relu", ">=", 2, actual=1, ok=False)
 MET = Expectation("Relu", ">=", 1, actual=1, ok=True)
+GEN = "generation check failed: greedy tokens differ from decode step 2"
 
 
 def report(
-    parity=OK, f64=None, deployed=None, remarks=(), converged=True, legal=True
+    parity=OK, f64=None, deployed=None, remarks=(), converged=True, legal=True, generation=None
 ) -> SimpleNamespace:
     return SimpleNamespace(
         parity=parity,
         parity_float64=f64,
         parity_deployed=deployed,
+        generation_failure=generation,
         remarks=list(remarks),
         converged=converged,
         legal=legal,
@@ -54,6 +56,8 @@ def report(
         (report(f64=BAD), [], True, errors.EXIT_PARITY, "parity failed (outputs: y)"),
         (report(parity=BAD), [], False, errors.EXIT_OK, ""),  # --no-check: parity not judged
         (report(deployed=BAD), [], True, errors.EXIT_PARITY, "parity failed (outputs: y): None"),
+        (report(generation=GEN), [], True, errors.EXIT_PARITY, GEN),
+        (report(generation=GEN), [], False, errors.EXIT_OK, ""),
         (report(remarks=[VERIFY]), [], True, errors.EXIT_ERROR, "verify: ort-refused: onnx"),
         (report(legal=False, remarks=[ILLEGAL]), [], True, errors.EXIT_TARGET, "legalize: no-k"),
         (report(converged=False), [], True, errors.EXIT_TARGET, "exit 4"),
@@ -70,9 +74,10 @@ def test_exit_code_table(rep, expectations, checked, code, reason):
 
 
 def test_first_check_in_order_decides():
-    """Failed parity outranks an invalid output, which outranks a node the target cannot run,
-    parity that could not run and unmet expectations."""
+    """Failed parity (or generation) outranks an invalid output, which outranks a node the
+    target cannot run, parity that could not run and unmet expectations."""
     everything = report(parity=BAD, remarks=[VERIFY, ILLEGAL], legal=False)
+    assert decide(report(remarks=[VERIFY], generation=GEN), [], True).reason == GEN
     assert decide(everything, [UNMET], True).code == errors.EXIT_PARITY
     assert decide(report(remarks=[VERIFY, ILLEGAL], legal=False), [UNMET], True).code == 1
     no_kernel = report(parity=NOT_RUN, remarks=[ILLEGAL], legal=False)
