@@ -1,12 +1,16 @@
 """Residual Add + RMSNorm → com.microsoft.SkipSimplifiedLayerNormalization (both exporters'
 spellings), its scale folded in, the residual sum read from its fourth output."""
 
+import dataclasses
+
 import numpy as np
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from conftest import assert_optimized, codes, const, model, run, vi
 from graphopt.opt.ir import op_histogram
+from graphopt.opt.target import TARGETS
+from graphopt.targets.profiles import CPU
 
 D = 16
 SSLN = "com.microsoft.SkipSimplifiedLayerNormalization"
@@ -173,3 +177,36 @@ def test_residual_whose_dims_come_from_a_previous_skip_norm():
     norm's input, proved without names from shape inference."""
     out, report = assert_optimized(decoder(layers=3, unnamed=True))
     assert hist(out)[SSLN] == 3, report.remarks
+
+
+def as_fp16(m):
+    """The model in float16: initializers, graph inputs and outputs, Cast targets."""
+    for i, t in enumerate(m.graph.initializer):
+        v = numpy_helper.to_array(t)
+        if v.dtype == np.float32:
+            m.graph.initializer[i].CopyFrom(numpy_helper.from_array(v.astype(np.float16), t.name))
+    for v in [*m.graph.input, *m.graph.output]:
+        if v.type.tensor_type.elem_type == TensorProto.FLOAT:
+            v.type.tensor_type.elem_type = TensorProto.FLOAT16
+    for node in m.graph.node:
+        for a in node.attribute:
+            if node.op_type == "Cast" and a.name == "to":
+                a.i = TensorProto.FLOAT16
+    del m.graph.value_info[:]
+    return m
+
+
+def test_fp16_fuses_where_the_target_declares_fp32_accumulation():
+    m = as_fp16(decoder(div="reciprocal", opset=18, casts=True))
+    out, report = assert_optimized(m)
+    assert hist(out)[SSLN] == 2
+    gamma = next(i for i in out.graph.initializer if i.name == ssln_nodes(out)[0].input[2])
+    assert gamma.data_type == TensorProto.FLOAT16
+
+
+def test_fp16_without_fp32_accumulation_is_missed(monkeypatch):
+    tgt = dataclasses.replace(CPU, name="cpu-no-acc", fp32_accumulation={})
+    monkeypatch.setitem(TARGETS, tgt.name, tgt)
+    out, report = run(as_fp16(decoder()), target=tgt.name)
+    assert SSLN not in hist(out)
+    assert set(codes(report, "fuse-skip-rms-norm-rcp")) == {"precision-accumulation"}
