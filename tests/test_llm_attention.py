@@ -117,14 +117,30 @@ def mask(window: int | None, fill: float) -> tuple[list, list]:
     return nodes, inits
 
 
-def decoder(nkv: int = 2, dynamo: bool = False, window: int | None = None, batch="batch"):
+def rope(r: str, phi3: bool) -> tuple[list, list]:
+    """``{r}_rot`` = the heads rotated; Phi-3 spells it Concat(rope(x[..., :H]), x[..., H:])
+    (the pass-through part empty when the whole head rotates)."""
+    if not phi3:
+        return apply(f"{r}_heads", "cos", "sin", f"{r}_rot", p=f"{r}_")
+    nodes, inits = apply(f"{r}_part", "cos", "sin", f"{r}_emb", p=f"{r}_")
+    nodes += [
+        mk("Slice", [f"{r}_heads", "zero1", "h", "ax3"], [f"{r}_part"]),
+        mk("Slice", [f"{r}_heads", "h", "big", "ax3"], [f"{r}_pass"]),
+        mk("Concat", [f"{r}_emb", f"{r}_pass"], [f"{r}_rot"], axis=-1),
+    ]
+    return nodes, inits
+
+
+def decoder(
+    nkv: int = 2, dynamo: bool = False, window: int | None = None, batch="batch", phi3=False
+):
     """One decoder self-attention with a KV cache and RoPE, as the exporters write it."""
     rng = np.random.default_rng(7)
     nodes, inits = freqs_mul("position_ids")
     for r, n in (("q", NQ), ("k", nkv), ("v", nkv)):
         nodes += heads(rng, r, n, inits, dynamo)
     for r in "qk":
-        n, i = apply(f"{r}_heads", "cos", "sin", f"{r}_rot", p=f"{r}_")
+        n, i = rope(r, phi3)
         nodes, inits = nodes + n, inits + i
     nodes += [
         mk("Concat", ["past_key", "k_rot"], ["present_key"], axis=-2),
@@ -154,22 +170,44 @@ def decoder(nkv: int = 2, dynamo: bool = False, window: int | None = None, batch
         const("nq", [NQ], np.int64),
         const("m1", [-1], np.int64),
         const("h", [H], np.int64),
+        const("zero1", [0], np.int64),
+        const("big", [2**63 - 1], np.int64),
+        const("ax3", [3], np.int64),
     ]
+    nodes = _topo(nodes, inputs_of(nkv, batch), inits)
     for i, nd in enumerate(nodes):
         nd.name = f"n{i}_{nd.op_type}"
-    inputs = [
-        vi("x", [batch, "seq", HIDDEN]),
-        vi("attention_mask", [batch, "total"], TensorProto.INT64),
-        vi("position_ids", [batch, "seq"], TensorProto.INT64),
-        vi("past_key", [batch, nkv, "past", H]),
-        vi("past_value", [batch, nkv, "past", H]),
-    ]
+    inputs = inputs_of(nkv, batch)
     outputs = [
         vi("y", [batch, "seq", HIDDEN]),
         vi("present_key", [batch, nkv, "total", H]),
         vi("present_value", [batch, nkv, "total", H]),
     ]
     return model(nodes, inputs, outputs, inits, opset=18 if dynamo else 17)
+
+
+def inputs_of(nkv: int, batch) -> list:
+    return [
+        vi("x", [batch, "seq", HIDDEN]),
+        vi("attention_mask", [batch, "total"], TensorProto.INT64),
+        vi("position_ids", [batch, "seq"], TensorProto.INT64),
+        vi("past_key", [batch, nkv, "past", H]),
+        vi("past_value", [batch, nkv, "past", H]),
+    ]
+
+
+def _topo(nodes: list, inputs: list, inits: list) -> list:
+    """``nodes`` in topological order."""
+    known = {v.name for v in inputs} | {i.name for i in inits}
+    todo, done = list(nodes), []
+    while todo:
+        ready = [n for n in todo if all(i in known or i == "" for i in n.input)]
+        assert ready, [n.op_type for n in todo]
+        for n in ready:
+            known.update(n.output)
+            done.append(n)
+            todo.remove(n)
+    return done
 
 
 def feeds(
@@ -287,3 +325,14 @@ def test_group_query_attention_with_a_sliding_window_mask():
     m = decoder(2, window=4, batch=1)
     out, _ = assert_optimized(m, inputs=feeds(2, batch=1, seq=3, past=6))
     assert op_histogram(out.graph.node).get(GQA) == 1
+
+
+@pytest.mark.parametrize("batch", ["batch", 1], ids=["mha", "gqa"])
+def test_phi3_rotary_with_an_empty_pass_through(batch):
+    """Phi-3's partial-rotary spelling rotating the whole head: the empty pass-through Concat
+    (and the Split it comes from) belong to the fusion."""
+    m = decoder(NQ, phi3=True, batch=batch)
+    out, report = assert_optimized(m, inputs=feeds(NQ, batch=2 if batch == "batch" else 1))
+    h = op_histogram(out.graph.node)
+    assert h.get(MHA if batch == "batch" else GQA) == 1, h
+    assert codes(report, RULE) == []

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from graphopt.opt.dims import rank
+from graphopt.opt.dims import Dims, rank
 from graphopt.opt.domains import MS, norm_domain
 from graphopt.opt.ir import Node, Tensor
 from graphopt.opt.rewrite import NoMatch
@@ -193,10 +193,23 @@ def strip_scale(t: Tensor | None) -> tuple[Tensor | None, list[Factor]]:
     if node.op == "Div":
         return ins[0], [Factor(ins[1], True, node)]
     for u, c in ((ins[0], ins[1]), (ins[1], ins[0])):
-        scaled = producer(u, _SCALED) is not None or rotary_of(u) is not None
+        scaled = producer(u, _SCALED) is not None or rotary_of(past_empty_concat(u)[0]) is not None
         if scaled and producer(c, _SCALED[1:]) is None:
             return u, [Factor(c, False, node)]
     return t, []
+
+
+def past_empty_concat(t: Tensor | None) -> tuple[Tensor | None, list[Node]]:
+    """``t`` = Concat(u, e) along the last axis with ``e`` provably empty there (Phi-3's
+    partial-rotary spelling with nothing passed through): (u, [Concat]); else (t, [])."""
+    cat = producer(t, "Concat")
+    if cat is None or len(inputs(cat)) != 2 or cat.attrs.get("axis") not in (-1, 3):
+        return t, []
+    u, e = inputs(cat)
+    if rank(u) != 4 or Dims().key(e, 3) != ("int", 0):
+        return t, []
+    split = producer(e, "Split")  # of the rotated heads: the fusion's when only e is read
+    return u, [cat] + ([split] if split is not None else [])
 
 
 def rotary_of(t: Tensor | None) -> Node | None:

@@ -23,7 +23,7 @@ from graphopt.opt.dims import Dims, Key, rank, shape_elements
 from graphopt.opt.ir import Node, Tensor, constant_value
 
 from ..activation import inputs, producer, scalar
-from .core import rotary_of
+from .core import past_empty_concat, rotary_of
 
 PERM_BNSH = (0, 2, 1, 3)
 PERM_BNHS = (0, 2, 3, 1)
@@ -74,16 +74,18 @@ def split_heads(t: Tensor | None, perm: tuple[int, ...]) -> HeadSplit | None:
 
 
 def rotated_split(t: Tensor | None) -> HeadSplit | None:
-    """Q as ``RotaryEmbedding(heads)`` over a batch-first head split (decoders rotate the heads
+    """Q as ``RotaryEmbedding(heads)`` [→ Concat with an empty pass-through] over a batch-first
+    head split (decoders rotate the heads
     [B,N,S,H] after the split): the split, the rotary among its nodes, to be redone on the
     [B,S,D] source with ``num_heads`` (the same per-head rotation)."""
+    t, empty = past_empty_concat(t)
     rot = rotary_of(t)
     if rot is None or rank(inputs(rot)[0]) not in (None, 4):
         return None
     split = split_heads(inputs(rot)[0], PERM_BNSH)
     if split is None or split.layout != "bsd":
         return None
-    split.nodes.insert(0, rot)
+    split.nodes[:0] = [*empty, rot]
     split.rotary = rot
     return split
 
