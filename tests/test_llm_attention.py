@@ -45,11 +45,18 @@ def repeat_kv(t: str, nkv: int, out: str, dynamo: bool) -> list:
     targets from Shape(t) glue; none when every query head has its own kv head."""
     if nkv == NQ:
         return [mk("Identity", [t], [out])]
-    return [
+    lengths = [dim(t, 2, 4, f"{t}_th")]
+    if dynamo:  # the total length as past + new, the way dynamo's sym sizes spell it
+        lengths = [
+            dim("past_key", 2, 3, f"{t}_past"),
+            dim("x", 1, 2, f"{t}_new"),
+            mk("Add", [f"{t}_past", f"{t}_new"], [f"{t}_total"]),
+            mk("Concat", [f"{t}_total", "h"], [f"{t}_th"], axis=0),
+        ]
+    return lengths + [
         mk("Unsqueeze", [t, "ax2"], [f"{t}_u"]),
         dim(t, 0, 2, f"{t}_bn"),
         dim(t, 0, 1, f"{t}_b"),
-        dim(t, 2, 4, f"{t}_th"),
         mk("Concat", [f"{t}_bn", "rep", f"{t}_th"], [f"{t}_es"], axis=0),
         mk("Expand", [f"{t}_u", f"{t}_es"], [f"{t}_e"]),
         mk("Concat", [f"{t}_b", "nq", f"{t}_th"], [f"{t}_rs"], axis=0),

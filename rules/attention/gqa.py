@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from graphopt.opt.dims import Dims, rank, shape_elements
+from graphopt.opt.dims import Dims, arith, rank, shape_elements
 from graphopt.opt.ir import Node, Tensor, constant_value, dtype_of
 from graphopt.opt.rewrite import Builder
 
@@ -107,20 +107,31 @@ def _unrepeat(x: Tensor, heads: int, dims: Dims) -> tuple[Tensor, int]:
         return x, 0
     rep = heads // kv[1]
     shape = _expand_elements(inputs(ex)[1], dims)
-    want = [dims.key(present, i) for i in range(4)]
+    want = [{dims.key(present, i)} for i in range(4)]
+    want[2] |= _concat_length(present, dims)
     if shape is None or len(shape) != 5 or shape[2] != ("int", rep):
         return x, 0
-    if any(e not in (("int", 1), w) for e, w in zip(shape[:2] + shape[3:], want)):
+    if any(e != ("int", 1) and e not in w for e, w in zip(shape[:2] + shape[3:], want)):
         return x, 0
     target = shape_elements(inputs(rs)[1], dims)
     copy = () if rs.attrs.get("allowzero", 0) else (("int", 0),)
     if target is None or len(target) != 4 or target[1] != ("int", heads):
         return x, 0
-    if target[0] not in (*copy, want[0]) or target[2] not in (want[2], ("int", -1)):
+    if target[0] not in (*copy, *want[0]) or target[2] not in (*want[2], ("int", -1)):
         return x, 0
-    if target[3] != want[3] and not (target[3] == ("int", -1) and target[2] == want[2]):
+    if target[3] not in want[3] and not (target[3] == ("int", -1) and target[2] in want[2]):
         return x, 0
     return present, kv[1]
+
+
+def _concat_length(present: Tensor, dims: Dims) -> set:
+    """The key of past + new for ``present`` = Concat(past, new) on axis 2 (dynamo names the
+    output's length with a symbol of its own)."""
+    cat = producer(present, "Concat")
+    if cat is None or len(inputs(cat)) != 2 or cat.attrs.get("axis") not in (2, -2):
+        return set()
+    past, new = inputs(cat)
+    return {arith("Add", dims.key(past, 2), dims.key(new, 2))}
 
 
 def _expand_elements(shape: Tensor, dims: Dims) -> list | None:
