@@ -161,6 +161,7 @@ def optimize(
     quiet: flags.QuietAll = False,
     kernels: flags.Kernels = None,
     opset: flags.Opset = None,
+    weights: flags.Weights = None,
 ) -> None:
     """Optimize MODEL for a target; write OUT_DIR/model.onnx and OUT_DIR/report.json."""
     with handled(), sparse_collection():  # writing the bundle of a large graph too
@@ -189,7 +190,8 @@ def optimize(
                 seed=seed,
                 bisect_limit=bisect_limit,
                 verify_each=verify_each,
-                options={"fold_size_limit": int(fold_limit * 2**20)},
+                options={"fold_size_limit": int(fold_limit * 2**20)}
+                | ({"weights": weights.value} if weights else {}),
                 progress=say,
                 reference=reference.value,
                 output_tolerances=parse_tolerances(tolerance),

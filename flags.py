@@ -138,6 +138,21 @@ Kernels = Annotated[
         "turns the default off); --kernels also adds it to a --pipeline.",
     ),
 ]
+class WeightFormat(str, Enum):
+    int4 = "int4"
+    int4_zp = "int4-zp"
+
+
+Weights = Annotated[
+    WeightFormat | None,
+    typer.Option(
+        "--weights",
+        help="-O3: weight-only quantization of MatMul weights to com.microsoft.MatMulNBits "
+        "(int4: symmetric; int4-zp: with zero points; block 32), each kept only while every "
+        "output stays within 0.15 of its largest magnitude on the parity inputs; changes "
+        "numerics, so parity is held to that tolerance.",
+    ),
+]
 Opset = Annotated[
     int | None,
     typer.Option(

@@ -297,6 +297,7 @@ def optimize(
             "inputs": inputs,
             "seed": seed,
             "base_dir": base_dir,
+            "per_output": kw["per_output"],  # --tolerance, and the int4 weights' tolerance
             "feeds": parity.feeds if parity.ran else None,
             "reference_outputs": parity.reference_outputs if parity.ran else None,
             # the original's outputs on those inputs by session level (the performance net's)

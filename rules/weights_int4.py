@@ -1,16 +1,19 @@
-"""Weight-only int4 (opt-in, level 3): ``MatMul(A, W)`` with a constant float ``W`` [K, N] →
+"""Weight-only int4 (opt-in, -O3): ``MatMul(A, W)`` with a constant float ``W`` [K, N] →
 ``com.microsoft.MatMulNBits(A, Wq, scales[, zero_points])`` (bits 4, block 32 along K).
 
-Opt-in: only when the optimization options say ``weights=int4`` (symmetric: no zero points, the
-kernel's default zero point 8) or ``weights=int4-zp`` (per-block minimum/maximum with 4-bit zero
-points); ``graphopt optimize --weights int4`` at ``-O3``.  It changes numerics beyond rounding, so
-it is a level-3 rule (``changes_numerics``), and each rewrite passes a *measured-error guard*:
-the model as it is, with this weight quantized on top of those quantized before, runs on seeded
-random inputs at the parity shapes (``--shape``; seed 0) against the model before any weight was
-quantized; per float output the error is ``max |Δ| / max |reference|``.  A weight whose
-quantization would take any output above :data:`MAX_ERROR` (option ``int4_max_error``) is refused
-with the numbers (``error-above-threshold``); each quantized weight leaves an ``analysis`` remark
-(rule ``weights-int4-error``) with the error per output after it.
+Opt-in, at ``-O3``: only when the optimization options say ``weights=int4`` (symmetric: no
+zero points, the kernel's default zero point 8) or ``weights=int4-zp`` (per-block minimum/maximum
+with 4-bit zero points); ``graphopt optimize -O3 --weights int4``.  It changes numerics beyond
+rounding (``changes_numerics``): at a lower level the option only says ``needs-O3``.  Each
+rewrite passes a *measured-error guard*: the model as it is, with this weight quantized on top of
+those quantized before, runs on seeded random inputs at the parity shapes (``--shape``; seed 0)
+against the model before any weight was quantized; per float output the error is
+``max |Δ| / max |reference|``.  A weight whose quantization would take any output above
+:data:`MAX_ERROR` (option ``int4_max_error``) is refused with the numbers
+(``error-above-threshold``); each quantized weight leaves an ``analysis`` remark (rule
+``weights-int4-error``) with the error per output after it.  Parity (and the bundle's deployed
+parity, and the generation check's logits) are then held to that tolerance
+(:func:`graphopt.opt.precision.quantized_weight_tolerances`).
 
 Packing (onnxruntime's MatMulNBits contract): ``B`` uint8 [N, ⌈K/32⌉, 16] — the transpose of
 ``W``, two 4-bit values per byte, the first in the low nibble, the last block zero-padded;
@@ -20,10 +23,11 @@ With zero points: ``s = (max − min) / 15`` over a block that includes 0, ``z =
 ``q = clamp(round(w/s) + z, 0, 15)``.  ``accuracy_level`` is left unset (the kernel dequantizes
 to ``A``'s type; 4 would also quantize ``A`` to int8).
 
-Guards (missed remarks): ``non-constant-param`` (W computed at run time), ``shape-mismatch``
-(W not 2-D, A's last dim not K), ``non-float``, ``no-kernel`` (the target's table has no
-MatMulNBits for the type), ``too-small`` (K below one block), ``error-above-threshold``,
-``could-not-measure`` (onnxruntime could not run the model to measure the error).
+Guards (missed remarks): ``needs-O3`` (opted in at a lower level), ``non-constant-param`` (W
+computed at run time), ``shape-mismatch`` (W not 2-D, A's last dim not K), ``non-float``,
+``dtype-mismatch``, ``no-kernel`` (the target's table has no MatMulNBits for the type),
+``too-small`` (K below one block), ``error-above-threshold``, ``could-not-measure``
+(onnxruntime could not run the model to measure the error).
 """
 
 from __future__ import annotations
@@ -162,7 +166,7 @@ def _fmt(errors: dict[str, float], limit: int = 4) -> str:
 @register_rule
 class QuantizeWeightsInt4(Rule):
     name = "quantize-weights-int4"
-    level = 3
+    level = 2  # so that -O2 with the option says it needs -O3 (``needs-O3``)
     phase = "lower"
     changes_numerics = True
     summary = "MatMul(A, constant W) → com.microsoft.MatMulNBits (int4 weights, block 32)"
@@ -172,6 +176,12 @@ class QuantizeWeightsInt4(Rule):
         applies_only_if(cx.options.get("weights") in MODES and not cx.ir.in_subgraph)
 
     def check(self, m, cx):
+        require(
+            cx.level >= 3,
+            "needs-O3",
+            "int4 weights change numerics beyond rounding: they are applied at -O3 only",
+            level=cx.level,
+        )
         w = constant_value(m.w)
         require(
             w is not None and w.ndim == 2,

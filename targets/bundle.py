@@ -766,7 +766,10 @@ def _verify(out_dir: Path, manifest: dict, session: dict, target: Target, report
             f"failed: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
         )
         return verified, latency
-    diffs = compare_outputs(names, [expected[n] for n in names], got, target.tolerances)
+    per_output = (report.bundle_context or {}).get("per_output")
+    diffs = compare_outputs(
+        names, [expected[n] for n in names], got, target.tolerances, per_output=per_output
+    )
     ok = all(d.ok for d in diffs)
     verified["deploy_parity"] = _deploy_parity(sess, session, feeds, names, got, target, report)
     verified["bundle_session"] = {
@@ -813,7 +816,12 @@ def _deploy_parity(sess, session: dict, feeds, names, got, target: Target, repor
         report.parity_deployed = ParityReport.not_run(f"the original at {setting}: {e}")
         return {"ran": False, "setting": setting, "why": str(e)}
     diffs = compare_outputs(
-        names, ref, got, target.tolerances, compute_dtype=compute_dtype(ctx["original"])
+        names,
+        ref,
+        got,
+        target.tolerances,
+        per_output=ctx.get("per_output"),
+        compute_dtype=compute_dtype(ctx["original"]),
     )
     ok = all(d.ok for d in diffs)
     shapes = {k: list(np.shape(v)) for k, v in feeds.items()}

@@ -1,12 +1,17 @@
 """Opt-in weight-only int4: MatMul with a constant weight → com.microsoft.MatMulNBits behind a
 measured-error guard; parity held to the int4 tolerance."""
 
+import json
+
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from typer.testing import CliRunner
 
 from conftest import codes, const, model, run, vi
+from graphopt.cli import app
 from graphopt.opt.ir import op_histogram
 from graphopt.rules.weights_int4 import MAX_ERROR, quantize
 
@@ -36,6 +41,20 @@ def test_not_without_the_option():
 def test_not_below_level_3():
     out, report = run(mlp(), level=2, options={"weights": "int4"})
     assert NBITS not in op_histogram(out.graph.node)
+    assert codes(report, "quantize-weights-int4") == ["needs-O3"] * 2
+
+
+def test_cli_flag(tmp_path):
+    path = tmp_path / "mlp.onnx"
+    onnx.save(mlp(), path)
+    out = tmp_path / "b"
+    args = ["optimize", str(path), "-O3", "--weights", "int4", "-o", str(out), "--no-measure"]
+    res = CliRunner().invoke(app, [*args, "--format", "json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads((out / "report.json").read_text())
+    assert doc["ops_after"] == {NBITS: 2, "Relu": 1} and doc["parity"]["ok"]
+    bad = CliRunner().invoke(app, [*args[:4], "int8", *args[5:]])
+    assert bad.exit_code == 2
 
 
 @pytest.mark.parametrize("mode", ["int4", "int4-zp"])
