@@ -124,17 +124,25 @@ class ModelIR:
         for g in [self.root] + [s for n in walk_nodes(self.root) for s in subgraphs(n)]:
             toposort(g)
         exported = gs.export_onnx(self.root, do_type_check=False)
-        model = onnx.ModelProto()
-        model.CopyFrom(self.template)
-        model.graph.CopyFrom(exported.graph)
-        model.graph.name = self.template.graph.name or exported.graph.name
+        added = [
+            onnx.OperatorSetIdProto(domain=o.domain, version=o.version)
+            for o in exported.opset_import
+        ]
+        # The exported graph is kept where it is (copying it would copy every inline weight):
+        # the model's other fields are replaced by the template's.
+        model = exported
+        for fd, _ in model.ListFields():
+            if fd.name != "graph":
+                model.ClearField(fd.name)
+        _copy_fields(self.template, model, skip=("graph",))
+        model.graph.name = self.template.graph.name or model.graph.name
         model.graph.doc_string = self.template.graph.doc_string
         self._restore_interface(model.graph)
         self._prune_value_info(model.graph)
         model.ir_version = max(self.original_ir_version, 4)
         # Opsets: keep the original imports, add any domain a rule introduced.
         have = {o.domain for o in model.opset_import}
-        for imp in exported.opset_import:
+        for imp in added:
             if imp.domain not in have and not is_default(imp.domain):
                 model.opset_import.append(imp)
         present = {i.name for i in model.graph.input}

@@ -236,3 +236,20 @@ def test_the_validity_session_loads_without_copying_weights_unless_parity_takes_
     _, report = optimizer.optimize(m, check=True)
     assert report.parity.ok
     assert made[0] is None  # the session parity reuses is built as parity builds its own
+
+
+def test_export_keeps_the_exported_graph_and_restores_the_model_fields(monkeypatch):
+    nodes = [helper.make_node("Relu", ["x"], ["y"], name="relu")]
+    m = model(nodes, [vi("x", [2])], [vi("y", None)])
+    m.producer_name, m.doc_string = "exporter", "the model"
+    m.metadata_props.add(key="k", value="v")
+    ir = ModelIR(m)
+    made = []
+    real = gs.export_onnx
+    monkeypatch.setattr(gs, "export_onnx", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    out = ir.to_onnx()
+    assert out is made[0]  # no copy of the graph (and of every inline weight in it)
+    assert (out.producer_name, out.doc_string) == ("exporter", "the model")
+    assert [(p.key, p.value) for p in out.metadata_props] == [("k", "v")]
+    assert [(o.domain, o.version) for o in out.opset_import] == [("", 17)]
+    assert out.graph.name == m.graph.name
