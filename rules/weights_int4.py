@@ -32,6 +32,8 @@ computed at run time), ``shape-mismatch`` (W not 2-D, A's last dim not K), ``non
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
@@ -137,23 +139,60 @@ def _errors(ref: dict, got: dict) -> dict[str, float]:
     return out
 
 
-def measured_errors(cx, node: gs.Node, packed: list[Constant], attrs: dict) -> dict[str, float]:
+def measured_errors(
+    cx, node: gs.Node, packed: list[Constant], attrs: dict
+) -> tuple[dict[str, float], Callable[[], None]]:
     """The error per float output with ``node`` as MatMulNBits on top of the weights quantized
-    so far, against the model before the first one (computed once per run)."""
+    so far, against the model before the first one, and the function that takes the candidate
+    back out (for a refusal).
+
+    The model is exported once per run (then only the candidate node and its weights change in
+    it); a node created after that export (by another rewrite) exports the graph again, with the
+    weights quantized so far."""
     shapes = cx.options.get("input_shapes") or {}
-    template = cx.ir.template
     ref = cx.options.get(QUANTIZED_REFERENCE)
     if ref is None:
-        feeds, outputs = _run(_model(cx.ir.graph.copy(), template), None, shapes)
+        model = _model(cx.ir.graph.copy(), cx.ir.template)
+        feeds, outputs = _run(model, None, shapes)
         ref = {"feeds": feeds, "outputs": outputs, "limit": _limit(cx), "quantized": 0}
+        ref["model"] = model
         cx.options[QUANTIZED_REFERENCE] = ref
-    feeds, want = ref["feeds"], ref["outputs"]
-    graph = cx.ir.graph.copy()
-    twin = next(n for n in graph.nodes if n.name == node.name)
-    twin.op, twin.domain, twin.attrs = "MatMulNBits", MS, dict(attrs)
-    twin.inputs = [twin.inputs[0], *packed]
-    _, got = _run(_model(graph, template), feeds, shapes)
-    return _errors(want, got)
+    model = ref["model"]
+    index = _node_index(model, node.name)
+    if index is None:
+        model = ref["model"] = _model(cx.ir.graph.copy(), cx.ir.template)
+        index = _node_index(model, node.name)
+    before = onnx.NodeProto()
+    before.CopyFrom(model.graph.node[index])
+    names = [cx.ir.fresh_name(f"{node.name}/int4_{i}") for i in range(len(packed))]
+    model.graph.node[index].CopyFrom(
+        onnx.helper.make_node(
+            "MatMulNBits",
+            [before.input[0], *names],
+            list(before.output),
+            name=before.name,
+            domain=MS,
+            **attrs,
+        )
+    )
+    model.graph.initializer.extend(
+        onnx.numpy_helper.from_array(np.asarray(c.values), n) for c, n in zip(packed, names)
+    )
+
+    def undo() -> None:
+        model.graph.node[index].CopyFrom(before)
+        del model.graph.initializer[-len(packed) :]
+
+    try:
+        _, got = _run(model, ref["feeds"], shapes)
+    except GraphoptError:
+        undo()
+        raise
+    return _errors(ref["outputs"], got), undo
+
+
+def _node_index(model: onnx.ModelProto, name: str) -> int | None:
+    return next((i for i, n in enumerate(model.graph.node) if n.name == name), None)
 
 
 def _fmt(errors: dict[str, float], limit: int = 4) -> str:
@@ -208,11 +247,13 @@ class QuantizeWeightsInt4(Rule):
             packed.append(Constant(cx.ir.fresh_name(f"{m.w.name}_zp"), q["zero_points"]))
         attrs = {"K": k, "N": n, "bits": BITS, "block_size": BLOCK}
         try:
-            errors = measured_errors(cx, m.matmul, packed, attrs)
+            errors, undo = measured_errors(cx, m.matmul, packed, attrs)
         except GraphoptError as e:
             require(False, "could-not-measure", f"the int4 error was not measured: {e}")
         limit = _limit(cx)
         worst = max(errors.values(), default=0.0)
+        if worst > limit:
+            undo()
         require(
             worst <= limit,
             "error-above-threshold",
