@@ -5,6 +5,7 @@ head; MHA without a repeat), the causal + padding (+ sliding window) mask built 
 the TorchScript and the dynamo exporters, checked with onnxruntime parity on padded masks."""
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 from test_rotary import D as H  # the rotary helpers rotate heads of this size
@@ -343,3 +344,27 @@ def test_phi3_rotary_with_an_empty_pass_through(batch):
     h = op_histogram(out.graph.node)
     assert h.get(MHA if batch == "batch" else GQA) == 1, h
     assert codes(report, RULE) == []
+
+
+def _ort(m, f):
+    s = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    return s.run(None, f)
+
+
+def test_declared_generation_steps_lower_a_dynamic_batch_to_group_query_attention():
+    """decoder_steps=generate: batched prefill over an empty cache and batched one-token steps
+    match; the fusion says it rests on the declaration; a batched chunk over a past fails loudly
+    in the kernel (no other numbers)."""
+    m = decoder(2)
+    opts = {"options": {"decoder_steps": "generate"}}
+    out, report = assert_optimized(m, inputs=feeds(2, batch=2, seq=1, past=9), **opts)
+    assert op_histogram(out.graph.node).get(GQA) == 1
+    notes = [r for r in report.remarks if r.code == "declared-decoder-steps"]
+    assert len(notes) == 1 and notes[0].kind == "analysis"
+    prefill = feeds(2, batch=3, seq=6, past=0, seed=4)
+    for want, got in zip(_ort(m, prefill), _ort(out, prefill)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(Exception, match="batch_size must be 1"):
+        _ort(out, feeds(2, batch=2, seq=3, past=5))
+    plain, _ = run(m, inputs=feeds(2, batch=2, seq=1, past=9))
+    assert op_histogram(plain.graph.node).get(MHA) == 1  # undeclared: MultiHeadAttention

@@ -16,8 +16,13 @@ finfo.min fills; outputs within 5e-7, present tensors equal): every row's ``seql
 (causal, padding, window) is the ``attention_bias`` (with the kernel's causal masking a fully
 masked row of a finite fill would average over fewer keys than the exporter's).  The kernel
 refuses a batch above 1 with a past and several new tokens, so it is chosen only where the
-batch or the new tokens are provably 1; elsewhere the attention lowers to MultiHeadAttention
-over the repeated heads.  Rotary embeddings are redone on the 3-D q and k (``num_heads``).
+batch or the new tokens are provably 1, or where the user declares (option
+``decoder_steps="generate"``, :data:`OPTION`) that every step given a past has one new token or
+a batch of 1 — a prefill over an empty cache and batched one-token decode steps, as generation
+loops run — then a batched multi-token step over a past fails loudly in the kernel, never
+computes other numbers; each such fusion says so in an ``analysis`` remark
+(``declared-decoder-steps``).  Elsewhere the attention lowers to MultiHeadAttention over the
+repeated heads.  Rotary embeddings are redone on the 3-D q and k (``num_heads``).
 """
 
 from __future__ import annotations
@@ -38,6 +43,11 @@ if TYPE_CHECKING:
     from .rule import Attention
 
 
+#: the option (``optimize(options={OPTION: "generate"})``) declaring that the model runs as a
+#: generation loop: a step given a non-empty past has one new token or a batch of 1
+OPTION = "decoder_steps"
+
+
 @dataclass
 class KvCache:
     """One side (key or value) of a decoder's cache feeding the attention."""
@@ -56,12 +66,14 @@ class GqaPlan:
     value: KvCache
 
 
-def plan_gqa(a: Attention, dims: Dims) -> GqaPlan | None:
-    """The caches when the attention is provably GroupQueryAttention's computation, else None."""
+def plan_gqa(a: Attention, dims: Dims, declared: bool = False) -> GqaPlan | None:
+    """The caches when the attention is provably GroupQueryAttention's computation, else None.
+    ``declared``: the user declared generation steps (:data:`OPTION`), so the batch or the new
+    tokens need not be provably 1."""
     if a.k.layout != "bnsh" or a.q.layout != "bsd" or a.qkv_bias is not None:
         return None
     batch, seq = dims.key(a.q.x, 0), dims.key(a.q.x, 1)
-    if ("int", 1) not in (batch, seq):
+    if ("int", 1) not in (batch, seq) and not declared:
         return None  # the kernel refuses batch > 1 with a past and several new tokens
     key, value = _cache(a.k.x, a, dims, True), _cache(a.v.x, a, dims, False)
     if key is None or value is None or key.kv_heads != value.kv_heads:

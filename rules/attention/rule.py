@@ -17,11 +17,12 @@ from graphopt.opt.dims import Dims, rank, shape_elements
 from graphopt.opt.ir import Constant, Node, Tensor, constant_value, dtype_of
 from graphopt.opt.manager import register_rule
 from graphopt.opt.patterns import Alt, Op
+from graphopt.opt.remarks import Remark
 from graphopt.opt.rewrite import Match, NoMatch, Rule, require
 
 from ..activation import MS, float_type, inputs, lowering, no_match, producer, scalar, split_const
 from .core import Core, match_core, unrecognized
-from .gqa import GqaPlan, plan_gqa
+from .gqa import OPTION, GqaPlan, plan_gqa
 from .heads import (
     PERM_BNHS,
     PERM_BNSH,
@@ -200,9 +201,10 @@ class FuseMultiHeadAttention(Rule):
     def _lowering(self, a: Attention, cx) -> None:
         """Stage 3: the kernel the target has, whether it pays, and the bias it takes."""
         if cx.target.has_kernel("GroupQueryAttention", MS, 1, float_type(a.q.x)):
-            a.gqa = plan_gqa(a, Dims())
+            a.gqa = plan_gqa(a, Dims(), cx.options.get(OPTION) == "generate")
             if a.gqa is not None:
                 a.op = "GroupQueryAttention"
+                _note_declared(a, cx)
                 return
         choices = [("MultiHeadAttention", MS, None, {}), ("Attention", "", 23, {})]
         try:
@@ -340,6 +342,26 @@ class FuseMultiHeadAttention(Rule):
     # -------------------------------------------------------------------- rewrite
     def rewrite(self, m, b):
         return [lower(m.attention, b)]
+
+
+def _note_declared(a: Attention, cx) -> None:
+    """An analysis remark when GroupQueryAttention rests on the user's declaration."""
+    dims = Dims()
+    if ("int", 1) in (dims.key(a.q.x, 0), dims.key(a.q.x, 1)):
+        return
+    cx.remarks.add(
+        Remark(
+            "analysis",
+            "fuse-attention",
+            "fuse-attention",
+            "declared-decoder-steps",
+            (a.core.softmax.name,),
+            f"stage {LOWER}: GroupQueryAttention at '{a.core.root.name}' on the declaration "
+            f"{OPTION}=generate: a step given a past with several new tokens needs batch 1 "
+            "(the kernel refuses the others)",
+            {"stage": LOWER, "tensor": a.q.x.name, "softmax": a.core.softmax.name},
+        )
+    )
 
 
 def _mid_is_identity(a: Attention, dims: Dims) -> bool:
