@@ -5,9 +5,11 @@
 Each size is generated once by make_synthetic.py (into --models, default a temporary folder;
 an existing synth_<N>.onnx there is reused), then optimized by `graphopt optimize --no-check
 --no-kernels` in its own process: wall time and that process's own peak RSS (os.wait4), and
-graphopt's phase times from report.json (startup, load, passes, validity, write, bundle).
-The last columns say how near-linear the growth is: seconds per 1k nodes of the pipeline
-(passes) and of the whole wait, which stay flat when the cost is linear in the node count.
+graphopt's phase times from report.json (startup, load, passes, validity, write, bundle), and
+the process's CPU time (user + system: on a loaded machine the wall time also counts the
+waits for a core, the CPU time much less).  The last columns say how near-linear the growth is:
+seconds per 1k nodes of the pipeline (passes), of the whole wait and of the CPU time, which
+stay flat when the cost is linear in the node count.
 """
 
 from __future__ import annotations
@@ -31,23 +33,24 @@ PHASES = ("startup", "load", "passes", "validity", "write", "bundle")
 # child's own peak is what gets reported.
 _RUNNER = (
     "import os, subprocess, sys; p = subprocess.Popen(sys.argv[2:]); "
-    "_, st, ru = os.wait4(p.pid, 0); open(sys.argv[1], 'w').write(f'{st} {ru.ru_maxrss}')"
+    "_, st, ru = os.wait4(p.pid, 0); "
+    "open(sys.argv[1], 'w').write(f'{st} {ru.ru_maxrss} {ru.ru_utime + ru.ru_stime}')"
 )
 
 
-def timed(cmd: list[str]) -> tuple[int, float, float, str]:
+def timed(cmd: list[str]) -> tuple[int, float, float, str, float]:
     """Run ``cmd``; its exit code, wall seconds, peak RSS in MB (its own, not its siblings' nor
-    this process's) and stdout."""
+    this process's), stdout and CPU seconds (user + system, its children's included)."""
     t0 = time.perf_counter()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryDirectory() as tmp:
         usage_file = Path(tmp) / "usage"
         runner = [sys.executable, "-c", _RUNNER, str(usage_file), *cmd]
         subprocess.run(runner, stdout=out, stderr=subprocess.DEVNULL, check=True)
         wall = time.perf_counter() - t0
-        status, maxrss_kb = (int(x) for x in usage_file.read_text().split())
+        status, maxrss_kb, cpu = usage_file.read_text().split()
         out.seek(0)
         text = out.read().decode()
-    return os.waitstatus_to_exitcode(status), wall, maxrss_kb / 1024, text
+    return os.waitstatus_to_exitcode(int(status)), wall, int(maxrss_kb) / 1024, text, float(cpu)
 
 
 def row(n: int, models: Path, work: Path) -> dict:
@@ -56,7 +59,7 @@ def row(n: int, models: Path, work: Path) -> dict:
         gen = [sys.executable, str(HERE / "make_synthetic.py"), "--nodes", str(n)]
         subprocess.run(gen + ["--out", str(model)], check=True, capture_output=True)
     cmd = [sys.executable, "-m", "graphopt.cli", "optimize", str(model), "-o", str(work / f"{n}")]
-    code, wall, rss, out = timed(cmd + ["--no-check", "--no-kernels", "--format", "json"])
+    code, wall, rss, out, cpu = timed(cmd + ["--no-check", "--no-kernels", "--format", "json"])
     if code != 0:
         return {"nodes": n, "error": f"exit {code}"}
     report = json.loads(out)
@@ -64,6 +67,7 @@ def row(n: int, models: Path, work: Path) -> dict:
         "nodes": report["nodes_before"],
         "nodes_after": report["nodes_after"],
         "wall_s": wall,
+        "cpu_s": cpu,
         "peak_rss_mb": rss,
         "seconds": report["seconds"],
     }
@@ -76,8 +80,9 @@ def line(r: dict) -> str:
     k = r["nodes"] / 1000
     phases = " | ".join(f"{s.get(p, 0.0):.1f}" for p in PHASES)
     return (
-        f"| {r['nodes']} | {r['nodes_after']} | {r['wall_s']:.1f} | {phases} | "
-        f"{r['peak_rss_mb']:.0f} | {s.get('passes', 0.0) / k:.3f} | {r['wall_s'] / k:.3f} |"
+        f"| {r['nodes']} | {r['nodes_after']} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | {phases} | "
+        f"{r['peak_rss_mb']:.0f} | {s.get('passes', 0.0) / k:.3f} | {r['wall_s'] / k:.3f} | "
+        f"{r['cpu_s'] / k:.3f} |"
     )
 
 
@@ -88,8 +93,11 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
     args = ap.parse_args()
     cols = " | ".join(f"{p} s" for p in PHASES)
-    print(f"| nodes | nodes after | wall s | {cols} | peak RSS MB | passes s/1k | wall s/1k |")
-    print("|---:" * (len(PHASES) + 6) + "|")
+    print(
+        f"| nodes | nodes after | wall s | CPU s | {cols} | peak RSS MB | passes s/1k | "
+        "wall s/1k | CPU s/1k |"
+    )
+    print("|---:" * (len(PHASES) + 8) + "|")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         models = args.models or Path(tmp)
