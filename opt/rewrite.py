@@ -23,9 +23,10 @@ The driver is a greedy work queue over nodes in topological order, with rules in
 type and ordered by ``priority`` (then name).  A rule is tried at a node only when its pattern
 may fit there (:func:`opt.patterns.feasible`: op types, domains and input counts along the
 pattern, constant leaves), so a mismatch costs no candidate.  After a rewrite, the new nodes and
-the readers of their outputs are queued again.  Rules that depend on another rule's outcome do not wait for it
-here: rule sets run in :data:`PHASES` (:class:`opt.manager.RuleSetPass`), so the later rule runs
-once the earlier phase is done and reads its typed outcomes (``PassContext.misses``).
+the readers of their outputs are queued again.  Rules that depend on another rule's outcome do
+not wait for it here: rule sets run in :data:`PHASES` (:class:`opt.manager.RuleSetPass`), so
+the later rule runs once the earlier phase is done and reads its typed outcomes
+(``PassContext.misses``).
 """
 
 from __future__ import annotations
@@ -167,14 +168,6 @@ class Rule:
                 continue
             yield m
 
-    def may_match(self, node: Node) -> bool:
-        """False only when ``candidates`` at ``node`` would yield nothing, checked cheaply on
-        the pattern's structure (:func:`opt.patterns.feasible`); True for a rule with its own
-        ``match``."""
-        if type(self).match is not Rule.match or self.pattern is None:
-            return True
-        return feasible(self.pattern, node)
-
     def match(self, node: Node, cx: PassContext) -> Match:
         """The first candidate (rules with an own matcher override this)."""
         for m in self.candidates(node, cx):
@@ -277,6 +270,7 @@ def apply_rules(ir: ModelIR, rules: Sequence[Rule], cx: PassContext, pass_name: 
     cx.ir = ir
     index: dict[str, list[tuple[Rule, Pattern | None]]] = {}
     for r in sorted(rules, key=lambda r: (-r.priority, r.name)):
+        # a rule with its own matcher is always tried; a pattern is checked first (feasible)
         prefilter = r.pattern if type(r).match is Rule.match else None
         for op in r.roots:
             index.setdefault(op, []).append((r, prefilter))
