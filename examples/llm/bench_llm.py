@@ -14,6 +14,10 @@ For each decoder NAME.onnx of ``--models`` (examples/make_llms.py: ``input_ids``
   model needs consistent sizes to run, and the output keeps every dynamic dim, so one model
   serves prefill and decode); the bundle's ``model.onnx`` with its session config's disabled
   optimizers and custom-op libraries;
+* ``graphopt-generate``: the same through the Python API with ``options={"decoder_steps":
+  "generate"}`` (every step given a past has one new token or a batch of 1, as a generation
+  loop runs; GroupQueryAttention also where the batch is symbolic), written by
+  ``graphopt.write_bundle``;
 * ``ort-transformers``: ``onnxruntime.transformers.optimizer.optimize_model`` with the model
   type that fits the family (:data:`MODEL_TYPES`; when it fails, the reason is kept and the
   next type is tried), ``num_heads`` and ``hidden_size`` from the Hugging Face config in
@@ -68,7 +72,7 @@ MODEL_TYPES = {
     "phi3": ["phi", "gpt2"],
     "gemma": ["gpt2"],
 }
-VARIANTS = ["plain", "graphopt", "ort-transformers", "genai"]
+VARIANTS = ["plain", "graphopt", "graphopt-generate", "ort-transformers", "genai"]
 #: contrib ops worth naming in the table (what each variant fused)
 KEY_OPS = [
     "GroupQueryAttention",
@@ -78,6 +82,7 @@ KEY_OPS = [
     "SkipSimplifiedLayerNormalization",
     "SimplifiedLayerNormalization",
     "RMSNormalization",
+    "generated kernels",  # graphopt.fused nodes (fuse-elementwise)
 ]
 
 
@@ -212,7 +217,8 @@ def op_counts(path: Path) -> tuple[int, dict[str, int]]:
     model = onnx.load(str(path), load_external_data=False)
     counts: dict[str, int] = {}
     for node in model.graph.node:
-        counts[node.op_type] = counts.get(node.op_type, 0) + 1
+        op = "generated kernels" if node.domain == "graphopt.fused" else node.op_type
+        counts[op] = counts.get(op, 0) + 1
     return len(model.graph.node), counts
 
 
@@ -232,6 +238,35 @@ def graphopt_variant(src: Path, out: Path, shapes: dict[str, list[int]], cmd: li
     gen = report.get("generation") or {}
     v.notes.append(
         f"graphopt parity {'ok' if report['parity'].get('ok') else 'FAILED'}, "
+        f"generation {'ok' if gen.get('ok') else gen.get('why') or 'FAILED'}"
+    )
+    return v
+
+
+def graphopt_generate_variant(src: Path, out: Path, shapes: dict[str, list[int]]) -> Variant:
+    """graphopt's API with ``options={"decoder_steps": "generate"}`` (every step given a past
+    has one new token or a batch of 1, as a generation loop runs): GroupQueryAttention also
+    where the batch is symbolic. The bundle is written as the CLI writes it."""
+    import graphopt
+
+    name = "graphopt-generate"
+    try:
+        model, report = graphopt.optimize(
+            str(src),
+            target="cpu",
+            level=2,
+            shapes=shapes,
+            measure=False,
+            options={"decoder_steps": "generate"},
+        )
+        graphopt.write_bundle(model, report, out)
+    except Exception as e:  # noqa: BLE001 - reported in the table, the other variants go on
+        return Variant(name, why=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+    config = json.loads((out / "session_config.json").read_text())
+    v = Variant(name, out / "model.onnx", list(config.get("disabled_optimizers") or []))
+    gen = report.generation or {}
+    v.notes.append(
+        f"graphopt parity {'ok' if report.parity.ok else 'FAILED'}, "
         f"generation {'ok' if gen.get('ok') else gen.get('why') or 'FAILED'}"
     )
     return v
@@ -360,10 +395,13 @@ def bench_model(src: Path, args: argparse.Namespace) -> dict[str, Any]:
     row["notes"].append(f"num_heads {heads}, hidden_size {hidden} from {where}")
     variants = [Variant("plain", src)]
     wanted = set(args.variants.split(","))
+    sidecar = src.with_suffix(".json")
+    shapes = json.loads(sidecar.read_text())["inputs"] if sidecar.exists() else {}
     if "graphopt" in wanted:
-        sidecar = src.with_suffix(".json")
-        shapes = json.loads(sidecar.read_text())["inputs"] if sidecar.exists() else {}
         variants.append(graphopt_variant(src, work / f"{name}.graphopt", shapes, args.graphopt))
+    if "graphopt-generate" in wanted:
+        out = work / f"{name}.generate.graphopt"
+        variants.append(graphopt_generate_variant(src, out, shapes))
     if "ort-transformers" in wanted:
         out = work / f"{name}.ort_transformers.onnx"
         variants.append(ort_transformers_variant(src, out, family, heads, hidden))
