@@ -196,10 +196,16 @@ CUDA = register_target(
             "pixel-shuffle": "one DepthToSpace kernel launch instead of a 6-D Transpose "
             "between two Reshapes (not measured here: no GPU)",
         },
-        kernel_attributes={"FusedConv": {"activation": ("Relu",)}},
+        kernel_attributes={
+            "FusedConv": {"activation": ("Relu",)},
+            "GroupQueryAttention": {"causal": ("1",)},
+        },
         kernel_attributes_why={
             "FusedConv": "onnxruntime's CUDA FusedConv maps the activation to a cuDNN "
             "activation mode and accepts only Relu (core/providers/cuda/nn/fused_conv.cc)",
+            "GroupQueryAttention": "the CUDA kernel runs fp16/bf16 (flash or memory-efficient "
+            "attention); causal=0 with a whole-mask attention_bias, which the exact lowering "
+            "needs, is not verified on CUDA (no GPU here), so decoders keep MultiHeadAttention",
         },
         expands_functions=True,
         fallback="cpu",

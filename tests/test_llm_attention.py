@@ -368,3 +368,11 @@ def test_declared_generation_steps_lower_a_dynamic_batch_to_group_query_attentio
         _ort(out, feeds(2, batch=2, seq=3, past=5))
     plain, _ = run(m, inputs=feeds(2, batch=2, seq=1, past=9))
     assert op_histogram(plain.graph.node).get(MHA) == 1  # undeclared: MultiHeadAttention
+
+
+def test_cuda_keeps_multiheadattention_for_a_batch_of_one():
+    """The cuda table restricts GroupQueryAttention to causal=1 (the exact lowering's causal=0
+    is not verified there): the decoder lowers to MultiHeadAttention."""
+    out, _ = run(decoder(2, batch=1), target="cuda", inputs=feeds(2, batch=1))
+    h = op_histogram(out.graph.node)
+    assert h.get(MHA) == 1 and GQA not in h, h

@@ -200,7 +200,10 @@ class FuseMultiHeadAttention(Rule):
 
     def _lowering(self, a: Attention, cx) -> None:
         """Stage 3: the kernel the target has, whether it pays, and the bias it takes."""
-        if cx.target.has_kernel("GroupQueryAttention", MS, 1, float_type(a.q.x)):
+        causal = cx.target.kernel_attributes.get("GroupQueryAttention", {}).get("causal")
+        if (causal is None or "0" in causal) and cx.target.has_kernel(
+            "GroupQueryAttention", MS, 1, float_type(a.q.x)
+        ):
             a.gqa = plan_gqa(a, Dims(), cx.options.get(OPTION) == "generate")
             if a.gqa is not None:
                 a.op = "GroupQueryAttention"
