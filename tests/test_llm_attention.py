@@ -371,8 +371,12 @@ def test_declared_generation_steps_lower_a_dynamic_batch_to_group_query_attentio
 
 
 def test_cuda_keeps_multiheadattention_for_a_batch_of_one():
-    """The cuda table restricts GroupQueryAttention to causal=1 (the exact lowering's causal=0
-    is not verified there): the decoder lowers to MultiHeadAttention."""
+    """On cuda the decoder lowers to MultiHeadAttention: its GroupQueryAttention has no fp32
+    kernel, and the table restricts it to causal=1 (the exact lowering's causal=0 is not
+    verified there), which keeps fp16 decoders off it too."""
+    from graphopt.opt.target import get_target
+
+    assert get_target("cuda").kernel_attributes["GroupQueryAttention"]["causal"] == ("1",)
     out, _ = run(decoder(2, batch=1), target="cuda", inputs=feeds(2, batch=1))
     h = op_histogram(out.graph.node)
     assert h.get(MHA) == 1 and GQA not in h, h
