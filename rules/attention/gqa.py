@@ -22,7 +22,10 @@ a batch of 1 — a prefill over an empty cache and batched one-token decode step
 loops run — then a batched multi-token step over a past fails loudly in the kernel, never
 computes other numbers; each such fusion says so in an ``analysis`` remark
 (``declared-decoder-steps``).  Elsewhere the attention lowers to MultiHeadAttention over the
-repeated heads.  Rotary embeddings are redone on the 3-D q and k (``num_heads``).
+repeated heads.  Rotary embeddings are redone on the 3-D q and k (``num_heads``), not folded
+into the kernel (``do_rotary``): the kernel rotates at positions it derives from the lengths
+(``past + i``, the prompt from the first ``position_ids`` element), while the model rotates at
+its ``position_ids`` input, which a left-padded batch sets otherwise.
 """
 
 from __future__ import annotations
