@@ -116,14 +116,7 @@ def bisect(
         else optimize(model, bisect_limit=lo, check=False, **optimize_kw)
     )
     index, rule, node = after_rep.applied[lo - 1]
-    remark = next(
-        (
-            r
-            for r in reversed(after_rep.remarks)
-            if r.rule == rule and r.nodes and r.nodes[0] == node and r.kind == "passed"
-        ),
-        None,
-    )
+    remark = _passed_remark(after_rep, rule, node)
     bad = [o.name for o in failing.parity.outputs if not o.ok]
     message = f"rewrite {index} of {total}: {rule} at '{node}' breaks parity" + (
         f" (outputs: {', '.join(bad)})" if bad else ""
@@ -140,6 +133,18 @@ def bisect(
         "first_divergence": failing.parity.first_divergence,
     }
     return BisectResult(True, message, total, runs, culprit, remark, before, after, failing)
+
+
+def _passed_remark(report: Report, rule: str, node: str) -> Remark | None:
+    """The remark of ``rule`` firing at ``node`` (the last one, when it fired more than once)."""
+    return next(
+        (
+            r
+            for r in reversed(report.remarks)
+            if r.rule == rule and r.nodes and r.nodes[0] == node and r.kind == "passed"
+        ),
+        None,
+    )
 
 
 def default_bisect_dir(model: str | os.PathLike) -> Path:

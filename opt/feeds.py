@@ -18,7 +18,8 @@ not run proves nothing.  So the sizes are derived, then tried on the *original* 
 The first assignment on which the original runs is used.  User-given ``--shape`` / ``--inputs``
 / ``--tolerance`` that cannot apply to the model (unknown names, wrong dtype or rank, a size that
 contradicts a static dim or another input's, empty, non-positive, NaN, or more than
-:data:`MAX_INPUT_BYTES`) are usage errors, never silently ignored.
+:data:`MAX_INPUT_BYTES`) are usage errors, never silently ignored.  :func:`read_feeds` reads an
+``--inputs`` file: an .npz of named arrays, or an .npy for a model with exactly one input.
 """
 
 from __future__ import annotations
