@@ -37,6 +37,11 @@ class Reference(str, Enum):
     both = "both"
 
 
+class WeightFormat(str, Enum):
+    int4 = "int4"
+    int4_zp = "int4-zp"
+
+
 def _set_debug(value: bool) -> bool:
     """``--debug`` after the command name: the same switch as before it."""
     if value:
@@ -138,11 +143,6 @@ Kernels = Annotated[
         "turns the default off); --kernels also adds it to a --pipeline.",
     ),
 ]
-class WeightFormat(str, Enum):
-    int4 = "int4"
-    int4_zp = "int4-zp"
-
-
 Weights = Annotated[
     WeightFormat | None,
     typer.Option(
