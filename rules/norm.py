@@ -22,7 +22,11 @@ its guards allow and every refusal names the clause that failed:
   (``input_skip_bias_sum``), the statistics outputs are left out.  Both exporters' spellings
   (``Div(1, Sqrt)``·x, ``Reciprocal(Sqrt)``·x, ``x / Sqrt``), and the fp32 upcast Casts of an
   fp32 model, which the cleanups remove first.  The weight (Gemma's folded ``1 + w`` too) is
-  then folded into γ by ``fold-norm-scale``.
+  then folded into γ by ``fold-norm-scale``.  An fp16/bf16 sum upcast to fp32 for the norm
+  (transformers: ``Cast(h → float32)``, the norm, ``Cast`` back, the weight) fuses in the sum's
+  dtype where the target accumulates in fp32, when the fp32 norm is read only by Casts back to
+  that dtype (the same rounding point); a float32 weight applied before the Cast back (Gemma)
+  is refused with ``precision-rounding``.
 * ``fuse-skip-layer-norm`` (root: ``LayerNormalization``) — ``LN(a + b)`` →
   ``com.microsoft.SkipLayerNormalization(a, b, γ, β)``; the sum, when read elsewhere, comes from
   its fourth output.  Refused with ``slower-on-target`` where the target profile records it as
@@ -34,12 +38,13 @@ Guards (missed remarks): ``axes-not-last`` (the reductions are not over exactly 
 not static), ``opset-too-old`` (LayerNormalization is standard from opset 17),
 ``precision-accumulation`` (fp16/bf16 unless the target declares fp32 accumulation for the
 kernel), ``no-kernel``, ``not-last-axis``, ``shape-mismatch``, ``slower-on-target``,
-``shared-intermediate`` (a skip norm's residual sum is a graph output).
+``shared-intermediate`` (a skip norm's residual sum is a graph output), ``precision-rounding``.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import onnx
 
 from graphopt.opt.dims import same_dim
 from graphopt.opt.ir import Constant, Node, Tensor, Variable, constant_value, dtype_of
@@ -303,21 +308,38 @@ class FuseSkipRmsNorm(Rule):
 
     def structure(self, m, cx):
         applies_only_if(_centered(m.x) is None)  # that is a LayerNorm
-        add = _residual_add(m.x)
+        add, upcast = _residual_add(m.x), None
+        if add is None:  # an fp16/bf16 sum upcast to fp32 for the norm (transformers' RMSNorm)
+            upcast = producer(m.x, "Cast")
+            src = inputs(upcast)[0] if upcast is not None else None
+            narrow = src is not None and str(dtype_of(src)) in ("float16", "bfloat16")
+            if narrow and str(dtype_of(m.x)) == "float32":
+                add = _residual_add(src)
         applies_only_if(add is not None)
-        m.stash(residual=(add,))  # a tuple: the Add is not part of the match (it may stay)
+        # a tuple: the Add (and the Cast) are not part of the match (they may stay)
+        m.stash(residual=(add, upcast))
 
     def check(self, m, cx):
-        (add,) = m.residual
+        add, upcast = m.residual
         a, skip = inputs(add)
+        sum_t = add.outputs[0]
         _check_last_axis(m.var_mean, m.x, "the ReduceMean of x²")
         _check_square(m)
         eps = _check_eps(cx, m.eps)
         require(
-            not cx.ir.is_graph_output(m.x),
+            not cx.ir.is_graph_output(sum_t) and not cx.ir.is_graph_output(m.x),
             "shared-intermediate",
-            f"the residual sum '{m.x.name}' is a graph output",
+            f"the residual sum '{sum_t.name}' is a graph output",
         )
+        if upcast is not None:
+            out = m.root.outputs[0]
+            back = [c for c in out.outputs if c.op == "Cast" and c.attrs.get("to") == _onnx_type(a)]
+            require(
+                back and len(back) == len(out.outputs) and not cx.ir.is_graph_output(out),
+                "precision-rounding",
+                f"the float32 norm of '{sum_t.name}' is read before its Cast back to "
+                f"{dtype_of(a)}; the fused norm rounds to {dtype_of(a)} first",
+            )
         width = last_dim(m.x)
         rank = _rank(a)
         require(
@@ -347,26 +369,30 @@ class FuseSkipRmsNorm(Rule):
             f"{cx.target.name}: {slower}",
             measured=slower,
         )
-        m.stash(eps_value=eps, width=width, a=a, skip=skip)
+        m.stash(eps_value=eps, width=width, a=a, skip=skip, sum_t=sum_t, upcast=upcast)
 
     def rewrite(self, m, b):
-        sum_t = m.x
-        inside = {id(n) for n in m.nodes()}
+        sum_t = m.sum_t
+        inside = {id(n) for n in m.nodes()} | ({id(m.upcast)} if m.upcast is not None else set())
         others = [c for c in sum_t.outputs if id(c) not in inside]
         gamma = b.const(np.ones(m.width, dtype=dtype_of(m.a)), "gamma")
-        outs = b.op(
+        b.op(
             "SkipSimplifiedLayerNormalization",
             [m.a, m.skip, gamma],
             {"epsilon": float(m.eps_value)},
             domain=MS,
             outputs=4 if others else 1,
-            like=m.root.outputs[0],
+            like=m.root.outputs[0] if m.upcast is None else sum_t,
             name=f"{m.root.name}/SkipSimplifiedLayerNormalization",
         )
-        if not others:
-            return [outs]
-        _route_sum(b, b.created[-1], sum_t)
-        return [outs[0]]
+        node = b.created[-1]
+        if others:
+            _route_sum(b, node, sum_t)
+        normed = node.outputs[0]
+        if m.upcast is None:
+            return [normed]
+        # back to float32 for the readers' Cast to the input dtype (fuse-casts drops both)
+        return [b.op("Cast", [normed], {"to": onnx.TensorProto.FLOAT}, like=m.root.outputs[0])]
 
 
 @register_rule
@@ -375,6 +401,10 @@ class FuseSkipRmsNormReciprocal(FuseSkipRmsNorm):
     root = "Mul"
     pattern = _normalized("Mul", Var("x"), Var("x"), Var("x"))
     summary = "Add + x·rsqrt(mean(x²)+eps) → com.microsoft.SkipSimplifiedLayerNormalization"
+
+
+def _onnx_type(t: Tensor) -> int:
+    return onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype_of(t)))
 
 
 def _route_sum(b, node: Node, sum_t: Tensor) -> None:

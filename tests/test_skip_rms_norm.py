@@ -210,3 +210,61 @@ def test_fp16_without_fp32_accumulation_is_missed(monkeypatch):
     out, report = run(as_fp16(decoder()), target=tgt.name)
     assert SSLN not in hist(out)
     assert set(codes(report, "fuse-skip-rms-norm-rcp")) == {"precision-accumulation"}
+
+
+def upcast_decoder(gemma: bool = False):
+    """float16 residuals, each norm computed in float32 as transformers writes it:
+    Cast(sum → float32), RMSNorm, then Cast back to float16 and the float16 weight (llama), or
+    the float32 weight then the Cast back (``gemma``)."""
+    rng = np.random.default_rng(0)
+    f16 = TensorProto.FLOAT16
+    nodes = [helper.make_node("Add", ["a", "b"], ["h0"])]
+    inits = []
+    for i in range(2):
+        n, c = rms_nodes(f"h{i}f", f"n{i}", p=f"l{i}_", opset=18, div="reciprocal")
+        n[-1].output[0] = f"n{i}"  # no weight Mul: the weight is placed below
+        n[-1].input[1] = f"l{i}_one_w"
+        c.append(const(f"l{i}_one_w", 1.0))
+        w = rng.random(D) * 0.5 + 0.5
+        cast_in = helper.make_node("Cast", [f"h{i}"], [f"h{i}f"], to=TensorProto.FLOAT)
+        if gemma:
+            c.append(const(f"w{i}", w))
+            tail = [
+                helper.make_node("Mul", [f"n{i}", f"w{i}"], [f"nw{i}"]),
+                helper.make_node("Cast", [f"nw{i}"], [f"y{i}"], to=f16),
+            ]
+        else:
+            c.append(const(f"w{i}", w, np.float16))
+            tail = [
+                helper.make_node("Cast", [f"n{i}"], [f"n16_{i}"], to=f16),
+                helper.make_node("Mul", [f"n16_{i}", f"w{i}"], [f"y{i}"]),
+            ]
+        c.append(const(f"W{i}", rng.standard_normal((D, D)) * 0.2, np.float16))
+        nodes += [cast_in, *n, *tail]
+        nodes.append(helper.make_node("MatMul", [f"y{i}", f"W{i}"], [f"f{i}"]))
+        nodes.append(helper.make_node("Add", [f"h{i}", f"f{i}"], [f"h{i + 1}"]))
+        inits += c
+    return model(
+        nodes,
+        [vi("a", ["B", "S", D], f16), vi("b", ["B", "S", D], f16)],
+        [vi("h2", None, f16)],
+        inits,
+        opset=18,
+    )
+
+
+def test_fp16_sum_upcast_to_fp32_for_the_norm():
+    out, report = assert_optimized(upcast_decoder())
+    h = hist(out)
+    assert h[SSLN] == 2 and "Cast" not in h and "Pow" not in h, h
+    assert attr_type(out, ssln_nodes(out)[0].input[2]) == TensorProto.FLOAT16
+
+
+def test_fp32_weight_before_the_cast_back_is_refused():
+    out, report = run(upcast_decoder(gemma=True))
+    assert report.parity.ok
+    assert set(codes(report, "fuse-skip-rms-norm-rcp")) == {"precision-rounding"}
+
+
+def attr_type(m, name):
+    return next(i.data_type for i in m.graph.initializer if i.name == name)
