@@ -60,7 +60,6 @@ import os
 import platform
 import statistics
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from functools import lru_cache
@@ -77,9 +76,9 @@ from graphopt.opt.generation import report_generation
 from graphopt.opt.io import (
     OutputDirKind,
     check_output_dir,
+    discard,
     external_data_files,
     needs_external_data,
-    remove_path,
     replace_dir,
     staging_dir,
     write_model_files,
@@ -270,16 +269,8 @@ def write_bundle(
     except OSError as e:
         raise ModelSaveError(f"cannot write {dest}: {e.strerror or e}") from None
     finally:
-        _discard(staging)
+        discard(staging)
     return dest
-
-
-def _discard(path: Path) -> None:
-    if os.path.lexists(path):
-        try:
-            remove_path(path)
-        except OSError as e:
-            warnings.warn(f"could not remove {path}: {e}", stacklevel=3)
 
 
 def write_bundle_files(
