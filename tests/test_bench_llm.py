@@ -213,3 +213,17 @@ def test_markdown_rows(bench):
     text = bench.markdown([row])
     assert "| m | plain | - | 1.00 | 1.000 [1.000, 1.000] |" in text
     assert "n/a: no DIR/m/model.onnx" in text
+
+
+def test_a_variant_made_in_a_child_process_reports_its_failure(bench, tmp_path):
+    v = bench.isolated(
+        "ort-transformers",
+        str(tmp_path / "missing.onnx"),
+        str(tmp_path / "o.onnx"),
+        "llama",
+        8,
+        256,
+    )
+    assert v.path is None and "model_type=gpt2 failed" in v.why
+    crashed = bench.isolated("no-such-kind", "a", "b")
+    assert crashed.path is None and crashed.why.startswith("crashed")

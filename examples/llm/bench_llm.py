@@ -298,6 +298,31 @@ def ort_transformers_variant(src: Path, out: Path, family: str, heads: int, hidd
     return Variant("ort-transformers", why="; ".join(failures), notes=failures)
 
 
+MAKERS: dict[str, Callable[..., Variant]] = {}
+
+
+def isolated(kind: str, *params: Any) -> Variant:
+    """Make a variant in a child process (``bench_llm.py _variant KIND PARAMS-JSON``): one
+    tool's global state (onnxruntime's transformers optimizer, graphopt's loader) cannot reach
+    another's, and a crash costs one variant."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "_variant", kind, json.dumps(params)]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0 or not p.stdout.strip():
+        line = (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]
+        return Variant(kind, why=f"crashed (exit {p.returncode}): {line[:300]}")
+    data = json.loads(p.stdout.strip().splitlines()[-1])
+    data["path"] = Path(data["path"]) if data["path"] else None
+    return Variant(**data)
+
+
+def _variant_main(kind: str, params: str) -> int:
+    """The child of :func:`isolated`: the variant as one JSON line on stdout."""
+    args = json.loads(params)
+    v = MAKERS[kind](Path(args[0]), Path(args[1]), *args[2:])
+    print(json.dumps({**asdict(v), "path": str(v.path) if v.path else None}))
+    return 0
+
+
 def family_of(name: str) -> str:
     return name.split("_")[0]
 
@@ -308,6 +333,11 @@ def heads_hidden(dec: Decoder, hf: Path | None) -> tuple[int, int, str]:
         cfg = json.loads((hf / "config.json").read_text())
         return int(cfg["num_attention_heads"]), int(cfg["hidden_size"]), "config.json"
     return dec.hidden // dec.head_dim, dec.hidden, "graph (hidden / head size)"
+
+
+MAKERS.update(
+    {"graphopt-generate": graphopt_generate_variant, "ort-transformers": ort_transformers_variant}
+)
 
 
 # ------------------------------------------------------------------------------ timing
@@ -401,10 +431,10 @@ def bench_model(src: Path, args: argparse.Namespace) -> dict[str, Any]:
         variants.append(graphopt_variant(src, work / f"{name}.graphopt", shapes, args.graphopt))
     if "graphopt-generate" in wanted:
         out = work / f"{name}.generate.graphopt"
-        variants.append(graphopt_generate_variant(src, out, shapes))
+        variants.append(isolated("graphopt-generate", str(src), str(out), shapes))
     if "ort-transformers" in wanted:
         out = work / f"{name}.ort_transformers.onnx"
-        variants.append(ort_transformers_variant(src, out, family, heads, hidden))
+        variants.append(isolated("ort-transformers", str(src), str(out), family, heads, hidden))
     if "genai" in wanted and args.genai and "_" not in name:
         path = Path(args.genai) / family / "model.onnx"
         variants.append(
@@ -505,6 +535,9 @@ def _parity_cell(p: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_variant"] and len(argv) == 3:
+        return _variant_main(argv[1], argv[2])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", required=True, help="folder of NAME.onnx (+ NAME.json)")
     ap.add_argument("--only", default="", help="comma-separated model names (default: all)")
