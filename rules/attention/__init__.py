@@ -27,7 +27,9 @@ its MatMuls), in three stages, each a module with typed results:
    result replaces the heads' merging Reshape, or — where the merged [B,S,N,H] heads have other
    readers (a Reshape for the output projection beside one for shapes) — the merging Transpose.
    A decoder's self-attention over a ``Concat(past, new)`` cache with a batch or a new-token
-   count provably 1 lowers to ``GroupQueryAttention`` where the target has it (:mod:`.gqa`:
+   count provably 1, or declared generation steps (option ``decoder_steps="generate"``, an
+   ``analysis`` remark per fusion), lowers to ``GroupQueryAttention`` where the target has it
+   with ``causal=0`` (cpu; :mod:`.gqa`:
    the new k/v and the past in, the present outputs out, ``causal=0`` and the whole mask as
    ``attention_bias``, exact for any padding).
 
