@@ -183,9 +183,11 @@ def test_render_merges_saved_rows_later_file_wins(ra, tmp_path, capsys):
         ("m", "cuda"),
         ("z", "cpu"),
     ]
-    assert ra.main(["--render", str(first), str(second)]) == 0
+    merged = tmp_path / "merged.json"
+    assert ra.main(["--render", str(first), str(second), "--json", str(merged)]) == 0
     out = capsys.readouterr().out
     assert "error: old" not in out and out.count("MultiHeadAttention 2") == 3
+    assert json.loads(merged.read_text()) == ra.merge_rows([first, second])
 
 
 def test_latency_table_has_every_tool_and_why_not(ra):

@@ -22,7 +22,8 @@ worker (examples/benchmark/bench.py: one latency process, onnxruntime ORT_ENABLE
 original, and against the fastest rival whose output matched (a head-to-head ratio with its
 95 % interval); a second table gives every tool's ratio to the original (graphopt -O2, its
 bundle, each rival, or why it has none). Markdown to stdout; --json FILE writes the rows;
---render FILE... prints the tables of saved rows (several files merged).
+--render FILE... prints the tables of saved rows (several files merged; with --json, the
+merged rows are written there).
 """
 
 from __future__ import annotations
@@ -381,13 +382,15 @@ def main(argv: list[str] | None = None) -> int:
         "--render",
         type=Path,
         nargs="+",
-        help="print the table of rows saved with --json and run nothing (a later file's row "
-        "replaces an earlier one of the same model and target)",
+        help="print the tables of rows saved with --json and run nothing (a later file's row "
+        "replaces an earlier one of the same model and target; --json writes the merged rows)",
     )
     args = ap.parse_args(argv)
 
     if args.render:
         rows = merge_rows(args.render)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1) + "\n")
         print(render(rows, latency=False))
         if any("latency_vs_original" in r for r in rows):
             print("\n" + render_latency(rows))
