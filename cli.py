@@ -162,6 +162,7 @@ def optimize(
     kernels: flags.Kernels = None,
     opset: flags.Opset = None,
     weights: flags.Weights = None,
+    decoder_steps: flags.DecoderStepsFlag = None,
 ) -> None:
     """Optimize MODEL for a target; write OUT_DIR/model.onnx and OUT_DIR/report.json."""
     with handled(), sparse_collection():  # writing the bundle of a large graph too
@@ -191,7 +192,8 @@ def optimize(
                 bisect_limit=bisect_limit,
                 verify_each=verify_each,
                 options={"fold_size_limit": int(fold_limit * 2**20)}
-                | ({"weights": weights.value} if weights else {}),
+                | ({"weights": weights.value} if weights else {})
+                | ({"decoder_steps": decoder_steps.value} if decoder_steps else {}),
                 progress=say,
                 reference=reference.value,
                 output_tolerances=parse_tolerances(tolerance),

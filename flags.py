@@ -37,6 +37,10 @@ class Reference(str, Enum):
     both = "both"
 
 
+class DecoderSteps(str, Enum):
+    generate = "generate"
+
+
 class WeightFormat(str, Enum):
     int4 = "int4"
     int4_zp = "int4-zp"
@@ -151,6 +155,15 @@ Weights = Annotated[
         "(int4: symmetric; int4-zp: with zero points; block 32), each kept only while every "
         "output stays within 0.15 of its largest magnitude on the parity inputs; changes "
         "numerics, so parity is held to that tolerance.",
+    ),
+]
+DecoderStepsFlag = Annotated[
+    DecoderSteps | None,
+    typer.Option(
+        "--decoder-steps",
+        help="Declare that a decoder with a KV cache runs as a generation loop (every step "
+        "given a past has one new token, or a batch of 1), so its attention may lower to "
+        "GroupQueryAttention on a symbolic batch; recorded in report.json and the manifest.",
     ),
 ]
 Opset = Annotated[

@@ -35,6 +35,10 @@ from .upgrade import upgrade_opset
 
 Progress = Callable[[str], None]
 
+#: options that declare how the model is run (not tuning knobs): a rewrite that relies on one
+#: says so in a remark, and the report and the manifest record it
+DECLARATIONS = ("decoder_steps",)
+
 
 @dataclass
 class Report:
@@ -65,6 +69,9 @@ class Report:
     #: the generation check of a decoder with a KV cache (:mod:`graphopt.opt.generation`), set
     #: when the bundle is written; None for other models
     generation: dict[str, Any] | None = None
+    #: what the user declared about how the model is run (e.g. ``decoder_steps``) and the
+    #: rewrites relied on; copied into the bundle's manifest
+    declared: dict[str, Any] = field(default_factory=dict)
     #: the run's clock: a caller that goes on (writing the bundle) times its phases on it and
     #: refreshes ``seconds`` from it; not part of report.json
     clock: Clock = field(default_factory=Clock, repr=False, compare=False)
@@ -114,6 +121,7 @@ class Report:
             "seconds": self.seconds,
             "outputs": self.outputs,
             "generation": self.generation,
+            "declared": self.declared,
         }
 
 
@@ -288,6 +296,7 @@ def optimize(
         parity=parity,
         parity_float64=parity_f64,
         performance=performance,
+        declared={k: v for k, v in (options or {}).items() if k in DECLARATIONS},
         rewrites=cx.rewrites,
         applied=list(cx.applied),
         clock=clock,

@@ -350,6 +350,7 @@ def write_bundle_files(
         else None,
         "pipeline": report.pipeline,
         "level": report.level,
+        "declared": report.declared,
         "layout": target.layout,
         "session_config": SESSION_CONFIG,
         "golden": {k: v for k, v in golden.items() if k != "shapes"},

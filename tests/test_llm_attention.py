@@ -380,3 +380,29 @@ def test_cuda_keeps_multiheadattention_for_a_batch_of_one():
     out, _ = run(decoder(2, batch=1), target="cuda", inputs=feeds(2, batch=1))
     h = op_histogram(out.graph.node)
     assert h.get(MHA) == 1 and GQA not in h, h
+
+
+def test_cli_declares_decoder_steps_into_the_report_and_the_manifest(tmp_path):
+    """`--decoder-steps generate`: GroupQueryAttention on the symbolic batch, and the declaration
+    is written where a deployment reads it (report.json and manifest.json)."""
+    import json
+
+    import onnx
+    from typer.testing import CliRunner
+
+    from graphopt.cli import app
+
+    src, npz, out = tmp_path / "dec.onnx", tmp_path / "feeds.npz", tmp_path / "out"
+    onnx.save(decoder(2), src)
+    np.savez(npz, **feeds(2, batch=2, seq=1, past=9))
+    args = ["optimize", str(src), "-o", str(out), "--inputs", str(npz), "--no-measure", "-q"]
+    res = CliRunner().invoke(app, [*args, "--decoder-steps", "generate"])
+    assert res.exit_code == 0, res.output
+    report = json.loads((out / "report.json").read_text())
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert report["ops_after"].get(GQA) == 1
+    assert report["declared"] == manifest["declared"] == {"decoder_steps": "generate"}
+    res = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "out2")])
+    assert res.exit_code == 0, res.output
+    plain = json.loads((tmp_path / "out2" / "report.json").read_text())
+    assert plain["declared"] == {} and GQA not in plain["ops_after"]
