@@ -24,7 +24,7 @@ greedy tokens of both, and ``ok``: same tokens and every step's logits within
 weights' dtype when looser: float32 logits of an fp16 model carry fp16 error, as parity
 holds).  onnxruntime runs both on CPU with graph optimizations disabled, as parity does.
 
-With weights quantized (opt-in int4: ``weights-int4-error`` remarks) the logits are held to
+With weights quantized (opt-in int4: ``measured-error`` remarks) the logits are held to
 the int4 error limit instead of parity's tolerance; the tokens must still be the same.
 
 ``verdict`` is ``ok``, ``failed`` (it ran and the optimized model generated other tokens or
@@ -339,7 +339,7 @@ def _quantized_tolerances(report) -> dict[str, tuple[float, float]] | None:
     limits = [
         float(r.args["limit"])
         for r in report.remarks
-        if r.rule == "weights-int4-error" and r.kind == "analysis" and "limit" in r.args
+        if r.rule == "quantize-weights-int4" and r.code == "measured-error" and "limit" in r.args
     ]
     if not limits:
         return None

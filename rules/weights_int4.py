@@ -10,8 +10,8 @@ those quantized before, runs on seeded random inputs at the parity shapes (``--s
 against the model before any weight was quantized; per float output the error is
 ``max |Δ| / max |reference|``.  A weight whose quantization would take any output above
 :data:`MAX_ERROR` (option ``int4_max_error``) is refused with the numbers
-(``error-above-threshold``); each quantized weight leaves an ``analysis`` remark (rule
-``weights-int4-error``) with the error per output after it.  Parity (and the bundle's deployed
+(``error-above-threshold``); each quantized weight leaves an ``analysis`` remark (code
+``measured-error``) with the error per output after it.  Parity (and the bundle's deployed
 parity, and the generation check's logits) are then held to that tolerance
 (:func:`graphopt.opt.precision.quantized_weight_tolerances`).
 
@@ -270,7 +270,7 @@ class QuantizeWeightsInt4(Rule):
             Remark(
                 "analysis",
                 "rules",
-                "weights-int4-error",
+                self.name,
                 "measured-error",
                 (m.matmul.name,),
                 f"int4 weights of '{m.w.name}' [{k}, {n}]: error per output "

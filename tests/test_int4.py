@@ -68,7 +68,7 @@ def test_int4_weights_with_parity_at_the_int4_tolerance(mode):
     assert report.parity.ran and report.parity.ok, report.parity
     (y,) = report.parity.outputs
     assert y.max_abs > 1e-5  # int4 is not exact, and parity knew what to expect
-    errors = [r for r in report.remarks if r.rule == "weights-int4-error"]
+    errors = [r for r in report.remarks if r.code == "measured-error"]
     assert len(errors) == 2 and all(0 < r.args["errors"]["y"] <= MAX_ERROR for r in errors)
     assert "error per output" in errors[0].message and " y " in errors[0].message
 
@@ -134,5 +134,14 @@ def test_a_refused_weight_is_not_counted_in_the_next_measure():
     out, report = run(mlp(), level=3, options={"weights": "int4", "int4_max_error": 0.08})
     nodes = {n.name.split("/")[0]: n.op_type for n in out.graph.node}
     assert nodes["fc1"] == "MatMul" and nodes["fc2"] == "MatMulNBits", nodes
-    (kept,) = [r for r in report.remarks if r.rule == "weights-int4-error"]
+    (kept,) = [r for r in report.remarks if r.code == "measured-error"]
     assert 0.06 < kept.args["errors"]["y"] < 0.08
+
+
+def test_generation_check_holds_logits_to_the_int4_limit():
+    from graphopt.opt.generation import _quantized_tolerances
+
+    out, report = run(mlp(), level=3, options={"weights": "int4", "int4_max_error": 0.12})
+    assert _quantized_tolerances(report)["float32"] == (0.12, 0.0)
+    plain, report = run(mlp(), level=3)
+    assert _quantized_tolerances(report) is None
