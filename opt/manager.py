@@ -7,6 +7,8 @@
   remark log.
 * ``fixpoint(...)`` repeats its children until nothing changes, up to ``max-iterations``; when the
   cap is hit a *failure* remark ("did-not-converge") is recorded, naming the passes still changing.
+  A pass is not run again on the graph it last left unchanged (``ir.mutations`` counts the passes
+  that changed it): a confirming round runs only the passes a later change may have given work.
 * ``verify_each`` exports the model after every pass and runs onnx.checker and shape inference on
   it; the first pass that breaks the model is named.
 * ``bisect_limit`` (as LLVM's opt-bisect): only the first N rewrites are applied; every later one
@@ -79,6 +81,26 @@ class PassContext:
     stats: dict[str, RuleStats] = field(default_factory=dict)
     #: every refusal so far, per rule, for rules of later phases that depend on the outcome
     misses: dict[str, list[Miss]] = field(default_factory=dict)
+    #: per (graph, pass text): ``ir.mutations`` when the pass last ran there and changed nothing
+    settled: dict[tuple[int, str], int] = field(default_factory=dict)
+    #: the IR ``settled`` speaks of (held, so that its graphs' ids stay theirs)
+    settled_ir: ModelIR | None = None
+
+    def is_settled(self, p: Pass, ir: ModelIR) -> bool:
+        """Whether ``p`` already ran on this very graph (no pass changed it since) and changed
+        nothing: running it again would change nothing either."""
+        if self.settled_ir is not ir:
+            return False
+        return self.settled.get((id(ir.graph), p.text())) == ir.mutations
+
+    def mark_settled(self, p: Pass, ir: ModelIR, changed: bool) -> None:
+        if self.settled_ir is not ir:
+            self.settled_ir, self.settled = ir, {}
+        key = (id(ir.graph), p.text())
+        if changed:
+            self.settled.pop(key, None)
+        else:
+            self.settled[key] = ir.mutations
 
     def record_miss(self, rule: str, code: str, nodes: Sequence[str], args: dict) -> None:
         self.misses.setdefault(rule, []).append(Miss(rule, code, tuple(nodes), dict(args)))
@@ -162,7 +184,11 @@ class RuleSetPass(Pass):
 
 
 class Fixpoint(Pass):
-    """Repeat children until none reports a change, at most ``max_iterations`` times."""
+    """Repeat children until none reports a change, at most ``max_iterations`` times.  A child
+    that already ran on the current graph and changed nothing (no pass changed the graph since:
+    the pass before it in the last round, or the same pass at the end of an earlier fixpoint)
+    is not run again: it would change nothing.  It has no pass record for that round and its
+    rules count no attempts there."""
 
     name = "fixpoint"
 
@@ -173,7 +199,11 @@ class Fixpoint(Pass):
     def run(self, ir: ModelIR, cx: PassContext) -> bool:
         any_change = False
         for iteration in range(1, self.max_iterations + 1):
-            changed_now = [c.text() for c in self.children if run_pass(c, ir, cx, iteration)]
+            changed_now = [
+                c.text()
+                for c in self.children
+                if not cx.is_settled(c, ir) and run_pass(c, ir, cx, iteration)
+            ]
             if not changed_now:
                 return any_change
             any_change = True
@@ -202,8 +232,10 @@ def run_pass(p: Pass, ir: ModelIR, cx: PassContext, iteration: int = 0) -> bool:
     changed = bool(p.run(ir, cx))
     if p.recurse and not isinstance(p, Fixpoint):
         changed |= _run_in_subgraphs(p, ir, cx)
-    if changed:
-        ir.mutations += 1
+    if not isinstance(p, Fixpoint):  # a fixpoint's changes are its children's, counted there
+        if changed:
+            ir.mutations += 1
+        cx.mark_settled(p, ir, changed)
     if not isinstance(p, Fixpoint):
         cx.records.append(PassRecord(p.text(), time.perf_counter() - t0, changed, iteration))
     if cx.verify_each and changed and not isinstance(p, Fixpoint):
