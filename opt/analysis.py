@@ -3,6 +3,8 @@
 * :func:`infer_shapes` runs onnx shape inference (with data propagation) on a *weightless* view of
   the graph -- large constants travel as typed inputs, not data -- and writes the inferred dtypes
   and shapes back onto the graph's tensors.  Declared graph-output types are never overridden.
+  A node that is the same object with the same op, names and plain attributes as at the last
+  inference of its graph keeps the proto exported then.
 * :func:`evaluate` runs a set of nodes whose inputs are all known, in one onnxruntime session
   with graph optimizations disabled, so folded values are exactly what the runtime computes.
 """
@@ -19,7 +21,17 @@ import onnxruntime as ort
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
 from .domains import is_default
-from .ir import Constant, ModelIR, Node, Tensor, Variable, subgraphs, walk_nodes
+from .ir import (
+    _ATTR_ATTR,
+    _NOTE_ATTR,
+    Constant,
+    ModelIR,
+    Node,
+    Tensor,
+    Variable,
+    subgraphs,
+    walk_nodes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +72,11 @@ def infer_shapes(ir: ModelIR) -> bool:
     if nested and last is not None and last[1] == _fingerprint(g)[0]:
         ir.inferred[id(g)] = (ir.mutations, *last[1:])
         return True
-    ok = _infer(ir, g)
+    protos = last[3] if last is not None else {}
+    ok = _infer(ir, g, protos)
     # with the types inference filled in; the objects stay alive so that their ids stay theirs
-    ir.inferred[id(g)] = (ir.mutations, *(_fingerprint(g) if nested else (None, None)))
+    fingerprint = _fingerprint(g) if nested else (None, None)
+    ir.inferred[id(g)] = (ir.mutations, *fingerprint, protos)
     return ok
 
 
@@ -93,8 +107,56 @@ def _fingerprint(g) -> tuple[tuple, list]:
     return tuple(parts), [nodes, [t for n in nodes for t in n.inputs], list(g.inputs)]
 
 
-def _infer(ir: ModelIR, g) -> bool:
-    nodes = [OnnxExporter.export_node(n) for n in g.nodes]
+#: attribute values a node's proto is rebuilt from when they compare equal (with their types)
+_PLAIN = (int, float, str)
+
+
+def _node_key(n: Node) -> tuple | None:
+    """Everything the exported proto of ``n`` is made of, or None when an attribute is not a
+    plain value (a tensor, a graph...): such a node is exported every time."""
+    attrs = []
+    for k, v in n.attrs.items():
+        if isinstance(v, _PLAIN):
+            attrs.append((k, type(v), v))
+        elif isinstance(v, list) and all(isinstance(x, _PLAIN) for x in v):
+            attrs.append((k, list, tuple((type(x), x) for x in v)))
+        else:
+            return None
+    return (
+        n.op,
+        n.domain,
+        n.name,
+        tuple(t.name for t in n.inputs),
+        tuple(t.name for t in n.outputs),
+        tuple(attrs),
+        # what the exporter restores (ir: TYPE_PROTO attributes, doc_string/metadata), held
+        getattr(n, _ATTR_ATTR, None),
+        getattr(n, _NOTE_ATTR, None),
+    )
+
+
+def _export_nodes(nodes: Sequence[Node], protos: dict) -> list[onnx.NodeProto]:
+    """The nodes' protos, each taken from ``protos`` (id → node, key, proto: the last
+    inference's) when the node is the same object with the same key; ``protos`` is left holding
+    exactly these nodes."""
+    out, kept = [], {}
+    for n in nodes:
+        key = _node_key(n)
+        last = protos.get(id(n))
+        if key is not None and last is not None and last[0] is n and last[1] == key:
+            proto = last[2]
+        else:
+            proto = OnnxExporter.export_node(n)
+        if key is not None:
+            kept[id(n)] = (n, key, proto)
+        out.append(proto)
+    protos.clear()
+    protos.update(kept)
+    return out
+
+
+def _infer(ir: ModelIR, g, protos: dict) -> bool:
+    nodes = _export_nodes(g.nodes, protos)
     inits, inputs = [], [_value_info(t) for t in g.inputs]
     seen = {t.name for t in g.inputs}
     for node in g.nodes:
@@ -112,9 +174,10 @@ def _infer(ir: ModelIR, g) -> bool:
                         )
                     )
     # In a subgraph body, values of the enclosing scopes are typed inputs of the view.
-    defined = seen | {t.name for n in walk_nodes(g) for t in n.outputs}
-    defined |= {t.name for n in walk_nodes(g) for sub in subgraphs(n) for t in sub.inputs}
-    for n in walk_nodes(g):
+    walked = list(walk_nodes(g))
+    defined = seen | {t.name for n in walked for t in n.outputs}
+    defined |= {t.name for n in walked for sub in subgraphs(n) for t in sub.inputs}
+    for n in walked:
         for t in n.inputs:
             if isinstance(t, Variable) and t.name and t.name not in defined:
                 defined.add(t.name)
