@@ -44,6 +44,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from .customops import register_libraries
 from .parity import DEFAULT_TOLERANCES, compute_dtype
 
 _PAST = re.compile(r"^(past_key_values|past)\.(\d+)\.(key|value)$|^past_(key|value)[._](\d+)$")
@@ -183,9 +184,12 @@ def decoder_interface(model: onnx.ModelProto) -> Interface | str:
 
 # ------------------------------------------------------------------------------ running
 def _session(model: onnx.ModelProto | str) -> ort.InferenceSession:
+    """A CPU session on ``model`` with the custom-op libraries of its generated kernels."""
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 3
+    header = model if not isinstance(model, str) else onnx.load(model, load_external_data=False)
+    register_libraries(so, header)
     source = model if isinstance(model, str) else model.SerializeToString()
     return ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
 
