@@ -44,6 +44,9 @@ directory (so the whole bundle appears in one rename):
 * the manifest's ``integrity``: per model file its size, the sha256 of every byte (taken once,
   here) and a fingerprint (sha256 of the size and sampled blocks, :func:`fingerprint`).
 
+The JSON files are indented two levels deep and hold each deeper entry (a node of the manifest,
+a tensor of the memory plan) on one line (:func:`dumps_json`): the content of an indented dump.
+
 :func:`load_session` builds the session exactly as the manifest and session config say; the
 bundle is checked with it before it is moved into place (golden outputs within the target's
 tolerances, on this machine's CPU when the target's device is absent).  At load it checks the
