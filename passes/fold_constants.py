@@ -14,7 +14,10 @@ Never an accident -- each refusal is a missed remark with its code:
   are evaluated, so a 2 GiB ConstantOfShape is never allocated; other ops are sized from their
   inferred static shapes when known.
 * ``fold-size-budget``: all folds together may not grow the model's constant bytes by more than
-  ``fold-size-limit / 64`` (16 KiB by default; net of the constants they make dead), so chains
+  ``fold-size-limit / 64`` (16 KiB by default) or 1 % of the model's own constant bytes,
+  whichever is larger (net of the constants they make dead): a large model's run-time shape glue
+  and masks (torchvision Swin-T's shifted-window masks, ~0.5 MB in a 115 MB model: 1774 → 450
+  nodes) fold, a small one stays within 16 KiB; chains
   (six Tile x2 in a row) cannot grow the model step by step past the per-node limit, and an
   optimized model is not bigger than its input for folds: a fold that copies a constant still
   read elsewhere (an Unsqueeze of a recurrent weight, a Cast of an fp16 weight) buys nothing at
@@ -55,6 +58,8 @@ from graphopt.opt.quant import DEQUANTIZE, is_low_bit
 DEFAULT_SIZE_LIMIT = 1 << 20
 #: ordinary folds together may add at most fold-size-limit / GROWTH_SHARE bytes of constants
 GROWTH_SHARE = 64
+#: ... or 1 / MODEL_SHARE of the model's own constant bytes, whichever is larger
+MODEL_SHARE = 100
 
 #: results depend on randomness or state, or are not plain tensors: never folded
 NEVER_FOLD = frozenset(
@@ -143,7 +148,8 @@ class _Growth:
         """(per-node limit, growth used so far, growth budget) for a fold of this kind."""
         if weight:
             return max(limit, self.largest), self.weights, max(limit, self.total)
-        return limit, self.used, limit // GROWTH_SHARE
+        share = self.total // MODEL_SHARE if limit else 0  # a zero limit grows nothing
+        return limit, self.used, max(limit // GROWTH_SHARE, share)
 
     def add(self, weight: bool, nbytes: int) -> None:
         if weight:

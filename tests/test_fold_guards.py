@@ -220,3 +220,24 @@ def test_low_bit_constants_do_not_reach_the_evaluator():
     assert report.parity.ok
     types = {t.name: t.data_type for t in out.graph.initializer}
     assert types.get("w4") == TensorProto.INT4 and types.get("w8") == TensorProto.FLOAT8E4M3FN
+
+
+@pytest.mark.parametrize("big_model", [False, True], ids=["small-model", "4-MiB-model"])
+def test_growth_budget_scales_with_the_model(big_model):
+    """A 24 KiB net growth (a Tile x4 of 8 KiB) is over the 16 KiB budget of a small model, and
+    within 1 % of a model with 4 MiB of weights, where it folds."""
+    nodes = [
+        helper.make_node("Tile", ["t0", "reps"], ["t1"]),
+        helper.make_node("Add", ["x", "t1"], ["y"]),
+    ]
+    inits = [const("t0", np.ones(2048, np.float32)), const("reps", [4], np.int64)]
+    inputs, outputs = [vi("x", [8192])], [vi("y", [8192])]
+    if big_model:
+        nodes.append(helper.make_node("MatMul", ["z", "W"], ["w"]))
+        inits.append(const("W", np.ones((1024, 1024), np.float32)))
+        inputs.append(vi("z", [1, 1024]))
+        outputs.append(vi("w", [1, 1024]))
+    out, report = run(model(nodes, inputs, outputs, inits), level=1)
+    assert report.parity.ok
+    assert ("Tile" in ops(out)) is not big_model
+    assert ("fold-size-budget" in codes(report, "fold-constants")) is not big_model
