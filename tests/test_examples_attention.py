@@ -144,10 +144,12 @@ def test_end_to_end_row_from_a_real_run(ra, tmp_path, capsys):
     assert not list((tmp_path / "w").iterdir())  # bundles removed without --keep
 
 
-def test_latency_cells_prefer_the_head_to_head(ra):
-    def tool(ratio, ok=True):
-        return {"parity": {"ok": ok}, "ENABLE_ALL": {"ratio": ratio, "ratio_p10_p90": [0.8, 0.9]}}
+def tool(ratio, ok=True):
+    """One benchmark tool's result: parity and its ENABLE_ALL ratio to the original."""
+    return {"parity": {"ok": ok}, "ENABLE_ALL": {"ratio": ratio, "ratio_p10_p90": [0.8, 0.9]}}
 
+
+def test_latency_cells_prefer_the_head_to_head(ra):
     result = {
         "tools": {
             "none": tool(1.0),
@@ -191,9 +193,6 @@ def test_render_merges_saved_rows_later_file_wins(ra, tmp_path, capsys):
 
 
 def test_latency_table_has_every_tool_and_why_not(ra):
-    def tool(ratio, ok=True):
-        return {"parity": {"ok": ok}, "ENABLE_ALL": {"ratio": ratio, "ratio_p10_p90": [0.8, 0.9]}}
-
     result = {
         "tools": {
             "none": tool(1.0),
