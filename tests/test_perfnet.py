@@ -125,6 +125,24 @@ def test_bisection_is_not_fooled_by_a_little_noise():
     assert [r for r, _ in net.reverted] == ["b"]
 
 
+def test_a_slow_session_does_not_revert_a_harmless_rule():
+    """One fresh session may run a tiny model a few % slower throughout: what remains slower
+    after a revert is confirmed in another session before a further rule is reverted."""
+
+    class SessionBias(Fake):
+        def measure(self, reverted, share):
+            t = super().measure(reverted, share)
+            # the bisection measures {slow} once, the revert's own measurement is the 2nd
+            biased = reverted == {"slow"} and self.calls.count(reverted) == 2
+            return timing(t.ratio + 0.04) if biased else t
+
+    fake = SessionBias({"harmless": -0.01, "slow": 2.0})
+    net = fake.search()
+    assert [r for r, _ in net.reverted] == ["slow"] and net.stopped is None
+    assert fake.calls.count(frozenset({"slow"})) == 3
+    assert frozenset({"slow", "harmless"}) not in fake.calls
+
+
 def test_reverts_are_bounded():
     fake = Fake({r: 0.1 for r in "abcdef"})
     net = fake.search(max_reverts=2)
