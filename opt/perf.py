@@ -23,6 +23,10 @@ reverting that rule is kept when it lowers the ratio, and the search repeats (at
 (``max(MIN_BUDGET_S, the optimization's own time)``, pipeline re-runs included); a search the
 budget cuts short says so.  The decision logic takes the measurement as a function, so it is
 tested on synthetic timings.
+
+The final measurement also keeps the optimized model's own seconds per run and its session's
+creation time: :func:`summary`'s ``latency`` (median and p95 over rounds, 1 thread), which the
+bundle's manifest reports as its latency instead of timing the same model once more.
 """
 
 from __future__ import annotations
@@ -73,6 +77,10 @@ class Timing:
     seconds: float
     #: the per-round ratios (pooled when a measurement is extended; not in the report)
     samples: tuple[float, ...] = field(default=(), repr=False, compare=False)
+    #: the candidate's own seconds per run, one per round (its latency: :func:`latency`)
+    runs_s: tuple[float, ...] = field(default=(), repr=False, compare=False)
+    #: seconds to create the candidate's session (None when not timed)
+    created_s: float | None = field(default=None, repr=False, compare=False)
 
     def slower(self, margin: float = MARGIN) -> bool:
         return self.low > 1.0 + margin
@@ -86,7 +94,9 @@ class Timing:
         samples = self.samples + other.samples
         ratio, low, high = ratio_interval(samples) if samples else (other.ratio,) * 3
         seconds = self.seconds + other.seconds
-        return Timing(ratio, low, high, self.rounds + other.rounds, seconds, samples)
+        rounds, runs = self.rounds + other.rounds, self.runs_s + other.runs_s
+        created = other.created_s if other.created_s is not None else self.created_s
+        return Timing(ratio, low, high, rounds, seconds, samples, runs, created)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -299,6 +309,7 @@ class Duel:
     def measure(self, model: onnx.ModelProto, seconds: float) -> Timing:
         start = time.perf_counter()
         cand = _Loaded(model, self.config(model), self.base_dir).runner(self.feeds)
+        created = time.perf_counter() - start
         runs = (cand, self.base)
         for run in runs:  # warm-up; the first run allocates
             run()
@@ -306,10 +317,12 @@ class Duel:
         k = max(1, math.ceil(ROUND_S / est)) if est > 0 else 1
         end = start + seconds
         ratios: list[float] = []
+        own: list[float] = []  # the candidate's seconds per run, per round
         while len(ratios) < MAX_ROUNDS:
             order = runs if len(ratios) % 2 == 0 else runs[::-1]
             t = {id(r): _time(r, k) for r in order}
             ratios.append(t[id(cand)] / max(t[id(self.base)], 1e-12))
+            own.append(t[id(cand)] / k)
             n = len(ratios)
             if n < MIN_FLOOR or (n < MIN_ROUNDS and time.perf_counter() < end):
                 continue
@@ -321,7 +334,23 @@ class Duel:
                     break
         ratio, low, high = ratio_interval(ratios)
         seconds = time.perf_counter() - start
-        return Timing(ratio, low, high, len(ratios), seconds, tuple(ratios))
+        return Timing(ratio, low, high, len(ratios), seconds, tuple(ratios), tuple(own), created)
+
+
+def latency(t: Timing) -> dict[str, Any] | None:
+    """The candidate's own latency from a measurement's rounds (None when it kept no times):
+    median and p95 over rounds of the seconds per run (a round of a small model averages its
+    repeated runs), as the bundle's manifest reports it."""
+    if not t.runs_s:
+        return None
+    runs = sorted(t.runs_s)
+    return {
+        "median_ms": round(float(np.median(runs)) * 1e3, 4),
+        "p95_ms": round(runs[min(len(runs) - 1, int(0.95 * len(runs)))] * 1e3, 4),
+        "runs": len(runs),
+        "session_create_ms": None if t.created_s is None else round(t.created_s * 1e3, 2),
+        "threads": 1,
+    }
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -330,6 +359,7 @@ def summary(net: NetResult, budget_s: float) -> dict[str, Any]:
     reverted (each with the model's numbers before and after)."""
     out: dict[str, Any] = {"measured": True, **net.final.to_dict()}
     out["seconds"] = round(net.seconds, 3)
+    out["latency"] = latency(net.final)  # the final model's own times: the manifest's latency
     before = net.first
     reverted = []
     for rule, after in net.reverted:

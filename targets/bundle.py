@@ -38,11 +38,19 @@ directory (so the whole bundle appears in one rename):
   onnxruntime at load, not parsed); the manifest's ``fast_path`` records what it was built
   for (onnxruntime version, CPU architecture and ``/proc/cpuinfo`` features, providers, level,
   disabled optimizers, session entries) and how it was checked (it reloads with optimizations
-  off and agrees with the portable model on the golden inputs, or on seeded random ones when
-  parity did not run), or why there is none (onnxruntime could not save, reload or run it,
-  external data, unknown CPU features).
+  off and agrees with the portable model on the golden inputs), or why there is none
+  (onnxruntime could not save, reload or run it, external data, unknown CPU features, no golden
+  inputs: with ``--no-check`` there is nothing to check it on, so by default none is built;
+  ``write_bundle(..., fast_path=True)`` checks it on seeded random inputs instead).  It is
+  written by the very session that verifies the bundle (the portable model at the session
+  config's level, which ``optimized_model_filepath`` makes onnxruntime save), and checked
+  against that session's outputs: one session of the portable model, not two.
 * the manifest's ``integrity``: per model file its size, the sha256 of every byte (taken once,
-  here) and a fingerprint (sha256 of the size and sampled blocks, :func:`fingerprint`).
+  while model.onnx is written) and a fingerprint (sha256 of the size and sampled blocks,
+  :func:`fingerprint`); the fast path's files, a copy onnxruntime derives here, record the size
+  and fingerprint only (``sha256`` null), so ``verify="full"`` loads the portable model.
+* the manifest's ``latency``: the performance safety net's own times of the final model (it
+  has just timed it at the bundle's session settings, 1 thread), else timed here.
 
 The JSON files are indented two levels deep and hold each deeper entry (a node of the manifest,
 a tensor of the memory plan) on one line (:func:`dumps_json`): the content of an indented dump.
@@ -50,9 +58,10 @@ a tensor of the memory plan) on one line (:func:`dumps_json`): the content of an
 :func:`load_session` builds the session exactly as the manifest and session config say; the
 bundle is checked with it before it is moved into place (golden outputs within the target's
 tolerances, on this machine's CPU when the target's device is absent).  At load it checks the
-size and fingerprint of every model file (``verify="full"``: every sha256), and on a machine
-matching the fast path's record (and the requested settings) it loads model.machine.onnx with
-graph optimizations off; anywhere else, model.onnx at the session config's level.
+size and fingerprint of every model file (``verify="full"``: every sha256, on the portable
+model), and on a machine matching the fast path's record (and the requested settings) it loads
+model.machine.onnx with graph optimizations off; anywhere else, model.onnx at the session
+config's level.
 """
 
 from __future__ import annotations
@@ -104,6 +113,11 @@ FAST_MODEL = "model.machine.onnx"
 #: creation of ResNet-50 0.35x -> 0.07x of the original's at ALL, BERT-base 0.71x -> 0.39x)
 FAST_DATA = "model.machine.onnx.data"
 FAST_FILES = [FAST_MODEL, FAST_DATA]
+#: why verify="full" loads the portable model: the fast path's files record no full sha256
+FULL_VERIFY_WHY = (
+    "verify='full' checks every byte against a sha256, and the fast path's files (a copy "
+    "derived where the bundle was written) record only their size and fingerprint"
+)
 #: integrity at load: the size and a sha256 over the head, the tail and evenly spaced blocks
 FINGERPRINT_BLOCK = 64 * 1024
 FINGERPRINT_SAMPLES = 16
@@ -415,16 +429,25 @@ def write_bundle_files(
     manifest["model_sha256"] = manifest["integrity"]["files"]["model.onnx"]["sha256"]
     _kernel_latencies(nodes, kernels)
     (out_dir / MANIFEST).write_text(dumps_json(manifest))
-    say("bundle: verifying it as load_session runs it, then its latency")
-    manifest["verified"], manifest["latency"] = _verify(out_dir, manifest, session, target, report)
-    wanted = target.name == "cpu" if fast_path is None else fast_path
-    if wanted:
-        say("bundle: the machine-specific fast path (onnxruntime's optimized model)")
-    manifest["fast_path"] = _write_fast_path(out_dir, manifest, session, target, wanted)
+    refusal = _fast_path_refusal(manifest, session, target, fast_path)
+    save_to = None if refusal else out_dir / FAST_MODEL
+    say(
+        "bundle: verifying it as load_session runs it"
+        + (", saving onnxruntime's optimized model (the fast path)" if save_to else "")
+    )
+    verified, latency, ran = _verify(out_dir, manifest, session, target, report, save_to)
+    manifest["verified"], manifest["latency"] = verified, latency
+    if refusal:
+        manifest["fast_path"] = {"written": False, "why": refusal}
+    else:
+        say("bundle: checking the machine-specific fast path")
+        manifest["fast_path"] = _write_fast_path(out_dir, manifest, session, target, ran)
     if manifest["fast_path"].get("written"):
         files["fast_path"] = FAST_MODEL
         kept = [f for f in FAST_FILES if (out_dir / f).is_file()]
-        manifest["integrity"]["files"].update(_integrity(out_dir, kept)["files"])
+        # a copy derived here: size and fingerprint, no full sha256 (verify="full" loads the
+        # portable model, whose every byte is hashed)
+        manifest["integrity"]["files"].update(_integrity(out_dir, kept, full=False)["files"])
         manifest["fast_path"]["files"] = kept
     (out_dir / MANIFEST).write_text(dumps_json(manifest))
     return files
@@ -515,13 +538,15 @@ FINGERPRINT_TEXT = (
 )
 
 
-def _integrity(out_dir: Path, names: list[str], known: dict | None = None) -> dict[str, Any]:
+def _integrity(
+    out_dir: Path, names: list[str], known: dict | None = None, full: bool = True
+) -> dict[str, Any]:
     """Per model file: size, full sha256 (taken once: ``known`` digests from writing, else
-    read here) and the load-time fingerprint."""
+    read here; None with ``full=False``) and the load-time fingerprint."""
     files = {
         name: {
             "size": (out_dir / name).stat().st_size,
-            "sha256": (known or {}).get(name) or _sha256(out_dir / name),
+            "sha256": ((known or {}).get(name) or _sha256(out_dir / name)) if full else None,
             "fingerprint": fingerprint(out_dir / name),
         }
         for name in names
@@ -530,7 +555,9 @@ def _integrity(out_dir: Path, names: list[str], known: dict | None = None) -> di
         "files": files,
         "fingerprint": FINGERPRINT_TEXT,
         "at_load": "size and fingerprint (load_session verify='fingerprint', the default); "
-        "verify='full' (graphopt run --verify full) recomputes every sha256",
+        "verify='full' (graphopt run --verify full) recomputes every sha256; the fast path's "
+        "files, a copy onnxruntime derived here, record no sha256, so verify='full' loads the "
+        "portable model",
     }
 
 
@@ -563,6 +590,8 @@ def _check_file(file: Path, record: dict | None, verify: str) -> None:
             f"{file} does not match the manifest: {size} bytes, {record.get('size')} recorded"
         )
     if verify == "full":
+        if not record.get("sha256"):
+            raise GraphoptError(f"{file.name} has no sha256 in the manifest to verify in full")
         if _sha256(file) != record.get("sha256"):
             raise GraphoptError(f"{file} does not match the manifest's sha256")
     elif fingerprint(file) != record.get("fingerprint"):
@@ -757,8 +786,18 @@ def _workspace(target: Target, node: onnx.NodeProto, view) -> int | None:
 
 
 # --------------------------------------------------------------------------- verification
-def _verify(out_dir: Path, manifest: dict, session: dict, target: Target, report):
-    """Run the bundle as load_session builds it; never claim what did not run."""
+def _verify(
+    out_dir: Path,
+    manifest: dict,
+    session: dict,
+    target: Target,
+    report,
+    save_to: Path | None = None,
+) -> tuple[dict, dict | None, dict | None]:
+    """Run the bundle as load_session builds it; never claim what did not run.  Returns the
+    manifest's ``verified`` and ``latency`` and what the session ran (None when it did not):
+    ``names``, ``outputs`` (every output on the golden inputs), ``feeds``, ``saved`` (that
+    session also wrote onnxruntime's optimized model to ``save_to``) and ``save_error``."""
     on_device = (
         target.device_available
         and bool(session.get("providers"))
@@ -778,22 +817,25 @@ def _verify(out_dir: Path, manifest: dict, session: dict, target: Target, report
     latency = None
     if not manifest["golden"].get("written"):
         verified["bundle_session"] = f"not-run: {manifest['golden'].get('why')}"
-        return verified, latency
+        return verified, latency, None
     providers = session["providers"] if on_device else ["CPUExecutionProvider"]
+    if providers != list(session.get("providers") or []):
+        save_to = None  # the fast path is built for the session config's providers only
     try:
-        t0 = time.perf_counter()
-        sess = load_session(out_dir, providers=providers, verify="none", fast_path=False)
-        created = time.perf_counter() - t0
+        sess, created, save_error = _bundle_session(out_dir, providers, save_to)
         feeds, expected = _golden(out_dir)
-        names = [o.name for o in sess.get_outputs() if o.name in expected]
-        got = sess.run(
-            names, {k: v for k, v in feeds.items() if k in {i.name for i in sess.get_inputs()}}
+        every = [o.name for o in sess.get_outputs()]
+        outs = sess.run(
+            every, {k: v for k, v in feeds.items() if k in {i.name for i in sess.get_inputs()}}
         )
     except Exception as e:  # noqa: BLE001 - reported in the manifest, never a crash
+        _remove(out_dir, FAST_FILES)
         verified["bundle_session"] = (
             f"failed: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
         )
-        return verified, latency
+        return verified, latency, None
+    names = [n for n in every if n in expected]
+    got = [o for n, o in zip(every, outs) if n in expected]
     per_output = (report.bundle_context or {}).get("per_output")
     diffs = compare_outputs(
         names, [expected[n] for n in names], got, target.tolerances, per_output=per_output
@@ -811,9 +853,43 @@ def _verify(out_dir: Path, manifest: dict, session: dict, target: Target, report
     if on_device:
         verified["device"] = "pass" if ok else "fail"
     if target.name == "cpu" or on_device:
-        latency = _latency(sess, feeds, created)
+        latency = _bundle_latency(sess, feeds, created, report)
         latency["providers"] = providers
-    return verified, latency
+    saved = save_to is not None and save_error is None
+    ran = {"names": every, "outputs": outs, "feeds": feeds, "saved": saved}
+    return verified, latency, ran | {"save_error": save_error}
+
+
+def _bundle_session(out_dir: Path, providers: list[str], save_to: Path | None):
+    """(session, seconds to create it or None, why onnxruntime could not save): the bundle as
+    :func:`load_session` builds it from the portable model; with ``save_to`` the same session
+    also writes onnxruntime's optimized model there (the fast path), so it is built once."""
+    if save_to is not None:
+        path, manifest, config = read_bundle(out_dir)
+        level = config.get("graph_optimization_level", "ORT_ENABLE_EXTENDED")
+        try:
+            sess = _session(path, manifest, config, "model.onnx", providers, level, "none", save_to)
+            if not save_to.is_file():
+                raise GraphoptError("onnxruntime wrote no optimized model")
+            return sess, None, None  # its creation time includes writing the fast path
+        except GraphoptError as e:
+            _remove(out_dir, FAST_FILES)
+            error = str(e)
+    else:
+        error = None
+    t0 = time.perf_counter()
+    sess = load_session(out_dir, providers=providers, verify="none", fast_path=False)
+    return sess, time.perf_counter() - t0, error
+
+
+def _bundle_latency(sess, feeds, created: float | None, report) -> dict[str, Any]:
+    """The manifest's latency: the performance safety net's own times of the final model (its
+    rounds just timed it at the bundle's session settings, 1 thread), else timed here."""
+    measured = (getattr(report, "performance", None) or {}).get("latency")
+    if measured:
+        where = "this machine: the performance safety net's rounds (the bundle's settings)"
+        return dict(measured) | {"where": where}
+    return _latency(sess, feeds, created)
 
 
 def _deploy_parity(sess, session: dict, feeds, names, got, target: Target, report) -> dict:
@@ -874,7 +950,7 @@ def _deploy_parity(sess, session: dict, feeds, names, got, target: Target, repor
     }
 
 
-def _latency(sess, feeds, created_s: float) -> dict[str, Any]:
+def _latency(sess, feeds, created_s: float | None) -> dict[str, Any]:
     feeds = {k: v for k, v in feeds.items() if k in {i.name for i in sess.get_inputs()}}
     sess.run(None, feeds)  # warm-up
     times: list[float] = []
@@ -890,7 +966,8 @@ def _latency(sess, feeds, created_s: float) -> dict[str, Any]:
         "median_ms": round(statistics.median(times) * 1e3, 4),
         "p95_ms": round(times[min(len(times) - 1, int(0.95 * len(times)))] * 1e3, 4),
         "runs": len(times),
-        "session_create_ms": round(created_s * 1e3, 2),
+        # None when that session also wrote the fast path: its creation time says nothing
+        "session_create_ms": None if created_s is None else round(created_s * 1e3, 2),
         "threads": "onnxruntime default",
         "where": "this machine (measured while writing the bundle)",
     }
@@ -973,7 +1050,8 @@ def load_session(
     ``level`` overrides the session config's graph optimization level.  On the machine that
     wrote the bundle (same onnxruntime, CPU features, providers and requested settings) the
     session loads the machine-specific fast path with graph optimizations off; anywhere else,
-    or with ``fast_path=False``, the portable model.  :func:`open_session` also says which.
+    with ``fast_path=False`` or with ``verify="full"`` (the fast path's files record no full
+    sha256), the portable model.  :func:`open_session` also says which.
     """
     if verify_hash is not None and not verify_hash:
         verify = "none"
@@ -1003,6 +1081,8 @@ def open_session(
     info = {"model": portable, "fast_path": False, "why": why, "level": level, "verify": verify}
     files = [portable, *manifest.get("external_data", [])]
     fast_files = (manifest.get("fast_path") or {}).get("files") or [FAST_MODEL]
+    if why is None and verify == "full" and not _hashed(manifest, fast_files):
+        why = info["why"] = FULL_VERIFY_WHY
     check_integrity(path, manifest, files + (fast_files if why is None else []), verify)
     if why is None:
         try:
@@ -1011,6 +1091,12 @@ def open_session(
         except GraphoptError as e:  # never worse than the portable model
             info["why"] = f"onnxruntime refused it ({e})"
     return _session(path, manifest, config, portable, wanted, level, verify), info
+
+
+def _hashed(manifest: dict, names: list[str]) -> bool:
+    """Every one of ``names`` has a full sha256 in the manifest's integrity section."""
+    files = (manifest.get("integrity") or {}).get("files") or {}
+    return all((files.get(n) or {}).get("sha256") for n in names)
 
 
 def _providers(manifest: dict, config: dict, providers: list[str] | None) -> list[str]:
@@ -1143,39 +1229,69 @@ def _settings(config: dict, level: str) -> dict[str, Any]:
     }
 
 
+#: why a bundle without golden inputs (``--no-check``, or parity could not run) has no fast path
+#: by default
+NO_GOLDEN = (
+    "not built without golden inputs (--no-check, or parity did not run): the fast path is "
+    "kept only once it agrees with the portable model on them (write_bundle(..., "
+    "fast_path=True) checks it on seeded random inputs instead)"
+)
+
+
+def _fast_path_refusal(
+    manifest: dict, config: dict, target: Target, asked: bool | None
+) -> str | None:
+    """Why no fast path is built for this bundle (None: build one).  By default (``asked`` None)
+    cpu bundles with golden inputs get one; ``asked`` True builds one whenever it can."""
+    if asked is False:
+        return "not asked for (write_bundle fast_path=False)"
+    if asked is None and target.name != "cpu":
+        return f"not built for {target.name} bundles by default"
+    if asked is None and not manifest["golden"].get("written"):
+        return NO_GOLDEN
+    return _fast_path_obstacle(manifest, config)
+
+
 def _write_fast_path(
-    out_dir: Path, manifest: dict, config: dict, target: Target, wanted: bool
+    out_dir: Path, manifest: dict, config: dict, target: Target, ran: dict | None
 ) -> dict[str, Any]:
-    """onnxruntime's optimized form of model.onnx for this machine (``optimized_model_filepath``
-    at the session config's level), kept only when it loads with optimizations off and its
-    outputs on the golden inputs agree with the portable model's; else why not."""
-    if not wanted:
-        return {"written": False, "why": f"not built for {target.name} bundles by default"}
-    why = _fast_path_obstacle(manifest, config)
-    if why:
-        return {"written": False, "why": why}
+    """Check onnxruntime's optimized form of model.onnx for this machine and keep it only when it
+    loads with optimizations off and its outputs agree with the portable model's at the session
+    config's level; else remove it and say why.  ``ran``: what the bundle's verification session
+    ran (:func:`_verify`), which already wrote the optimized model and ran the portable model on
+    the golden inputs; without it (no golden inputs) both are done here, on seeded random
+    inputs."""
     providers = list(config["providers"])
     level = config.get("graph_optimization_level", "ORT_ENABLE_EXTENDED")
-    fast = out_dir / FAST_MODEL
-    golden = bool(manifest["golden"].get("written"))
+    if ran is not None and ran.get("save_error"):
+        return _no_fast_path(out_dir, f"onnxruntime could not save it: {ran['save_error']}")
+    if ran is None and manifest["golden"].get("written"):
+        return _no_fast_path(out_dir, "the bundle's own session did not run (verified)")
     try:
-        ref_sess = _session(out_dir, manifest, config, "model.onnx", providers, level, "none", fast)
-        if not fast.is_file():
-            raise GraphoptError("onnxruntime wrote no optimized model")
+        if ran is not None and ran.get("saved"):
+            names, ref, feeds = ran["names"], ran["outputs"], ran["feeds"]
+            against = "the golden inputs (the run verifying the bundle)"
+        else:
+            fast = out_dir / FAST_MODEL
+            ref_sess = _session(
+                out_dir, manifest, config, "model.onnx", providers, level, "none", fast
+            )
+            if not fast.is_file():
+                raise GraphoptError("onnxruntime wrote no optimized model")
+            golden = bool(manifest["golden"].get("written"))
+            feeds = _golden(out_dir)[0] if golden else make_inputs(ref_sess, {}, 0)
+            names = [o.name for o in ref_sess.get_outputs()]
+            ref = ref_sess.run(names, _feeds_for(ref_sess, feeds))
+            against = "the golden inputs" if golden else "seeded random inputs (no golden inputs)"
         sess = _session(out_dir, manifest, config, FAST_MODEL, providers, "ORT_DISABLE_ALL", "none")
-        feeds = _golden(out_dir)[0] if golden else make_inputs(ref_sess, {}, 0)
-        names = [o.name for o in ref_sess.get_outputs()]
-        inputs = {k: v for k, v in feeds.items() if k in {i.name for i in sess.get_inputs()}}
-        ref, got = ref_sess.run(names, inputs), sess.run(names, inputs)
+        got = sess.run(names, _feeds_for(sess, feeds))
     except Exception as e:  # noqa: BLE001 - not saved, not reloaded or not run: no fast path
-        _remove(out_dir, FAST_FILES)
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return {"written": False, "why": f"onnxruntime could not save, reload or run it: {text}"}
+        return _no_fast_path(out_dir, f"onnxruntime could not save, reload or run it: {text}")
     diffs = compare_outputs(names, ref, got, target.tolerances)
     if not all(d.ok for d in diffs):
-        _remove(out_dir, FAST_FILES)
         bad = ", ".join(d.name for d in diffs if not d.ok)
-        return {"written": False, "why": f"its outputs differ from the portable model's ({bad})"}
+        return _no_fast_path(out_dir, f"its outputs differ from the portable model's ({bad})")
     return {
         "written": True,
         "model": FAST_MODEL,
@@ -1184,13 +1300,21 @@ def _write_fast_path(
         "loaded_with": "ORT_DISABLE_ALL (the graph is already optimized)",
         "verified": {
             "ok": True,
-            "against": f"the portable model at {level} on "
-            + ("the golden inputs" if golden else "seeded random inputs (no golden inputs)"),
+            "against": f"the portable model at {level} on {against}",
             "max_abs": {d.name: d.max_abs for d in diffs},
         },
         "note": "used by load_session only on a machine with the same onnxruntime, CPU "
         "architecture and features, providers and requested settings; elsewhere model.onnx",
     }
+
+
+def _no_fast_path(out_dir: Path, why: str) -> dict[str, Any]:
+    _remove(out_dir, FAST_FILES)
+    return {"written": False, "why": why}
+
+
+def _feeds_for(sess, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: v for k, v in feeds.items() if k in {i.name for i in sess.get_inputs()}}
 
 
 def _remove(out_dir: Path, names: list[str]) -> None:

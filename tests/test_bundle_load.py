@@ -236,7 +236,7 @@ def test_no_fast_path_when_onnxruntime_cannot_save_it(wide, tmp_path, monkeypatc
 
 def test_fast_path_without_golden_inputs_is_checked_on_random_ones(wide, tmp_path):
     optimized, report = graphopt.optimize(wide, target="cpu", check=False)
-    out = graphopt.write_bundle(optimized, report, tmp_path / "b")
+    out = graphopt.write_bundle(optimized, report, tmp_path / "b", fast_path=True)  # asked for
     manifest = json.loads((out / "manifest.json").read_text())
     assert not manifest["golden"]["written"]
     assert manifest["fast_path"]["written"]

@@ -1,0 +1,203 @@
+"""What writing a bundle costs: the portable model is loaded once (that session verifies the
+bundle and saves the fast path), the fast path is checked against that run, its files carry a
+fingerprint but no full sha256, ``--no-check`` builds none, and the manifest's latency comes
+from the performance safety net's rounds instead of a second timing."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+from typer.testing import CliRunner
+
+import graphopt
+import graphopt.targets.bundle as bundle
+from conftest import const, model, vi
+from graphopt.cli import app
+from graphopt.opt import perf
+from graphopt.opt.perf import Timing
+
+
+@pytest.fixture
+def wide(tmp_path, rng):
+    """MatMul + Add + Relu with 2 MiB of weights (larger than a fingerprint reads)."""
+    inits = [const("W", rng.standard_normal((512, 1024))), const("b", rng.standard_normal(1024))]
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["m"], name="mm"),
+        helper.make_node("Add", ["m", "b"], ["a"], name="add"),
+        helper.make_node("Relu", ["a"], ["y"], name="relu"),
+    ]
+    p = tmp_path / "wide.onnx"
+    onnx.save(model(nodes, [vi("x", [2, 512])], [vi("y", None)], inits), p)
+    return p
+
+
+@pytest.fixture
+def sessions(monkeypatch):
+    """Every session the bundle phase creates from a bundle file: (file, level, saves)."""
+    calls: list[tuple[str, str, bool]] = []
+    real = bundle._session
+
+    def spy(path, manifest, config, name, wanted, level, verify, save_to=None):
+        calls.append((name, level, save_to is not None))
+        return real(path, manifest, config, name, wanted, level, verify, save_to)
+
+    monkeypatch.setattr(bundle, "_session", spy)
+    return calls
+
+
+def manifest_of(out):
+    return json.loads((out / "manifest.json").read_text())
+
+
+def feeds():
+    return {"x": np.random.default_rng(3).standard_normal((2, 512)).astype(np.float32)}
+
+
+# ---------------------------------------------------------------------- one session
+def test_the_portable_model_is_loaded_once_and_saves_the_fast_path(wide, tmp_path, sessions):
+    optimized, report = graphopt.optimize(wide, target="cpu")
+    out = graphopt.write_bundle(optimized, report, tmp_path / "b")
+    portable = [c for c in sessions if c[0] == "model.onnx"]
+    assert portable == [("model.onnx", "ORT_ENABLE_ALL", True)]  # verification + fast path
+    assert [c for c in sessions if c[0] == bundle.FAST_MODEL] == [
+        (bundle.FAST_MODEL, "ORT_DISABLE_ALL", False)
+    ]
+    m = manifest_of(out)
+    fast = m["fast_path"]
+    assert fast["written"] and fast["verified"]["ok"]
+    assert "golden inputs (the run verifying the bundle)" in fast["verified"]["against"]
+    assert m["verified"]["bundle_session"]["golden_ok"] and m["verified"]["deploy_parity"]["ok"]
+    sess, how = graphopt.open_session(out)
+    assert how["fast_path"] and how["why"] is None
+    ref = graphopt.load_session(out, fast_path=False).run(None, feeds())[0]
+    np.testing.assert_allclose(sess.run(None, feeds())[0], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_fast_path_that_disagrees_is_removed(wide, tmp_path, monkeypatch):
+    optimized, report = graphopt.optimize(wide, target="cpu")
+    real = bundle._session
+
+    class Off:
+        """The reloaded fast path, its outputs off by one."""
+
+        def __init__(self, sess):
+            self.sess = sess
+
+        def get_inputs(self):
+            return self.sess.get_inputs()
+
+        def run(self, names, feeds):
+            return [o + 1.0 for o in self.sess.run(names, feeds)]
+
+    def off_by_one(path, manifest, config, name, *a, **k):
+        sess = real(path, manifest, config, name, *a, **k)
+        return Off(sess) if name == bundle.FAST_MODEL else sess
+
+    monkeypatch.setattr(bundle, "_session", off_by_one)
+    out = graphopt.write_bundle(optimized, report, tmp_path / "b")
+    fast = manifest_of(out)["fast_path"]
+    assert not fast["written"] and "differ from the portable model's (y)" in fast["why"]
+    assert not (out / bundle.FAST_MODEL).exists() and not (out / bundle.FAST_DATA).exists()
+    assert set(manifest_of(out)["integrity"]["files"]) == {"model.onnx"}
+
+
+# ---------------------------------------------------------------------- --no-check
+def test_no_check_builds_no_fast_path(wide, tmp_path, sessions):
+    out = tmp_path / "b"
+    res = CliRunner().invoke(app, ["optimize", str(wide), "-o", str(out), "--no-check", "-q"])
+    assert res.exit_code == 0, res.output
+    m = manifest_of(out)
+    assert not m["fast_path"]["written"] and "--no-check" in m["fast_path"]["why"]
+    assert "golden inputs" in m["fast_path"]["why"]
+    assert not (out / bundle.FAST_MODEL).exists() and sessions == []  # no session at all
+    assert set(m["integrity"]["files"]) == {"model.onnx"}
+    sess, how = graphopt.open_session(out)
+    assert not how["fast_path"] and "the bundle has none (not built without golden" in how["why"]
+    assert sess.run(None, feeds())[0].shape == (2, 1024)
+
+
+def test_no_check_fast_path_when_asked_is_checked_on_random_inputs(wide, tmp_path, sessions):
+    optimized, report = graphopt.optimize(wide, target="cpu", check=False)
+    out = graphopt.write_bundle(optimized, report, tmp_path / "b", fast_path=True)
+    fast = manifest_of(out)["fast_path"]
+    assert fast["written"] and "seeded random inputs" in fast["verified"]["against"]
+    assert [c[0] for c in sessions] == ["model.onnx", bundle.FAST_MODEL]
+
+
+# ---------------------------------------------------------------------- integrity
+def test_fast_path_files_have_a_fingerprint_and_no_full_hash(wide, tmp_path):
+    optimized, report = graphopt.optimize(wide, target="cpu")
+    out = graphopt.write_bundle(optimized, report, tmp_path / "b")
+    files = manifest_of(out)["integrity"]["files"]
+    for name in bundle.FAST_FILES:
+        rec = files[name]
+        assert rec["sha256"] is None and rec["size"] == (out / name).stat().st_size
+        assert rec["fingerprint"] == bundle.fingerprint(out / name)
+    assert files["model.onnx"]["sha256"] == bundle._sha256(out / "model.onnx")
+    # the default load checks the fast path's fingerprint and uses it
+    assert graphopt.open_session(out)[1]["fast_path"]
+    # full verification checks every byte of what it loads: the portable model
+    sess, how = graphopt.open_session(out, verify="full")
+    assert not how["fast_path"] and how["why"] == bundle.FULL_VERIFY_WHY
+    assert sess.run(None, feeds())[0].shape == (2, 1024)
+    res = CliRunner().invoke(app, ["run", str(out), "--verify", "full"])
+    assert res.exit_code == 0 and "fast path not used: verify='full'" in res.stdout
+    with pytest.raises(graphopt.GraphoptError, match="no sha256"):
+        bundle.check_integrity(out, manifest_of(out), [bundle.FAST_DATA], "full")
+    # a damaged sampled block of the fast path still fails the default load
+    data = out / bundle.FAST_DATA
+    offset, _ = bundle.sampled_blocks(data.stat().st_size)[4]
+    raw = bytearray(data.read_bytes())
+    raw[offset] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(graphopt.GraphoptError, match="fingerprint"):
+        graphopt.load_session(out)
+    graphopt.load_session(out, verify="full")  # the portable model is intact
+
+
+# ---------------------------------------------------------------------- latency
+def test_latency_of_a_measurement():
+    t = Timing(1.0, 0.9, 1.1, 4, 0.1, (1.0,) * 4, (0.004, 0.002, 0.003, 0.010), 0.25)
+    lat = perf.latency(t)
+    assert lat == {
+        "median_ms": 3.5,
+        "p95_ms": 10.0,
+        "runs": 4,
+        "session_create_ms": 250.0,
+        "threads": 1,
+    }
+    assert perf.latency(Timing(1.0, 0.9, 1.1, 4, 0.1)) is None  # synthetic: no times
+    pooled = t.pooled(Timing(1.0, 0.9, 1.1, 2, 0.1, (1.0, 1.0), (0.001, 0.001), 0.5))
+    assert pooled.runs_s == t.runs_s + (0.001, 0.001) and pooled.created_s == 0.5
+
+
+def test_manifest_latency_is_the_safety_nets(wide, tmp_path, monkeypatch):
+    monkeypatch.delenv("GRAPHOPT_NO_MEASURE", raising=False)
+    monkeypatch.setattr(perf, "MIN_BUDGET_S", 1.0)
+
+    def no_second_timing(*_a, **_k):
+        raise AssertionError("the bundle timed the model again")
+
+    optimized, report = graphopt.optimize(wide, target="cpu")
+    assert report.performance["measured"], report.performance
+    monkeypatch.setattr(bundle, "_latency", no_second_timing)
+    out = graphopt.write_bundle(optimized, report, tmp_path / "b")
+    m = manifest_of(out)
+    net = report.performance["latency"]
+    assert net["median_ms"] > 0 and net["runs"] >= perf.MIN_FLOOR and net["threads"] == 1
+    assert {k: m["latency"][k] for k in net} == net
+    assert "safety net" in m["latency"]["where"]
+    assert m["performance"]["latency"] == net
+
+
+def test_manifest_latency_is_timed_when_the_net_did_not_measure(wide, tmp_path):
+    optimized, report = graphopt.optimize(wide, target="cpu")  # GRAPHOPT_NO_MEASURE in tests
+    assert not report.performance["measured"]
+    out = graphopt.write_bundle(optimized, report, tmp_path / "b")
+    lat = manifest_of(out)["latency"]
+    assert lat["median_ms"] > 0 and lat["runs"] >= 3 and lat["threads"] == "onnxruntime default"
+    assert lat["session_create_ms"] is None  # that session also wrote the fast path
