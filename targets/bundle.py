@@ -304,6 +304,7 @@ def write_bundle(
                 staging / "model.onnx",
                 external=needs_external_data(model),
                 base_dir=(report.bundle_context or {}).get("base_dir"),
+                serialized=report.take_serialized(model),  # the bytes the validity check loaded
             )
         with report.clock.phase("bundle"):
             files = write_bundle_files(
@@ -356,7 +357,7 @@ def write_bundle_files(
     verified_shapes = golden.get("shapes") or dict(report.parity.inputs or {})
     view = shape_view(model, verified_shapes)
     say("bundle: memory plan")
-    measured = _measure_unknown(out_dir, model, view, golden)
+    measured = _measure_unknown(out_dir, model, view, golden, ctx.get("base_dir"))
     plan = memory_plan(model, view, verified_shapes)
     plan["measured_shapes"] = measured
     (out_dir / MEMORY_PLAN).write_text(dumps_json(plan))
@@ -480,7 +481,9 @@ def _kernel_latencies(nodes: list[dict], kernels: dict | None) -> None:
                 )
 
 
-def _measure_unknown(out_dir: Path, model: onnx.ModelProto, view, golden: dict) -> int:
+def _measure_unknown(
+    out_dir: Path, model: onnx.ModelProto, view, golden: dict, base_dir=None
+) -> int:
     """Fill the shapes static inference left unknown from an onnxruntime run on the golden
     inputs; returns how many were measured."""
     unknown = [o for n in model.graph.node for o in n.output if o and nbytes(view.get(o)) is None]
@@ -488,7 +491,7 @@ def _measure_unknown(out_dir: Path, model: onnx.ModelProto, view, golden: dict) 
         return 0
     feeds, _ = _golden(out_dir)
     try:
-        measured = measured_view(model, feeds, unknown)
+        measured = measured_view(model, feeds, unknown, base_dir)
     except GraphoptError:
         return 0
     view.update(measured)

@@ -27,14 +27,37 @@ at the same inputs.  Tensors whose size stays unknown are listed and left out.  
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from typing import Any
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
 
 SMALL = 4096
+#: measured_view hands initializers over this many bytes to onnxruntime as arrays
+STUB_BYTES = 1024
+CPU = "CPUExecutionProvider"
+#: element types numpy holds natively (others stay in the model: bfloat16, float8, strings)
+PLAIN_TYPES = frozenset(
+    getattr(TensorProto, n)
+    for n in (
+        "FLOAT",
+        "FLOAT16",
+        "DOUBLE",
+        "BOOL",
+        "INT8",
+        "INT16",
+        "INT32",
+        "INT64",
+        "UINT8",
+        "UINT16",
+        "UINT32",
+        "UINT64",
+    )
+)
 #: ops whose onnxruntime CPU kernel returns a view of input 0 (no new buffer)
 ALIASING_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
 
@@ -102,24 +125,43 @@ def shape_view(
 
 
 def measured_view(
-    model: onnx.ModelProto, feeds: dict[str, np.ndarray], names: list[str]
+    model: onnx.ModelProto,
+    feeds: dict[str, np.ndarray],
+    names: list[str],
+    base_dir: str | os.PathLike | None = None,
 ) -> dict[str, TypeInfo]:
     """Types and shapes of ``names`` as onnxruntime computes them on ``feeds`` (CPU, graph
     optimizations disabled): for tensors static inference cannot type (contrib ops, data-
-    dependent shapes).  The model is extended in place for the run and restored."""
-    from graphopt.opt.parity import Session
+    dependent shapes).  The session is built from a weightless copy of the model with those
+    tensors as outputs, its weights handed to onnxruntime as arrays (:func:`_weightless`): the
+    model is neither serialized with its weights nor parsed again.  ``base_dir``: where weights
+    still in external files resolve."""
+    from graphopt.opt.customops import register_libraries
+    from graphopt.opt.errors import GraphoptError
 
-    have = {o.name for o in model.graph.output}
-    extra = [n for n in names if n not in have]
-    n_out = len(model.graph.output)
-    model.graph.output.extend(onnx.ValueInfoProto(name=n) for n in extra)
+    light, weights = _weightless(model, names)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 4
+    if base_dir is not None:
+        so.add_session_config_entry(
+            "session.model_external_initializers_file_folder_path", str(base_dir)
+        )
     try:
-        sess = Session(model)
-        wanted = [o.name for o in sess.sess.get_outputs()]
-        ins = {i.name for i in sess.sess.get_inputs()}
-        values = sess.run({k: v for k, v in feeds.items() if k in ins}, wanted)
-    finally:
-        del model.graph.output[n_out:]
+        register_libraries(so, model)
+        if weights:
+            so.add_external_initializers(
+                list(weights), [ort.OrtValue.ortvalue_from_numpy(v) for v in weights.values()]
+            )
+        sess = ort.InferenceSession(light.SerializeToString(), so, providers=[CPU])
+        wanted = [o.name for o in sess.get_outputs()]
+        ins = {i.name for i in sess.get_inputs()}
+        values = sess.run(wanted, {k: v for k, v in feeds.items() if k in ins})
+    except Exception as e:  # noqa: BLE001 - onnxruntime raises several unrelated types
+        text = str(e).strip()
+        raise GraphoptError(
+            f"onnxruntime cannot measure the shapes: {text.splitlines()[0] if text else e}"
+        ) from None
     out: dict[str, TypeInfo] = {}
     for name, v in zip(wanted, values):
         if isinstance(v, np.ndarray) and name in names:
@@ -129,6 +171,40 @@ def measured_view(
                 continue
             out[name] = (elem, [int(d) for d in v.shape])
     return out
+
+
+def _weightless(
+    model: onnx.ModelProto, names: list[str]
+) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """A copy of ``model`` with ``names`` added as outputs whose main-graph initializers over
+    :data:`STUB_BYTES` are stubs marked external, and {name: array} of their data (what
+    ``SessionOptions.add_external_initializers`` supplies in their place)."""
+    g = model.graph
+    light = onnx.ModelProto()
+    light.ir_version = max(model.ir_version, 4)
+    light.producer_name = model.producer_name
+    light.opset_import.extend(model.opset_import)
+    light.functions.extend(model.functions)
+    lg = light.graph
+    lg.name = g.name
+    lg.node.extend(g.node)
+    lg.input.extend(g.input)
+    lg.output.extend(g.output)
+    lg.value_info.extend(g.value_info)
+    lg.sparse_initializer.extend(g.sparse_initializer)
+    have = {o.name for o in g.output}
+    lg.output.extend(onnx.ValueInfoProto(name=n) for n in dict.fromkeys(names) if n not in have)
+    weights: dict[str, np.ndarray] = {}
+    for t in g.initializer:
+        plain = t.data_type in PLAIN_TYPES and t.data_location != TensorProto.EXTERNAL
+        if not plain or len(t.raw_data) <= STUB_BYTES:
+            lg.initializer.append(t)
+            continue
+        weights[t.name] = numpy_helper.to_array(t)
+        stub = lg.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims)
+        stub.data_location = TensorProto.EXTERNAL
+        stub.external_data.add(key="location", value="graphopt-supplied-in-memory")
+    return light, weights
 
 
 def itemsize(elem_type: int) -> int | None:

@@ -201,3 +201,56 @@ def test_manifest_latency_is_timed_when_the_net_did_not_measure(wide, tmp_path):
     lat = manifest_of(out)["latency"]
     assert lat["median_ms"] > 0 and lat["runs"] >= 3 and lat["threads"] == "onnxruntime default"
     assert lat["session_create_ms"] is None  # that session also wrote the fast path
+
+
+# ---------------------------------------------------------------------- memory plan
+def contrib_model(rng) -> onnx.ModelProto:
+    """MatMul → com.microsoft.Gelu (untyped by onnx's inference) → MatMul → Relu, 2 MiB of
+    weights, and a bfloat16 weight (kept in the model: numpy has no bfloat16)."""
+    bf = helper.make_tensor("bf", onnx.TensorProto.BFLOAT16, [1024], np.zeros(1024, np.uint16))
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["m"], name="mm"),
+        helper.make_node("Gelu", ["m"], ["g"], name="gelu", domain="com.microsoft"),
+        helper.make_node("MatMul", ["g", "V"], ["h"], name="mm2"),
+        helper.make_node("Relu", ["h"], ["r"], name="relu"),
+        helper.make_node("Cast", ["bf"], ["bf32"], to=onnx.TensorProto.FLOAT, name="cast"),
+        helper.make_node("Add", ["r", "bf32"], ["y"], name="add"),
+    ]
+    inits = [
+        const("W", rng.standard_normal((512, 1024))),
+        const("V", rng.standard_normal((1024, 1024)) / 32),
+        bf,
+    ]
+    g = helper.make_graph(nodes, "t", [vi("x", [2, 512])], [vi("y", [2, 1024])], inits)
+    m = helper.make_model(
+        g,
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+    )
+    m.ir_version = 8
+    return m
+
+
+def test_unknown_shapes_are_measured_without_serializing_the_weights(rng):
+    from graphopt.targets.memory import _weightless, measured_view, nbytes, shape_view
+
+    m = contrib_model(rng)
+    before = m.SerializeToString()
+    view = shape_view(m, {"x": [2, 512]})
+    unknown = [o for n in m.graph.node for o in n.output if nbytes(view.get(o)) is None]
+    assert set(unknown) == {"g", "h", "r", "y"}
+    light, weights = _weightless(m, unknown)
+    assert set(weights) == {"W", "V"} and light.ByteSize() < 8 * 1024  # bf16 stays inline
+    assert [o.name for o in light.graph.output] == ["y", "g", "h", "r"]
+    x = {"x": rng.standard_normal((2, 512)).astype(np.float32)}
+    shapes = measured_view(m, x, unknown)
+    assert shapes == {n: (onnx.TensorProto.FLOAT, [2, 1024]) for n in unknown}
+    assert m.SerializeToString() == before  # the model itself is untouched
+
+
+def test_memory_plan_of_a_contrib_model_has_every_size(rng, tmp_path):
+    src = tmp_path / "c.onnx"
+    onnx.save(contrib_model(rng), src)
+    optimized, report = graphopt.optimize(src, target="cpu", level=0)
+    out = graphopt.write_bundle(optimized, report, tmp_path / "b")
+    plan = json.loads((out / "memory_plan.json").read_text())
+    assert plan["measured_shapes"] >= 3 and plan["unknown_size_count"] == 0
