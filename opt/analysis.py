@@ -4,7 +4,8 @@
   the graph -- large constants travel as typed inputs, not data -- and writes the inferred dtypes
   and shapes back onto the graph's tensors.  Declared graph-output types are never overridden.
   A node that is the same object with the same op, names and plain attributes as at the last
-  inference of its graph keeps the proto exported then.
+  inference of its graph keeps the proto exported then.  A graph using a custom domain the
+  model does not import is not exported at all: onnx refuses it (inference fails, as before).
 * :func:`evaluate` runs a set of nodes whose inputs are all known, in one onnxruntime session
   with graph optimizations disabled, so folded values are exactly what the runtime computes.
 """
@@ -155,7 +156,21 @@ def _export_nodes(nodes: Sequence[Node], protos: dict) -> list[onnx.NodeProto]:
     return out
 
 
+def _unimported_domain(ir: ModelIR, g) -> str | None:
+    """A custom domain a node of ``g`` uses that the model does not import: onnx's inference
+    refuses such a graph outright, so it is not exported for it."""
+    imported = {o.domain for o in _opsets(ir)}
+    for n in g.nodes:
+        if not is_default(n.domain) and n.domain not in imported:
+            return n.domain
+    return None
+
+
 def _infer(ir: ModelIR, g, protos: dict) -> bool:
+    missing = _unimported_domain(ir, g)
+    if missing is not None:
+        log.info("shape inference skipped: no opset import for domain %s", missing)
+        return False
     nodes = _export_nodes(g.nodes, protos)
     inits, inputs = [], [_value_info(t) for t in g.inputs]
     seen = {t.name for t in g.inputs}

@@ -169,29 +169,62 @@ def feasible(p: Pattern, node: Node) -> bool:
     ``extra_inputs``), producing the tensor its parent reads as first output; every Const leaf a
     constant, every non-optional leaf a present input.  Commuted inputs need each pattern to fit
     one of the commuted tensors.  Bindings, attributes and constant values are left to
-    :func:`match`."""
-    if isinstance(p, Alt):
-        return any(feasible(o, node) for o in p.options)
-    return _feasible_node(p, node)
+    :func:`match`.  The check is compiled once per pattern (:func:`feasibility`)."""
+    return feasibility(p)(node)
 
 
-def _feasible_node(p: Op, node: Node) -> bool:
-    if node.op not in p._ops or norm_domain(node.domain) not in p._domains:
-        return False
-    ins = node.inputs
-    n = len(p.inputs)
-    if len(ins) > n and not p.extra_inputs:
-        return False
-    free = p._free
-    for i, q in enumerate(p.inputs):
-        if i in free:
-            continue
-        if not _feasible_tensor(q, _present(ins, i)):
+#: compiled feasibility checks by pattern identity (the pattern is held so its id stays its own)
+_COMPILED: dict[int, tuple[Pattern, Callable[[Node], bool]]] = {}
+
+
+def feasibility(p: Pattern) -> Callable[[Node], bool]:
+    """:func:`feasible` of ``p`` as one function of the node, built once per pattern: the
+    pattern's structure is walked when compiling, not at every node."""
+    hit = _COMPILED.get(id(p))
+    if hit is None or hit[0] is not p:
+        if isinstance(p, Alt):
+            options = [feasibility(o) for o in p.options]
+            fn = lambda node: any(f(node) for f in options)  # noqa: E731
+        else:
+            fn = _compile_node(p)
+        hit = _COMPILED[id(p)] = (p, fn)
+    return hit[1]
+
+
+def _compile_node(p: Op) -> Callable[[Node], bool]:
+    ops, domains, n, extra = p._ops, p._domains, len(p.inputs), p.extra_inputs
+    free = sorted(p._free)
+    # a leaf that accepts an absent input accepts anything: nothing to check there
+    fixed = [
+        (i, _compile_tensor(q))
+        for i, q in enumerate(p.inputs)
+        if i not in p._free and not _accepts_anything(q)
+    ]
+    pooled = [_compile_tensor(p.inputs[i]) for i in free]
+
+    def check(node: Node) -> bool:
+        if node.op not in ops or norm_domain(node.domain) not in domains:
             return False
-    if not free:
-        return True
-    pool = [_present(ins, i) for i in free]
-    return all(any(_feasible_tensor(p.inputs[i], t) for t in pool) for i in free)
+        ins = node.inputs
+        count = len(ins)
+        if count > n and not extra:
+            return False
+        for i, fits in fixed:
+            t = ins[i] if i < count else None
+            if isinstance(t, Variable) and t.name == "":
+                t = None
+            if not fits(t):
+                return False
+        if not free:
+            return True
+        pool = [_present(ins, i) for i in free]
+        return all(any(fits(t) for t in pool) for fits in pooled)
+
+    return check
+
+
+def _accepts_anything(p: Pattern) -> bool:
+    return isinstance(p, Var) and p.optional
 
 
 def _present(ins: list, i: int) -> Tensor | None:
@@ -202,17 +235,27 @@ def _present(ins: list, i: int) -> Tensor | None:
     return None if (t is None or (isinstance(t, Variable) and t.name == "")) else t
 
 
-def _feasible_tensor(p: Pattern, tensor: Tensor | None) -> bool:
+def _compile_tensor(p: Pattern) -> Callable[[Tensor | None], bool]:
+    """Whether a tensor (None: absent) can be what ``p`` binds, as :func:`feasible` reads it."""
     if isinstance(p, Var):
-        return tensor is not None or p.optional
+        if p.optional:
+            return lambda _t: True
+        return lambda t: t is not None
     if isinstance(p, Const):
-        return isinstance(tensor, Constant) if tensor is not None else p.optional
+        optional = p.optional
+        return lambda t: isinstance(t, Constant) if t is not None else optional
     if isinstance(p, Alt):
-        return any(_feasible_tensor(o, tensor) for o in p.options)
-    if not isinstance(tensor, Variable) or not tensor.inputs:
-        return False
-    node = tensor.inputs[0]
-    return node.outputs[0] is tensor and _feasible_node(p, node)
+        options = [_compile_tensor(o) for o in p.options]
+        return lambda t: any(f(t) for f in options)
+    node_fits = _compile_node(p)
+
+    def produced(t: Tensor | None) -> bool:
+        if not isinstance(t, Variable) or not t.inputs:
+            return False
+        node = t.inputs[0]
+        return node.outputs[0] is t and node_fits(node)
+
+    return produced
 
 
 def match(p: Pattern, node: Node, b: dict | None = None) -> Iterator[dict]:

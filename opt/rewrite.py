@@ -43,7 +43,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from .ir import Constant, ModelIR, Node, Tensor, Variable, constant_value
-from .patterns import Alt, Const, Op, Pattern, Var, feasible, opt, root_domain
+from .patterns import Alt, Const, Op, Pattern, Var, feasibility, opt, root_domain
 from .patterns import match as match_pattern
 from .patterns import roots as pattern_roots
 from .quant import boundary_violation, dequantized_by
@@ -155,9 +155,9 @@ class Rule:
             yield self.match(node, cx)
             return
         found = [{}] if self.pattern is None else match_pattern(self.pattern, node)
-        seen: set[tuple] = set()
+        seen: set[frozenset] = set()
         for bindings in islice(found, MAX_CANDIDATES):
-            key = tuple(sorted((k, id(v)) for k, v in bindings.items()))
+            key = frozenset([(k, id(v)) for k, v in bindings.items()])
             if key in seen:
                 continue
             seen.add(key)
@@ -264,14 +264,19 @@ class Builder:
 
 
 # ------------------------------------------------------------------------------ driver
+#: a rule's compiled pattern prefilter (:func:`opt.patterns.feasibility`)
+Prefilter = Callable[[Node], bool]
+
+
 def apply_rules(ir: ModelIR, rules: Sequence[Rule], cx: PassContext, pass_name: str) -> bool:
     """Apply ``rules`` greedily until none fires; return whether anything changed.  Rules rooted
     at the same op are tried by ``priority`` (higher first), then by name."""
     cx.ir = ir
-    index: dict[str, list[tuple[Rule, Pattern | None]]] = {}
+    index: dict[str, list[tuple[Rule, Prefilter | None]]] = {}
     for r in sorted(rules, key=lambda r: (-r.priority, r.name)):
         # a rule with its own matcher is always tried; a pattern is checked first (feasible)
-        prefilter = r.pattern if type(r).match is Rule.match else None
+        fits = type(r).match is Rule.match and r.pattern is not None
+        prefilter = feasibility(r.pattern) if fits else None
         for op in r.roots:
             index.setdefault(op, []).append((r, prefilter))
         cx.rule_stats(r.name)  # every rule of the set appears in the report, matched or not
@@ -289,7 +294,7 @@ def _drain(
     ir: ModelIR,
     queue: deque,
     queued: set,
-    index: dict[str, list[tuple[Rule, Pattern | None]]],
+    index: dict[str, list[tuple[Rule, Prefilter | None]]],
     cx: PassContext,
     pass_name: str,
     budget: int,
@@ -304,8 +309,8 @@ def _drain(
         queued.discard(id(node))
         if not node.outputs:  # removed by an earlier rewrite
             continue
-        for rule, pattern in index.get(node.op, ()):
-            if pattern is not None and not feasible(pattern, node):
+        for rule, fits in index.get(node.op, ()):
+            if fits is not None and not fits(node):
                 continue  # no candidate: nothing to count or say
             new_nodes = _try_rule(ir, rule, node, cx, pass_name)
             if new_nodes is None:

@@ -3,6 +3,8 @@ rule driver, the topological sort of an already ordered graph, and the flat-grap
 
 import os
 import random
+import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -12,10 +14,11 @@ from onnx import helper
 
 from conftest import check_parity, const, model, vi
 from graphopt.opt import ir as ir_module
+from graphopt.opt.domains import norm_domain
 from graphopt.opt.io import external_data_files, load_model, save_model
 from graphopt.opt.ir import ModelIR, toposort
-from graphopt.opt.manager import PassContext, RuleSetPass, run_pass
-from graphopt.opt.patterns import feasible, match
+from graphopt.opt.manager import RULES, PassContext, RuleSetPass, run_pass
+from graphopt.opt.patterns import Alt, Var, feasible, match
 from graphopt.opt.rewrite import Const, Op, Rule
 from graphopt.opt.target import get_target
 from graphopt.passes.dce import DeadCodeElimination, sweep
@@ -63,6 +66,64 @@ def test_feasible_rejects_on_structure_alone():
     sub = next(n for n in ir.graph.nodes if n.name == "sub")
     assert not feasible(PATTERNS[5], sub)  # a computed tensor where a constant is named
     assert not feasible(PATTERNS[6], sub)  # more inputs than the pattern names
+
+
+def _reference_feasible(p, node) -> bool:
+    """The prefilter's contract read plainly off the pattern, walked at every call."""
+    if isinstance(p, Alt):
+        return any(_reference_feasible(o, node) for o in p.options)
+    if node.op not in p.ops or norm_domain(node.domain) not in p._domains:
+        return False
+    ins = [
+        None if t is None or (isinstance(t, gs.Variable) and not t.name) else t for t in node.inputs
+    ]
+    if len(ins) > len(p.inputs) and not p.extra_inputs:
+        return False
+    ins += [None] * (len(p.inputs) - len(ins))
+    free = p._free
+    fixed = all(_reference_tensor(q, ins[i]) for i, q in enumerate(p.inputs) if i not in free)
+    pool = [ins[i] for i in free]
+    return fixed and all(any(_reference_tensor(p.inputs[i], t) for t in pool) for i in free)
+
+
+def _reference_tensor(p, t) -> bool:
+    if isinstance(p, Var):
+        return t is not None or p.optional
+    if isinstance(p, Const):
+        return isinstance(t, gs.Constant) if t is not None else p.optional
+    if isinstance(p, Alt):
+        return any(_reference_tensor(o, t) for o in p.options)
+    if not isinstance(t, gs.Variable) or not t.inputs or t.inputs[0].outputs[0] is not t:
+        return False
+    return _reference_feasible(p, t.inputs[0])
+
+
+def _mixed_graph_nodes() -> list:
+    """Nodes of a synthetic transformer block model, an optional-input model and the chain."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "scale"))
+    import make_synthetic
+
+    nodes = list(ModelIR(make_synthetic.build(120)).graph.nodes)
+    clip = [
+        helper.make_node("Clip", ["x", "", "hi"], ["c"], name="clip"),
+        helper.make_node("Dropout", ["c"], ["d"], name="drop"),
+        helper.make_node("Relu", ["d"], ["y"], name="relu"),
+    ]
+    m = model(clip, [vi("x", [4])], [vi("y", None)], [const("hi", 6.0)])
+    return nodes + list(ModelIR(m).graph.nodes) + list(_chain_model()[1].graph.nodes)
+
+
+def test_compiled_prefilter_agrees_with_the_plain_walk_for_every_rule():
+    nodes = _mixed_graph_nodes()
+    patterns = [r.pattern for r in RULES.values() if r.pattern is not None] + PATTERNS
+    assert len(patterns) > 40
+    fits = 0
+    for pattern in patterns:
+        for node in nodes:
+            want = _reference_feasible(pattern, node)
+            assert feasible(pattern, node) == want, (pattern, node.name)
+            fits += want
+    assert fits > 100  # the models exercise the patterns, not only their root ops
 
 
 class _Counting(Rule):
@@ -253,3 +314,40 @@ def test_export_keeps_the_exported_graph_and_restores_the_model_fields(monkeypat
     assert [(p.key, p.value) for p in out.metadata_props] == [("k", "v")]
     assert [(o.domain, o.version) for o in out.opset_import] == [("", 17)]
     assert out.graph.name == m.graph.name
+
+
+def _custom_domain_model(imported: bool) -> onnx.ModelProto:
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"], name="relu"),
+        helper.make_node("Gelu", ["r"], ["g"], name="gelu", domain="com.microsoft"),
+        helper.make_node("Neg", ["g"], ["y"], name="neg"),
+    ]
+    g = helper.make_graph(nodes, "g", [vi("x", [2, 3])], [vi("y", [2, 3])])
+    opsets = [helper.make_opsetid("", 17)]
+    if imported:
+        opsets.append(helper.make_opsetid("com.microsoft", 1))
+    return helper.make_model(g, opset_imports=opsets)
+
+
+@pytest.mark.parametrize("imported", [False, True])
+def test_shape_inference_of_an_unimported_custom_domain_fails_without_exporting(
+    imported, monkeypatch
+):
+    from graphopt.opt import analysis
+
+    m = _custom_domain_model(imported)
+    try:
+        onnx.shape_inference.infer_shapes(m, check_type=False, strict_mode=False)
+        onnx_ok = True
+    except onnx.shape_inference.InferenceError:
+        onnx_ok = False
+    assert onnx_ok == imported  # onnx itself refuses the unimported domain
+    ir = ModelIR(m)
+    ir.graph.nodes[1].outputs[0].shape = None  # as a rule leaves a contrib output untyped
+    exported = []
+    real = analysis.OnnxExporter.export_node
+    monkeypatch.setattr(
+        analysis.OnnxExporter, "export_node", lambda n: exported.append(n.name) or real(n)
+    )
+    assert analysis.infer_shapes(ir) == imported
+    assert bool(exported) == imported
