@@ -20,6 +20,7 @@ import fnmatch
 import hashlib
 import json
 import math
+import mmap
 import os
 import re
 import shutil
@@ -85,10 +86,10 @@ def load_model(
         external_data_helper.load_external_data_for_model(model, str(base))
     accept_on_load(model)  # in memory: what onnxruntime runs and onnx's checker refuses
     if check:
-        # the checker reads the bytes just read, not a second serialization of the same model;
-        # external data still on disk (lazy) is checked through the file
+        # the checker reads the model without its weights (the bytes just read are its own,
+        # unless fixed up since); external data still on disk (lazy) is checked through the file
         by_path = external and lazy_external
-        validate(model, path, by_path=by_path, data=None if changed else data)
+        validate(model, path, by_path=by_path, whole=None if changed else data)
     return model
 
 
@@ -98,15 +99,19 @@ def validate(
     *,
     by_path: bool = False,
     data: bytes | None = None,
+    whole: bytes | None = None,
 ) -> None:
-    """onnx.checker on the model (on its file when external data must resolve beside it; on
-    ``data`` when the caller has the model's bytes); raise ModelLoadError with the checker's
-    first line."""
+    """onnx.checker on the model: on its file when external data must resolve beside it, on
+    ``data`` when the caller gives other bytes to check, else without its weights
+    (:func:`check_without_weights`; ``whole``: the model's own bytes when the caller has them).
+    Raise ModelLoadError with the checker's first line."""
     try:
         if by_path:
             onnx.checker.check_model(str(path))
-        elif (data := data if data is not None else serialize(model)) is not None:
+        elif data is not None:
             onnx.checker.check_model(data)
+        else:
+            check_without_weights(model, data=whole)
     except onnx.checker.ValidationError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelLoadError(f"{path}: invalid ONNX model: {first}") from None
@@ -233,6 +238,156 @@ def serialize(model: onnx.ModelProto) -> bytes | None:
     return model.SerializeToString() if model.ByteSize() < PROTOBUF_LIMIT else None
 
 
+# ------------------------------------------------------------------ checking without the weights
+#: inline tensors of at least this many bytes are checked as stand-ins (name, type and dims; the
+#: values are never read by the checker); smaller ones (shape constants) are checked as they are
+STANDIN_BYTES = 1024
+#: where a stand-in says its values are: onnx's checker accepts a location starting with ``#``
+#: without looking for a file
+STANDIN_LOCATION = "#graphopt-stand-in"
+_VALUE_FIELDS = (
+    "float_data",
+    "int32_data",
+    "string_data",
+    "int64_data",
+    "double_data",
+    "uint64_data",
+)
+#: element types the checker sizes differently (packed sub-byte) or does not allow in raw_data
+_KEPT_TYPES = {
+    getattr(onnx.TensorProto, name)
+    for name in ("UNDEFINED", "STRING", "INT4", "UINT4", "INT2", "UINT2", "FLOAT4E2M1")
+    if hasattr(onnx.TensorProto, name)
+}
+
+
+def check_without_weights(
+    model: onnx.ModelProto, *, full_check: bool = False, data: bytes | None = None
+) -> None:
+    """``onnx.checker.check_model(model, full_check)`` without serializing and re-parsing the
+    weights: the checker reads a copy of the model whose large inline tensors are stand-ins
+    (:func:`skeleton`).  It reports every error it reports on the whole model: a tensor whose
+    data the checker would refuse is kept as it is, and an error about external data when
+    stand-ins were made (shape inference asked for a stand-in's values) is settled on the whole
+    model (``data``: its bytes when the caller has them, else serialized here; not checked when
+    it cannot be one message, as ``check_model`` cannot either).  Raises what check_model raises."""
+    stripped, replaced = skeleton(model, data)
+    try:
+        onnx.checker.check_model(stripped.SerializeToString(), full_check=full_check)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+        if not replaced or "external" not in str(e).lower():
+            raise
+        whole = data if data is not None else serialize(model)
+        if whole is not None:
+            onnx.checker.check_model(whole, full_check=full_check)
+
+
+def skeleton(model: onnx.ModelProto, data: bytes | None = None) -> tuple[onnx.ModelProto, int]:
+    """(a copy of ``model`` whose inline tensors of at least :data:`STANDIN_BYTES` are stand-ins,
+    how many).  A stand-in keeps every field but the values and says they are stored at
+    :data:`STANDIN_LOCATION`; only a tensor whose data the checker accepts becomes one (raw
+    bytes only, exactly as many as its dims and type need, a type the checker sizes plainly).
+    ``data``: the model's own bytes, when the caller has them, to read the top-level weights'
+    sizes from their field headers instead of copying each weight out of the message."""
+    out = onnx.ModelProto()
+    replaced = 0
+    for desc, value in model.ListFields():
+        if desc.name != "graph":
+            _copy_field(out, desc, value)
+            continue
+        lengths = _raw_lengths(data) if data is not None else None
+        if lengths is not None and len(lengths) != len(value.initializer):
+            lengths = None
+        for graph_desc, graph_value in value.ListFields():
+            if graph_desc.name != "initializer":
+                _copy_field(out.graph, graph_desc, graph_value)
+                continue
+            for i, tensor in enumerate(graph_value):
+                if _stands_in(tensor, lengths[i] if lengths is not None else None):
+                    _make_stand_in(tensor, out.graph.initializer.add())
+                    replaced += 1
+                else:
+                    out.graph.initializer.append(tensor)
+    for tensor in _all_tensors(out):  # in Constant nodes, subgraphs and functions: copies
+        if _stands_in(tensor, None):
+            tensor.ClearField("raw_data")
+            _mark_stand_in(tensor)
+            replaced += 1
+    return out, replaced
+
+
+def _is_repeated(desc) -> bool:
+    repeated = getattr(desc, "is_repeated", None)
+    return desc.label == desc.LABEL_REPEATED if repeated is None else bool(repeated)
+
+
+def _copy_field(dst, desc, value) -> None:
+    if _is_repeated(desc):
+        getattr(dst, desc.name).extend(value)
+    elif desc.message_type is not None:
+        getattr(dst, desc.name).CopyFrom(value)
+    else:
+        setattr(dst, desc.name, value)
+
+
+def _stands_in(tensor: onnx.TensorProto, raw_length: int | None) -> bool:
+    """Whether the checker's verdict on ``tensor`` is the same with a stand-in: raw data of the
+    exact size (``raw_length`` when known, else measured), nothing else holding values."""
+    if (
+        tensor.data_type in _KEPT_TYPES
+        or tensor.data_location != onnx.TensorProto.DEFAULT
+        or len(tensor.external_data)
+        or not tensor.HasField("raw_data")
+        or any(len(getattr(tensor, name)) for name in _VALUE_FIELDS)
+    ):
+        return False
+    size = tensor_nbytes(tensor)
+    if size < STANDIN_BYTES:
+        return False
+    return (raw_length if raw_length is not None else len(tensor.raw_data)) == size
+
+
+def _make_stand_in(src: onnx.TensorProto, dst: onnx.TensorProto) -> None:
+    """``dst`` becomes ``src`` without its raw bytes (never copied out), marked a stand-in."""
+    for desc in src.DESCRIPTOR.fields:
+        if desc.name == "raw_data":
+            continue
+        if _is_repeated(desc):
+            if len(value := getattr(src, desc.name)):
+                getattr(dst, desc.name).extend(value)
+        elif src.HasField(desc.name):
+            _copy_field(dst, desc, getattr(src, desc.name))
+    _mark_stand_in(dst)
+
+
+def _mark_stand_in(tensor: onnx.TensorProto) -> None:
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    tensor.external_data.add(key="location", value=STANDIN_LOCATION)
+
+
+def _raw_lengths(data: bytes) -> list[int | None] | None:
+    """The raw_data length of every top-level initializer (None: it has none), in order, read
+    from the field headers of the serialized model ``data``; None when they cannot be read (a
+    graph given in more than one piece, malformed bytes)."""
+    try:
+        graphs = [
+            (a, b) for num, wire, a, b in _fields(data, 0, len(data)) if num == 7 and wire == 2
+        ]
+        if len(graphs) != 1:
+            return None
+        lengths: list[int | None] = []
+        for num, wire, a, b in _fields(data, *graphs[0]):
+            if num == 5 and wire == 2:  # GraphProto.initializer
+                raw = None
+                for field, kind, start, end in _fields(data, a, b):
+                    if field == 9 and kind == 2:  # TensorProto.raw_data: the last one counts
+                        raw = end - start
+                lengths.append(raw)
+        return lengths
+    except _Malformed:
+        return None
+
+
 def needs_external_data(model: onnx.ModelProto) -> bool:
     """Large weights, or weights still referenced from an external file, go to external data.
     Sizes come from the tensors' metadata: no weight is read or copied to decide."""
@@ -282,11 +437,18 @@ def save_model(
 
 
 def write_model_files(
-    model: onnx.ModelProto, path: Path, *, external: bool, base_dir: str | os.PathLike | None = None
+    model: onnx.ModelProto,
+    path: Path,
+    *,
+    external: bool,
+    base_dir: str | os.PathLike | None = None,
+    serialized: bytes | None = None,
 ) -> dict[str, str]:
     """Serialize into ``path`` (a fresh location); external data goes to ``<name>.data`` beside
     it.  Tensors still referenced from the input's external file (``base_dir``) are copied into
     the new file in chunks, never loaded whole; the result references only its own file.
+    ``serialized``: the model's own bytes when the caller has them (``model.SerializeToString()``
+    of this model as it is now), written as they are when the model is written whole.
 
     Returns the sha256 of every file written (file name → hex digest), taken while writing:
     nothing needs to read the files back to know it."""
@@ -302,8 +464,8 @@ def write_model_files(
         hashes[path.name] = hashlib.sha256(data).hexdigest()
     else:
         if has_external_data(model):
-            model = _materialized(model, base_dir)
-        data = serialize(model)
+            model, serialized = _materialized(model, base_dir), None
+        data = serialized if serialized is not None else serialize(model)
         if data is None:
             raise ModelSaveError(
                 f"{path.name}: model is over 2 GB and cannot be saved without external data"
@@ -642,16 +804,131 @@ def check_output_dir(
 
 
 def external_data_files(model_path: Path) -> list[Path]:
-    """The external-data files a model file references (read without loading the weights; a
-    file :func:`load_model` read, unchanged since, is not parsed again)."""
+    """The external-data files a model file references, read without loading the weights: a
+    file :func:`load_model` read, unchanged since, is not read again; a file larger than
+    :data:`SCAN_ABOVE` (its inline weights) is scanned, its weights never read; a smaller one is
+    parsed."""
     key = _file_key(model_path)
     if key is not None and key in _EXTERNAL_FILES:
         return list(_EXTERNAL_FILES[key])
+    if key is not None and key[1] > SCAN_ABOVE:
+        try:
+            return _located(external_locations(model_path), model_path)
+        except (OSError, ValueError, _Malformed):
+            pass  # parsed below, which reports nothing for a file that is not a model
     try:
         proto = onnx.load_model(str(model_path), load_external_data=False)
     except Exception:  # noqa: BLE001 - unreadable models are reported by load_model
         return []
     return _referenced_files(proto, model_path)
+
+
+#: files above this size are scanned for external references rather than parsed: protobuf
+#: parses a small file faster than a Python scan walks it; a large file is mostly weights,
+#: which a scan skips and a parse copies
+SCAN_ABOVE = 64 << 20
+
+
+def external_locations(model_path: str | os.PathLike) -> list[str]:
+    """The ``location`` of every tensor the model file stores externally (initializers, Constant
+    and other tensor attributes, in subgraphs and functions too), read from the protobuf field
+    headers of a memory map: the pages of the weights skipped are never read.  Raises
+    _Malformed on bytes that are not a protobuf message."""
+    with open(model_path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return []
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            found: list[str] = []
+            _scan_message(buf, 0, len(buf), _MODEL, found)
+            return found
+
+
+#: the fields that lead to tensors, per message kind: field number → the kind it holds
+_MODEL, _GRAPH, _FUNCTION, _NODE, _ATTRIBUTE, _TENSOR = range(6)
+_LEADS = {
+    _MODEL: {7: _GRAPH, 25: _FUNCTION},  # ModelProto.graph, .functions
+    _GRAPH: {1: _NODE, 5: _TENSOR},  # GraphProto.node, .initializer
+    _FUNCTION: {7: _NODE},  # FunctionProto.node
+    _NODE: {5: _ATTRIBUTE},  # NodeProto.attribute
+    _ATTRIBUTE: {5: _TENSOR, 10: _TENSOR, 6: _GRAPH, 11: _GRAPH},  # .t, .tensors, .g, .graphs
+}
+
+
+def _scan_message(buf, start: int, end: int, kind: int, found: list[str]) -> None:
+    if kind == _TENSOR:
+        location = _external_location(buf, start, end)
+        if location:
+            found.append(location)
+        return
+    leads = _LEADS[kind]
+    for num, wire, a, b in _fields(buf, start, end):
+        if wire == 2 and num in leads:
+            _scan_message(buf, a, b, leads[num], found)
+
+
+def _external_location(buf, start: int, end: int) -> str | None:
+    """A TensorProto's external location, as :func:`_referenced_files` reads it from a parsed
+    one: stored externally (data_location, field 14), the last ``location`` entry (field 13)."""
+    external, location = False, None
+    for num, wire, a, b in _fields(buf, start, end):
+        if num == 14 and wire == 0:
+            external = a == onnx.TensorProto.EXTERNAL
+        elif num == 13 and wire == 2:
+            key, value = "", ""
+            for field, kind, p, q in _fields(buf, a, b):
+                if kind == 2 and field in (1, 2):
+                    text = bytes(buf[p:q]).decode("utf-8", "surrogateescape")
+                    key, value = (text, value) if field == 1 else (key, text)
+            if key == "location":
+                location = value
+    return location if external else None
+
+
+def _located(locations: list[str], model_path: Path) -> list[Path]:
+    base = _resolved(model_path).parent
+    return sorted({_resolved(base / loc) for loc in locations if loc})
+
+
+class _Malformed(ValueError):
+    """Bytes that are not a well-formed protobuf message."""
+
+
+def _varint(buf, i: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if i >= end or shift > 63:
+            raise _Malformed("truncated varint")
+        byte = buf[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, i
+        shift += 7
+
+
+def _fields(buf, start: int, end: int):
+    """(field number, wire type, a, b) of each field of the message in ``buf[start:end]``: a
+    varint's value in ``a``; a length-delimited field's bytes at ``buf[a:b]`` (not read);
+    fixed-width fields are skipped."""
+    i = start
+    while i < end:
+        key, i = _varint(buf, i, end)
+        num, wire = key >> 3, key & 7
+        if wire == 0:
+            value, i = _varint(buf, i, end)
+            yield num, wire, value, i
+        elif wire == 2:
+            length, i = _varint(buf, i, end)
+            a, i = i, i + length
+            if i > end:
+                raise _Malformed("field past the end of its message")
+            yield num, wire, a, i
+        elif wire in (1, 5):
+            i += 8 if wire == 1 else 4
+        else:
+            raise _Malformed(f"wire type {wire}")
+    if i != end:
+        raise _Malformed("field past the end of its message")
 
 
 #: (resolved path, size, mtime) of a model file → the external-data files it references
@@ -667,14 +944,12 @@ def _file_key(path: Path) -> tuple | None:
 
 
 def _referenced_files(proto: onnx.ModelProto, model_path: Path) -> list[Path]:
-    base = _resolved(model_path).parent
-    files = set()
-    for tensor in _all_tensors(proto):
-        if external_data_helper.uses_external_data(tensor):
-            loc = {e.key: e.value for e in tensor.external_data}.get("location")
-            if loc:
-                files.add(_resolved(base / loc))
-    return sorted(files)
+    locations = [
+        {e.key: e.value for e in tensor.external_data}.get("location", "")
+        for tensor in _all_tensors(proto)
+        if external_data_helper.uses_external_data(tensor)
+    ]
+    return _located(locations, model_path)
 
 
 def check_side_outputs(

@@ -22,7 +22,7 @@ from . import compat
 from .clock import Clock
 from .errors import GraphoptError, UsageError
 from .feeds import validate_args
-from .io import load_model, serialize
+from .io import check_without_weights, load_model, needs_external_data, serialize
 from .ir import ModelIR, op_histogram
 from .manager import PassContext, run_pass
 from .parity import ParityReport, Session, check_parity, measure_ranges
@@ -78,6 +78,16 @@ class Report:
     #: what the bundle writer needs besides the report: the original model and the parity
     #: inputs (shapes, user inputs, seed) for its golden outputs; not part of report.json
     bundle_context: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    #: the returned model's bytes as the validity check serialized them (and onnxruntime loaded
+    #: them), for :meth:`take_serialized`; not part of report.json
+    serialized: Serialized | None = field(default=None, repr=False, compare=False)
+
+    def take_serialized(self, model: onnx.ModelProto) -> bytes | None:
+        """The bytes of ``model`` when it is the very object ``optimize`` returned with this
+        report (the bundle writes them instead of serializing the model again), else None.
+        Once: the report lets go of them either way."""
+        held, self.serialized = self.serialized, None
+        return held.data if held is not None and held.model is model else None
 
     @property
     def converged(self) -> bool:
@@ -123,6 +133,14 @@ class Report:
             "generation": self.generation,
             "declared": self.declared,
         }
+
+
+@dataclass
+class Serialized:
+    """A model object and its bytes, serialized once by the validity check."""
+
+    model: onnx.ModelProto | None = None
+    data: bytes | None = None
 
 
 @contextmanager
@@ -184,6 +202,11 @@ def optimize(
     ``clock`` (:mod:`graphopt.opt.clock`) times the phases (load, passes, validity, parity,
     measure); a caller that goes on (writing the bundle) passes its own and times its phases on
     it too.  ``report.seconds`` is the clock's reading when this returns.
+
+    The report holds the returned model's bytes as the validity check serialized them (the
+    model is complete then: its metadata is set as it is exported), so that ``write_bundle``
+    writes them instead of serializing the model again; change a copy, not the returned model,
+    if it is to be changed before it is written.
     """
     if reference not in ("original", "float64", "both"):
         raise UsageError(f"reference must be original, float64 or both (got '{reference}')")
@@ -225,15 +248,28 @@ def optimize(
             say(f"running {p.text()}")
             run_pass(p, ir, cx)
         say("exporting")
-        return ir.to_onnx(), cx
+        exported = ir.to_onnx()
+        # complete before the validity check serializes it: those are the bytes written
+        _set_metadata(exported, {"graphopt.pipeline": to_text(passes), "graphopt.target": tgt.name})
+        return exported, cx
 
     with clock.phase("passes"):
         optimized, cx = execute(bisect_limit)
+    serialized = Serialized()
     with clock.phase("validity"):
         say("checking that the output is valid")
         budget = max(10.0, 2 * clock.elapsed("passes"))
         optimized, cx = _keep_valid(
-            model, optimized, cx, execute, bisect_limit, say, base_dir, budget, keep=check
+            model,
+            optimized,
+            cx,
+            execute,
+            bisect_limit,
+            say,
+            base_dir,
+            budget,
+            keep=check,
+            into=serialized,
         )
     optimize_s = clock.elapsed("passes") + clock.elapsed("validity")
 
@@ -261,7 +297,6 @@ def optimize(
                 parity, parity_f64 = _parities(
                     model, optimized, check, reference, kw, base_dir, say
                 )
-    _set_metadata(optimized, {"graphopt.pipeline": to_text(passes), "graphopt.target": tgt.name})
 
     report = Report(
         model=name,
@@ -300,6 +335,8 @@ def optimize(
         rewrites=cx.rewrites,
         applied=list(cx.applied),
         clock=clock,
+        # the bytes of the model returned (not of one the safety net replaced it with)
+        serialized=serialized if serialized.model is optimized else None,
         bundle_context={
             "original": model,
             "shapes": shapes,
@@ -389,16 +426,20 @@ def _invalid(
     checker: bool = True,
     runtime: bool = True,
     keep: bool = False,
+    into: Serialized | None = None,
 ) -> str | None:
     """Why ``model`` is not a valid, loadable model (onnx.checker with full shape checks, then an
-    onnxruntime session), or None.  The model is serialized once for both.  With ``keep`` the
-    session is built as parity builds its own and kept for it (``_loaded_session``); otherwise
-    it is built to load only (:data:`CHECK_ONLY`) and dropped."""
+    onnxruntime session), or None.  The checker reads the model without its weights
+    (:func:`~graphopt.opt.io.check_without_weights`); the model is serialized once, for the
+    session, and a valid model's bytes go ``into`` the caller's holder when they are the bytes
+    its bundle writes (no external data).  With ``keep`` the session is built as parity builds
+    its own and kept for it (``_loaded_session``); otherwise it is built to load only
+    (:data:`CHECK_ONLY`) and dropped."""
     _LOADED.clear()
-    data = serialize(model)
-    if checker and data is not None:
+    data = serialize(model) if runtime else None
+    if checker:
         try:
-            onnx.checker.check_model(data, full_check=True)
+            check_without_weights(model, full_check=True, data=data)
         except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
             text = str(e).strip()
             if "external" not in text.lower():  # data files resolve beside the model, not here
@@ -413,6 +454,8 @@ def _invalid(
         return str(e)
     if keep:
         _LOADED.update(model=model, session=session)
+    if into is not None and data is not None and not needs_external_data(model):
+        into.model, into.data = model, data
     return None
 
 
@@ -424,24 +467,34 @@ def _loaded_session(model: onnx.ModelProto):
 
 
 def _keep_valid(
-    original, optimized, cx, execute, limit, say, base_dir, budget_s: float, keep: bool = True
+    original,
+    optimized,
+    cx,
+    execute,
+    limit,
+    say,
+    base_dir,
+    budget_s: float,
+    keep: bool = True,
+    into: Serialized | None = None,
 ):
     """Every output passes onnx.checker (full) and loads in onnxruntime, or the run fails;
-    ``keep``: the valid output's session is kept for parity (see ``_invalid``).
+    ``keep``: the valid output's session is kept for parity; ``into``: the valid output's bytes
+    (see ``_invalid``).
 
     Checks the original's standing too: a clause the original already fails (its own shapes
     contradict the checker, onnxruntime refuses it) is not held against the output.  When the
     output is invalid, the safety net bisects to the rewrite responsible and reverts it, at most
     three times and within ``budget_s`` seconds; each revert is a failure remark and a warning
     (a firing is a bug in a rule).  If that does not make the output valid, GraphoptError."""
-    error = _invalid(optimized, base_dir, keep=keep)
+    error = _invalid(optimized, base_dir, keep=keep, into=into)
     if error is None:
         return optimized, cx
     clauses = {
         "checker": _invalid(original, base_dir, runtime=False) is None,
         "runtime": _invalid(original, base_dir, checker=False) is None,
     }
-    error = _invalid(optimized, base_dir, **clauses, keep=keep)
+    error = _invalid(optimized, base_dir, **clauses, keep=keep, into=into)
     if error is None:
         return optimized, cx
     deadline = time.perf_counter() + budget_s
@@ -464,7 +517,7 @@ def _keep_valid(
         reverted.append((rule, node, error))
         skip = skip | {(rule, node)}
         optimized, cx = execute(limit, skip)
-        error = _invalid(optimized, base_dir, **clauses, keep=keep)
+        error = _invalid(optimized, base_dir, **clauses, keep=keep, into=into)
         if error is None:
             break
     if error is not None:

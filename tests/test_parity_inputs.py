@@ -123,7 +123,7 @@ def test_an_invalid_output_is_never_returned(monkeypatch):
     monkeypatch.setattr(
         optimizer,
         "_invalid",
-        lambda model, base_dir=None, checker=True, runtime=True, keep=False: (
+        lambda model, base_dir=None, checker=True, runtime=True, keep=False, into=None: (
             None if model is m else "bad"
         ),
     )
