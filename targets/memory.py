@@ -134,8 +134,9 @@ def measured_view(
     optimizations disabled): for tensors static inference cannot type (contrib ops, data-
     dependent shapes).  The session is built from a weightless copy of the model with those
     tensors as outputs, its weights handed to onnxruntime as arrays (:func:`_weightless`): the
-    model is neither serialized with its weights nor parsed again.  ``base_dir``: where weights
-    still in external files resolve."""
+    model is neither serialized with its weights nor parsed again, and onnxruntime does not
+    pre-pack them for a single run.  ``base_dir``: where weights still in external files
+    resolve."""
     from graphopt.opt.customops import register_libraries
     from graphopt.opt.errors import GraphoptError
 
@@ -143,6 +144,8 @@ def measured_view(
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 4
+    # one run: packing the weights for faster kernels would only copy them once more
+    so.add_session_config_entry("session.disable_prepacking", "1")
     if base_dir is not None:
         so.add_session_config_entry(
             "session.model_external_initializers_file_folder_path", str(base_dir)
