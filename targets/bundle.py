@@ -73,6 +73,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from functools import lru_cache
 from pathlib import Path
@@ -350,6 +351,8 @@ def write_bundle_files(
         "memory_plan": MEMORY_PLAN,
     }
 
+    # the input's sha256 reads the whole file: it runs beside the sessions below
+    source_sha256 = _in_background(_source_sha256, report.model)
     say("bundle: golden inputs and outputs")
     golden = _write_golden(out_dir, original, shapes, given, seed, report, ctx)
     if golden.get("written"):
@@ -396,9 +399,7 @@ def write_bundle_files(
         # the full hashes are taken here, once; load_session checks sizes and fingerprints
         "integrity": _integrity(out_dir, ["model.onnx", *data], sha256),
         "source_model": report.model,
-        "source_model_sha256": _sha256(Path(report.model))
-        if Path(report.model).is_file()
-        else None,
+        "source_model_sha256": None,  # below, once its background hash is done
         "pipeline": report.pipeline,
         "level": report.level,
         "declared": report.declared,
@@ -450,8 +451,25 @@ def write_bundle_files(
         # portable model, whose every byte is hashed)
         manifest["integrity"]["files"].update(_integrity(out_dir, kept, full=False)["files"])
         manifest["fast_path"]["files"] = kept
+    manifest["source_model_sha256"] = source_sha256.result()
     (out_dir / MANIFEST).write_text(dumps_json(manifest))
     return files
+
+
+def _in_background(fn: Callable[..., Any], *args: Any) -> Future:
+    """``fn(*args)`` on a thread of its own (hashlib and onnxruntime release the GIL, so a
+    file's hash overlaps with sessions); ``.result()`` waits for it."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="graphopt-bundle")
+    try:
+        return pool.submit(fn, *args)
+    finally:
+        pool.shutdown(wait=False)  # the thread ends with its one task
+
+
+def _source_sha256(model: str | None) -> str | None:
+    """The sha256 of the input model file (None when it was not read from a file)."""
+    path = Path(model) if model else None
+    return _sha256(path) if path is not None and path.is_file() else None
 
 
 def _write_kernels(out_dir: Path, model: onnx.ModelProto, target: Target, report) -> dict:

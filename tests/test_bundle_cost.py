@@ -67,6 +67,7 @@ def test_the_portable_model_is_loaded_once_and_saves_the_fast_path(wide, tmp_pat
         (bundle.FAST_MODEL, "ORT_DISABLE_ALL", False)
     ]
     m = manifest_of(out)
+    assert m["source_model_sha256"] == bundle._sha256(wide)  # hashed beside the sessions
     fast = m["fast_path"]
     assert fast["written"] and fast["verified"]["ok"]
     assert "golden inputs (the run verifying the bundle)" in fast["verified"]["against"]
