@@ -299,6 +299,7 @@ def write_bundle(
     except OSError as e:
         raise ModelSaveError(f"cannot write to {dest.parent}: {e.strerror or e}") from None
     try:
+        source_sha256 = _in_background(_source_sha256, report.model)  # beside the writing
         with report.clock.phase("write"):
             written = write_model_files(
                 model,
@@ -309,7 +310,13 @@ def write_bundle(
             )
         with report.clock.phase("bundle"):
             files = write_bundle_files(
-                staging, model, report, progress=progress, fast_path=fast_path, sha256=written
+                staging,
+                model,
+                report,
+                progress=progress,
+                fast_path=fast_path,
+                sha256=written,
+                source_sha256=source_sha256,
             )
             report.generation = report_generation(report, model)  # decoders with a KV cache
         report.seconds = report.clock.seconds()  # report.json: every phase up to here
@@ -332,11 +339,13 @@ def write_bundle_files(
     progress=None,
     fast_path: bool | None = None,
     sha256: dict[str, str] | None = None,
+    source_sha256: Future | None = None,
 ) -> dict[str, str]:
     """Write manifest, session config, golden files, memory plan and (cpu by default) the
     machine-specific fast path into ``out_dir`` (where model.onnx already is).  Returns {kind:
     file name relative to the bundle}.  ``progress(msg)`` is told each phase; ``sha256``: the
-    model files' digests taken while writing them (else they are read back)."""
+    model files' digests taken while writing them (else they are read back); ``source_sha256``:
+    the input model's sha256 under way (else started here)."""
     say = progress or (lambda _msg: None)
     target = get_target(report.target)
     ctx = report.bundle_context or {}
@@ -351,8 +360,8 @@ def write_bundle_files(
         "memory_plan": MEMORY_PLAN,
     }
 
-    # the input's sha256 reads the whole file: it runs beside the sessions below
-    source_sha256 = _in_background(_source_sha256, report.model)
+    # the input's sha256 reads the whole file: it runs beside the writing and the sessions
+    source_sha256 = source_sha256 or _in_background(_source_sha256, report.model)
     say("bundle: golden inputs and outputs")
     golden = _write_golden(out_dir, original, shapes, given, seed, report, ctx)
     if golden.get("written"):
