@@ -14,6 +14,14 @@ non-finite positions agree; integers and booleans must be equal.
 When parity fails, :func:`localize` names the first intermediate tensor (in the original's
 topological order) that exists in both graphs and diverges.  A parity that did not run is
 reported as not run, never as passed.
+
+A model whose weights are more than :data:`PIECE_BYTES` (``GRAPHOPT_PIECE_MB``) runs lean, the
+original and the optimized model alike (:func:`open_session`): piece by piece (:class:`Pieces`),
+each piece's session holding at most that much weight (or one larger tensor), external weights
+mapped from their file and not pre-packed, freed before the next piece loads; one session
+holds only one model at a time, and only the outputs are kept.  Memory then grows by one piece,
+not by the model (a 5 GB decoder: 378 MB peak instead of 10 GB), and the results are those of
+one session of the whole model without pre-packing, bit for bit.
 """
 
 from __future__ import annotations
@@ -27,11 +35,12 @@ from typing import Any
 import numpy as np
 import onnx
 import onnxruntime as ort
+from onnx import numpy_helper
 
 from .customops import register_libraries
 from .errors import GraphoptError, UsageError
 from .feeds import find_runnable, validate_args
-from .io import serialize, write_model_files
+from .io import serialize, tensor_nbytes, write_model_files
 
 Tolerance = tuple[float, float]  # (rtol relative to the output's scale, atol)
 
@@ -187,6 +196,285 @@ class Session:
             return self.sess.run(names, {k: v for k, v in feeds.items() if k in wanted})
         except Exception as e:  # noqa: BLE001
             raise GraphoptError(f"onnxruntime failed to run the model: {_first_line(e)}") from None
+
+
+#: weights (bytes) above which parity runs a model piece by piece (:class:`Pieces`); each piece
+#: holds at most this much, or its one larger tensor (``GRAPHOPT_PIECE_MB`` overrides)
+PIECE_BYTES = 256 << 20
+
+#: session config of a piece: weights are used where they lie (mapped from their external
+#: file, or the piece's own bytes) instead of pre-packed copies for the kernels.  Pre-packing
+#: costs a copy of every MatMul weight and, for one run, more time than it saves (705 MB
+#: decoder, seq 16, loaded machine: create + run 1.0 s unpacked, 3.9 s packed)
+LEAN_CONFIG = {"session.disable_prepacking": "1"}
+
+
+def piece_bytes() -> int:
+    """The weight budget of one piece: :data:`PIECE_BYTES` or ``GRAPHOPT_PIECE_MB``."""
+    value = os.environ.get("GRAPHOPT_PIECE_MB", "").strip()
+    try:
+        return max(1, int(float(value) * (1 << 20))) if value else PIECE_BYTES
+    except ValueError:
+        raise UsageError(f"GRAPHOPT_PIECE_MB must be a number of MiB (got '{value}')") from None
+
+
+def is_lean(model: onnx.ModelProto, budget: int | None = None) -> bool:
+    """Whether parity runs ``model`` lean: its weights (sizes from metadata) are more than the
+    piece budget (default :func:`piece_bytes`)."""
+    budget = piece_bytes() if budget is None else budget
+    return sum(tensor_nbytes(t) for t in model.graph.initializer) > budget
+
+
+def open_session(
+    model: onnx.ModelProto,
+    base_dir: str | os.PathLike | None = None,
+    lean: bool | None = None,
+    budget: int | None = None,
+) -> Session | Pieces:
+    """The session parity runs ``model`` in (optimizations off).  ``lean`` (default:
+    :func:`is_lean`): piece by piece (:class:`Pieces`) when the graph can be cut, else one
+    session without pre-packed weights (:data:`LEAN_CONFIG`); otherwise one plain session."""
+    budget = piece_bytes() if budget is None else budget
+    if lean is None:
+        lean = is_lean(model, budget)
+    if lean and Pieces.cuttable(model):
+        return Pieces(model, base_dir=base_dir, budget=budget)
+    return Session(model, base_dir=base_dir, config=LEAN_CONFIG if lean else None)
+
+
+@dataclass(frozen=True)
+class _Input:
+    """A graph input as onnxruntime's NodeArg describes it (name, type text, shape)."""
+
+    name: str
+    type: str
+    shape: list
+
+
+@dataclass(frozen=True)
+class _Piece:
+    nodes: list[int]
+    inputs: list[str]  # values it takes from the graph's inputs or from earlier pieces
+    outputs: list[str]  # values later pieces (or the caller) use
+    weights: int  # bytes of the initializers it holds
+
+
+class Pieces:
+    """A model run piece by piece, so that memory holds one piece's weights at a time.
+
+    The main graph's nodes, in their (topological) order, are cut into consecutive pieces whose
+    initializers (sizes from metadata: nothing is read to plan) stay within ``budget`` bytes; a
+    node whose own weights are more is a piece alone.  Each piece is a model of its nodes, the
+    initializers they use (external ones still referenced from their file) and, as inputs, the
+    values it takes from the graph or earlier pieces; it runs in its own session (optimizations
+    off, :data:`LEAN_CONFIG`), which is freed before the next piece is built, and only the
+    values later pieces or the caller need are kept.  Nodes compute exactly as in one session
+    of the whole model with the same settings."""
+
+    def __init__(
+        self,
+        model: onnx.ModelProto,
+        base_dir: str | os.PathLike | None = None,
+        budget: int = PIECE_BYTES,
+    ):
+        self.model, self.base_dir, self.budget = model, base_dir, budget
+        graph = model.graph
+        self.sess = self  # make_inputs reads get_inputs() from here, as from a session
+        self._sizes = {t.name: tensor_nbytes(t) for t in graph.initializer}
+        self._uses = [_node_uses(n) for n in graph.node]
+        self._declared = {vi.name: vi for vi in graph.input}
+
+    @staticmethod
+    def cuttable(model: onnx.ModelProto) -> bool:
+        """Whether pieces can run ``model``'s graph: its nodes in topological order, no sparse
+        initializers, at least two nodes."""
+        graph = model.graph
+        if len(graph.node) < 2 or graph.sparse_initializer:
+            return False
+        known = {vi.name for vi in graph.input} | {t.name for t in graph.initializer} | {""}
+        for node in graph.node:
+            if any(n not in known for n in node.input):
+                return False  # not topologically sorted (or uses an undefined value)
+            known.update(node.output)
+        return True
+
+    def get_inputs(self) -> list[_Input]:
+        inits = set(self._sizes)
+        return [
+            _Input(vi.name, _type_text(vi.type), _dims(vi.type))
+            for vi in self.model.graph.input
+            if vi.name not in inits
+        ]
+
+    def get_outputs(self) -> list[_Input]:
+        return [
+            _Input(vi.name, _type_text(vi.type), _dims(vi.type)) for vi in self.model.graph.output
+        ]
+
+    def output_names(self) -> list[str]:
+        return [o.name for o in self.model.graph.output]
+
+    def plan(self, wanted: set[str]) -> list[_Piece]:
+        """The pieces, each with what it takes and what it must hand on for ``wanted``."""
+        groups: list[tuple[list[int], int]] = []
+        nodes: list[int] = []
+        held: set[str] = set()
+        size = 0
+        for i, uses in enumerate(self._uses):
+            mine = {n for n in uses if n in self._sizes}
+            own = _constant_bytes(self.model.graph.node[i])
+            extra = own + sum(self._sizes[n] for n in mine - held)
+            # small weights (shape glue, norms' scales) may overflow the budget by an eighth
+            slack = self.budget // 8 if extra <= self.budget // 64 else 0
+            if extra and nodes and size + extra > self.budget + slack:
+                groups.append((nodes, size))
+                nodes, held, size = [], set(), 0
+                extra = own + sum(self._sizes[n] for n in mine)
+            nodes.append(i)
+            held |= mine
+            size += extra
+        groups.append((nodes, size))
+        last_use: dict[str, int] = {}
+        for k, (idx, _) in enumerate(groups):
+            for i in idx:
+                for n in self._uses[i]:
+                    last_use[n] = k
+        pieces = []
+        for k, (idx, weights) in enumerate(groups):
+            made: set[str] = set()
+            inputs: list[str] = []
+            for i in idx:
+                for n in self._uses[i]:
+                    if n and n not in made and n not in self._sizes and n not in inputs:
+                        inputs.append(n)
+                made.update(o for o in self.model.graph.node[i].output if o)
+            outputs = [
+                o
+                for i in idx
+                for o in self.model.graph.node[i].output
+                if o and (o in wanted or last_use.get(o, -1) > k)
+            ]
+            pieces.append(_Piece(idx, inputs, list(dict.fromkeys(outputs)), weights))
+        return pieces
+
+    def run(self, feeds: dict[str, np.ndarray], names: list[str] | None = None) -> list:
+        names = list(names or self.output_names())
+        values: dict[str, Any] = self._not_computed(names, feeds)
+        pieces = self.plan(set(names))
+        for k, piece in enumerate(pieces):
+            sub = self._model_of(piece, feeds, values)
+            session = Session(sub, base_dir=self.base_dir, config=LEAN_CONFIG)
+            given = {n: values[n] if n in values else feeds[n] for n in piece.inputs}
+            outs = session.run(given, piece.outputs)
+            del session, sub
+            values.update(zip(piece.outputs, outs))
+            later = {n for p in pieces[k + 1 :] for n in p.inputs}
+            values = {n: v for n, v in values.items() if n in later or n in names}
+        return [values[n] for n in names]
+
+    def _not_computed(self, names: list[str], feeds: dict) -> dict[str, Any]:
+        """Asked-for values no node computes: graph inputs (as fed) and initializers."""
+        produced = {o for n in self.model.graph.node for o in n.output if o}
+        out: dict[str, Any] = {}
+        for name in (n for n in names if n not in produced):
+            tensor = next((t for t in self.model.graph.initializer if t.name == name), None)
+            if name in feeds:
+                out[name] = np.asarray(feeds[name])
+            elif tensor is not None:
+                out[name] = numpy_helper.to_array(tensor, str(self.base_dir or ""))
+            else:
+                raise GraphoptError(f"onnxruntime failed to run the model: no value '{name}'")
+        return out
+
+    def _model_of(self, piece: _Piece, feeds: dict, values: dict) -> onnx.ModelProto:
+        """The piece as a model: its nodes, the initializers they use, typed inputs."""
+        graph = self.model.graph
+        uses = set().union(*(self._uses[i] for i in piece.nodes))
+        inputs = []
+        for name in piece.inputs:
+            if name in values:
+                inputs.append(_value_info(name, values[name]))
+            elif name in self._declared:
+                inputs.append(self._declared[name])
+            else:
+                raise GraphoptError(
+                    f"onnxruntime failed to run the model: input '{name}' not given"
+                )
+        sub = onnx.helper.make_graph(
+            [graph.node[i] for i in piece.nodes],
+            f"{graph.name or 'graph'}_piece",
+            inputs,
+            [onnx.ValueInfoProto(name=n) for n in piece.outputs],
+            [t for t in graph.initializer if t.name in uses],
+        )
+        m = onnx.ModelProto(ir_version=self.model.ir_version, graph=sub)
+        m.opset_import.extend(self.model.opset_import)
+        m.functions.extend(self.model.functions)
+        return m
+
+
+def _node_uses(node: onnx.NodeProto) -> set[str]:
+    """The values a node reads: its inputs and what its subgraphs read from outer scopes."""
+    uses = {n for n in node.input if n}
+    for attr in node.attribute:
+        graphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+        for g in graphs:
+            uses |= _outer_names(g)
+    return uses
+
+
+def _outer_names(graph: onnx.GraphProto) -> set[str]:
+    """Names a subgraph reads that it does not define (its outer-scope values)."""
+    defined = {vi.name for vi in graph.input} | {t.name for t in graph.initializer}
+    read: set[str] = set()
+    for node in graph.node:
+        read |= _node_uses(node)
+        defined.update(node.output)
+    return read - defined
+
+
+def _constant_bytes(node: onnx.NodeProto) -> int:
+    return sum(tensor_nbytes(a.t) for a in node.attribute if a.type == onnx.AttributeProto.TENSOR)
+
+
+def _value_info(name: str, value) -> onnx.ValueInfoProto:
+    """A piece input typed from the value an earlier piece computed (tensor or sequence)."""
+    if isinstance(value, list) and all(isinstance(v, np.ndarray) for v in value) and value:
+        elem = onnx.helper.np_dtype_to_tensor_dtype(value[0].dtype)
+        tp = onnx.helper.make_sequence_type_proto(onnx.helper.make_tensor_type_proto(elem, None))
+        return onnx.helper.make_value_info(name, tp)
+    if not isinstance(value, np.ndarray):
+        raise GraphoptError(
+            f"onnxruntime failed to run the model: '{name}' ({type(value).__name__}) cannot "
+            "be handed between pieces"
+        )
+    if value.dtype == object:  # strings
+        return onnx.helper.make_tensor_value_info(name, onnx.TensorProto.STRING, value.shape)
+    elem = onnx.helper.np_dtype_to_tensor_dtype(value.dtype)
+    return onnx.helper.make_tensor_value_info(name, elem, value.shape)
+
+
+def _type_text(tp: onnx.TypeProto) -> str:
+    """onnxruntime's spelling of a tensor type (``tensor(float)``); other kinds by name."""
+    if tp.WhichOneof("value") != "tensor_type":
+        return str(tp.WhichOneof("value"))
+    try:
+        np_type = onnx.helper.tensor_dtype_to_np_dtype(tp.tensor_type.elem_type)
+    except (KeyError, TypeError, ValueError):
+        return "tensor(undefined)"
+    for text, known in _ORT_TYPES.items():
+        if np.dtype(known) == np.dtype(np_type):
+            return text
+    return "tensor(string)" if np.dtype(np_type) == object else f"tensor({np_type})"
+
+
+def _dims(tp: onnx.TypeProto) -> list:
+    if tp.WhichOneof("value") != "tensor_type" or not tp.tensor_type.HasField("shape"):
+        return []
+    return [
+        d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+        for d in tp.tensor_type.shape.dim
+    ]
 
 
 def _first_line(e: BaseException) -> str:
@@ -423,7 +711,8 @@ def check_parity(
     the optimized model is compared with; inputs are still generated from the original.
     """
     validate_args(original, shapes, inputs, per_output)
-    orig_sess = Session(original, base_dir=base_dir)
+    lean = is_lean(original)
+    orig_sess = open_session(original, base_dir, lean)
     names = orig_sess.output_names()
     feeds, ref = find_runnable(
         original,
@@ -435,9 +724,11 @@ def check_parity(
     shapes_used = {k: list(np.shape(v)) for k, v in feeds.items()}
     orig_sess = None  # free the session before the optimized one loads
     if reference is not None:
-        ref = Session(reference, base_dir=base_dir).run(feeds, names)
+        ref = open_session(reference, base_dir, lean).run(feeds, names)
+    if lean:  # both sides run lean, as the original did (a whole session would hold its weights)
+        optimized_session = None
     try:
-        opt_sess = optimized_session or Session(optimized, base_dir=base_dir)
+        opt_sess = optimized_session or open_session(optimized, base_dir, lean)
     except GraphoptError as e:  # the original loads, the optimized one does not: a failure
         return ParityReport(
             False,
@@ -467,7 +758,7 @@ def check_parity(
     ok = all(d.ok for d in diffs)
     divergence = None
     if not ok and localize_on_failure and reference is None:
-        divergence = localize(original, optimized, feeds, tolerances, base_dir=base_dir)
+        divergence = localize(original, optimized, feeds, tolerances, base_dir=base_dir, lean=lean)
     return ParityReport(
         ok,
         True,
@@ -512,10 +803,10 @@ def measure_ranges(
     base_dir: str | os.PathLike | None = None,
 ) -> dict[str, float]:
     """Max |value| of every floating-point tensor the model computes on these inputs."""
-    sess = Session(model, base_dir=base_dir)
+    sess = open_session(model, base_dir)
     feeds = make_inputs(sess.sess, shapes or {}, seed, inputs)
     names = list(dict.fromkeys(o for n in model.graph.node for o in n.output if o))
-    values = Session(_with_outputs(model, names), base_dir=base_dir).run(feeds, names)
+    values = open_session(_with_outputs(model, names), base_dir, is_lean(model)).run(feeds, names)
     ranges = {}
     for name, v in zip(names, values):
         if isinstance(v, np.ndarray) and v.dtype.kind == "f" and v.size:
@@ -533,8 +824,10 @@ def localize(
     feeds: dict[str, np.ndarray],
     tolerances: dict[str, Tolerance] | None = None,
     base_dir: str | os.PathLike | None = None,
+    lean: bool | None = None,
 ) -> dict[str, Any] | None:
-    """The first tensor, in the original's topological order, present in both and diverging."""
+    """The first tensor, in the original's topological order, present in both and diverging
+    (``lean``: run as :func:`open_session` runs a large model, default :func:`is_lean`)."""
     produced_opt = {o for n in optimized.graph.node for o in n.output if o}
     order = [
         (o, n.name, n.op_type)
@@ -546,8 +839,9 @@ def localize(
         return None
     names = [o for o, _, _ in order]
     try:
-        ref = Session(_with_outputs(original, names), base_dir=base_dir).run(feeds, names)
-        got = Session(_with_outputs(optimized, names), base_dir=base_dir).run(feeds, names)
+        lean = is_lean(original) if lean is None else lean
+        ref = open_session(_with_outputs(original, names), base_dir, lean).run(feeds, names)
+        got = open_session(_with_outputs(optimized, names), base_dir, lean).run(feeds, names)
     except GraphoptError:
         return None
     for (name, node, op), r, g in zip(order, ref, got):

@@ -1,0 +1,231 @@
+"""Parity of models with large external weights runs lean: piece by piece, one piece's weights
+in memory at a time, with the same results as one session of the whole model."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import graphopt
+from conftest import EXAMPLES, const, model, vi
+from graphopt.opt import optimizer, parity
+from graphopt.opt.errors import UsageError
+from graphopt.opt.io import load_model
+from graphopt.opt.parity import (
+    LEAN_CONFIG,
+    Pieces,
+    Session,
+    check_parity,
+    is_lean,
+    make_inputs,
+    open_session,
+)
+
+BUDGET = 100 << 10  # bytes: the tiny decoder below has ~0.7 MB of weights (wpe 256 KiB)
+
+
+def _decoder(tmp_path, layers: int = 2):
+    spec = importlib.util.spec_from_file_location(
+        "make_gpt", EXAMPLES / "large/make_gpt_decoder.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    path = tmp_path / "dec" / "model.onnx"
+    mod.build(path, layers=layers, hidden=64, heads=4, vocab=100, seed=0)
+    return path
+
+
+def _feeds(m):
+    return make_inputs(Pieces(m).sess, {"input_ids": [1, 8]}, 0)
+
+
+def test_pieces_compute_what_one_session_computes(tmp_path):
+    path = _decoder(tmp_path)
+    m = load_model(path, lazy_external=True)
+    pieces = Pieces(m, base_dir=path.parent, budget=BUDGET)
+    plan = pieces.plan({"logits"})
+    assert len(plan) > 3
+    # within the budget (small weights may overflow it by an eighth), or one larger weight
+    wpe = 1024 * 64 * 4
+    sizes = sorted(p.weights for p in plan)
+    assert sizes[-2] <= BUDGET * 9 // 8 < wpe <= sizes[-1]
+    assert [i for p in plan for i in p.nodes] == list(range(len(m.graph.node)))
+    feeds = _feeds(m)
+    every = [o for n in m.graph.node for o in n.output]
+    whole = Session(parity._with_outputs(m, every), base_dir=path.parent, config=LEAN_CONFIG)
+    expected = whole.run(feeds, every)
+    got = Pieces(parity._with_outputs(m, every), base_dir=path.parent, budget=BUDGET).run(
+        feeds, every
+    )
+    for name, a, b in zip(every, expected, got):
+        assert np.array_equal(a, b), name  # bit for bit
+    # asked for out of order, and a graph input among them
+    logits, ids = pieces.run(feeds, ["logits", "input_ids"])
+    assert np.array_equal(logits, expected[-1]) and np.array_equal(ids, feeds["input_ids"])
+
+
+def test_optimize_runs_parity_of_a_large_model_in_pieces(tmp_path, monkeypatch):
+    """Above the budget both sides run in pieces and no whole-model session is kept for parity:
+    every session that runs holds at most the budget's weights, or one larger weight."""
+    path = _decoder(tmp_path)
+    monkeypatch.setenv("GRAPHOPT_PIECE_MB", str(BUDGET / 2**20))
+    held = []
+    real_init = Session.__init__
+
+    def spy(self, m, *a, **kw):
+        held.append((sum(parity.tensor_nbytes(t) for t in m.graph.initializer), kw.get("config")))
+        real_init(self, m, *a, **kw)
+
+    runs = []
+    real_run = Pieces.run
+    monkeypatch.setattr(Session, "__init__", spy)
+    monkeypatch.setattr(Pieces, "run", lambda self, *a: runs.append(1) or real_run(self, *a))
+    out, report = graphopt.optimize(path, target="cpu", shapes={"input_ids": [1, 8]})
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert "com.microsoft.MultiHeadAttention" in report.ops_after
+    assert len(runs) == 2  # the original, then the optimized model
+    running = [w for w, config in held if config is not optimizer.CHECK_ONLY]
+    assert running and max(running) == 1024 * 64 * 4  # wpe, the largest weight, alone
+    assert not optimizer._LOADED
+
+
+def test_lean_parity_localizes_in_pieces(tmp_path):
+    path = _decoder(tmp_path)
+    m = load_model(path, lazy_external=True)
+    bad = onnx.ModelProto()
+    bad.CopyFrom(m)
+    for i, t in enumerate(bad.graph.initializer):
+        if t.name == "l1_up_bias":
+            w = numpy_helper.to_array(t, str(path.parent)) + 1.0
+            bad.graph.initializer[i].CopyFrom(numpy_helper.from_array(w, t.name))
+    monkey_budget = {"GRAPHOPT_PIECE_MB": str(BUDGET / 2**20)}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in monkey_budget.items():
+            mp.setenv(k, v)
+        assert is_lean(m)
+        report = check_parity(m, bad, shapes={"input_ids": [1, 8]}, base_dir=path.parent)
+    assert report.ran and not report.ok
+    assert report.first_divergence["tensor"] == "l1_up_out"
+
+
+def _if_model():
+    """An If whose branches read an outer-scope weight and an outer value."""
+    w = const("w", np.arange(4096, dtype=np.float32).reshape(64, 64) / 4096)
+    w2 = const("w2", np.full((64, 64), 0.5, np.float32))
+    then = helper.make_graph(
+        [helper.make_node("MatMul", ["h", "w"], ["t"])], "then", [], [vi("t", [1, 64])]
+    )
+    other = helper.make_graph(
+        [helper.make_node("Add", ["h", "h"], ["e"])], "else", [], [vi("e", [1, 64])]
+    )
+    nodes = [
+        helper.make_node("MatMul", ["x", "w2"], ["h"]),
+        helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
+        helper.make_node("Greater", ["s", "zero"], ["c"]),
+        helper.make_node("If", ["c"], ["y0"], then_branch=then, else_branch=other),
+        helper.make_node("Relu", ["y0"], ["y"]),
+    ]
+    return model(
+        nodes, [vi("x", [1, 64])], [vi("y", [1, 64])], [w, w2, const("zero", 0.0)], opset=17
+    )
+
+
+def test_pieces_carry_what_subgraphs_read_from_outside():
+    m = _if_model()
+    pieces = Pieces(m, budget=16 << 10)  # one 16 KiB weight per piece
+    plan = pieces.plan({"y"})
+    assert len(plan) == 2 and "h" in plan[1].inputs
+    values = {"h": np.zeros((1, 64), np.float32), "c": np.array(True)}
+    assert "w" in {t.name for t in pieces._model_of(plan[1], {}, values).graph.initializer}
+    for sign in (1.0, -1.0):
+        x = {"x": np.full((1, 64), sign, np.float32)}
+        (expected,) = Session(m, config=LEAN_CONFIG).run(x, ["y"])
+        (got,) = pieces.run(x, ["y"])
+        assert np.array_equal(expected, got)
+
+
+def test_a_graph_that_cannot_be_cut_runs_whole_and_lean():
+    m = _if_model()
+    nodes = list(m.graph.node)
+    del m.graph.node[:]
+    m.graph.node.extend(reversed(nodes))  # onnxruntime sorts it; pieces could not
+    sess = open_session(m, budget=16 << 10)
+    assert isinstance(sess, Session) and is_lean(m, 16 << 10)
+    assert isinstance(open_session(_if_model(), budget=1 << 20), Session)
+    assert isinstance(open_session(_if_model(), budget=16 << 10), Pieces)
+
+
+def test_piece_budget_from_the_environment(monkeypatch):
+    monkeypatch.setenv("GRAPHOPT_PIECE_MB", "2")
+    assert parity.piece_bytes() == 2 << 20
+    monkeypatch.setenv("GRAPHOPT_PIECE_MB", "lots")
+    with pytest.raises(UsageError, match="GRAPHOPT_PIECE_MB"):
+        parity.piece_bytes()
+    monkeypatch.delenv("GRAPHOPT_PIECE_MB")
+    assert parity.piece_bytes() == parity.PIECE_BYTES
+
+
+def test_a_string_tensor_crosses_pieces():
+    w = const("w", np.ones((32, 32), np.float32))
+    nodes = [
+        helper.make_node("Identity", ["s"], ["s1"]),
+        helper.make_node("MatMul", ["x", "w"], ["h"]),
+        helper.make_node("MatMul", ["h", "w"], ["y"]),
+        helper.make_node("Identity", ["s1"], ["s2"]),
+    ]
+    m = model(
+        nodes,
+        [vi("x", [1, 32]), vi("s", [2], TensorProto.STRING)],
+        [vi("y", [1, 32]), vi("s2", [2], TensorProto.STRING)],
+        [w],
+    )
+    feeds = {"x": np.ones((1, 32), np.float32), "s": np.array(["a", "bc"], dtype=object)}
+    y, s2 = Pieces(m, budget=1).run(feeds, ["y", "s2"])
+    assert s2.tolist() == ["a", "bc"] and np.all(y == 32 * 32)
+
+
+def test_peak_memory_of_lean_parity_is_one_piece(tmp_path):
+    """A model with 4 x 16 MiB external weights: parity's peak RSS grows by about one piece,
+    not by the model (measured in fresh processes)."""
+    w = [const(f"w{i}", np.eye(2048, dtype=np.float32) * (i + 1)) for i in range(4)]
+    nodes = [
+        helper.make_node("MatMul", ["x" if i == 0 else f"h{i}", f"w{i}"], [f"h{i + 1}"])
+        for i in range(4)
+    ]
+    m = model(nodes, [vi("x", [1, 2048])], [vi("h4", [1, 2048])], w)
+    path = tmp_path / "big" / "model.onnx"
+    path.parent.mkdir()
+    onnx.save(m, str(path), save_as_external_data=True, location="model.data", size_threshold=1024)
+    script = textwrap.dedent(
+        f"""
+        def peak():  # MiB; VmHWM, as ru_maxrss carries the parent's peak across exec
+            with open("/proc/self/status") as f:
+                return next(int(l.split()[1]) for l in f if l.startswith("VmHWM")) // 1024
+        from graphopt.opt.io import load_model
+        from graphopt.opt.parity import check_parity
+        m = load_model({str(path)!r}, check=False, lazy_external=True)
+        base = peak()
+        r = check_parity(m, m, base_dir={str(path.parent)!r})
+        assert r.ok, r
+        print(peak() - base)
+        """
+    )
+
+    def grown(budget_mb: str) -> int:
+        env = {"GRAPHOPT_PIECE_MB": budget_mb, "PATH": "/usr/bin:/bin"}
+        out = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr
+        return int(out.stdout.split()[-1])
+
+    lean, whole = grown("16"), grown("1024")
+    assert lean < 40, lean  # MiB: one 16 MiB weight at a time (+ the runtime's own)
+    assert whole > lean + 32, (whole, lean)
