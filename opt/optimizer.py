@@ -25,7 +25,7 @@ from .feeds import validate_args
 from .io import check_without_weights, load_model, needs_external_data, serialize
 from .ir import ModelIR, op_histogram
 from .manager import PassContext, run_pass
-from .parity import ParityReport, Session, check_parity, measure_ranges
+from .parity import ParityReport, Session, check_parity, is_lean, measure_ranges
 from .pipeline import parse, preset, to_text
 from .precision import quantized_weight_tolerances
 from .reference import upcast_to_float64
@@ -268,7 +268,7 @@ def optimize(
             say,
             base_dir,
             budget,
-            keep=check,
+            keep=check and not is_lean(model),  # lean parity runs its own pieces
             into=serialized,
         )
     optimize_s = clock.elapsed("passes") + clock.elapsed("validity")
