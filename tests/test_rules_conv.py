@@ -184,10 +184,10 @@ def test_calibration_range_refuses_fp16_fusion_that_could_overflow(rng):
 
 def test_fp16_refold_is_decided_by_measured_error(rng):
     """Folding BN into fp16 weights re-rounds them: at -O2 the measured systematic error of the
-    folded layer is worse than the unfused graph's here, so it is refused with the numbers;
-    -O3 folds."""
+    folded layer is worse than the unfused graph's here, so it is refused with the numbers
+    (on a runtime that does not fold Conv+BN itself, unlike onnxruntime); -O3 folds."""
     m = conv_bn(rng, dtype=np.float16)
-    out, report = run(m)
+    out, report = run(m, target="tensorrt")
     assert codes(report, "fuse-conv-bn") == ["precision-refold"] and report.parity.ok
     remark = [r for r in report.remarks if r.rule == "fuse-conv-bn"][0]
     assert remark.args["folded_bias"] > remark.args["unfused_bias"]

@@ -1,0 +1,159 @@
+"""fp16 Conv+BatchNormalization on onnxruntime targets: compensated rounding of the folded
+weights, and the refold kept where it is no worse than onnxruntime's own fold of the graph."""
+
+import os
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from conftest import assert_optimized, codes, const, model, ops, run, vi
+from graphopt.rules.conv import compensated_rows, runtime_bn_fold
+
+F16 = TensorProto.FLOAT16
+
+
+def conv_bn16(rng, *, bias=True, c_in=16, c_out=8, gamma=None, var=None, eps=1e-5, w_scale=0.2):
+    """fp16 Conv(3x3) + BatchNormalization with non-trivial statistics (beta and mean zero when
+    gamma is given)."""
+    w = rng.standard_normal((c_out, c_in, 3, 3)) * w_scale
+    fresh = gamma is None
+    inits = [
+        const("W", w, np.float16),
+        const("g", rng.random(c_out) + 0.5 if fresh else gamma, np.float16),
+        const("b", rng.standard_normal(c_out) * 0.1 if fresh else np.zeros(c_out), np.float16),
+        const("m", rng.standard_normal(c_out) * 0.3 if fresh else np.zeros(c_out), np.float16),
+        const("v", rng.random(c_out) + 0.3 if var is None else var, np.float16),
+    ]
+    conv_in = ["x", "W"]
+    if bias:
+        inits.append(const("B", rng.standard_normal(c_out) * 0.1, np.float16))
+        conv_in.append("B")
+    nodes = [
+        helper.make_node("Conv", conv_in, ["c"], pads=[1, 1, 1, 1], name="conv"),
+        helper.make_node("BatchNormalization", ["c", "g", "b", "m", "v"], ["y"], epsilon=eps),
+    ]
+    return model(nodes, [vi("x", [1, c_in, 8, 8], F16)], [vi("y", None, F16)], inits)
+
+
+def _inits(m: onnx.ModelProto) -> dict[str, np.ndarray]:
+    return {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
+
+
+def _session(m: onnx.ModelProto, level, path: str | None = None) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.graph_optimization_level = level
+    if path:
+        so.optimized_model_filepath = path
+    return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def _reference(m: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    """Conv + BN of the model's fp16 parameters, in float64."""
+    p = {k: v.astype(np.float64) for k, v in _inits(m).items()}
+    eps = helper.get_attribute_value(m.graph.node[1].attribute[0])
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (1, 1), (1, 1)))
+    h, w = x.shape[2:]
+    patches = np.stack([xp[:, :, i : i + h, j : j + w] for i in range(3) for j in range(3)], 2)
+    c_out = p["W"].shape[0]
+    y = np.einsum("nckhw,ock->nohw", patches, p["W"].reshape(c_out, -1, 9))
+    y = y + p.get("B", np.zeros(c_out))[None, :, None, None]
+    s = p["g"] / np.sqrt(p["v"] + eps)
+    return (y - p["m"][None, :, None, None]) * s[None, :, None, None] + p["b"][None, :, None, None]
+
+
+def test_runtime_bn_fold_is_onnxruntime_fold_bit_for_bit(rng, tmp_path):
+    """The emulation the guard compares with: onnxruntime's saved BASIC-level model holds
+    exactly these float16 weights and bias, with and without a Conv bias."""
+    for bias in (False, True):
+        m = conv_bn16(rng, bias=bias, eps=1e-3)
+        path = os.fspath(tmp_path / f"basic_{bias}.onnx")
+        _session(m, ort.GraphOptimizationLevel.ORT_ENABLE_BASIC, path)
+        saved = onnx.load(path)
+        assert "BatchNormalization" not in ops(saved)
+        got = _inits(saved)
+        got_w = [v for v in got.values() if v.ndim == 4][0]
+        got_b = [v for v in got.values() if v.ndim == 1][0]
+        p = _inits(m)
+        w, b = runtime_bn_fold(p["W"], p.get("B"), p["g"], p["b"], p["m"], p["v"], 1e-3)
+        assert w.dtype == np.float16 and np.array_equal(w, got_w)
+        assert np.array_equal(b, got_b)
+
+
+def test_compensated_rows_cancel_rounding_errors(rng):
+    exact = rng.standard_normal((64, 576)) * 0.05
+    nearest = exact.astype(np.float16)
+    comp = compensated_rows(exact, nearest)
+    # every value is one of the two float16 neighbours of its exact value
+    lo = np.minimum(nearest, comp).astype(np.float64)
+    hi = np.maximum(nearest, comp).astype(np.float64)
+    assert np.all((lo <= exact) & (exact <= hi) | (comp == nearest))
+    assert np.all(np.abs(comp.astype(np.float64) - exact) <= np.spacing(np.abs(nearest)) * 1.0001)
+    near_sum = np.abs((nearest.astype(np.float64) - exact).sum(axis=1))
+    comp_sum = np.abs((comp.astype(np.float64) - exact).sum(axis=1))
+    assert np.all(comp_sum <= near_sum)
+    assert np.median(comp_sum) < 0.05 * np.median(near_sum)
+    # a row whose errors already cancel (exactly representable) is left alone
+    exact2 = nearest.astype(np.float64)
+    assert np.array_equal(compensated_rows(exact2, nearest), nearest)
+
+
+def test_fp16_conv_bn_folds_when_no_worse_than_onnxruntime_fold(rng):
+    """Non-trivial statistics: the refold is less accurate than the unfused graph at
+    ORT_DISABLE_ALL, but onnxruntime folds it itself (every step rounded to fp16) at the
+    bundle's level: kept on cpu, and its output is no further from float64 than the original
+    model's run at ORT_ENABLE_ALL; refused for TensorRT."""
+    m = conv_bn16(rng, c_in=64)
+    out, report = assert_optimized(m)
+    assert ops(out) == {"Conv": 1}
+    assert codes(report, "fuse-conv-bn", "passed") == ["fired"]
+    folded = np.stack(
+        [_inits(out)[n.input[1]] for n in out.graph.node if n.op_type == "Conv"]
+    ).squeeze(0)
+    assert folded.dtype == np.float16
+    xs = [np.abs(rng.standard_normal((1, 64, 8, 8))).astype(np.float16) for _ in range(4)]
+    all_level = _session(m, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+    mine = _session(out, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+    err_orig = err_mine = 0.0
+    for x in xs:
+        ref = _reference(m, x)
+        err_orig += np.abs(all_level.run(None, {"x": x})[0] - ref).mean()
+        err_mine += np.abs(mine.run(None, {"x": x})[0] - ref).mean()
+    assert err_mine <= err_orig, (err_mine, err_orig)
+    _, trt = run(m, target="tensorrt", check=False)
+    assert codes(trt, "fuse-conv-bn") == ["precision-refold"]
+
+
+def test_fp16_conv_bn_worse_than_onnxruntime_fold_is_refused_with_both_numbers():
+    """A channel whose folded weights become fp16 subnormals (fixed spacing: rounding errs up to
+    the weights' own size): with these weights (seed 0) worse than the unfused graph and than
+    onnxruntime's fold; the remark carries both comparisons."""
+    rng = np.random.default_rng(0)
+    gamma = np.full(8, 1.0)
+    gamma[3] = 1e-3
+    var = np.full(8, 1.0)
+    var[3] = 1e4
+    m = conv_bn16(rng, gamma=gamma, var=var, c_in=4, w_scale=1.0)
+    out, report = run(m)
+    assert ops(out)["BatchNormalization"] == 1
+    assert codes(report, "fuse-conv-bn") == ["precision-refold"]
+    remark = [r for r in report.remarks if r.rule == "fuse-conv-bn"][0]
+    assert {"runtime_max", "runtime_bias", "folded_max", "unfused_max"} <= set(remark.args)
+    assert "onnxruntime's own fold" in remark.message
+
+
+def test_fp32_conv_bn_weights_are_rounded_to_nearest(rng):
+    """Compensated rounding is for float16 only: fp32 folds stay the nearest rounding."""
+    m = conv_bn16(rng)
+    m32 = onnx.ModelProto()
+    m32.CopyFrom(m)
+    for t in m32.graph.initializer:
+        t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float32), t.name))
+    for v in list(m32.graph.input) + list(m32.graph.output):
+        v.type.tensor_type.elem_type = TensorProto.FLOAT
+    out, _ = assert_optimized(m32)
+    p = {k: v.astype(np.float64) for k, v in _inits(m32).items()}
+    s = p["g"] / np.sqrt(p["v"] + 1e-5)
+    w = [v for v in _inits(out).values() if v.ndim == 4][0]
+    assert np.array_equal(w, (p["W"] * s[:, None, None, None]).astype(np.float32))
