@@ -55,6 +55,9 @@ MARGIN = 0.015
 MIN_BUDGET_S = 10.0
 #: each round repeats a model's run until it lasts at least this long
 ROUND_S = 0.002
+#: a first (warm-up) run this long means one run per round, whatever a steady run takes: the
+#: runs that estimate the repeat count of small models are skipped (4 runs of BERT-base)
+ONE_RUN_S = 10 * ROUND_S
 #: rounds before a measurement may stop early; at least MIN_FLOOR even past its time share
 MIN_ROUNDS = 20
 MIN_FLOOR = 5
@@ -311,10 +314,12 @@ class Duel:
         cand = _Loaded(model, self.config(model), self.base_dir).runner(self.feeds)
         created = time.perf_counter() - start
         runs = (cand, self.base)
-        for run in runs:  # warm-up; the first run allocates
-            run()
-        est = min(min(_time(r, 1) for _ in range(2)) for r in runs)
-        k = max(1, math.ceil(ROUND_S / est)) if est > 0 else 1
+        warm = min(_time(r, 1) for r in runs)  # warm-up; the first run allocates
+        if warm >= ONE_RUN_S:  # a run alone is a round: no estimate needed
+            k = 1
+        else:
+            est = min(min(_time(r, 1) for _ in range(2)) for r in runs)
+            k = max(1, math.ceil(ROUND_S / est)) if est > 0 else 1
         end = start + seconds
         ratios: list[float] = []
         own: list[float] = []  # the candidate's seconds per run, per round

@@ -6,6 +6,7 @@ from the performance safety net's rounds instead of a second timing."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import onnx
@@ -255,3 +256,25 @@ def test_memory_plan_of_a_contrib_model_has_every_size(rng, tmp_path):
     out = graphopt.write_bundle(optimized, report, tmp_path / "b")
     plan = json.loads((out / "memory_plan.json").read_text())
     assert plan["measured_shapes"] >= 3 and plan["unknown_size_count"] == 0
+
+
+# ---------------------------------------------------------------------- safety net runs
+@pytest.mark.parametrize("run_s, expected", [(0.05, 2 + 2 * perf.MIN_FLOOR), (1e-4, None)])
+def test_a_slow_run_is_a_round_without_estimating_repeats(monkeypatch, run_s, expected):
+    """A warm-up run of at least ONE_RUN_S: one run per round, no runs to estimate how many."""
+    relu = model([helper.make_node("Relu", ["x"], ["y"])], [vi("x", [4])], [vi("y", [4])])
+    calls: list[int] = []
+
+    def fake_time(run, k):
+        calls.append(k)
+        return run_s * k
+
+    duel = perf.Duel(relu, {"x": np.ones(4, np.float32)}, lambda m: {})
+    monkeypatch.setattr(perf, "_time", fake_time)
+    t = duel.measure(relu, 0.0)
+    assert t.rounds == perf.MIN_FLOOR and t.runs_s == (run_s,) * perf.MIN_FLOOR
+    if expected is not None:
+        assert len(calls) == expected and set(calls) == {1}
+    else:  # a fast model: two warm-ups, four timing runs, then rounds of k repeats
+        assert calls[:6] == [1] * 6 and set(calls[6:]) == {math.ceil(perf.ROUND_S / run_s)}
+    assert perf.latency(t)["median_ms"] == pytest.approx(run_s * 1e3)
