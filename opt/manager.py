@@ -9,6 +9,10 @@
   cap is hit a *failure* remark ("did-not-converge") is recorded, naming the passes still changing.
   A pass is not run again on the graph it last left unchanged (``ir.mutations`` counts the passes
   that changed it): a confirming round runs only the passes a later change may have given work.
+* A rule-set phase that left the main graph unchanged is not run again on that same graph with
+  the same rules (e.g. the cleanup phase of ``rules{level=2}`` right after ``rules{level=1}``
+  settled): what it did -- its remarks (under the new pass's name), refusals and attempt counts
+  -- is replayed instead, so the report is the one a run would give.
 * ``verify_each`` exports the model after every pass and runs onnx.checker and shape inference on
   it; the first pass that breaks the model is named.
 * ``bisect_limit`` (as LLVM's opt-bisect): only the first N rewrites are applied; every later one
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import onnx
@@ -50,6 +54,21 @@ class Miss:
     code: str
     nodes: tuple[str, ...]
     args: dict[str, Any]
+
+
+@dataclass
+class PhaseRun:
+    """What a rule-set phase did on a graph it left unchanged: the remarks it added (in order),
+    the refusals it recorded and its attempts and misses per rule; ``mutations``, ``shapes``
+    (the graph's last shape inference, held) and ``misses`` (other rules' refusals when it
+    ended) say on which graph and after what."""
+
+    mutations: int
+    shapes: Any
+    misses: dict[str, int]
+    remarks: list[Remark]
+    refusals: dict[str, list[Miss]]
+    counts: dict[str, tuple[int, int]]
 
 
 @dataclass(frozen=True)
@@ -85,6 +104,8 @@ class PassContext:
     settled: dict[tuple[int, str], int] = field(default_factory=dict)
     #: the IR ``settled`` speaks of (held, so that its graphs' ids stay theirs)
     settled_ir: ModelIR | None = None
+    #: per (graph, phase's rule names): what the phase did when it last left that graph unchanged
+    phases: dict[tuple[int, tuple[str, ...]], PhaseRun] = field(default_factory=dict)
 
     def is_settled(self, p: Pass, ir: ModelIR) -> bool:
         """Whether ``p`` already ran on this very graph (no pass changed it since) and changed
@@ -95,7 +116,7 @@ class PassContext:
 
     def mark_settled(self, p: Pass, ir: ModelIR, changed: bool) -> None:
         if self.settled_ir is not ir:
-            self.settled_ir, self.settled = ir, {}
+            self.settled_ir, self.settled, self.phases = ir, {}, {}
         key = (id(ir.graph), p.text())
         if changed:
             self.settled.pop(key, None)
@@ -173,14 +194,81 @@ class RuleSetPass(Pass):
         changed = False
         for phase in PHASES:
             rules = [r for r in chosen if r.rule_phase() == phase]
-            if rules:
+            if not rules:
+                continue
+            if changed or ir.in_subgraph or cx.bisect_limit is not None:
                 changed |= apply_rules(ir, rules, cx, self.text())
+            else:  # the graph is still the one this pass was given
+                changed = _run_phase(ir, rules, cx, self.text())
         return changed
 
     def text(self) -> str:
         if self.rules is not None:
             return ",".join(r.name for r in self.rules)
         return "rules" if self.max_level is None else f"rules{{level={self.max_level}}}"
+
+
+def _run_phase(ir: ModelIR, rules: list[Rule], cx: PassContext, pass_name: str) -> bool:
+    """Apply one phase's rules to the main graph, unchanged so far in this pass: replayed when
+    the same rules last left this very graph unchanged, its shapes inferred no later, and no
+    other rule has refused anything since (a rule reads the graph and earlier phases' refusals,
+    nothing else), else run and, when they change nothing, recorded for a replay."""
+    names = tuple(sorted(r.name for r in rules))
+    key = (id(ir.graph), names)
+    last = cx.phases.get(key) if cx.settled_ir is ir else None
+    if (
+        last is not None
+        and last.mutations == ir.mutations
+        and last.shapes is ir.inferred.get(key[0])
+        and last.misses == _others(cx, names)
+    ):
+        _replay(last, cx, pass_name)
+        return False
+    before = list(cx.remarks)
+    own = {name: len(cx.misses.get(name, ())) for name in names}
+    counts = {name: _counts(cx, name) for name in names}
+    if apply_rules(ir, rules, cx, pass_name):
+        return True
+    if cx.settled_ir is not ir:
+        cx.settled_ir, cx.settled, cx.phases = ir, {}, {}
+    held = {id(r) for r in before}
+    cx.phases[key] = PhaseRun(
+        ir.mutations,
+        ir.inferred.get(key[0]),
+        _others(cx, names),
+        [r for r in cx.remarks if id(r) not in held],
+        {name: cx.misses[name][n:] for name, n in own.items() if len(cx.misses.get(name, ())) > n},
+        {name: _delta(_counts(cx, name), was) for name, was in counts.items()},
+    )
+    return False
+
+
+def _others(cx: PassContext, names: tuple[str, ...]) -> dict[str, int]:
+    """How many refusals each rule outside ``names`` has recorded."""
+    return {r: len(m) for r, m in cx.misses.items() if r not in names and m}
+
+
+def _counts(cx: PassContext, rule: str) -> tuple[int, int]:
+    stats = cx.rule_stats(rule)
+    return stats.attempts, stats.missed
+
+
+def _delta(now: tuple[int, int], was: tuple[int, int]) -> tuple[int, int]:
+    return now[0] - was[0], now[1] - was[1]
+
+
+def _replay(run: PhaseRun, cx: PassContext, pass_name: str) -> None:
+    """What running the phase again would do: the same remarks (under ``pass_name``) and
+    refusals in the same order, the same attempts and misses counted."""
+    cx.ir = cx.settled_ir
+    for r in run.remarks:
+        cx.remarks.add(r if r.pass_name == pass_name else replace(r, pass_name=pass_name))
+    for rule, refusals in run.refusals.items():
+        cx.misses.setdefault(rule, []).extend(refusals)
+    for rule, (attempts, missed) in run.counts.items():
+        stats = cx.rule_stats(rule)
+        stats.attempts += attempts
+        stats.missed += missed
 
 
 class Fixpoint(Pass):
