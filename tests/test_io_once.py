@@ -21,6 +21,12 @@ from graphopt.opt.errors import ModelLoadError
 W = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)  # 16 KiB
 
 
+@pytest.fixture(autouse=True)
+def stand_ins_always_pay(monkeypatch):
+    """These models are tiny: make skeletons for them as for a model of large weights."""
+    monkeypatch.setattr(io, "STANDIN_PAYS_PER_ELEMENT", 0)
+
+
 def weighted(*, bad_op: bool = False) -> onnx.ModelProto:
     """x @ W + Constant, reshaped by a small shape constant (kept as it is by the skeleton)."""
     nodes = [
@@ -184,6 +190,18 @@ def test_the_checker_is_given_the_skeleton_not_the_weights(monkeypatch):
     m = weighted()
     io.check_without_weights(m, full_check=True)
     assert seen and max(seen) < 2048
+
+
+def test_a_graph_of_small_constants_is_checked_whole(monkeypatch):
+    monkeypatch.setattr(io, "STANDIN_PAYS_PER_ELEMENT", 2048)
+    made = []
+    real = io.skeleton
+    monkeypatch.setattr(io, "skeleton", lambda *a, **k: made.append(1) or real(*a, **k))
+    m = weighted()  # 4 nodes, 2 initializers: 4097 elements, under 2048 per node and tensor
+    BREAKS["unknown-op"](m)
+    assert lean_says(m) == checker_says(m) is not None and not made
+    m.graph.initializer[0].CopyFrom(const("w", np.zeros((64, 256), np.float32)))
+    assert lean_says(m) is not None and made
 
 
 # ------------------------------------------------------------------ load and validity
