@@ -205,8 +205,9 @@ def optimize(
 
     The report holds the returned model's bytes as the validity check serialized them (the
     model is complete then: its metadata is set as it is exported), so that ``write_bundle``
-    writes them instead of serializing the model again; change a copy, not the returned model,
-    if it is to be changed before it is written.
+    writes them instead of serializing the model again (not when parity runs the model lean:
+    they would be held through it); change a copy, not the returned model, if it is to be
+    changed before it is written.
     """
     if reference not in ("original", "float64", "both"):
         raise UsageError(f"reference must be original, float64 or both (got '{reference}')")
@@ -255,7 +256,9 @@ def optimize(
 
     with clock.phase("passes"):
         optimized, cx = execute(bisect_limit)
-    serialized = Serialized()
+    # the output's bytes wait for the bundle in memory; through parity and the safety net only
+    # where those hold the model whole anyway (not lean), else the bundle serializes it again
+    serialized = Serialized() if not check or not is_lean(model) else None
     with clock.phase("validity"):
         say("checking that the output is valid")
         budget = max(10.0, 2 * clock.elapsed("passes"))
@@ -336,7 +339,7 @@ def optimize(
         applied=list(cx.applied),
         clock=clock,
         # the bytes of the model returned (not of one the safety net replaced it with)
-        serialized=serialized if serialized.model is optimized else None,
+        serialized=serialized if serialized and serialized.model is optimized else None,
         bundle_context={
             "original": model,
             "shapes": shapes,

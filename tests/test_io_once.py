@@ -261,6 +261,15 @@ def test_the_bundle_writes_the_bytes_the_validity_check_loaded(tmp_path, monkeyp
     assert report.serialized is None  # let go of once written
 
 
+def test_no_bytes_are_held_through_a_lean_parity(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRAPHOPT_PIECE_MB", "0.001")  # W (16 KiB) is over it: parity runs lean
+    out, report = graphopt.optimize(small())
+    assert report.parity.ran and report.parity.ok
+    assert report.serialized is None
+    bundle = graphopt.write_bundle(out, report, tmp_path / "b")
+    assert (bundle / "model.onnx").read_bytes() == out.SerializeToString()
+
+
 def test_held_bytes_are_only_for_the_model_object_returned(tmp_path):
     out, report = graphopt.optimize(small(), check=False)
     other = onnx.ModelProto()
