@@ -31,7 +31,7 @@ import heapq
 import itertools
 import math
 import os
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -39,7 +39,9 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx import external_data_helper, numpy_helper
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
+from onnx_graphsurgeon.importers.onnx_importer import OnnxImporter
 from onnx_graphsurgeon.ir.tensor import LazyValues
+from onnx_graphsurgeon.util import misc as gs_misc
 
 from .compat import Note, function_id, inline_functions
 from .domains import is_default
@@ -465,6 +467,75 @@ def _export_node(node: Node) -> onnx.NodeProto:
 
 
 OnnxExporter.export_node = staticmethod(_export_node)
+
+
+# graphsurgeon builds every node and tensor it imports through its generic constructors and
+# synchronized lists (a Python call per attribute set and per use-list entry): about a third
+# of importing a large graph.  The same objects, with the same use-lists, are built directly.
+_gs_import_node = OnnxImporter.import_node
+
+
+def _sync_list(owner: object, field: str, items: list) -> gs_misc.SynchronizedList:
+    """``SynchronizedList(owner, field, items)``: each item's ``field`` list gets ``owner``."""
+    synced = gs_misc.SynchronizedList.__new__(gs_misc.SynchronizedList)
+    synced.parent_obj, synced.field_name = owner, field
+    list.extend(synced, items)
+    for item in items:
+        list.append(getattr(item, field), owner)
+    return synced
+
+
+def _new_variable(name: str) -> Variable:
+    """``Variable(name)``: no type, no producer, no readers."""
+    t = object.__new__(Variable)
+    fields = t.__dict__
+    fields["name"] = name
+    fields["inputs"] = _sync_list(t, "outputs", [])
+    fields["outputs"] = _sync_list(t, "inputs", [])
+    fields.update(dtype=None, shape=None, type="tensor_type")
+    return t
+
+
+def _import_node(
+    onnx_node: onnx.NodeProto,
+    tensor_map: dict,
+    subgraph_tensor_map: dict,
+    opset,
+    import_domains,
+) -> Node:
+    """graphsurgeon's ``OnnxImporter.import_node``, its objects built directly: a name resolves
+    in this graph first, then (inputs only) in the enclosing ones; an empty name is an omitted
+    optional tensor; any other name is a new untyped tensor of this graph."""
+
+    def tensor(name: str, outer: bool) -> Tensor:
+        t = subgraph_tensor_map.get(name)
+        if t is None and outer:
+            t = tensor_map.get(name)
+        if t is None:
+            if not name:
+                return Variable.empty()
+            t = subgraph_tensor_map[name] = _new_variable(name)
+        return t
+
+    # attributes first: a body imported there sees only the tensors known before this node
+    if onnx_node.attribute:
+        attrs = OnnxImporter.import_attributes(
+            onnx_node.attribute, tensor_map, subgraph_tensor_map, opset, import_domains
+        )
+    else:
+        attrs = OrderedDict()
+    inputs = [tensor(name, True) for name in onnx_node.input]
+    outputs = [tensor(name, False) for name in onnx_node.output]
+    node = object.__new__(Node)
+    fields = node.__dict__
+    fields.update(op=onnx_node.op_type, name=onnx_node.name, attrs=attrs)
+    fields["inputs"] = _sync_list(node, "outputs", inputs)
+    fields["outputs"] = _sync_list(node, "inputs", outputs)
+    fields["domain"] = onnx_node.domain if onnx_node.HasField("domain") else None
+    return node
+
+
+OnnxImporter.import_node = staticmethod(_import_node)
 
 # graphsurgeon writes every constant it holds as raw bytes; ONNX stores strings in string_data
 # and packs int4/uint4 two to a byte.

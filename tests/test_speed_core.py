@@ -351,3 +351,84 @@ def test_shape_inference_of_an_unimported_custom_domain_fails_without_exporting(
     )
     assert analysis.infer_shapes(ir) == imported
     assert bool(exported) == imported
+
+
+def _shape_of_import(graph: gs.Graph) -> list:
+    """Everything an imported graph is made of, objects named by their first-seen position."""
+    ids: dict[int, int] = {}
+
+    def ref(obj) -> int:
+        return ids.setdefault(id(obj), len(ids))
+
+    def tensor(t) -> tuple:
+        kind = type(t).__name__
+        return (
+            ref(t),
+            kind,
+            t.name,
+            str(t.dtype),
+            t.shape,
+            [ref(n) for n in t.inputs],
+            [ref(n) for n in t.outputs],
+            vars(t).keys() - {"_values"},
+        )
+
+    out = [[tensor(t) for t in graph.inputs], [tensor(t) for t in graph.outputs]]
+    for n in graph.nodes:
+        attrs = {
+            k: _shape_of_import(v) if isinstance(v, gs.Graph) else repr(v)
+            for k, v in n.attrs.items()
+        }
+        out.append(
+            (
+                ref(n),
+                n.op,
+                n.name,
+                n.domain,
+                attrs,
+                list(vars(n)),
+                [tensor(t) for t in n.inputs],
+                [tensor(t) for t in n.outputs],
+            )
+        )
+    return out
+
+
+def test_nodes_import_as_graphsurgeon_builds_them(monkeypatch):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "scale"))
+    import make_synthetic
+    from onnx_graphsurgeon.importers.onnx_importer import OnnxImporter
+
+    then_g = helper.make_graph(
+        [helper.make_node("Add", ["r", "undefined"], ["o"], name="inner")],
+        "then",
+        [],
+        [vi("o", [2])],
+    )
+    else_g = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["e"], name="id")], "else", [], [vi("e", [2])]
+    )
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"], name="relu", domain="ai.onnx"),
+        helper.make_node("Clip", ["r", "", "hi"], ["c"], name="clip"),
+        helper.make_node("Constant", [], ["k"], name="k", value=const("v", [1.0, 2.0])),
+        helper.make_node("Add", ["c", "k"], ["s"], name="add"),
+        helper.make_node("If", ["cond"], ["y"], name="if", then_branch=then_g, else_branch=else_g),
+        helper.make_node("Resize", ["s", "", "sc"], ["z"], name="rs", mode="nearest"),
+    ]
+    m = helper.make_model(
+        helper.make_graph(
+            nodes,
+            "g",
+            [vi("x", [2]), vi("cond", [], elem=onnx.TensorProto.BOOL)],
+            [vi("y", [2]), vi("z", None)],
+            [const("hi", 6.0), const("sc", [2.0])],
+        ),
+        opset_imports=[helper.make_opsetid("", 18)],
+    )
+    for case in (m, make_synthetic.build(200)):
+        fast = _shape_of_import(gs.import_onnx(case))
+        monkeypatch.setattr(OnnxImporter, "import_node", staticmethod(ir_module._gs_import_node))
+        slow = _shape_of_import(gs.import_onnx(case))
+        monkeypatch.undo()
+        assert fast == slow
