@@ -25,7 +25,7 @@ from .feeds import validate_args
 from .io import check_without_weights, load_model, needs_external_data, serialize
 from .ir import ModelIR, op_histogram
 from .manager import PassContext, run_pass
-from .parity import ParityReport, Session, check_parity, is_lean, measure_ranges
+from .parity import ParityReport, Session, check_parity, is_lean, measure_ranges, too_large
 from .pipeline import parse, preset, to_text
 from .precision import quantized_weight_tolerances
 from .reference import upcast_to_float64
@@ -287,7 +287,8 @@ def optimize(
     with clock.phase("parity"):
         parity, parity_f64 = _parities(model, optimized, check, reference, kw, base_dir, say)
     _LOADED.clear()  # the validity check's session, when parity did not take it: its weights go
-    why = _unmeasured(measure, check, tgt.name, parity)
+    # a model too large for one session is not timed: both would be held whole, twice
+    why = _unmeasured(measure, check, tgt.name, parity) or too_large(model)
     performance: dict[str, Any] = {"measured": False, "why": why}
     original_outputs: dict[str, dict] = {}
     if why is None:

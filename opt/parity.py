@@ -40,7 +40,7 @@ from onnx import numpy_helper
 from .customops import register_libraries
 from .errors import GraphoptError, UsageError
 from .feeds import find_runnable, validate_args
-from .io import serialize, tensor_nbytes, write_model_files
+from .io import has_external_data, serialize, tensor_nbytes, write_model_files
 
 Tolerance = tuple[float, float]  # (rtol relative to the output's scale, atol)
 
@@ -95,6 +95,8 @@ class ParityReport:
     reference: str = "original"
     error: str | None = None
     first_divergence: dict[str, Any] | None = None
+    #: how many pieces the original ran in (0: one session of the whole model; see Pieces)
+    pieces: int = 0
     #: the arrays parity ran on (the bundle's golden inputs); not part of report.json
     feeds: dict[str, np.ndarray] | None = field(default=None, repr=False, compare=False)
     #: the original model's outputs on them, by name (the golden outputs); not in report.json
@@ -225,6 +227,62 @@ def is_lean(model: onnx.ModelProto, budget: int | None = None) -> bool:
     return sum(tensor_nbytes(t) for t in model.graph.initializer) > budget
 
 
+def too_large(model: onnx.ModelProto) -> str | None:
+    """Why no check may hold ``model`` whole in one onnxruntime session (timing it, running the
+    bundle as deployed): it keeps its weights in external data and they are more than the piece
+    budget.  None when one session may hold it."""
+    if not has_external_data(model) or not is_lean(model):
+        return None
+    total = sum(tensor_nbytes(t) for t in model.graph.initializer)
+    return (
+        f"its {total / 2**30:.1f} GiB of external weights are more than one session may hold "
+        f"({piece_bytes() / 2**20:.0f} MiB, GRAPHOPT_PIECE_MB): parity ran it in pieces"
+    )
+
+
+def check_written(
+    path: Path,
+    feeds: dict[str, np.ndarray],
+    expected: dict[str, np.ndarray],
+    tolerances: dict[str, Tolerance] | None = None,
+    per_output: dict[str, Tolerance] | None = None,
+) -> dict[str, Any]:
+    """A written model (``path``, its external data mapped from the files beside it) run lean
+    on ``feeds`` and compared with ``expected`` (e.g. the bundle's golden outputs)."""
+    from .io import load_model
+
+    try:
+        model = load_model(path, check=False, lazy_external=True)
+        session = open_session(model, path.parent, lean=True)
+        names = [n for n in session.output_names() if n in expected]
+        got = session.run(feeds, names)
+    except GraphoptError as e:
+        return {"golden_ok": False, "failed": str(e)}
+    diffs = compare_outputs(
+        names, [expected[n] for n in names], got, tolerances, per_output=per_output
+    )
+    return {
+        "providers": ["CPUExecutionProvider"],
+        "graph_optimization_level": "ORT_DISABLE_ALL",
+        "pieces": getattr(session, "count", 0),
+        "golden_ok": all(d.ok for d in diffs),
+        "max_abs": {d.name: d.max_abs for d in diffs},
+        "what": f"{path.name} as written, its external data mapped from the bundle's files, "
+        "run lean (in pieces, optimizations off) on this machine's CPU",
+    }
+
+
+def run_lean(
+    model: onnx.ModelProto,
+    feeds: dict[str, np.ndarray],
+    names: list[str],
+    base_dir: str | os.PathLike | None = None,
+) -> list:
+    """The values of ``names`` (any tensors the model computes) on ``feeds``, the model run
+    lean (:func:`open_session`): for one run of a model too large to hold whole."""
+    return open_session(_with_outputs(model, names), base_dir, lean=True).run(feeds, names)
+
+
 def open_session(
     model: onnx.ModelProto,
     base_dir: str | os.PathLike | None = None,
@@ -283,6 +341,7 @@ class Pieces:
         self._sizes = {t.name: tensor_nbytes(t) for t in graph.initializer}
         self._uses = [_node_uses(n) for n in graph.node]
         self._declared = {vi.name: vi for vi in graph.input}
+        self.count = 0  # pieces of the last run
 
     @staticmethod
     def cuttable(model: onnx.ModelProto) -> bool:
@@ -361,6 +420,7 @@ class Pieces:
         names = list(names or self.output_names())
         values: dict[str, Any] = self._not_computed(names, feeds)
         pieces = self.plan(set(names))
+        self.count = len(pieces)
         for k, piece in enumerate(pieces):
             sub = self._model_of(piece, feeds, values)
             session = Session(sub, base_dir=self.base_dir, config=LEAN_CONFIG)
@@ -722,6 +782,7 @@ def check_parity(
         inputs,
     )
     shapes_used = {k: list(np.shape(v)) for k, v in feeds.items()}
+    pieces = getattr(orig_sess, "count", 0)
     orig_sess = None  # free the session before the optimized one loads
     if reference is not None:
         ref = open_session(reference, base_dir, lean).run(feeds, names)
@@ -768,6 +829,7 @@ def check_parity(
         reference_name,
         None,
         divergence,
+        pieces,
         feeds=feeds,
         reference_outputs=dict(zip(names, ref)) if reference is None else None,
     )

@@ -96,7 +96,15 @@ from graphopt.opt.io import (
     staging_dir,
     write_model_files,
 )
-from graphopt.opt.parity import ParityReport, Session, compare_outputs, compute_dtype, make_inputs
+from graphopt.opt.parity import (
+    ParityReport,
+    Session,
+    check_written,
+    compare_outputs,
+    compute_dtype,
+    make_inputs,
+    too_large,
+)
 from graphopt.opt.target import Target, get_target
 from graphopt.targets.kernels import model_opsets, primary_slots, resolve
 from graphopt.targets.memory import dtype_name, measured_view, memory_plan, nbytes, shape_view
@@ -848,6 +856,13 @@ def _verify(
     if not manifest["golden"].get("written"):
         verified["bundle_session"] = f"not-run: {manifest['golden'].get('why')}"
         return verified, latency, None
+    ctx = report.bundle_context or {}
+    if ctx.get("original") is not None and (why := too_large(ctx["original"])):
+        feeds, expected = _golden(out_dir)
+        tolerances, per_output = target.tolerances, ctx.get("per_output")
+        lean = check_written(out_dir / "model.onnx", feeds, expected, tolerances, per_output)
+        verified["bundle_session"] = lean | {"as_deployed": f"not-run: {why}"}
+        return verified, latency, None  # no whole-model session: no latency, no fast path
     providers = session["providers"] if on_device else ["CPUExecutionProvider"]
     if providers != list(session.get("providers") or []):
         save_to = None  # the fast path is built for the session config's providers only

@@ -136,10 +136,15 @@ def measured_view(
     tensors as outputs, its weights handed to onnxruntime as arrays (:func:`_weightless`): the
     model is neither serialized with its weights nor parsed again, and onnxruntime does not
     pre-pack them for a single run.  ``base_dir``: where weights still in external files
-    resolve."""
+    resolve.  A model too large for one session (:func:`graphopt.opt.parity.too_large`) runs in
+    pieces instead, one piece's weights mapped at a time."""
     from graphopt.opt.customops import register_libraries
     from graphopt.opt.errors import GraphoptError
+    from graphopt.opt.parity import run_lean, too_large
 
+    if too_large(model):  # more weights than one session should hold: measured in pieces
+        wanted = list(dict.fromkeys(names))
+        return _typed(names, wanted, run_lean(model, feeds, wanted, base_dir))
     light, weights = _weightless(model, names)
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
@@ -165,6 +170,10 @@ def measured_view(
         raise GraphoptError(
             f"onnxruntime cannot measure the shapes: {text.splitlines()[0] if text else e}"
         ) from None
+    return _typed(names, wanted, values)
+
+
+def _typed(names: list[str], wanted: list[str], values: list) -> dict[str, TypeInfo]:
     out: dict[str, TypeInfo] = {}
     for name, v in zip(wanted, values):
         if isinstance(v, np.ndarray) and name in names:

@@ -4,6 +4,7 @@ in memory at a time, with the same results as one session of the whole model."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 import textwrap
@@ -229,3 +230,49 @@ def test_peak_memory_of_lean_parity_is_one_piece(tmp_path):
     lean, whole = grown("16"), grown("1024")
     assert lean < 40, lean  # MiB: one 16 MiB weight at a time (+ the runtime's own)
     assert whole > lean + 32, (whole, lean)
+
+
+def test_a_model_too_large_for_one_session_is_checked_in_pieces_only(tmp_path, monkeypatch):
+    """External weights over the budget: the performance net does not time it (it would hold
+    both models whole), the bundle's written files are run in pieces against the golden outputs,
+    and the memory plan measures its unknown shapes in pieces: no session ever holds more than
+    one piece's weights."""
+    path = _decoder(tmp_path)
+    monkeypatch.setenv("GRAPHOPT_PIECE_MB", str(BUDGET / 2**20))
+    monkeypatch.delenv("GRAPHOPT_NO_MEASURE", raising=False)
+    m = load_model(path, lazy_external=True)
+    assert parity.too_large(m) and "GRAPHOPT_PIECE_MB" in parity.too_large(m)
+    ran, sessions = [], parity.ort.InferenceSession
+    real_init, real_run = sessions.__init__, sessions.run
+
+    def spy_init(self, source, so=None, *a, **kw):
+        real_init(self, source, so, *a, **kw)
+        proto = onnx.load_from_string(source) if isinstance(source, bytes) else None
+        self.held = (
+            sum(parity.tensor_nbytes(t) for t in proto.graph.initializer) if proto else source
+        )
+
+    def spy_run(self, *a, **kw):
+        ran.append(self.held)
+        return real_run(self, *a, **kw)
+
+    monkeypatch.setattr(sessions, "__init__", spy_init)
+    monkeypatch.setattr(sessions, "run", spy_run)
+    out, report = graphopt.optimize(path, target="cpu", shapes={"input_ids": [1, 8]})
+    assert report.parity.ok and report.parity.pieces > 3
+    assert "GRAPHOPT_PIECE_MB" in report.performance["why"]
+    bundle = graphopt.write_bundle(out, report, tmp_path / "b")
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    checked = manifest["verified"]["bundle_session"]
+    assert checked["golden_ok"] and checked["pieces"] > 3
+    assert checked["as_deployed"].startswith("not-run")
+    assert manifest["latency"] is None and not manifest["fast_path"]["written"]
+    plan = json.loads((bundle / "memory_plan.json").read_text())
+    assert plan["measured_shapes"] > 0
+    # every session that ran held one piece: wpe alone at most (the validity check only loads)
+    assert ran and max(ran) == 1024 * 64 * 4, ran
+
+
+def test_inline_weights_are_never_too_large():
+    m = _if_model()
+    assert parity.is_lean(m, 1) and parity.too_large(m) is None
