@@ -22,7 +22,7 @@ from . import compat
 from .clock import Clock
 from .errors import GraphoptError, UsageError
 from .feeds import validate_args
-from .io import check_without_weights, load_model, needs_external_data, serialize
+from .io import check_without_weights, load_model, serialize
 from .ir import ModelIR, op_histogram
 from .manager import PassContext, run_pass
 from .parity import ParityReport, Session, check_parity, is_lean, measure_ranges, too_large
@@ -435,10 +435,10 @@ def _invalid(
     """Why ``model`` is not a valid, loadable model (onnx.checker with full shape checks, then an
     onnxruntime session), or None.  The checker reads the model without its weights
     (:func:`~graphopt.opt.io.check_without_weights`); the model is serialized once, for the
-    session, and a valid model's bytes go ``into`` the caller's holder when they are the bytes
-    its bundle writes (no external data).  With ``keep`` the session is built as parity builds
-    its own and kept for it (``_loaded_session``); otherwise it is built to load only
-    (:data:`CHECK_ONLY`) and dropped."""
+    session, and a valid model's bytes go ``into`` the caller's holder (the bundle writes them
+    when it writes the model whole, without external data).  With ``keep`` the session is built
+    as parity builds its own and kept for it (``_loaded_session``); otherwise it is built to
+    load only (:data:`CHECK_ONLY`) and dropped."""
     _LOADED.clear()
     data = serialize(model) if runtime else None
     if checker:
@@ -458,7 +458,7 @@ def _invalid(
         return str(e)
     if keep:
         _LOADED.update(model=model, session=session)
-    if into is not None and data is not None and not needs_external_data(model):
+    if into is not None and data is not None:
         into.model, into.data = model, data
     return None
 

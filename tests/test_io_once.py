@@ -280,8 +280,8 @@ def test_held_bytes_are_only_for_the_model_object_returned(tmp_path):
     assert (bundle / "model.onnx").read_bytes() == other.SerializeToString()
 
 
-def test_no_bytes_are_held_for_a_model_written_with_external_data(tmp_path):
-    """Its model.onnx is not these bytes (the weights move to model.onnx.data)."""
+def test_held_bytes_are_not_written_for_a_model_with_external_data(tmp_path):
+    """Its model.onnx is not those bytes: the weights move to model.onnx.data."""
     onnx.save_model(
         small(),
         tmp_path / "m.onnx",
@@ -294,10 +294,18 @@ def test_no_bytes_are_held_for_a_model_written_with_external_data(tmp_path):
     holder = optimizer.Serialized()
     # (the checker looks for m.data beside the working directory: _keep_valid drops that clause)
     assert optimizer._invalid(lazy, tmp_path, checker=False, into=holder) is None
-    assert holder.model is None and holder.data is None
-    inline = small()
-    assert optimizer._invalid(inline, into=holder) is None
-    assert holder.model is inline and holder.data == inline.SerializeToString()
+    assert holder.model is lazy and holder.data == lazy.SerializeToString()
+    for external in (True, False):
+        out = tmp_path / f"out{external}"
+        out.mkdir()
+        io.write_model_files(
+            lazy, out / "model.onnx", external=external, base_dir=tmp_path, serialized=holder.data
+        )
+        written = onnx.load(out / "model.onnx", load_external_data=False)
+        assert io.has_external_data(written) == external == (out / "model.onnx.data").is_file()
+        np.testing.assert_array_equal(
+            numpy_helper.to_array(written.graph.initializer[0], str(out)), W
+        )
 
 
 # ------------------------------------------------------------------ input read once
