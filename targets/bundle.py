@@ -1311,7 +1311,9 @@ def _write_fast_path(
     if ran is not None and ran.get("save_error"):
         return _no_fast_path(out_dir, f"onnxruntime could not save it: {ran['save_error']}")
     if ran is None and manifest["golden"].get("written"):
-        return _no_fast_path(out_dir, "the bundle's own session did not run (verified)")
+        seen = (manifest.get("verified") or {}).get("bundle_session")
+        seen = seen.get("as_deployed") if isinstance(seen, dict) else seen
+        return _no_fast_path(out_dir, f"the bundle's whole-model session did not run ({seen})")
     try:
         if ran is not None and ran.get("saved"):
             names, ref, feeds = ran["names"], ran["outputs"], ran["feeds"]
