@@ -278,3 +278,13 @@ def test_a_slow_run_is_a_round_without_estimating_repeats(monkeypatch, run_s, ex
     else:  # a fast model: two warm-ups, four timing runs, then rounds of k repeats
         assert calls[:6] == [1] * 6 and set(calls[6:]) == {math.ceil(perf.ROUND_S / run_s)}
     assert perf.latency(t)["median_ms"] == pytest.approx(run_s * 1e3)
+
+
+def test_no_whole_model_session_no_fast_path(wide, tmp_path, monkeypatch, sessions):
+    """A model too large for one session is verified in pieces: no fast path, and why."""
+    optimized, report = graphopt.optimize(wide, target="cpu")
+    monkeypatch.setattr(bundle, "too_large", lambda m: "over the piece budget (test)")
+    out = graphopt.write_bundle(optimized, report, tmp_path / "b")
+    fast = manifest_of(out)["fast_path"]
+    assert not fast["written"] and "over the piece budget (test)" in fast["why"]
+    assert not (out / bundle.FAST_MODEL).exists() and sessions == []
