@@ -355,22 +355,13 @@ def toposort(graph: gs.Graph) -> None:
         for t in n.outputs:
             producer_at[id(t)] = i
     get = producer_at.get
+    if _ordered(nodes, get):
+        return
     #: per node, the positions of the nodes it reads from (once per edge, itself excluded)
     reads_from: list[list[int]] = []
-    ordered = True
     for i, n in enumerate(nodes):
-        reads = n.inputs
-        subs = subgraphs(n) if n.attrs else ()
-        if subs:
-            reads = list(reads)
-            for sub in subs:
-                reads += [t for inner in walk_nodes(sub) for t in inner.inputs]
-        mine = [p for p in map(get, map(id, reads)) if p is not None and p != i]
-        if ordered and any(p > i for p in mine):
-            ordered = False
+        mine = [p for p in map(get, map(id, _reads(n))) if p is not None and p != i]
         reads_from.append(mine)
-    if ordered:
-        return
     pending = [len(set(m)) for m in reads_from]
     users: list[list[int]] = [[] for _ in nodes]
     for i, mine in enumerate(reads_from):
@@ -389,6 +380,27 @@ def toposort(graph: gs.Graph) -> None:
     if len(order) != len(nodes):
         raise ValueError(f"graph '{graph.name}' has a cycle")
     graph.nodes = [nodes[i] for i in order]
+
+
+def _reads(node: Node) -> list[Tensor]:
+    """What a node reads: its inputs, and for a node with bodies, what their nodes read."""
+    subs = subgraphs(node) if node.attrs else ()
+    if not subs:
+        return node.inputs
+    reads = list(node.inputs)
+    for sub in subs:
+        reads += [t for inner in walk_nodes(sub) for t in inner.inputs]
+    return reads
+
+
+def _ordered(nodes: list[Node], producer_at) -> bool:
+    """Whether no node reads a tensor made by a later node (``producer_at``: id → position)."""
+    for i, n in enumerate(nodes):
+        for t in _reads(n):
+            p = producer_at(id(t))
+            if p is not None and p > i:
+                return False
+    return True
 
 
 def dtype_of(tensor: Tensor) -> np.dtype | None:

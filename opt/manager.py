@@ -334,6 +334,8 @@ def run_pass(p: Pass, ir: ModelIR, cx: PassContext, iteration: int = 0) -> bool:
 def _run_in_subgraphs(p: Pass, ir: ModelIR, cx: PassContext) -> bool:
     changed = False
     for node in list(ir.graph.nodes):
+        if not node.attrs:  # bodies are attributes: most nodes have none to look through
+            continue
         for sub in subgraphs(node):
             with ir.scoped(sub):
                 changed |= bool(p.run(ir, cx))
