@@ -83,6 +83,7 @@ class Match:
     def __init__(self, root: Node, bindings: dict[str, Any]):
         self.root = root
         self.bindings = dict(bindings)
+        self._nodes: list[Node] | None = None  # the bound nodes, until a stash
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -96,9 +97,13 @@ class Match:
 
     def stash(self, **values: Any) -> None:
         self.bindings.update(values)
+        self._nodes = None
 
     def nodes(self) -> list[Node]:
-        return [v for v in self.bindings.values() if isinstance(v, gs.Node)]
+        """The bound nodes, in binding order (a new list each call)."""
+        if self._nodes is None:
+            self._nodes = [v for v in self.bindings.values() if isinstance(v, gs.Node)]
+        return list(self._nodes)
 
 
 # ------------------------------------------------------------------------------- rules

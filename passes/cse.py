@@ -84,9 +84,10 @@ class CommonSubexpressionElimination(Pass):
         constants = self._canonical_constants(ir, cx)
         seen: dict[tuple, Node] = {}
         merged = 0
+        graph_outputs = {id(t) for t in ir.graph.outputs}  # merging never changes them
         for node in list(ir.graph.nodes):
             self._share_constants(node, constants)
-            key = self._key(ir, node)
+            key = self._key(node, graph_outputs)
             if key is None:
                 continue
             first = seen.setdefault(key, node)
@@ -127,22 +128,26 @@ class CommonSubexpressionElimination(Pass):
                 node.inputs[i] = c
 
     @staticmethod
-    def _key(ir: ModelIR, node: Node) -> tuple | None:
+    def _key(node: Node, graph_outputs: set[int]) -> tuple | None:
+        """What makes two nodes compute the same values; None for a node never merged
+        (``graph_outputs``: the ids of the graph's outputs)."""
         if (
             node.op in NONDETERMINISTIC
             or (node.domain or "") not in KNOWN_DOMAINS
             or not node.outputs
-            or subgraphs(node)
-            or any(ir.is_graph_output(t) for t in node.outputs)
+            or (node.attrs and subgraphs(node))
+            or any(id(t) in graph_outputs for t in node.outputs)
         ):
             return None
-        ins: list[int | None] = [None if _absent(t) else id(t) for t in node.inputs]
-        attrs = tuple(sorted((k, _attr_key(v)) for k, v in node.attrs.items()))
-        try:
-            hash(attrs)
-        except TypeError:
-            return None
-        return (node.op, node.domain or "", attrs, tuple(ins), len(node.outputs))
+        ins = tuple([None if _absent(t) else id(t) for t in node.inputs])
+        attrs: tuple = ()
+        if node.attrs:
+            attrs = tuple(sorted((k, _attr_key(v)) for k, v in node.attrs.items()))
+            try:
+                hash(attrs)
+            except TypeError:
+                return None
+        return (node.op, node.domain or "", attrs, ins, len(node.outputs))
 
 
 def _absent(t: Tensor) -> bool:

@@ -432,3 +432,16 @@ def test_nodes_import_as_graphsurgeon_builds_them(monkeypatch):
         slow = _shape_of_import(gs.import_onnx(case))
         monkeypatch.undo()
         assert fast == slow
+
+
+def test_match_nodes_follow_stashes_and_stay_the_callers():
+    from graphopt.opt.rewrite import Match
+
+    _, ir = _chain_model()
+    mul, add, relu = ir.graph.nodes[:3]
+    m = Match(relu, {"Relu": relu, "x": relu.inputs[0], "Add": add})
+    assert m.nodes() == [relu, add]
+    m.nodes().append(mul)  # the caller's own list
+    assert m.nodes() == [relu, add]
+    m.stash(Mul=mul, scale=2.0)
+    assert m.nodes() == [relu, add, mul]
