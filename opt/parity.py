@@ -101,10 +101,13 @@ class ParityReport:
     feeds: dict[str, np.ndarray] | None = field(default=None, repr=False, compare=False)
     #: the original model's outputs on them, by name (the golden outputs); not in report.json
     reference_outputs: dict[str, Any] | None = field(default=None, repr=False, compare=False)
+    #: (element type, dims) of every tensor the optimized model computed on them, when it ran
+    #: in pieces (the bundle's memory plan needs no run of its own); not in report.json
+    shapes: dict[str, tuple[int, list[int]]] | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(replace(self, feeds=None, reference_outputs=None))
-        del out["feeds"], out["reference_outputs"]
+        out = asdict(replace(self, feeds=None, reference_outputs=None, shapes=None))
+        del out["feeds"], out["reference_outputs"], out["shapes"]
         return out
 
     @classmethod
@@ -416,18 +419,32 @@ class Pieces:
             pieces.append(_Piece(idx, inputs, list(dict.fromkeys(outputs)), weights))
         return pieces
 
-    def run(self, feeds: dict[str, np.ndarray], names: list[str] | None = None) -> list:
+    def run(
+        self,
+        feeds: dict[str, np.ndarray],
+        names: list[str] | None = None,
+        shapes: dict[str, tuple[int, list[int]]] | None = None,
+    ) -> list:
+        """The values of ``names`` (default: the graph's outputs) on ``feeds``.  ``shapes``: filled
+        with (element type, dims) of every tensor the nodes compute, each piece asked for all
+        of its own (only what later pieces or the caller need is kept)."""
         names = list(names or self.output_names())
         values: dict[str, Any] = self._not_computed(names, feeds)
         pieces = self.plan(set(names))
         self.count = len(pieces)
         for k, piece in enumerate(pieces):
-            sub = self._model_of(piece, feeds, values)
+            asked = piece.outputs
+            if shapes is not None:
+                made = (o for i in piece.nodes for o in self.model.graph.node[i].output if o)
+                asked = list(dict.fromkeys([*piece.outputs, *made]))
+            sub = self._model_of(piece, feeds, values, asked)
             session = Session(sub, base_dir=self.base_dir, config=LEAN_CONFIG)
             given = {n: values[n] if n in values else feeds[n] for n in piece.inputs}
-            outs = session.run(given, piece.outputs)
+            outs = session.run(given, asked)
             del session, sub
-            values.update(zip(piece.outputs, outs))
+            if shapes is not None:
+                shapes.update(_shapes(asked, outs))
+            values.update((n, v) for n, v in zip(asked, outs) if n in piece.outputs)
             later = {n for p in pieces[k + 1 :] for n in p.inputs}
             values = {n: v for n, v in values.items() if n in later or n in names}
         return [values[n] for n in names]
@@ -446,8 +463,11 @@ class Pieces:
                 raise GraphoptError(f"onnxruntime failed to run the model: no value '{name}'")
         return out
 
-    def _model_of(self, piece: _Piece, feeds: dict, values: dict) -> onnx.ModelProto:
-        """The piece as a model: its nodes, the initializers they use, typed inputs."""
+    def _model_of(
+        self, piece: _Piece, feeds: dict, values: dict, outputs: list[str] | None = None
+    ) -> onnx.ModelProto:
+        """The piece as a model: its nodes, the initializers they use, typed inputs, ``outputs``
+        (default: what it hands on)."""
         graph = self.model.graph
         uses = set().union(*(self._uses[i] for i in piece.nodes))
         inputs = []
@@ -464,13 +484,25 @@ class Pieces:
             [graph.node[i] for i in piece.nodes],
             f"{graph.name or 'graph'}_piece",
             inputs,
-            [onnx.ValueInfoProto(name=n) for n in piece.outputs],
+            [onnx.ValueInfoProto(name=n) for n in (outputs or piece.outputs)],
             [t for t in graph.initializer if t.name in uses],
         )
         m = onnx.ModelProto(ir_version=self.model.ir_version, graph=sub)
         m.opset_import.extend(self.model.opset_import)
         m.functions.extend(self.model.functions)
         return m
+
+
+def _shapes(names: list[str], values: list) -> dict[str, tuple[int, list[int]]]:
+    """(element type, dims) of the tensors among ``values``."""
+    out = {}
+    for name, v in zip(names, values):
+        if isinstance(v, np.ndarray) and v.dtype != object:
+            try:
+                out[name] = (onnx.helper.np_dtype_to_tensor_dtype(v.dtype), list(v.shape))
+            except (KeyError, TypeError, ValueError):
+                continue
+    return out
 
 
 def _node_uses(node: onnx.NodeProto) -> set[str]:
@@ -813,7 +845,8 @@ def check_parity(
             f"optimized model lost output(s): {', '.join(missing)}",
             feeds=feeds,
         )
-    got = opt_sess.run(feeds, names)
+    shapes = {} if isinstance(opt_sess, Pieces) else None
+    got = opt_sess.run(feeds, names, shapes) if shapes is not None else opt_sess.run(feeds, names)
     del opt_sess
     diffs = compare_outputs(names, ref, got, tolerances, per_output, compute_dtype(original))
     ok = all(d.ok for d in diffs)
@@ -832,6 +865,7 @@ def check_parity(
         pieces,
         feeds=feeds,
         reference_outputs=dict(zip(names, ref)) if reference is None else None,
+        shapes=shapes,
     )
 
 

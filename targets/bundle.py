@@ -377,7 +377,8 @@ def write_bundle_files(
     verified_shapes = golden.get("shapes") or dict(report.parity.inputs or {})
     view = shape_view(model, verified_shapes)
     say("bundle: memory plan")
-    measured = _measure_unknown(out_dir, model, view, golden, ctx.get("base_dir"))
+    known = report.parity.shapes  # parity ran this model in pieces on the golden inputs
+    measured = _measure_unknown(out_dir, model, view, golden, ctx.get("base_dir"), known)
     plan = memory_plan(model, view, verified_shapes)
     plan["measured_shapes"] = measured
     (out_dir / MEMORY_PLAN).write_text(dumps_json(plan))
@@ -517,13 +518,17 @@ def _kernel_latencies(nodes: list[dict], kernels: dict | None) -> None:
 
 
 def _measure_unknown(
-    out_dir: Path, model: onnx.ModelProto, view, golden: dict, base_dir=None
+    out_dir: Path, model: onnx.ModelProto, view, golden: dict, base_dir=None, known=None
 ) -> int:
     """Fill the shapes static inference left unknown from an onnxruntime run on the golden
-    inputs; returns how many were measured."""
+    inputs (none when ``known``, shapes parity measured on them, has them all); returns how
+    many were measured."""
     unknown = [o for n in model.graph.node for o in n.output if o and nbytes(view.get(o)) is None]
     if not unknown or not golden.get("written"):
         return 0
+    if known and all(o in known for o in unknown):
+        view.update({o: known[o] for o in unknown})
+        return len(unknown)
     feeds, _ = _golden(out_dir)
     try:
         measured = measured_view(model, feeds, unknown, base_dir)

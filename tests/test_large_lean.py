@@ -28,6 +28,7 @@ from graphopt.opt.parity import (
     make_inputs,
     open_session,
 )
+from graphopt.targets import bundle as bundle_mod
 
 BUDGET = 100 << 10  # bytes: the tiny decoder below has ~0.7 MB of weights (wpe 256 KiB)
 
@@ -261,7 +262,12 @@ def test_a_model_too_large_for_one_session_is_checked_in_pieces_only(tmp_path, m
     out, report = graphopt.optimize(path, target="cpu", shapes={"input_ids": [1, 8]})
     assert report.parity.ok and report.parity.pieces > 3
     assert "GRAPHOPT_PIECE_MB" in report.performance["why"]
+    assert report.parity.shapes and "logits" in report.parity.shapes
+    assert "shapes" not in report.parity.to_dict()
+    measured_again = []
+    monkeypatch.setattr(bundle_mod, "measured_view", lambda *a: measured_again.append(a) or {})
     bundle = graphopt.write_bundle(out, report, tmp_path / "b")
+    assert not measured_again  # parity's run of the model measured its shapes
     manifest = json.loads((bundle / "manifest.json").read_text())
     checked = manifest["verified"]["bundle_session"]
     assert checked["golden_ok"] and checked["pieces"] > 3
