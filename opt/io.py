@@ -3,7 +3,7 @@
 Loading refuses, with one clear line, anything that is not a usable model: missing, empty,
 truncated or non-ONNX files, external-data references that escape the model's directory
 (absolute paths, ``..``, symlinks pointing outside) or point past the end of their file.
-A file is read once: onnx's checker reads the model without its weights
+A large file is read once: onnx's checker reads the model without its weights
 (:func:`check_without_weights`, refusing what it refuses on the whole model), and the
 external-data files of a large file are listed from its field headers (:func:`external_data_files`).
 Saving never leaves a half-written file: everything goes to a temporary sibling first and is
