@@ -261,6 +261,22 @@ def test_the_bundle_writes_the_bytes_the_validity_check_loaded(tmp_path, monkeyp
     assert report.serialized is None  # let go of once written
 
 
+def test_bytes_held_through_the_safety_net_are_the_models(tmp_path, monkeypatch):
+    """The performance safety net may replace the output: bytes are kept only for the model
+    returned, and whatever it is, model.onnx is its bytes."""
+    from graphopt.opt import perf
+
+    monkeypatch.delenv("GRAPHOPT_NO_MEASURE", raising=False)
+    monkeypatch.setattr(perf, "MIN_BUDGET_S", 1.0)
+    out, report = graphopt.optimize(small())
+    assert report.performance["measured"], report.performance
+    if report.serialized is not None:
+        assert report.serialized.model is out
+        assert report.serialized.data == out.SerializeToString()
+    bundle = graphopt.write_bundle(out, report, tmp_path / "b")
+    assert (bundle / "model.onnx").read_bytes() == out.SerializeToString()
+
+
 def test_no_bytes_are_held_through_a_lean_parity(tmp_path, monkeypatch):
     monkeypatch.setenv("GRAPHOPT_PIECE_MB", "0.001")  # W (16 KiB) is over it: parity runs lean
     out, report = graphopt.optimize(small())
