@@ -4,8 +4,9 @@
   the graph -- large constants travel as typed inputs, not data -- and writes the inferred dtypes
   and shapes back onto the graph's tensors.  Declared graph-output types are never overridden.
   A node that is the same object with the same op, names and plain attributes as at the last
-  inference of its graph keeps the proto exported then.  A graph using a custom domain the
-  model does not import is not exported at all: onnx refuses it (inference fails, as before).
+  inference of its graph keeps the proto exported then (at the first, the proto it was read
+  from).  A graph using a custom domain the model does not import is not exported at all: onnx
+  refuses it (inference fails, as before).
 * :func:`evaluate` runs a set of nodes whose inputs are all known, in one onnxruntime session
   with graph optimizations disabled, so folded values are exactly what the runtime computes.
 """
@@ -73,7 +74,7 @@ def infer_shapes(ir: ModelIR) -> bool:
     if nested and last is not None and last[1] == _fingerprint(g)[0]:
         ir.inferred[id(g)] = (ir.mutations, *last[1:])
         return True
-    protos = last[3] if last is not None else {}
+    protos = last[3] if last is not None else ir.node_protos.pop(id(g), {})
     ok = _infer(ir, g, protos)
     # with the types inference filled in; the objects stay alive so that their ids stay theirs
     fingerprint = _fingerprint(g) if nested else (None, None)
@@ -134,6 +135,20 @@ def _node_key(n: Node) -> tuple | None:
         getattr(n, _ATTR_ATTR, None),
         getattr(n, _NOTE_ATTR, None),
     )
+
+
+def read_protos(nodes: Sequence[Node], read: Sequence[onnx.NodeProto]) -> dict:
+    """The protos a graph's nodes were imported from, as :func:`_export_nodes` holds its own
+    exports (id → node, key, proto): an untouched node is not exported for the graph's first
+    inference.  ``read`` is the imported graph's node list, node for node."""
+    if len(nodes) != len(read):
+        return {}
+    protos = {}
+    for n, proto in zip(nodes, read):
+        key = _node_key(n)
+        if key is not None:
+            protos[id(n)] = (n, key, proto)
+    return protos
 
 
 def _export_nodes(nodes: Sequence[Node], protos: dict) -> list[onnx.NodeProto]:

@@ -118,6 +118,11 @@ class ModelIR:
         self.inferred: dict[int, tuple] = {}
         self.sorted: dict[int, int] = {}
         self._names = _NameSource(self.graph)
+        #: per graph (by id): its nodes' protos as read, for its first shape inference to reuse
+        self.node_protos: dict[int, dict] = {}
+        from .analysis import read_protos  # analysis builds on this module
+
+        self.node_protos[id(self.graph)] = read_protos(self.graph.nodes, model.graph.node)
 
     # ----------------------------------------------------------------- export
     def to_onnx(self) -> onnx.ModelProto:
