@@ -45,7 +45,7 @@ import onnx
 import onnxruntime as ort
 
 from .customops import register_libraries
-from .parity import DEFAULT_TOLERANCES, compute_dtype
+from .parity import DEFAULT_TOLERANCES, compute_dtype, open_session, too_large
 
 _PAST = re.compile(r"^(past_key_values|past)\.(\d+)\.(key|value)$|^past_(key|value)[._](\d+)$")
 _NP_TYPES = {
@@ -183,22 +183,40 @@ def decoder_interface(model: onnx.ModelProto) -> Interface | str:
 
 
 # ------------------------------------------------------------------------------ running
-def _session(model: onnx.ModelProto | str) -> ort.InferenceSession:
-    """A CPU session on ``model`` with the custom-op libraries of its generated kernels."""
+def _session(model: onnx.ModelProto | str, base_dir=None):
+    """A CPU session on ``model`` with the custom-op libraries of its generated kernels; a
+    model too large for one session (:func:`~graphopt.opt.parity.too_large`) runs in pieces,
+    as parity runs it.  ``base_dir``: where a proto's external weights resolve."""
+    if isinstance(model, onnx.ModelProto) and too_large(model):
+        return _InPieces(open_session(model, base_dir, lean=True))
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 3
+    if base_dir is not None:
+        so.add_session_config_entry(
+            "session.model_external_initializers_file_folder_path", str(base_dir)
+        )
     header = model if not isinstance(model, str) else onnx.load(model, load_external_data=False)
     register_libraries(so, header)
     source = model if isinstance(model, str) else model.SerializeToString()
     return ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
 
 
+class _InPieces:
+    """A lean parity session (:class:`~graphopt.opt.parity.Pieces`) run as onnxruntime's."""
+
+    def __init__(self, session) -> None:
+        self.session = session
+
+    def run(self, names: list[str], feeds: dict[str, np.ndarray]) -> list:
+        return self.session.run(feeds, names)
+
+
 class _Decoder:
     """One model with its own cache."""
 
-    def __init__(self, model: onnx.ModelProto | str, spec: Interface, batch: int):
-        self.sess = _session(model)
+    def __init__(self, model: onnx.ModelProto | str, spec: Interface, batch: int, base_dir=None):
+        self.sess = _session(model, base_dir)
         self.spec = spec
         self.outputs = [spec.logits] + [p for p, *_ in spec.cache.values()]
         self.past = {
@@ -243,8 +261,10 @@ def check_generation(
     batch: int = 1,
     seed: int = 0,
     tolerances: dict[str, tuple[float, float]] | None = None,
+    base_dir=None,
 ) -> GenerationResult:
-    """Greedy generation of ``steps`` tokens after a ``prefill``-token prompt on both models."""
+    """Greedy generation of ``steps`` tokens after a ``prefill``-token prompt on both models
+    (``base_dir``: where the protos' external weights resolve)."""
     import time
 
     t0 = time.perf_counter()
@@ -257,7 +277,8 @@ def check_generation(
     if isinstance(spec, str):
         return GenerationResult.not_run(spec)
     try:
-        ref, opt = _Decoder(original, spec, batch), _Decoder(optimized, spec, batch)
+        ref = _Decoder(original, spec, batch, base_dir)
+        opt = _Decoder(optimized, spec, batch, base_dir)
     except Exception as e:  # noqa: BLE001 - onnxruntime raises many unrelated types
         return GenerationResult.not_run(f"onnxruntime could not load a model: {_line(e)}")
     rng = np.random.default_rng(seed)
@@ -333,7 +354,12 @@ def report_generation(report, optimized: onnx.ModelProto) -> dict[str, Any] | No
     if optimized.ByteSize() >= 2**31 - 2**20:
         return GenerationResult.not_run("the optimized model is over 2 GB in memory").to_dict()
     source = original if isinstance(original, onnx.ModelProto) else str(original)
-    return check_generation(source, optimized, tolerances=_quantized_tolerances(report)).to_dict()
+    return check_generation(
+        source,
+        optimized,
+        tolerances=_quantized_tolerances(report),
+        base_dir=(report.bundle_context or {}).get("base_dir"),
+    ).to_dict()
 
 
 def _quantized_tolerances(report) -> dict[str, tuple[float, float]] | None:

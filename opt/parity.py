@@ -17,7 +17,8 @@ reported as not run, never as passed.
 
 A model whose weights are more than :data:`PIECE_BYTES` (``GRAPHOPT_PIECE_MB``) runs lean, the
 original and the optimized model alike (:func:`open_session`): piece by piece (:class:`Pieces`),
-each piece's session holding at most that much weight (or one larger tensor), external weights
+each piece's session holding at most that much weight, or about its largest tensor when that is
+smaller (but a quarter of the budget at least), or one larger tensor alone; external weights
 mapped from their file and not pre-packed, freed before the next piece loads; one session
 holds only one model at a time, and only the outputs are kept.  Memory then grows by one piece,
 not by the model (a 5 GB decoder: 378 MB peak instead of 10 GB), and the results are those of
@@ -294,12 +295,16 @@ def open_session(
 ) -> Session | Pieces:
     """The session parity runs ``model`` in (optimizations off).  ``lean`` (default:
     :func:`is_lean`): piece by piece (:class:`Pieces`) when the graph can be cut, else one
-    session without pre-packed weights (:data:`LEAN_CONFIG`); otherwise one plain session."""
+    session without pre-packed weights (:data:`LEAN_CONFIG`); otherwise one plain session.
+    A piece holds at most the budget, or about as much as the model's largest tensor when
+    that is smaller (a quarter of the budget at least): the peak grows by about one tensor."""
     budget = piece_bytes() if budget is None else budget
     if lean is None:
         lean = is_lean(model, budget)
     if lean and Pieces.cuttable(model):
-        return Pieces(model, base_dir=base_dir, budget=budget)
+        largest = max((tensor_nbytes(t) for t in model.graph.initializer), default=0)
+        piece = min(budget, max(largest, budget // 4))
+        return Pieces(model, base_dir=base_dir, budget=piece)
     return Session(model, base_dir=base_dir, config=LEAN_CONFIG if lean else None)
 
 

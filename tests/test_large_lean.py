@@ -162,6 +162,9 @@ def test_a_graph_that_cannot_be_cut_runs_whole_and_lean():
     assert isinstance(sess, Session) and is_lean(m, 16 << 10)
     assert isinstance(open_session(_if_model(), budget=1 << 20), Session)
     assert isinstance(open_session(_if_model(), budget=16 << 10), Pieces)
+    # a piece holds about the largest tensor (16 KiB) when the budget is larger
+    assert open_session(_if_model(), lean=True, budget=64 << 10).budget == 16 << 10
+    assert open_session(_if_model(), lean=True, budget=256 << 10).budget == 64 << 10
 
 
 def test_piece_budget_from_the_environment(monkeypatch):
@@ -282,3 +285,29 @@ def test_a_model_too_large_for_one_session_is_checked_in_pieces_only(tmp_path, m
 def test_inline_weights_are_never_too_large():
     m = _if_model()
     assert parity.is_lean(m, 1) and parity.too_large(m) is None
+
+
+def test_generation_check_of_a_large_decoder_runs_in_pieces(tmp_path, monkeypatch):
+    """A decoder with a KV cache whose external weights are over the budget: the generation
+    loop runs both models in pieces, step after step, with the same tokens and logits as whole
+    sessions."""
+    from test_generation import tiny_decoder
+
+    from graphopt.opt.generation import check_generation
+
+    m = tiny_decoder()
+    whole = check_generation(m, m, prefill=5, steps=3)
+    path = tmp_path / "dec" / "model.onnx"
+    path.parent.mkdir()
+    onnx.save(m, str(path), save_as_external_data=True, location="model.data", size_threshold=64)
+    lazy = load_model(path, lazy_external=True)
+    monkeypatch.setenv("GRAPHOPT_PIECE_MB", str(1 / 1024))  # 1 KiB: a weight or so per piece
+    assert parity.too_large(lazy)
+    runs = []
+    real_run = Pieces.run
+    monkeypatch.setattr(Pieces, "run", lambda self, *a: runs.append(1) or real_run(self, *a))
+    lean = check_generation(lazy, lazy, prefill=5, steps=3, base_dir=path.parent)
+    assert lean.ran and lean.ok, lean
+    assert len(runs) == 2 * 4  # both models, the prefill and three decode steps
+    assert lean.tokens_original == whole.tokens_original
+    assert lean.max_abs == 0.0
