@@ -192,8 +192,10 @@ def require_refold_no_worse(cx, dtype: np.dtype, what: str, measure) -> None:
     on every input, and pooling keeps that while it averages the unfused graph's rounding noise
     away.  Measured on ResNet-50 fp16 with non-trivial BN statistics: folded layers'
     systematic error is 3.1-7.1x the unfused ones' (worst error 0.56-1.23x), and folding all 53
-    made the logits' error against float64 4x larger (mean 3.03 vs 0.74, onnxruntime cpu):
-    refused there.  A fold that re-rounds nothing (scales that are powers of two, fresh BN
+    made the logits' error against float64 4x larger (mean 3.03 vs 0.74, onnxruntime cpu) than
+    the unfused graph at ORT_DISABLE_ALL.  This guard alone refuses that; on onnxruntime targets
+    ``rules/conv.py`` still keeps a fold no worse than onnxruntime's own fp16 Conv+BN fold, which
+    users get at ORT_ENABLE_BASIC and above anyway.  A fold that re-rounds nothing (scales that are powers of two, fresh BN
     statistics) is kept.  -O3 folds regardless (the other precision guards still apply).  A
     refusal (``precision-refold``) carries the numbers."""
     dtype = np.dtype(dtype)
