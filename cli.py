@@ -267,13 +267,16 @@ def check(
         if optimized.is_dir():
             optimized = optimized / "model.onnx"
         with progress(quiet) as say:
-            say("loading the models")
-            ref_model, opt_model = load_model(original), load_model(optimized)
+            say("loading the models")  # external weights stay on disk, mapped when run
+            ref_model = load_model(original, lazy_external=True)
+            opt_model = load_model(optimized, lazy_external=True)
         kw = dict(
             shapes=parse_shapes(shape),
             inputs=_feeds(inputs, ref_model),
             seed=seed,
             per_output=parse_tolerances(tolerance),
+            base_dir=original.resolve().parent,
+            optimized_base_dir=optimized.resolve().parent,
         )
         results = []
         with progress(quiet) as say:
@@ -282,7 +285,7 @@ def check(
                 results.append(check_parity(ref_model, opt_model, **kw))
             if reference in (Reference.float64, Reference.both):
                 say("parity vs a float64 upcast of the original")
-                f64 = upcast_to_float64(ref_model, TARGETS["cpu"])
+                f64 = upcast_to_float64(ref_model, TARGETS["cpu"], kw["base_dir"])
                 kw.update(reference=f64, reference_name="float64")
                 results.append(check_parity(ref_model, opt_model, **kw))
         if fmt == Format.json:

@@ -801,12 +801,16 @@ def check_parity(
     localize_on_failure: bool = True,
     base_dir: str | os.PathLike | None = None,
     optimized_session: Session | None = None,
+    optimized_base_dir: str | os.PathLike | None = None,
 ) -> ParityReport:
     """Run both models on the same inputs and compare every output of the original.
 
     ``reference`` (e.g. the float64 upcast of the original) replaces the original as the side
     the optimized model is compared with; inputs are still generated from the original.
+    ``base_dir``: where external weights resolve (``optimized_base_dir``: the optimized
+    model's, when they are elsewhere).
     """
+    opt_dir = base_dir if optimized_base_dir is None else optimized_base_dir
     validate_args(original, shapes, inputs, per_output)
     lean = is_lean(original)
     orig_sess = open_session(original, base_dir, lean)
@@ -826,7 +830,7 @@ def check_parity(
     if lean:  # both sides run lean, as the original did (a whole session would hold its weights)
         optimized_session = None
     try:
-        opt_sess = optimized_session or open_session(optimized, base_dir, lean)
+        opt_sess = optimized_session or open_session(optimized, opt_dir, lean)
     except GraphoptError as e:  # the original loads, the optimized one does not: a failure
         return ParityReport(
             False,
@@ -857,7 +861,9 @@ def check_parity(
     ok = all(d.ok for d in diffs)
     divergence = None
     if not ok and localize_on_failure and reference is None:
-        divergence = localize(original, optimized, feeds, tolerances, base_dir=base_dir, lean=lean)
+        divergence = localize(
+            original, optimized, feeds, tolerances, base_dir, lean, optimized_base_dir=opt_dir
+        )
     return ParityReport(
         ok,
         True,
@@ -926,6 +932,7 @@ def localize(
     tolerances: dict[str, Tolerance] | None = None,
     base_dir: str | os.PathLike | None = None,
     lean: bool | None = None,
+    optimized_base_dir: str | os.PathLike | None = None,
 ) -> dict[str, Any] | None:
     """The first tensor, in the original's topological order, present in both and diverging
     (``lean``: run as :func:`open_session` runs a large model, default :func:`is_lean`)."""
@@ -942,7 +949,8 @@ def localize(
     try:
         lean = is_lean(original) if lean is None else lean
         ref = open_session(_with_outputs(original, names), base_dir, lean).run(feeds, names)
-        got = open_session(_with_outputs(optimized, names), base_dir, lean).run(feeds, names)
+        opt_dir = base_dir if optimized_base_dir is None else optimized_base_dir
+        got = open_session(_with_outputs(optimized, names), opt_dir, lean).run(feeds, names)
     except GraphoptError:
         return None
     for (name, node, op), r, g in zip(order, ref, got):

@@ -311,3 +311,31 @@ def test_generation_check_of_a_large_decoder_runs_in_pieces(tmp_path, monkeypatc
     assert len(runs) == 2 * 4  # both models, the prefill and three decode steps
     assert lean.tokens_original == whole.tokens_original
     assert lean.max_abs == 0.0
+
+
+def test_check_reads_external_weights_beside_each_model_lazily(tmp_path, monkeypatch):
+    """``graphopt check`` on two external-data models in different folders: their weights are
+    not read in at load (parity maps them, in pieces above the budget), and each resolves
+    beside its own model."""
+    from typer.testing import CliRunner
+
+    from graphopt.cli import app
+    from graphopt.opt import io
+
+    path = _decoder(tmp_path)
+    out, report = graphopt.optimize(path, target="cpu", shapes={"input_ids": [1, 8]})
+    bundle = graphopt.write_bundle(out, report, tmp_path / "elsewhere")
+    monkeypatch.setenv("GRAPHOPT_PIECE_MB", str(BUDGET / 2**20))
+    read_in = []
+    real = io.external_data_helper.load_external_data_for_model
+    monkeypatch.setattr(
+        io.external_data_helper,
+        "load_external_data_for_model",
+        lambda *a, **kw: read_in.append(a) or real(*a, **kw),
+    )
+    args = ["check", path, bundle / "model.onnx", "--shape", "input_ids=1,8", "--format", "json"]
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    assert doc["ok"] and doc["pieces"] > 3
+    assert not read_in
