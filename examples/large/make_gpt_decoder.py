@@ -35,11 +35,17 @@ class Writer:
         self.f.write(b"\0" * ((-self.f.tell()) % 4096))
         offset = self.f.tell()
         self.f.write(value.tobytes())
-        t = onnx.TensorProto(name=name, dims=list(value.shape),
-                             data_type=helper.np_dtype_to_tensor_dtype(value.dtype))
+        t = onnx.TensorProto(
+            name=name,
+            dims=list(value.shape),
+            data_type=helper.np_dtype_to_tensor_dtype(value.dtype),
+        )
         t.data_location = TensorProto.EXTERNAL
-        for k, v in (("location", self.location), ("offset", str(offset)),
-                     ("length", str(value.nbytes))):
+        for k, v in (
+            ("location", self.location),
+            ("offset", str(offset)),
+            ("length", str(value.nbytes)),
+        ):
             t.external_data.add(key=k, value=v)
         self.inits.append(t)
         return name
@@ -49,7 +55,7 @@ class Writer:
         flat = out.reshape(-1)
         step = 1 << 24
         for i in range(0, flat.size, step):  # bounded temporaries
-            flat[i:i + step] = self.rng.standard_normal(min(step, flat.size - i)) * scale
+            flat[i : i + step] = self.rng.standard_normal(min(step, flat.size - i)) * scale
         return self.add(name, out)
 
     def small(self, name: str, value) -> str:
@@ -75,20 +81,26 @@ def build(out: Path, layers: int, hidden: int, heads: int, vocab: int, seed: int
     w.small("merge_shape", np.array([0, 0, d], np.int64))
     wte = w.random("wte", (vocab, d))
     w.random("wpe", (1024, d))
-    nodes += [n("Gather", [wte, "input_ids"], ["tok"]),
-              n("Shape", ["input_ids"], ["ids_shape"]),
-              n("Gather", ["ids_shape", "i1"], ["seq"], axis=0),
-              n("Range", ["i0", "seq", "i1"], ["pos"]),
-              n("Gather", ["wpe", "pos"], ["posemb"]),
-              n("Add", ["tok", "posemb"], ["h0"]),
-              # causal mask [seq, seq]: 0 on/below the diagonal, -1e4 above
-              n("Unsqueeze", ["seq", "axes0"], ["seq1"]),
-              n("Concat", ["seq1", "seq1"], ["mask_shape"], axis=0),
-              n("ConstantOfShape", ["mask_shape"], ["ones"],
-                value=helper.make_tensor("v", TensorProto.FLOAT, [1], [1.0])),
-              n("Trilu", ["ones"], ["tri"], upper=0),
-              n("Sub", ["one", "tri"], ["inv"]),
-              n("Mul", ["inv", "neg"], ["causal"])]
+    nodes += [
+        n("Gather", [wte, "input_ids"], ["tok"]),
+        n("Shape", ["input_ids"], ["ids_shape"]),
+        n("Gather", ["ids_shape", "i1"], ["seq"], axis=0),
+        n("Range", ["i0", "seq", "i1"], ["pos"]),
+        n("Gather", ["wpe", "pos"], ["posemb"]),
+        n("Add", ["tok", "posemb"], ["h0"]),
+        # causal mask [seq, seq]: 0 on/below the diagonal, -1e4 above
+        n("Unsqueeze", ["seq", "axes0"], ["seq1"]),
+        n("Concat", ["seq1", "seq1"], ["mask_shape"], axis=0),
+        n(
+            "ConstantOfShape",
+            ["mask_shape"],
+            ["ones"],
+            value=helper.make_tensor("v", TensorProto.FLOAT, [1], [1.0]),
+        ),
+        n("Trilu", ["ones"], ["tri"], upper=0),
+        n("Sub", ["one", "tri"], ["inv"]),
+        n("Mul", ["inv", "neg"], ["causal"]),
+    ]
     w.small("i0", np.array(0, np.int64))
     w.small("i1", np.array(1, np.int64))
     w.small("axes0", np.array([0], np.int64))
@@ -97,16 +109,19 @@ def build(out: Path, layers: int, hidden: int, heads: int, vocab: int, seed: int
     def layernorm(x: str, p: str) -> str:
         g = w.add(p + "g", np.ones(d, np.float32))
         b = w.add(p + "b", np.zeros(d, np.float32))
-        nodes.extend([
-            n("ReduceMean", [x, "axes_last"], [p + "mu"]),
-            n("Sub", [x, p + "mu"], [p + "dx"]),
-            n("Pow", [p + "dx", "two"], [p + "sq"]),
-            n("ReduceMean", [p + "sq", "axes_last"], [p + "var"]),
-            n("Add", [p + "var", "eps"], [p + "ve"]),
-            n("Sqrt", [p + "ve"], [p + "sd"]),
-            n("Div", [p + "dx", p + "sd"], [p + "nx"]),
-            n("Mul", [p + "nx", g], [p + "sx"]),
-            n("Add", [p + "sx", b], [p + "out"])])
+        nodes.extend(
+            [
+                n("ReduceMean", [x, "axes_last"], [p + "mu"]),
+                n("Sub", [x, p + "mu"], [p + "dx"]),
+                n("Pow", [p + "dx", "two"], [p + "sq"]),
+                n("ReduceMean", [p + "sq", "axes_last"], [p + "var"]),
+                n("Add", [p + "var", "eps"], [p + "ve"]),
+                n("Sqrt", [p + "ve"], [p + "sd"]),
+                n("Div", [p + "dx", p + "sd"], [p + "nx"]),
+                n("Mul", [p + "nx", g], [p + "sx"]),
+                n("Add", [p + "sx", b], [p + "out"]),
+            ]
+        )
         return p + "out"
 
     def linear(x: str, p: str, k: int, m: int) -> str:
@@ -134,14 +149,19 @@ def build(out: Path, layers: int, hidden: int, heads: int, vocab: int, seed: int
             n("Softmax", [p + "qkm"], [p + "probs"], axis=-1),
             n("MatMul", [p + "probs", p + "vt"], [p + "ctx"]),
             n("Transpose", [p + "ctx"], [p + "ctxt"], perm=[0, 2, 1, 3]),
-            n("Reshape", [p + "ctxt", "merge_shape"], [p + "merged"])]
+            n("Reshape", [p + "ctxt", "merge_shape"], [p + "merged"]),
+        ]
         o = linear(p + "merged", p + "o_", d, d)
         nodes.append(n("Add", [h, o], [p + "res1"]))
         f = layernorm(p + "res1", p + "ln2_")
         up = linear(f, p + "up_", d, 4 * d)
-        nodes += [n("Div", [up, "sqrt2"], [p + "gd"]), n("Erf", [p + "gd"], [p + "ge"]),
-                  n("Add", [p + "ge", "one"], [p + "ga"]), n("Mul", [up, p + "ga"], [p + "gm"]),
-                  n("Mul", [p + "gm", "half"], [p + "gelu"])]
+        nodes += [
+            n("Div", [up, "sqrt2"], [p + "gd"]),
+            n("Erf", [p + "gd"], [p + "ge"]),
+            n("Add", [p + "ge", "one"], [p + "ga"]),
+            n("Mul", [up, p + "ga"], [p + "gm"]),
+            n("Mul", [p + "gm", "half"], [p + "gelu"]),
+        ]
         down = linear(p + "gelu", p + "down_", 4 * d, d)
         nodes.append(n("Add", [p + "res1", down], [p + "res2"]))
         h = p + "res2"
@@ -150,10 +170,12 @@ def build(out: Path, layers: int, hidden: int, heads: int, vocab: int, seed: int
     w.random("lm_head", (d, vocab))
     w.f.close()
     graph = helper.make_graph(
-        nodes, "gpt_decoder",
+        nodes,
+        "gpt_decoder",
         [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "seq", vocab])],
-        w.inits)
+        w.inits,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     model.ir_version = 8
     with open(out, "wb") as f:
@@ -172,8 +194,9 @@ def main() -> None:
     t0 = time.perf_counter()
     build(args.out, args.layers, args.hidden, args.heads, args.vocab, args.seed)
     size = sum(p.stat().st_size for p in args.out.parent.glob(args.out.stem + "*"))
-    print(f"{args.out}: {size / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f}s "
-          f"(pid {os.getpid()})")
+    print(
+        f"{args.out}: {size / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f}s (pid {os.getpid()})"
+    )
 
 
 if __name__ == "__main__":
