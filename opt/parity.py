@@ -21,8 +21,9 @@ each piece's session holding at most that much weight, or about its largest tens
 smaller (but a quarter of the budget at least), or one larger tensor alone; external weights
 mapped from their file and not pre-packed, freed before the next piece loads; one session
 holds only one model at a time, and only the outputs are kept.  Memory then grows by one piece,
-not by the model (a 5 GB decoder: 378 MB peak instead of 10 GB), and the results are those of
-one session of the whole model without pre-packing, bit for bit.
+not by the model (examples/large: a 5 GiB decoder's parity peaks at ~380 MB), and the results
+are those of one session of the whole model without pre-packing, bit for bit.  The optimized
+model's run also records every tensor's type and shape (``ParityReport.shapes``).
 """
 
 from __future__ import annotations
