@@ -519,10 +519,13 @@ def context_models(ir: ModelIR, cx: PassContext, region: Region, fused_node: onn
     for c in region.out.outputs:
         if id(c) not in inside and all(c is not q for q in consumers):
             consumers.append(c)
+    consumers = _reads_first(consumers)
     ctx = producers + consumers
     if not ctx or any(_has_graph_attr(n) for n in ctx):
         return None
-    made = {id(t) for n in producers + region.nodes for t in n.outputs}
+    # a reader may read another reader's output (a Conv after the chain and the Concat of a
+    # dense block reading both): that tensor is made here, not fed
+    made = {id(t) for n in producers + region.nodes + consumers for t in n.outputs}
     inputs, inits, seen, nbytes = [], [], set(), 0
     for n in ctx + region.nodes:
         for t in n.inputs:
@@ -572,6 +575,26 @@ def context_models(ir: ModelIR, cx: PassContext, region: Region, fused_node: onn
         for name, dt, shape in inputs
     }
     return unfused, fused, feeds, [n.op for n in ctx]
+
+
+def _reads_first(nodes: list[Node]) -> list[Node]:
+    """``nodes`` ordered so that a node reading another one's output comes after it."""
+    made = {id(t): n for n in nodes for t in n.outputs}
+    done: list[Node] = []
+    placed: set[int] = set()
+
+    def place(n: Node) -> None:
+        if id(n) in placed:
+            return
+        placed.add(id(n))
+        for t in n.inputs:
+            if t is not None and id(t) in made:
+                place(made[id(t)])
+        done.append(n)
+
+    for n in nodes:
+        place(n)
+    return done
 
 
 def _has_graph_attr(n: Node) -> bool:
@@ -640,7 +663,13 @@ class FuseElementwise(Pass):
             shape = _gate_shape(ir, cx, r.shape)
             key = (r.spec.op_type, tuple(shape))
             if key not in results:
-                results[key] = self._gates(ir, cx, r, shape, lib, cuda_lib)
+                try:
+                    results[key] = self._gates(ir, cx, r, shape, lib, cuda_lib)
+                except Exception as e:  # noqa: BLE001 - an unmeasurable kernel stays unfused
+                    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                    results[key] = gates.GateResult(
+                        False, "gate-failed", f"its gates could not run ({text})", {}
+                    )
             res = results[key]
             if not res.ok:
                 self._missed(cx, r, res.code, res.message, gates=res.numbers, shape=shape)

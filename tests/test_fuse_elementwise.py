@@ -113,6 +113,38 @@ def test_real_benchmark_records_its_numbers():
     assert bool(fused_ops(out)) == (r.code == "fired")
 
 
+def test_readers_reading_each_other_in_the_context_model():
+    """A dense block: the chain's output feeds a Conv and a Concat that also reads that Conv's
+    output; the context model makes the Conv's output, it is not fed as an input too."""
+    m = masm()
+    c = 8
+    w2 = const("W2", np.random.default_rng(1).standard_normal((c, c, 1, 1)) * 0.3)
+    m.graph.initializer.append(w2)
+    m.graph.node.extend(
+        [
+            helper.make_node("Conv", ["y", "W2"], ["z"], name="conv2"),
+            helper.make_node("Concat", ["y", "z"], ["cat"], name="cat", axis=1),
+        ]
+    )
+    del m.graph.output[:]
+    m.graph.output.append(vi("cat", [1, 2 * c, 8, 8]))
+    out, report = run(m, pipeline=PIPE)
+    (r,) = remarks(report, "passed") or remarks(report, "missed")
+    assert sorted(r.args["gates"]["in_context"]["neighbours"]) == ["Concat", "Conv", "Conv"]
+    assert report.parity.ran and report.parity.ok, report.parity
+
+
+def test_a_gate_that_cannot_run_leaves_the_chain_unfused(monkeypatch):
+    def broken(*a, **kw):
+        raise RuntimeError("onnxruntime refused the gate's model\nsecond line")
+
+    monkeypatch.setattr(gates, "benchmark", broken)
+    out, report = run(masm(), pipeline=PIPE)
+    (r,) = remarks(report, "missed")
+    assert r.code == "gate-failed" and "refused the gate's model)" in r.message
+    assert not fused_ops(out) and report.parity.ok
+
+
 def test_output_names_kept_and_second_runtime_input(faster):
     """A residual add reads a second runtime tensor of the same shape (a gated layer-scale tail;
     without the Tanh the scale would fold into W: fold-linear-scale)."""

@@ -12,7 +12,7 @@ import pytest
 from onnx import helper
 from typer.testing import CliRunner
 
-from conftest import const, model, vi
+from conftest import EXAMPLES, const, model, vi
 from graphopt.cli import app
 from graphopt.opt.pipeline import preset, with_kernels
 from graphopt.targets.codegen import NO_KERNELS_ENV, gates, kernel_pipeline, kernels_by_default
@@ -95,3 +95,10 @@ def test_kernels_by_default_and_no_kernels(default_on, faster, tmp_path):
     report = optimize(src, tmp_path / "off", "--no-kernels")
     assert "fuse-elementwise" not in report["pipeline"]
     assert not (tmp_path / "off" / "kernels").exists()
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in EXAMPLES.glob("*.onnx")))
+def test_every_example_optimizes_with_kernels_on(default_on, tmp_path, name):
+    """The shipped examples as users run them: kernels on (their gates' models must load)."""
+    report = optimize(EXAMPLES / f"{name}.onnx", tmp_path / "b", "--target", "cpu", "--no-check")
+    assert report["passes"]
