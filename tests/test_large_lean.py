@@ -158,10 +158,9 @@ def test_a_graph_that_cannot_be_cut_runs_whole_and_lean():
     nodes = list(m.graph.node)
     del m.graph.node[:]
     m.graph.node.extend(reversed(nodes))  # onnxruntime sorts it; pieces could not
-    sess = open_session(m, budget=16 << 10)
-    assert isinstance(sess, Session) and is_lean(m, 16 << 10)
-    assert isinstance(open_session(_if_model(), budget=1 << 20), Session)
-    assert isinstance(open_session(_if_model(), budget=16 << 10), Pieces)
+    sess = open_session(m, lean=True, budget=16 << 10)
+    assert isinstance(sess, Session) and sess.sess  # one session, weights not pre-packed
+    assert isinstance(open_session(_if_model(), lean=True, budget=16 << 10), Pieces)
     # a piece holds about the largest tensor (16 KiB) when the budget is larger
     assert open_session(_if_model(), lean=True, budget=64 << 10).budget == 16 << 10
     assert open_session(_if_model(), lean=True, budget=256 << 10).budget == 64 << 10
@@ -282,9 +281,19 @@ def test_a_model_too_large_for_one_session_is_checked_in_pieces_only(tmp_path, m
     assert ran and max(ran) == 1024 * 64 * 4, ran
 
 
-def test_inline_weights_are_never_too_large():
+def test_inline_weights_run_whole(tmp_path, monkeypatch):
+    """Weights in memory already run in one session, whatever their size; the same weights in
+    external data over the budget run lean."""
     m = _if_model()
-    assert parity.is_lean(m, 1) and parity.too_large(m) is None
+    assert not is_lean(m, 1) and parity.too_large(m) is None
+    assert isinstance(open_session(m, budget=1), Session)
+    path = tmp_path / "ext" / "model.onnx"
+    path.parent.mkdir()
+    onnx.save(m, str(path), save_as_external_data=True, location="model.data", size_threshold=1024)
+    lazy = load_model(path, lazy_external=True)
+    assert is_lean(lazy, 16 << 10) and not is_lean(lazy, 1 << 20)
+    monkeypatch.setenv("GRAPHOPT_PIECE_MB", str(16 / 1024))
+    assert parity.too_large(lazy) and isinstance(open_session(lazy, path.parent), Pieces)
 
 
 def test_generation_check_of_a_large_decoder_runs_in_pieces(tmp_path, monkeypatch):
