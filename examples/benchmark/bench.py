@@ -723,6 +723,14 @@ def _snapshot_graphopt(dest: Path) -> Path:
     return dest
 
 
+def _shape_flags(inputs: dict | None) -> list[str]:
+    """``--shape name=d0,d1,...`` for each input of a sidecar's ``inputs``."""
+    flags: list[str] = []
+    for name, shape in (inputs or {}).items():
+        flags += ["--shape", f"{name}={','.join(str(d) for d in shape)}"]
+    return flags
+
+
 def _optimize_cmd(tool: str, src: Path, out_dir: Path, cfg: dict) -> tuple[list[str], Path]:
     py = sys.executable
     if tool.startswith("graphopt-O"):
@@ -743,7 +751,11 @@ def _optimize_cmd(tool: str, src: Path, out_dir: Path, cfg: dict) -> tuple[list[
                 "cpu",
                 "-O",
                 level,
-                "--no-check",
+                # parity on, as users run it (the bundle's golden inputs and its verified
+                # machine-specific fast path need it); the safety net's timing off: this
+                # script measures latency itself
+                "--no-measure",
+                *_shape_flags(cfg.get("inputs")),
                 "--quiet",
                 "--no-kernels",  # the latency sessions here register no custom-op library
             ],
@@ -1445,7 +1457,7 @@ def bench_model(name: str, path: Path, side: Path, tools: list[str], args, cpu: 
                 {"tool": tool, "path": base["path"], "session_config": entries, "bundle": bundle}
             )
             continue
-        cfg = {"transformer": list(tcfg) if tcfg else None}
+        cfg = {"transformer": list(tcfg) if tcfg else None, "inputs": sidecar.get("inputs")}
         if tool == "ort-transformers":
             r["config"] = {
                 "model_type": tcfg[0],

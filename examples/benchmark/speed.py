@@ -43,12 +43,10 @@ def _command(tool: str, src: Path, out_dir: Path, sidecar: dict) -> list[str]:
     """The process that optimizes ``src`` with ``tool``, writing into ``out_dir``."""
     if tool in (NO_CHECK, DEFAULT):
         cmd, _ = bench._optimize_cmd("graphopt-O2", src, out_dir, {})
+        cmd = [c for c in cmd if c not in ("--no-measure", "--no-kernels")]
         if tool == DEFAULT:  # as a user runs it: parity, safety net, kernels
-            cmd = [c for c in cmd if c not in ("--no-check", "--no-kernels")]
-            for name, shape in sidecar.get("inputs", {}).items():
-                dims = ",".join(str(d) for d in shape)
-                cmd += ["--shape", f"{name}={dims}"]
-        return cmd
+            return cmd + bench._shape_flags(sidecar.get("inputs"))
+        return cmd + ["--no-check", "--no-kernels"]
     cmd, _ = bench._optimize_cmd(RIVALS[tool], src, out_dir, sidecar)
     return cmd
 
