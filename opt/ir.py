@@ -591,6 +591,8 @@ def _keep_node_annotations(proto: onnx.GraphProto, graph: gs.Graph) -> None:
             kept = onnx.NodeProto(doc_string=node_proto.doc_string)
             kept.metadata_props.extend(node_proto.metadata_props)
             setattr(node, _NOTE_ATTR, kept)
+        if not node_proto.attribute:  # bodies are attributes
+            continue
         subs = [
             sub
             for a in node_proto.attribute
@@ -726,7 +728,14 @@ class _NameSource:
     """Unique, deterministic names for tensors and nodes a rewrite creates."""
 
     def __init__(self, graph: gs.Graph):
-        self.used = set(graph.tensors().keys()) | {n.name for n in walk_nodes(graph) if n.name}
+        # the names of ``graph.tensors()`` (its inputs, outputs and its nodes' tensors, the
+        # unnamed omitted ones aside), without building that map
+        used = {t.name for t in graph.inputs} | {t.name for t in graph.outputs}
+        for n in graph.nodes:
+            used.update([t.name for t in n.inputs])
+            used.update([t.name for t in n.outputs])
+        used.discard("")
+        self.used = used | {n.name for n in walk_nodes(graph) if n.name}
         self.counter = itertools.count()
 
     def fresh(self, base: str) -> str:

@@ -469,3 +469,29 @@ def test_first_shape_inference_reuses_the_protos_read_unless_a_node_changed(monk
     changed.graph.nodes[0].attrs["perm"][:] = [0, 1]  # edited in place before any inference
     assert analysis.infer_shapes(changed) and exported == ["tr"]
     assert [n.outputs[0].shape for n in changed.graph.nodes[:2]] == [[2, 3], [2, 3]]
+
+
+def test_fresh_names_avoid_every_name_the_graph_uses():
+    then_g = helper.make_graph(
+        [helper.make_node("Neg", ["x"], ["o"], name="inner")], "then", [], [vi("o", [2])]
+    )
+    nodes = [
+        helper.make_node("Clip", ["x", "", "hi"], ["c"], name="clip"),
+        helper.make_node("If", ["cond"], ["y"], name="if", then_branch=then_g, else_branch=then_g),
+        helper.make_node("Add", ["c", "y"], ["z"], name="add"),
+    ]
+    m = helper.make_model(
+        helper.make_graph(
+            nodes,
+            "g",
+            [vi("x", [2]), vi("cond", [], elem=onnx.TensorProto.BOOL), vi("unused", [1])],
+            [vi("z", [2])],
+            [const("hi", 6.0)],
+        ),
+        opset_imports=[helper.make_opsetid("", 18)],
+    )
+    ir = ModelIR(m)
+    tensors = set(ir.graph.tensors())
+    assert ir._names.used == tensors | {"clip", "if", "add", "inner"}
+    assert "" not in ir._names.used and "unused" in tensors
+    assert ir.fresh_name("clip") == "clip_0" and ir.fresh_name("inner") == "inner_1"
