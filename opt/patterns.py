@@ -80,7 +80,17 @@ class Const(Pattern):
         v = constant_value(t, VALUE_LIMIT)
         if v is None or v.size == 0 or v.dtype.kind not in "fiub" or (self.scalar and v.size != 1):
             return False
-        return self.value is None or (self._near(v.flat[0]) and self._near(v))
+        if self.value is None:
+            return True
+        if v.size == 1:
+            return self._near_one(v.flat[0])
+        return self._near(v.flat[0]) and self._near(v)
+
+    def _near_one(self, x: Any) -> bool:
+        """:meth:`_near` of one element, in plain arithmetic (the same float64 operations)."""
+        if self.rel == 0:
+            return bool(x == self.value)
+        return abs(float(x) - self.value) <= self.rel * abs(self.value)
 
     def _near(self, v: Any) -> bool:
         if self.rel == 0:

@@ -495,3 +495,20 @@ def test_fresh_names_avoid_every_name_the_graph_uses():
     assert ir._names.used == tensors | {"clip", "if", "add", "inner"}
     assert "" not in ir._names.used and "unused" in tensors
     assert ir.fresh_name("clip") == "clip_0" and ir.fresh_name("inner") == "inner_1"
+
+
+@pytest.mark.parametrize("rel", [0.0, 1e-3])
+@pytest.mark.parametrize(
+    "values",
+    [[1.0], [1.0005], [0.999], [np.nan], [np.inf], [1.0, 1.0], [1.0, 1.01], [True], [1], [-1.0]],
+)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64, np.int64, np.bool_])
+def test_value_leaf_of_one_element_reads_as_the_array_check(values, dtype, rel):
+    if dtype is np.bool_ and not all(v in (0, 1, True) for v in values):
+        return
+    with np.errstate(invalid="ignore"):
+        arr = np.array(values).astype(dtype)
+    leaf = Const("c", value=1.0, rel=rel)
+    t = gs.Constant("c", arr)
+    whole = leaf._near(arr.flat[0]) and leaf._near(arr)
+    assert leaf.accepts(t) == bool(whole)
