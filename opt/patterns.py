@@ -227,22 +227,23 @@ def _compile_node(p: Op) -> Callable[[Node], bool]:
                 return False
         if not free:
             return True
-        pool = [_present(ins, i) for i in free]
-        return all(any(fits(t) for t in pool) for fits in pooled)
+        pool = []
+        for i in free:
+            t = ins[i] if i < count else None
+            pool.append(None if isinstance(t, Variable) and t.name == "" else t)
+        for fits in pooled:  # each commuted pattern fits one of the commuted tensors
+            for t in pool:
+                if fits(t):
+                    break
+            else:
+                return False
+        return True
 
     return check
 
 
 def _accepts_anything(p: Pattern) -> bool:
     return isinstance(p, Var) and p.optional
-
-
-def _present(ins: list, i: int) -> Tensor | None:
-    """Input ``i`` as :func:`_match_node` sees it: None when absent or empty."""
-    if i >= len(ins):
-        return None
-    t = ins[i]
-    return None if (t is None or (isinstance(t, Variable) and t.name == "")) else t
 
 
 def _compile_tensor(p: Pattern) -> Callable[[Tensor | None], bool]:
