@@ -348,3 +348,19 @@ def test_check_reads_external_weights_beside_each_model_lazily(tmp_path, monkeyp
     doc = json.loads(result.output)
     assert doc["ok"] and doc["pieces"] > 3
     assert not read_in
+
+
+def test_pieces_of_an_ir3_model_whose_weights_are_inputs():
+    """IR 3 lists every initializer among the graph inputs; a piece holds only some of them."""
+    w = [const(f"w{i}", np.eye(32, dtype=np.float32) * (i + 2)) for i in range(3)]
+    nodes = [
+        helper.make_node("MatMul", ["x" if i == 0 else f"h{i}", f"w{i}"], [f"h{i + 1}"])
+        for i in range(3)
+    ]
+    inputs = [vi("x", [1, 32])] + [vi(f"w{i}", [32, 32]) for i in range(3)]
+    m = model(nodes, inputs, [vi("h3", [1, 32])], w, ir_version=3, opset=8)
+    x = {"x": np.ones((1, 32), np.float32)}
+    pieces = Pieces(m, budget=4096)
+    assert len(pieces.plan({"h3"})) == 3 and [i.name for i in pieces.get_inputs()] == ["x"]
+    (got,) = pieces.run(x, ["h3"])
+    assert np.array_equal(got, Session(m).run(x, ["h3"])[0]) and got[0, 0] == 24
