@@ -293,6 +293,9 @@ def test_inline_weights_run_whole(tmp_path, monkeypatch):
     lazy = load_model(path, lazy_external=True)
     assert is_lean(lazy, 16 << 10) and not is_lean(lazy, 1 << 20)
     monkeypatch.setenv("GRAPHOPT_PIECE_MB", str(16 / 1024))
+    assert isinstance(open_session(lazy, path.parent), Pieces)
+    assert not parity.too_large(lazy)  # held whole up to WHOLE_PIECES budgets
+    monkeypatch.setenv("GRAPHOPT_PIECE_MB", str(16 / 1024 / parity.WHOLE_PIECES))
     assert parity.too_large(lazy) and isinstance(open_session(lazy, path.parent), Pieces)
 
 
