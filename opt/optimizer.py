@@ -22,7 +22,7 @@ from . import compat
 from .clock import Clock
 from .errors import GraphoptError, UsageError
 from .feeds import validate_args
-from .io import check_without_weights, load_model, serialize
+from .io import about_external_data, check_without_weights, load_model, serialize
 from .ir import ModelIR, op_histogram
 from .manager import PassContext, run_pass
 from .parity import ParityReport, Session, check_parity, is_lean, measure_ranges, too_large
@@ -446,7 +446,7 @@ def _invalid(
             check_without_weights(model, full_check=True, data=data)
         except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
             text = str(e).strip()
-            if "external" not in text.lower():  # data files resolve beside the model, not here
+            if not about_external_data(e):  # data files resolve beside the model, not here
                 return "onnx.checker: " + (text.splitlines()[0] if text else type(e).__name__)
     if not runtime:
         return None

@@ -391,3 +391,34 @@ def test_a_file_that_is_no_model_is_still_nothing_listed(tmp_path, monkeypatch):
     assert io.external_data_files(junk) == []
     with pytest.raises(io._Malformed):
         io.external_locations(junk)
+
+
+def test_validity_of_an_external_data_output_does_not_depend_on_the_working_directory(
+    tmp_path, monkeypatch
+):
+    """onnx's checker looks for external files in the working directory when given bytes: its
+    'should be stored in ..., but it is not regular file' is no reason to call a model invalid."""
+    from graphopt.opt.io import load_model
+    from graphopt.opt.optimizer import _invalid
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 64)).astype(np.float32)
+    m = helper.make_model(
+        helper.make_graph(
+            [helper.make_node("MatMul", ["x", "w"], ["y"])],
+            "g",
+            [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 64])],
+            [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 64])],
+            [onnx.numpy_helper.from_array(w, "w")],
+        ),
+        opset_imports=[helper.make_opsetid("", 17)],
+    )
+    folder = tmp_path / "model"
+    folder.mkdir()
+    onnx.save(m, folder / "m.onnx", save_as_external_data=True, location="m.data", size_threshold=0)
+    lazy = load_model(folder / "m.onnx", lazy_external=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "m.data").mkdir()  # a folder of that name where the checker looks: not a file
+    monkeypatch.chdir(elsewhere)
+    assert _invalid(lazy, base_dir=folder) is None
