@@ -121,19 +121,20 @@ def _node_key(n: Node) -> tuple | None:
         if isinstance(v, _PLAIN):
             attrs.append((k, type(v), v))
         elif isinstance(v, list) and all(isinstance(x, _PLAIN) for x in v):
-            attrs.append((k, list, tuple((type(x), x) for x in v)))
+            attrs.append((k, list, tuple([(type(x), x) for x in v])))
         else:
             return None
+    fields = n.__dict__  # plain attributes: read without a lookup through the class
     return (
         n.op,
         n.domain,
         n.name,
-        tuple(t.name for t in n.inputs),
-        tuple(t.name for t in n.outputs),
+        tuple([t.name for t in n.inputs]),
+        tuple([t.name for t in n.outputs]),
         tuple(attrs),
         # what the exporter restores (ir: TYPE_PROTO attributes, doc_string/metadata), held
-        getattr(n, _ATTR_ATTR, None),
-        getattr(n, _NOTE_ATTR, None),
+        fields.get(_ATTR_ATTR),
+        fields.get(_NOTE_ATTR),
     )
 
 
