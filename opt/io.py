@@ -30,6 +30,7 @@ import shutil
 import stat
 import sys
 import tempfile
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -525,6 +526,65 @@ class _Hashing:
     def tell(self) -> int:
         return self.f.tell()
 
+    def copy(self, src: Path, offset: int, length: int, name: str) -> None:
+        """Append ``length`` bytes of ``src`` from ``offset``: copied by the kernel
+        (copy_file_range: no pass through Python) while a thread hashes the same bytes, read
+        back from the page cache; plain reads and writes where the kernel cannot copy."""
+        self.f.flush()
+        start = self.f.tell()
+        with open(src, "rb") as f:
+            hasher = threading.Thread(target=self._hash_region, args=(src, offset, length))
+            hasher.start()
+            try:
+                done = _kernel_copy(f.fileno(), self.f.fileno(), offset, start, length)
+            finally:
+                hasher.join()
+            if self._hash_error is not None:
+                raise self._hash_error
+            if done < length:  # the kernel copied part or none of it: the rest by hand
+                f.seek(offset + done)
+                self.f.seek(start + done)
+                left = length - done
+                while left:
+                    block = f.read(min(CHUNK, left))
+                    if not block:
+                        raise ModelSaveError(f"external data of '{name}' is truncated")
+                    self.f.write(block)
+                    left -= len(block)
+        self.f.seek(start + length)
+
+    _hash_error: Exception | None = None
+
+    def _hash_region(self, src: Path, offset: int, length: int) -> None:
+        try:
+            with open(src, "rb") as f:
+                f.seek(offset)
+                left = length
+                while left:
+                    block = f.read(min(CHUNK, left))
+                    if not block:
+                        raise ModelSaveError(f"{src.name}: external data is truncated")
+                    self.sha.update(block)
+                    left -= len(block)
+        except (OSError, ModelSaveError) as e:
+            self._hash_error = e
+
+
+def _kernel_copy(src_fd: int, dst_fd: int, offset: int, start: int, length: int) -> int:
+    """Bytes copied by copy_file_range from ``src_fd`` at ``offset`` to ``dst_fd`` at ``start``
+    (stops early where the kernel or the file system cannot, or at the source's end)."""
+    copy = getattr(os, "copy_file_range", None)
+    done = 0
+    while copy is not None and done < length:
+        try:
+            n = copy(src_fd, dst_fd, length - done, offset + done, start + done)
+        except OSError:
+            break
+        if n <= 0:
+            break
+        done += n
+    return done
+
 
 ALIGN = 4096
 CHUNK = 16 << 20
@@ -557,15 +617,7 @@ def _stream_external(model: onnx.ModelProto, path: Path, base_dir) -> str:
                 del raw
                 tensor.ClearField("raw_data")
             else:
-                with open(src, "rb") as f:
-                    f.seek(offset)
-                    left = length
-                    while left:
-                        block = f.read(min(CHUNK, left))
-                        if not block:
-                            raise ModelSaveError(f"external data of '{tensor.name}' is truncated")
-                        out.write(block)
-                        left -= len(block)
+                out.copy(src, offset, length, tensor.name)
             del tensor.external_data[:]
             tensor.data_location = onnx.TensorProto.EXTERNAL
             for key, value in (

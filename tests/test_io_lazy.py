@@ -4,6 +4,7 @@ external data skips the mapping walk altogether."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from onnx import helper
 
 from conftest import const, model, vi
@@ -58,3 +59,55 @@ def test_files_are_hashed_while_written(tmp_path):
     m = load_model(tmp_path / "ext" / "model.onnx", lazy_external=True)
     again = write_model_files(m, tmp_path / "again.onnx", external=True, base_dir=tmp_path / "ext")
     assert again["again.onnx.data"] == hashes["model.onnx.data"]
+
+
+def _two_weights():
+    rng = np.random.default_rng(0)
+    return model(
+        [
+            helper.make_node("MatMul", ["x", "W"], ["h"]),
+            helper.make_node("MatMul", ["h", "V"], ["y"]),
+        ],
+        [vi("x", [2, 64])],
+        [vi("y", [2, 64])],
+        [const("W", rng.standard_normal((64, 64))), const("V", rng.standard_normal((64, 64)))],
+    )
+
+
+@pytest.mark.parametrize("kernel", ["copies", "cannot", "copies part", "no call"])
+def test_external_data_copied_by_the_kernel_or_by_hand_alike(tmp_path, monkeypatch, kernel):
+    """External regions go through copy_file_range where it works and by reads and writes for
+    what it did not copy: the same file and the same sha256 either way."""
+    import hashlib
+    import os
+
+    from graphopt.opt.io import write_model_files
+
+    src = tmp_path / "src"
+    src.mkdir()
+    write_model_files(_two_weights(), src / "model.onnx", external=True)
+    m = load_model(src / "model.onnx", lazy_external=True)
+    real = os.copy_file_range
+    if kernel == "cannot":
+        monkeypatch.setattr(
+            os, "copy_file_range", lambda *a: (_ for _ in ()).throw(OSError(18, "x"))
+        )
+    elif kernel == "copies part":  # 1000 bytes, then the file system refuses
+
+        def part(s, d, n, o, p, calls=[]):  # noqa: B006 - counts the calls
+            calls.append(n)
+            if len(calls) > 1:
+                raise OSError(18, "cross-device")
+            return real(s, d, min(n, 1000), o, p)
+
+        monkeypatch.setattr(os, "copy_file_range", part)
+    elif kernel == "no call":
+        monkeypatch.delattr(os, "copy_file_range")
+    out = tmp_path / "out"
+    out.mkdir()
+    hashes = write_model_files(m, out / "model.onnx", external=True, base_dir=src)
+    data = (out / "model.onnx.data").read_bytes()
+    assert hashes["model.onnx.data"] == hashlib.sha256(data).hexdigest()
+    assert data == (src / "model.onnx.data").read_bytes()
+    again = load_model(out / "model.onnx")
+    assert {t.name for t in again.graph.initializer} == {"W", "V"}
