@@ -488,7 +488,8 @@ OnnxExporter.export_node = staticmethod(_export_node)
 
 # graphsurgeon builds every node and tensor it imports through its generic constructors and
 # synchronized lists (a Python call per attribute set and per use-list entry): about a third
-# of importing a large graph.  The same objects, with the same use-lists, are built directly.
+# of importing a large graph.  The same objects, with the same use-lists, are built directly
+# (nodes, the tensors they name first, initializers).
 _gs_import_node = OnnxImporter.import_node
 
 
@@ -553,6 +554,28 @@ def _import_node(
 
 
 OnnxImporter.import_node = staticmethod(_import_node)
+_gs_import_tensor = OnnxImporter.import_tensor
+
+
+def _import_tensor(onnx_tensor) -> Tensor:
+    """graphsurgeon's ``OnnxImporter.import_tensor``, a dense TensorProto's Constant built
+    directly (its values still read lazily by graphsurgeon's LazyValues)."""
+    if not isinstance(onnx_tensor, onnx.TensorProto):
+        return _gs_import_tensor(onnx_tensor)
+    c = object.__new__(Constant)
+    fields = c.__dict__
+    fields["name"] = onnx_tensor.name
+    fields["inputs"] = _sync_list(c, "outputs", [])
+    fields["outputs"] = _sync_list(c, "inputs", [])
+    fields["_values"] = LazyValues(onnx_tensor)
+    fields["data_location"] = (
+        int(onnx_tensor.data_location) if onnx_tensor.HasField("data_location") else None
+    )
+    fields["_export_dtype"] = None
+    return c
+
+
+OnnxImporter.import_tensor = staticmethod(_import_tensor)
 
 # graphsurgeon writes every constant it holds as raw bytes; ONNX stores strings in string_data
 # and packs int4/uint4 two to a byte.

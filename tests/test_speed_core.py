@@ -371,7 +371,8 @@ def _shape_of_import(graph: gs.Graph) -> list:
             t.shape,
             [ref(n) for n in t.inputs],
             [ref(n) for n in t.outputs],
-            vars(t).keys() - {"_values"},
+            [(k, v) for k, v in vars(t).items() if k not in ("_values", "inputs", "outputs")],
+            type(getattr(t, "_values", None)).__name__,
         )
 
     out = [[tensor(t) for t in graph.inputs], [tensor(t) for t in graph.outputs]]
@@ -395,7 +396,7 @@ def _shape_of_import(graph: gs.Graph) -> list:
     return out
 
 
-def test_nodes_import_as_graphsurgeon_builds_them(monkeypatch):
+def test_nodes_and_initializers_import_as_graphsurgeon_builds_them(monkeypatch):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "scale"))
     import make_synthetic
     from onnx_graphsurgeon.importers.onnx_importer import OnnxImporter
@@ -430,6 +431,9 @@ def test_nodes_import_as_graphsurgeon_builds_them(monkeypatch):
     for case in (m, make_synthetic.build(200)):
         fast = _shape_of_import(gs.import_onnx(case))
         monkeypatch.setattr(OnnxImporter, "import_node", staticmethod(ir_module._gs_import_node))
+        monkeypatch.setattr(
+            OnnxImporter, "import_tensor", staticmethod(ir_module._gs_import_tensor)
+        )
         slow = _shape_of_import(gs.import_onnx(case))
         monkeypatch.undo()
         assert fast == slow
