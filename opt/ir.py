@@ -38,9 +38,13 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 from onnx import external_data_helper, numpy_helper
-from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
+from onnx_graphsurgeon.exporters.onnx_exporter import (
+    OnnxExporter,
+    check_duplicate_node_names,
+    update_import_domains,
+)
 from onnx_graphsurgeon.importers.onnx_importer import OnnxImporter
-from onnx_graphsurgeon.ir.tensor import LazyValues
+from onnx_graphsurgeon.ir.tensor import LazyValues, SparseValues
 from onnx_graphsurgeon.util import misc as gs_misc
 
 from .compat import Note, function_id, inline_functions
@@ -54,6 +58,42 @@ Node = gs.Node
 Tensor = gs.Tensor
 Constant = gs.Constant
 Variable = gs.Variable
+
+
+def export_model(root: gs.Graph) -> onnx.ModelProto:
+    """``gs.export_onnx(root, do_type_check=False)``, built inside the model: each weight is
+    copied into it once (gs.export_onnx copies every weight into a GraphProto, then that graph
+    into the model: BERT-base, 0.85 s of its 0.94 s export).  The same message, field for field."""
+    model = onnx.ModelProto(ir_version=onnx.IR_VERSION)
+    graph = model.graph
+    check_duplicate_node_names(root.nodes, level=gs.logger.G_LOGGER.WARNING)
+    graph.node.extend(OnnxExporter.export_node(n) for n in root.nodes)
+    graph.name = root.name
+    graph.input.extend(OnnxExporter.export_value_info_proto(t, False) for t in root.inputs)
+    graph.output.extend(OnnxExporter.export_value_info_proto(t, False) for t in root.outputs)
+    tensors = root.tensors()
+    for t in tensors.values():
+        if isinstance(t, gs.Constant):
+            if isinstance(t._values, SparseValues):
+                graph.sparse_initializer.append(OnnxExporter.export_sparse_tensor_proto(t))
+            else:
+                graph.initializer.append(OnnxExporter.export_tensor_proto(t))
+    for t in root.inputs + root.outputs:
+        tensors.pop(t.name, None)
+    graph.value_info.extend(
+        OnnxExporter.export_value_info_proto(t, False)
+        for t in tensors.values()
+        if isinstance(t, gs.Variable) and (t.dtype is not None or t.shape is not None)
+    )
+    if root.doc_string:
+        graph.doc_string = root.doc_string
+    model.opset_import.extend(update_import_domains(root))
+    model.functions.extend(OnnxExporter.export_function(f) for f in root.functions)
+    model.producer_name = root.producer_name
+    model.producer_version = root.producer_version
+    if root.ir_version is not None:
+        model.ir_version = root.ir_version
+    return model
 
 
 class ModelIR:
@@ -130,7 +170,7 @@ class ModelIR:
         self.root.cleanup(remove_unused_graph_inputs=False)
         for g in [self.root] + [s for n in walk_nodes(self.root) for s in subgraphs(n)]:
             toposort(g)
-        exported = gs.export_onnx(self.root, do_type_check=False)
+        exported = export_model(self.root)
         added = [
             onnx.OperatorSetIdProto(domain=o.domain, version=o.version)
             for o in exported.opset_import

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 import pytest
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from conftest import check_parity, const, model, vi
 from graphopt.opt import ir as ir_module
@@ -306,8 +306,8 @@ def test_export_keeps_the_exported_graph_and_restores_the_model_fields(monkeypat
     m.metadata_props.add(key="k", value="v")
     ir = ModelIR(m)
     made = []
-    real = gs.export_onnx
-    monkeypatch.setattr(gs, "export_onnx", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    real = ir_module.export_model
+    monkeypatch.setattr(ir_module, "export_model", lambda *a: made.append(real(*a)) or made[-1])
     out = ir.to_onnx()
     assert out is made[0]  # no copy of the graph (and of every inline weight in it)
     assert (out.producer_name, out.doc_string) == ("exporter", "the model")
@@ -516,3 +516,63 @@ def test_value_leaf_of_one_element_reads_as_the_array_check(values, dtype, rel):
     t = gs.Constant("c", arr)
     whole = leaf._near(arr.flat[0]) and leaf._near(arr)
     assert leaf.accepts(t) == bool(whole)
+
+
+def test_export_in_place_is_graphsurgeons_export_byte_for_byte():
+    """export_model builds the message gs.export_onnx builds (each weight copied once): a graph
+    with an If (subgraphs), a local function, a sparse initializer, value_info and doc strings."""
+    rng = np.random.default_rng(0)
+    branch = lambda name, op: helper.make_graph(  # noqa: E731
+        [helper.make_node(op, ["r"], [f"{name}_out"], name=f"{name}_n")],
+        name,
+        [],
+        [vi(f"{name}_out", [2, 3])],
+    )
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"], name="relu", doc_string="a relu"),
+        helper.make_node("Greater", ["s", "zero"], ["c"], name="gt"),
+        helper.make_node(
+            "If",
+            ["c"],
+            ["i"],
+            name="if",
+            then_branch=branch("t", "Neg"),
+            else_branch=branch("e", "Abs"),
+        ),
+        helper.make_node("Twice", ["i"], ["f"], name="fn", domain="local"),
+        helper.make_node("Add", ["f", "W"], ["a"], name="add"),
+        helper.make_node("MatMul", ["a", "S"], ["y"], name="mm"),
+    ]
+    fn = helper.make_function(
+        "local",
+        "Twice",
+        ["u"],
+        ["v"],
+        [helper.make_node("Add", ["u", "u"], ["v"])],
+        [helper.make_opsetid("", 17)],
+    )
+    sparse = helper.make_sparse_tensor(
+        numpy_helper.from_array(np.array([1.0, 2.0], np.float32), "S"),
+        numpy_helper.from_array(np.array([0, 4], np.int64), "S_idx"),
+        [3, 2],
+    )
+    g = helper.make_graph(
+        nodes,
+        "g",
+        [vi("x", [2, 3]), vi("s", [])],
+        [vi("y", [2, 2])],
+        [const("W", rng.standard_normal((2, 3))), const("zero", np.zeros((), np.float32))],
+        doc_string="the graph",
+        value_info=[vi("r", [2, 3])],
+        sparse_initializer=[sparse],
+    )
+    m = helper.make_model(
+        g,
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("local", 1)],
+        functions=[fn],
+    )
+    root = gs.import_onnx(m)  # graphsurgeon's own import keeps the function and the sparse one
+    a = gs.export_onnx(root, do_type_check=False)
+    b = ir_module.export_model(root)
+    assert len(b.graph.node) == 6 and len(b.functions) == 1 and len(b.graph.sparse_initializer) == 1
+    assert a.SerializeToString() == b.SerializeToString()
