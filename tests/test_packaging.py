@@ -1,8 +1,9 @@
 """Every Python package of the source tree is listed in pyproject.toml, so a plain `pip install .`
 ships it (an editable install would hide a missing entry)."""
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 SKIP = {"tests", "examples", ".venv", "build"}
