@@ -34,6 +34,8 @@ height-broadcast constant is refused ("not-per-channel"): folding it would chang
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from graphopt.opt.dims import same_dim
@@ -251,17 +253,72 @@ def compensated_rows(exact: np.ndarray, nearest: np.ndarray) -> np.ndarray:
     total = resid.sum(axis=1, keepdims=True)
     useful = (resid != 0) & np.isfinite(step) & (np.sign(step) == -np.sign(total))
     cost = np.where(useful, np.abs(resid + step) - np.abs(resid), np.inf)
-    order = np.argsort(cost, axis=1, kind="stable")
-    steps = np.take_along_axis(np.where(useful, step, 0.0), order, axis=1)
-    costs = np.take_along_axis(np.where(useful, cost, 0.0), order, axis=1)
-    zero = np.zeros_like(total)
-    reach = np.abs(total + np.concatenate([zero, np.cumsum(steps, axis=1)], axis=1))
-    added = np.concatenate([zero, np.cumsum(costs, axis=1)], axis=1)
-    count = np.argmin(reach + 2.0 * added, axis=1)
-    rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.arange(order.shape[1])[None, :], axis=1)
-    flip = useful & (rank < count[:, None])
+    step = np.where(useful, step, 0.0)
+    flip = _cheapest_flips(total, cost, step, useful)
     return np.where(flip, other, nearest)
+
+
+#: candidates per row put in order first (at least; 8·sqrt(length) for long rows): a row
+#: needs about sqrt(its length) flips
+FLIP_PREFIX = 64
+
+
+def _cheapest_flips(total, cost, step, useful) -> np.ndarray:
+    """Which values :func:`compensated_rows` moves: per row, the first ``count`` in the order
+    of a stable sort by cost, ``count`` minimizing |total + their steps| + 2·their costs.  Only
+    the :data:`FLIP_PREFIX` cheapest are sorted; a row whose best count could lie beyond them
+    (costs never decrease along the order, so none can once twice the prefix's costs reach
+    the best found) is sorted whole, so the result is the whole sort's."""
+    rows, n = cost.shape
+    flip = np.zeros((rows, n), dtype=bool)
+    if n == 0:
+        return flip
+    k = _prefix_length(n)
+    part = (
+        np.argpartition(cost, k - 1, axis=1)[:, :k] if k < n else np.tile(np.arange(n), (rows, 1))
+    )
+    order = np.take_along_axis(part, np.lexsort((part, np.take_along_axis(cost, part, 1))), 1)
+    sorted_cost = np.take_along_axis(cost, order, axis=1)
+    kth = sorted_cost[:, -1:]
+    # the prefix as the whole sort has it: values cheaper than the k-th (ties may differ there)
+    safe = (sorted_cost < kth).sum(axis=1) if k < n else np.full(rows, n)
+    count, best, added = _best_count(total, sorted_cost, np.take_along_axis(step, order, 1), safe)
+    whole = ~((2.0 * added >= best) | ~np.isfinite(kth[:, 0]) | (k == n))
+    sel = np.arange(k)[None, :] < count[:, None]
+    np.put_along_axis(flip, order, sel, axis=1)
+    if whole.any():
+        idx = np.flatnonzero(whole)
+        order = np.argsort(cost[idx], axis=1, kind="stable")
+        count, _, _ = _best_count(
+            total[idx],
+            np.take_along_axis(cost[idx], order, 1),
+            np.take_along_axis(step[idx], order, 1),
+            np.full(idx.size, n),
+        )
+        sub = np.zeros((idx.size, n), dtype=bool)
+        np.put_along_axis(sub, order, np.arange(n)[None, :] < count[:, None], axis=1)
+        flip[idx] = sub
+    return flip & useful
+
+
+def _prefix_length(n: int) -> int:
+    """How many of a row's ``n`` candidates :func:`_cheapest_flips` sorts first."""
+    return min(n, max(FLIP_PREFIX, 8 * math.isqrt(n)))
+
+
+def _best_count(total, sorted_cost, sorted_step, limit):
+    """(count, its objective, the costs of the first ``limit``) per row, counts up to
+    ``limit``: the objective |total + Σ steps| + 2·Σ costs over the first ``count`` values."""
+    finite_cost = np.where(np.isfinite(sorted_cost), sorted_cost, 0.0)
+    zero = np.zeros_like(total)
+    reach = np.abs(total + np.concatenate([zero, np.cumsum(sorted_step, axis=1)], axis=1))
+    added = np.concatenate([zero, np.cumsum(finite_cost, axis=1)], axis=1)
+    objective = reach + 2.0 * added
+    beyond = np.arange(objective.shape[1])[None, :] > limit[:, None]
+    objective = np.where(beyond, np.inf, objective)
+    count = np.argmin(objective, axis=1)
+    rows = np.arange(count.size)
+    return count, objective[rows, count], added[rows, np.minimum(limit, added.shape[1] - 1)]
 
 
 def runtime_bn_fold(w, b, gamma, beta, mean, var, eps: float) -> tuple[np.ndarray, np.ndarray]:

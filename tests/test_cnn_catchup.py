@@ -6,6 +6,7 @@ import os
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from conftest import assert_optimized, codes, const, model, ops, run, vi
@@ -157,3 +158,51 @@ def test_fp32_conv_bn_weights_are_rounded_to_nearest(rng):
     s = p["g"] / np.sqrt(p["v"] + 1e-5)
     w = [v for v in _inits(out).values() if v.ndim == 4][0]
     assert np.array_equal(w, (p["W"] * s[:, None, None, None]).astype(np.float32))
+
+
+def _sorted_whole(exact, nearest):
+    """compensated_rows with every row sorted whole (the reference for the prefix sort)."""
+    exact = np.asarray(exact, dtype=np.float64)
+    near64 = nearest.astype(np.float64)
+    resid = near64 - exact
+    with np.errstate(over="ignore"):
+        other = np.where(
+            resid > 0,
+            np.nextafter(nearest, np.float16(-np.inf)),
+            np.nextafter(nearest, np.float16(np.inf)),
+        ).astype(np.float16)
+    step = other.astype(np.float64) - near64
+    total = resid.sum(axis=1, keepdims=True)
+    useful = (resid != 0) & np.isfinite(step) & (np.sign(step) == -np.sign(total))
+    cost = np.where(useful, np.abs(resid + step) - np.abs(resid), np.inf)
+    order = np.argsort(cost, axis=1, kind="stable")
+    steps = np.take_along_axis(np.where(useful, step, 0.0), order, axis=1)
+    costs = np.take_along_axis(np.where(useful, cost, 0.0), order, axis=1)
+    zero = np.zeros_like(total)
+    reach = np.abs(total + np.concatenate([zero, np.cumsum(steps, axis=1)], axis=1))
+    added = np.concatenate([zero, np.cumsum(costs, axis=1)], axis=1)
+    count = np.argmin(reach + 2.0 * added, axis=1)
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(order.shape[1])[None, :], axis=1)
+    return np.where(useful & (rank < count[:, None]), other, nearest)
+
+
+@pytest.mark.parametrize("prefix", [None, 64, 4, 1])
+def test_compensated_rows_sort_a_prefix_like_the_whole_row(rng, monkeypatch, prefix):
+    """Sorting only the cheapest candidates gives what sorting every row gives: rows of every
+    length and scale, few useful values, ties, and prefixes too short (rows sorted whole)."""
+    from graphopt.rules import conv
+
+    if prefix:
+        monkeypatch.setattr(conv, "_prefix_length", lambda n: min(n, prefix))
+    rows = [
+        rng.standard_normal((64, 576)) * 0.05,
+        rng.standard_normal((8, 9)) * 3.0,
+        rng.standard_normal((16, 2304)) * np.exp(rng.uniform(-12, 2, (16, 1))),
+        np.round(rng.standard_normal((32, 40)) * 512) / 1024 + 1 / 4096,  # many equal costs
+        rng.standard_normal((4, 1)),
+        np.zeros((3, 7)),
+    ]
+    for exact in rows:
+        nearest = exact.astype(np.float16)
+        assert np.array_equal(compensated_rows(exact, nearest), _sorted_whole(exact, nearest))
