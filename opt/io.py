@@ -32,7 +32,7 @@ import sys
 import tempfile
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -544,13 +544,8 @@ class _Hashing:
             if done < length:  # the kernel copied part or none of it: the rest by hand
                 f.seek(offset + done)
                 self.f.seek(start + done)
-                left = length - done
-                while left:
-                    block = f.read(min(CHUNK, left))
-                    if not block:
-                        raise ModelSaveError(f"external data of '{name}' is truncated")
+                for block in _blocks(f, length - done, f"external data of '{name}'"):
                     self.f.write(block)
-                    left -= len(block)
         self.f.seek(start + length)
 
     _hash_error: Exception | None = None
@@ -559,15 +554,21 @@ class _Hashing:
         try:
             with open(src, "rb") as f:
                 f.seek(offset)
-                left = length
-                while left:
-                    block = f.read(min(CHUNK, left))
-                    if not block:
-                        raise ModelSaveError(f"{src.name}: external data is truncated")
+                for block in _blocks(f, length, f"{src.name}: external data"):
                     self.sha.update(block)
-                    left -= len(block)
         except (OSError, ModelSaveError) as e:
             self._hash_error = e
+
+
+def _blocks(f: BinaryIO, length: int, what: str) -> Iterator[bytes]:
+    """``length`` bytes of ``f`` from where it stands, in chunks; ModelSaveError if it ends
+    first (``what`` names the data)."""
+    while length:
+        block = f.read(min(CHUNK, length))
+        if not block:
+            raise ModelSaveError(f"{what} is truncated")
+        yield block
+        length -= len(block)
 
 
 def _kernel_copy(src_fd: int, dst_fd: int, offset: int, start: int, length: int) -> int:

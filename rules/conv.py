@@ -240,6 +240,15 @@ def compensated_rows(exact: np.ndarray, nearest: np.ndarray) -> np.ndarray:
     must cut the sum by at least twice what it costs, so a row whose errors already cancel
     keeps its nearest values.  Each value stays one of the two float16 neighbours of its exact
     value."""
+    other, total, cost, step, useful = rounding_moves(exact, nearest)
+    flip = _cheapest_flips(total, cost, step, useful)
+    return np.where(flip, other, nearest)
+
+
+def rounding_moves(exact: np.ndarray, nearest: np.ndarray) -> tuple:
+    """Per value of float16 rows: (its other float16 neighbour, the row's summed rounding
+    error [rows, 1], what moving there adds to its own error (inf where a move does not help
+    the row's sum), the move, whether it helps)."""
     exact = np.asarray(exact, dtype=np.float64)
     near64 = nearest.astype(np.float64)
     resid = near64 - exact
@@ -253,9 +262,7 @@ def compensated_rows(exact: np.ndarray, nearest: np.ndarray) -> np.ndarray:
     total = resid.sum(axis=1, keepdims=True)
     useful = (resid != 0) & np.isfinite(step) & (np.sign(step) == -np.sign(total))
     cost = np.where(useful, np.abs(resid + step) - np.abs(resid), np.inf)
-    step = np.where(useful, step, 0.0)
-    flip = _cheapest_flips(total, cost, step, useful)
-    return np.where(flip, other, nearest)
+    return other, total, cost, np.where(useful, step, 0.0), useful
 
 
 #: candidates per row put in order first (at least; 8·sqrt(length) for long rows): a row

@@ -84,6 +84,20 @@ def assert_optimized(m: onnx.ModelProto, *, level: int = 2, target: str = "cpu",
 
 
 @pytest.fixture
+def wide(tmp_path, rng):
+    """MatMul + Add + Relu with 2 MiB of weights: model.onnx is larger than a fingerprint reads."""
+    inits = [const("W", rng.standard_normal((512, 1024))), const("b", rng.standard_normal(1024))]
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["m"], name="mm"),
+        helper.make_node("Add", ["m", "b"], ["a"], name="add"),
+        helper.make_node("Relu", ["a"], ["y"], name="relu"),
+    ]
+    p = tmp_path / "wide.onnx"
+    onnx.save(model(nodes, [vi("x", [2, 512])], [vi("y", None)], inits), p)
+    return p
+
+
+@pytest.fixture
 def rng():
     return np.random.default_rng(0)
 

@@ -23,20 +23,6 @@ from graphopt.opt.perf import Timing
 
 
 @pytest.fixture
-def wide(tmp_path, rng):
-    """MatMul + Add + Relu with 2 MiB of weights (larger than a fingerprint reads)."""
-    inits = [const("W", rng.standard_normal((512, 1024))), const("b", rng.standard_normal(1024))]
-    nodes = [
-        helper.make_node("MatMul", ["x", "W"], ["m"], name="mm"),
-        helper.make_node("Add", ["m", "b"], ["a"], name="add"),
-        helper.make_node("Relu", ["a"], ["y"], name="relu"),
-    ]
-    p = tmp_path / "wide.onnx"
-    onnx.save(model(nodes, [vi("x", [2, 512])], [vi("y", None)], inits), p)
-    return p
-
-
-@pytest.fixture
 def sessions(monkeypatch):
     """Every session the bundle phase creates from a bundle file: (file, level, saves)."""
     calls: list[tuple[str, str, bool]] = []

@@ -9,12 +9,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import helper
 from typer.testing import CliRunner
 
 import graphopt
 import graphopt.targets.bundle as bundle
-from conftest import const, model, vi
 from graphopt.cli import app
 
 runner = CliRunner()
@@ -22,20 +20,6 @@ runner = CliRunner()
 
 def invoke(*args):
     return runner.invoke(app, [str(a) for a in args])
-
-
-@pytest.fixture
-def wide(tmp_path, rng):
-    """MatMul + Add + Relu with 2 MiB of weights: model.onnx is larger than a fingerprint reads."""
-    inits = [const("W", rng.standard_normal((512, 1024))), const("b", rng.standard_normal(1024))]
-    nodes = [
-        helper.make_node("MatMul", ["x", "W"], ["m"], name="mm"),
-        helper.make_node("Add", ["m", "b"], ["a"], name="add"),
-        helper.make_node("Relu", ["a"], ["y"], name="relu"),
-    ]
-    p = tmp_path / "wide.onnx"
-    onnx.save(model(nodes, [vi("x", [2, 512])], [vi("y", None)], inits), p)
-    return p
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from conftest import assert_optimized, codes, const, model, ops, run, vi
-from graphopt.rules.conv import compensated_rows, runtime_bn_fold
+from graphopt.rules.conv import compensated_rows, rounding_moves, runtime_bn_fold
 
 F16 = TensorProto.FLOAT16
 
@@ -162,21 +162,9 @@ def test_fp32_conv_bn_weights_are_rounded_to_nearest(rng):
 
 def _sorted_whole(exact, nearest):
     """compensated_rows with every row sorted whole (the reference for the prefix sort)."""
-    exact = np.asarray(exact, dtype=np.float64)
-    near64 = nearest.astype(np.float64)
-    resid = near64 - exact
-    with np.errstate(over="ignore"):
-        other = np.where(
-            resid > 0,
-            np.nextafter(nearest, np.float16(-np.inf)),
-            np.nextafter(nearest, np.float16(np.inf)),
-        ).astype(np.float16)
-    step = other.astype(np.float64) - near64
-    total = resid.sum(axis=1, keepdims=True)
-    useful = (resid != 0) & np.isfinite(step) & (np.sign(step) == -np.sign(total))
-    cost = np.where(useful, np.abs(resid + step) - np.abs(resid), np.inf)
+    other, total, cost, step, useful = rounding_moves(exact, nearest)
     order = np.argsort(cost, axis=1, kind="stable")
-    steps = np.take_along_axis(np.where(useful, step, 0.0), order, axis=1)
+    steps = np.take_along_axis(step, order, axis=1)
     costs = np.take_along_axis(np.where(useful, cost, 0.0), order, axis=1)
     zero = np.zeros_like(total)
     reach = np.abs(total + np.concatenate([zero, np.cumsum(steps, axis=1)], axis=1))

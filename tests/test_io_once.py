@@ -84,7 +84,8 @@ def test_sizes_are_read_from_the_bytes_or_measured_alike():
     assert io.skeleton(m, data)[0] == io.skeleton(m)[0]
 
 
-def test_stand_ins_in_subgraphs_and_functions_are_no_false_errors():
+def _branches() -> tuple:
+    """If branches holding weights: an initializer in one, a Constant's value in the other."""
     body = helper.make_graph(
         [helper.make_node("Add", ["x", "wb"], ["t"])],
         "then",
@@ -98,6 +99,11 @@ def test_stand_ins_in_subgraphs_and_functions_are_no_false_errors():
         [],
         [vi("e", [64, 64])],
     )
+    return body, other
+
+
+def test_stand_ins_in_subgraphs_and_functions_are_no_false_errors():
+    body, other = _branches()
     nodes = [helper.make_node("If", ["cond"], ["y"], then_branch=body, else_branch=other)]
     m = helper.make_model(
         helper.make_graph(
@@ -328,19 +334,7 @@ def test_held_bytes_are_not_written_for_a_model_with_external_data(tmp_path):
 # ------------------------------------------------------------------ input read once
 def _external_everywhere(tmp_path) -> tuple:
     """A model whose initializer, Constant value and If-branch initializer are all external."""
-    body = helper.make_graph(
-        [helper.make_node("Add", ["x", "wb"], ["t"])],
-        "then",
-        [],
-        [vi("t", [64, 64])],
-        [const("wb", W)],
-    )
-    other = helper.make_graph(
-        [helper.make_node("Constant", [], ["e"], value=numpy_helper.from_array(W, "ev"))],
-        "else",
-        [],
-        [vi("e", [64, 64])],
-    )
+    body, other = _branches()
     nodes = [
         helper.make_node("If", ["cond"], ["t2"], then_branch=body, else_branch=other),
         helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(W, "cv")),
