@@ -50,6 +50,7 @@ from .opt.optimizer import sparse_collection
 from .opt.parity import check_parity, parse_shapes, parse_tolerances
 from .opt.reference import upcast_to_float64
 from .opt.report_html import render_html
+from .opt.spool import SpoolDir
 from .opt.target import TARGETS, get_target
 from .progress import progress
 from .render import err, print_json
@@ -178,7 +179,7 @@ def optimize(
         feeds = _feeds(inputs, src)
         custom = pipeline is not None
         pipeline = kernel_pipeline(target, level, pipeline, kernels)
-        with progress(quiet) as say:
+        with progress(quiet) as say, SpoolDir.beside(dest) as spool:
             optimized, report = run_optimize(
                 src,
                 target=target,
@@ -199,6 +200,7 @@ def optimize(
                 output_tolerances=parse_tolerances(tolerance),
                 opset=opset,
                 clock=clock,
+                spool=spool,  # the output is written once, beside the bundle: moved in
             )
             expectations = verdicts.resolve_report_expectations(expectations, report, target)
             say("writing the bundle")

@@ -69,15 +69,17 @@ def load_model(
     if size == 0:
         raise ModelLoadError(f"{path}: empty file, not an ONNX model")
     key = _file_key(path)  # taken before reading: a file changed since is parsed again
+    with open(path, "rb") as f:
+        data = f.read()
+    # the bundle records the input's sha256: taken from these bytes on a thread while they are
+    # parsed and checked (hashlib lets go of the GIL), not by reading the file again later
+    digest = ThreadPoolExecutor(1).submit(hashlib.sha256, data) if key is not None else None
     try:
-        with open(path, "rb") as f:
-            data = f.read()
-        model = onnx.load_model_from_string(data)
-    except (DecodeError, RuntimeError, ValueError) as e:
-        raise ModelLoadError(
-            f"{path}: not a valid ONNX model (protobuf parse failed: {e})"
-        ) from None
-    _check_structure(model, path)
+        model = _parsed(data, path)
+        _check_structure(model, path)
+    finally:
+        if digest is not None:
+            _remember_digest(key, digest.result().hexdigest())
     base = path.resolve().parent
     # one walk over every tensor (a graph of 100k constants: 1.5 s a walk)
     stored = [t for t in _all_tensors(model) if external_data_helper.uses_external_data(t)]
@@ -98,6 +100,41 @@ def load_model(
         by_path = external and lazy_external
         validate(model, path, by_path=by_path, whole=None if changed else data)
     return model
+
+
+def _parsed(data: bytes, path: Path) -> onnx.ModelProto:
+    try:
+        return onnx.load_model_from_string(data)
+    except (DecodeError, RuntimeError, ValueError) as e:
+        raise ModelLoadError(
+            f"{path}: not a valid ONNX model (protobuf parse failed: {e})"
+        ) from None
+
+
+#: sha256 of the files load_model read: file key (path, size, mtime, inode) → hex digest
+_DIGESTS: dict[tuple, str] = {}
+
+
+def _remember_digest(key: tuple, digest: str) -> None:
+    if len(_DIGESTS) >= 64:
+        _DIGESTS.clear()
+    _DIGESTS[key] = digest
+
+
+def file_sha256(path: str | os.PathLike) -> str | None:
+    """The sha256 of a file (None when it cannot be read); of a model file :func:`load_model`
+    read and that has not changed since, from that read."""
+    key = _file_key(Path(path))
+    if key is not None and key in _DIGESTS:
+        return _DIGESTS[key]
+    try:
+        sha = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(CHUNK), b""):
+                sha.update(block)
+        return sha.hexdigest()
+    except OSError:
+        return None
 
 
 def validate(
@@ -268,7 +305,11 @@ _KEPT_TYPES = {
 
 
 def check_without_weights(
-    model: onnx.ModelProto, *, full_check: bool = False, data: bytes | None = None
+    model: onnx.ModelProto,
+    *,
+    full_check: bool = False,
+    data: bytes | None = None,
+    written: tuple[Path, list[int | None]] | None = None,
 ) -> None:
     """``onnx.checker.check_model(model, full_check)`` without serializing and re-parsing the
     weights: the checker reads a copy of the model whose large inline tensors are stand-ins
@@ -276,21 +317,29 @@ def check_without_weights(
     data the checker would refuse is kept as it is, and an error about external data when
     stand-ins were made (shape inference asked for a stand-in's values) is settled on the whole
     model (``data``: its bytes when the caller has them, else serialized here; not checked when
-    it cannot be one message, as ``check_model`` cannot either).  Raises what check_model raises."""
-    if not _stand_ins_pay(model):
+    it cannot be one message, as ``check_model`` cannot either).  ``written``: (the file the
+    model was written whole to, the raw_data length of each top-level initializer in it): the
+    whole model is checked from that file, and the lengths stand for the header scan of ``data``.
+    Raises what check_model raises."""
+
+    def check_whole() -> bool:
+        if written is not None:
+            onnx.checker.check_model(str(written[0]), full_check=full_check)
+            return True
         whole = data if data is not None else serialize(model)
         if whole is not None:
             onnx.checker.check_model(whole, full_check=full_check)
-            return
-    stripped, replaced = skeleton(model, data)
+        return whole is not None
+
+    if not _stand_ins_pay(model) and check_whole():
+        return
+    stripped, replaced = skeleton(model, data, written[1] if written is not None else None)
     try:
         onnx.checker.check_model(stripped.SerializeToString(), full_check=full_check)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
         if not replaced or not about_external_data(e):
             raise
-        whole = data if data is not None else serialize(model)
-        if whole is not None:
-            onnx.checker.check_model(whole, full_check=full_check)
+        check_whole()
 
 
 def about_external_data(error: Exception) -> bool:
@@ -315,20 +364,24 @@ def _stand_ins_pay(model: onnx.ModelProto) -> bool:
     return elements >= STANDIN_PAYS_PER_ELEMENT * (len(graph.node) + len(graph.initializer))
 
 
-def skeleton(model: onnx.ModelProto, data: bytes | None = None) -> tuple[onnx.ModelProto, int]:
+def skeleton(
+    model: onnx.ModelProto, data: bytes | None = None, lengths: list[int | None] | None = None
+) -> tuple[onnx.ModelProto, int]:
     """(a copy of ``model`` whose inline tensors of at least :data:`STANDIN_BYTES` are stand-ins,
     how many).  A stand-in keeps every field but the values and says they are stored at
     :data:`STANDIN_LOCATION`; only a tensor whose data the checker accepts becomes one (raw
     bytes only, exactly as many as its dims and type need, a type the checker sizes plainly).
     ``data``: the model's own bytes, when the caller has them, to read the top-level weights'
-    sizes from their field headers instead of copying each weight out of the message."""
+    sizes from their field headers instead of copying each weight out of the message;
+    ``lengths``: those sizes, when the caller knows them already."""
     out = onnx.ModelProto()
     replaced = 0
     for desc, value in model.ListFields():
         if desc.name != "graph":
             _copy_field(out, desc, value)
             continue
-        lengths = _raw_lengths(data) if data is not None else None
+        if lengths is None and data is not None:
+            lengths = _raw_lengths(data)
         if lengths is not None and len(lengths) != len(value.initializer):
             lengths = None
         for graph_desc, graph_value in value.ListFields():
@@ -454,7 +507,7 @@ def save_model(
     try:
         parent.mkdir(parents=True, exist_ok=True)
         sweep_stale(path)
-        tmpdir = Path(tempfile.mkdtemp(prefix=_temp_prefix(path, "tmp"), dir=parent))
+        tmpdir = Path(tempfile.mkdtemp(prefix=temp_prefix(path, "tmp"), dir=parent))
     except OSError as e:
         raise ModelSaveError(f"cannot write to {parent}: {e.strerror or e}") from None
     try:
@@ -474,12 +527,16 @@ def write_model_files(
     external: bool,
     base_dir: str | os.PathLike | None = None,
     serialized: bytes | None = None,
+    spooled: Path | None = None,
+    spooled_sha256: str | None = None,
 ) -> dict[str, str]:
     """Serialize into ``path`` (a fresh location); external data goes to ``<name>.data`` beside
     it.  Tensors still referenced from the input's external file (``base_dir``) are copied into
     the new file in chunks, never loaded whole; the result references only its own file.
     ``serialized``: the model's own bytes when the caller has them (``model.SerializeToString()``
-    of this model as it is now), written as they are when the model is written whole.
+    of this model as it is now), written as they are when the model is written whole;
+    ``spooled``: a file already holding exactly those bytes, and its ``spooled_sha256``, moved
+    into place instead (copied where it is on another file system).
 
     Returns the sha256 of every file written (file name → hex digest), taken while writing:
     nothing needs to read the files back to know it."""
@@ -492,6 +549,10 @@ def write_model_files(
         del to_write
         hashes[path.name] = _write_hashed(path, data)
     else:
+        if spooled is not None and not has_external_data(model):
+            _move_file(spooled, path)
+            hashes[path.name] = spooled_sha256 or file_sha256(path) or ""
+            return hashes
         if has_external_data(model):
             model, serialized = _materialized(model, base_dir), None
         data = serialized if serialized is not None else serialize(model)
@@ -501,6 +562,23 @@ def write_model_files(
             )
         hashes[path.name] = _write_hashed(path, data)
     return hashes
+
+
+def _move_file(src: Path, dst: Path) -> None:
+    """Rename ``src`` to the fresh path ``dst`` (a copy by the kernel where they lie on different
+    file systems), with the permissions a new file gets."""
+    try:
+        os.replace(src, dst)
+    except OSError:
+        with open(src, "rb") as f, open(dst, "wb") as out:
+            size = os.fstat(f.fileno()).st_size
+            done = _kernel_copy(f.fileno(), out.fileno(), 0, 0, size)
+            f.seek(done)
+            out.seek(done)
+            for block in _blocks(f, size - done, f"{src.name}"):
+                out.write(block)
+        os.unlink(src)
+    os.chmod(dst, 0o666 & ~_umask())
 
 
 def _write_hashed(path: Path, data: bytes) -> str:
@@ -660,7 +738,8 @@ TEMP_KINDS = ("staging", "old", "tmp")
 _TEMP_NAME = re.compile(r"\.(?P<name>.+)\.graphopt-(?P<kind>staging|old|tmp)-(?P<pid>\d+)-")
 
 
-def _temp_prefix(final: Path, kind: str) -> str:
+def temp_prefix(final: Path, kind: str) -> str:
+    """The name prefix of a temporary of ``final`` (a sibling; see above)."""
     return f".{final.name}.graphopt-{kind}-{os.getpid()}-"
 
 
@@ -738,7 +817,7 @@ def staging_dir(final: Path) -> Path:
     staging folders of ``final`` from killed runs are removed first."""
     final.parent.mkdir(parents=True, exist_ok=True)
     sweep_stale(final)
-    staging = Path(tempfile.mkdtemp(prefix=_temp_prefix(final, "staging"), dir=final.parent))
+    staging = Path(tempfile.mkdtemp(prefix=temp_prefix(final, "staging"), dir=final.parent))
     os.chmod(staging, 0o777 & ~_umask())
     return staging
 
@@ -748,7 +827,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> 
     permissions; the temporary never survives a failure."""
     path = Path(path).resolve()
     sweep_stale(path)
-    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path, "tmp"), dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path, "tmp"), dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -775,7 +854,7 @@ def replace_dir(staging: Path, final: Path) -> None:
     if not final.exists():
         os.replace(staging, final)
         return
-    old = Path(tempfile.mkdtemp(prefix=_temp_prefix(final, "old"), dir=final.parent))
+    old = Path(tempfile.mkdtemp(prefix=temp_prefix(final, "old"), dir=final.parent))
     os.rmdir(old)
     os.replace(final, old)
     try:

@@ -22,7 +22,13 @@ from . import compat
 from .clock import Clock
 from .errors import GraphoptError, UsageError
 from .feeds import validate_args
-from .io import about_external_data, check_without_weights, load_model, serialize
+from .io import (
+    about_external_data,
+    check_without_weights,
+    load_model,
+    remove_path,
+    serialize,
+)
 from .ir import ModelIR, op_histogram
 from .manager import PassContext, run_pass
 from .parity import ParityReport, Session, check_parity, is_lean, measure_ranges, too_large
@@ -30,6 +36,7 @@ from .pipeline import parse, preset, to_text
 from .precision import quantized_weight_tolerances
 from .reference import upcast_to_float64
 from .remarks import Remark
+from .spool import SpoolDir, Spooled, session_skeleton, spool
 from .target import get_target
 from .upgrade import upgrade_opset
 
@@ -78,16 +85,16 @@ class Report:
     #: what the bundle writer needs besides the report: the original model and the parity
     #: inputs (shapes, user inputs, seed) for its golden outputs; not part of report.json
     bundle_context: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
-    #: the returned model's bytes as the validity check serialized them (and onnxruntime loaded
-    #: them), for :meth:`take_serialized`; not part of report.json
+    #: the returned model as the validity check wrote it (and onnxruntime loaded it), for
+    #: :meth:`take_serialized`; not part of report.json
     serialized: Serialized | None = field(default=None, repr=False, compare=False)
 
-    def take_serialized(self, model: onnx.ModelProto) -> bytes | None:
-        """The bytes of ``model`` when it is the very object ``optimize`` returned with this
-        report (the bundle writes them instead of serializing the model again), else None.
-        Once: the report lets go of them either way."""
+    def take_serialized(self, model: onnx.ModelProto) -> Serialized | None:
+        """The written form of ``model`` (its spooled file, or its bytes) when it is the very
+        object ``optimize`` returned with this report (the bundle moves or writes it instead of
+        serializing the model again), else None.  Once: the report lets go of it either way."""
         held, self.serialized = self.serialized, None
-        return held.data if held is not None and held.model is model else None
+        return held if held is not None and held.model is model else None
 
     @property
     def converged(self) -> bool:
@@ -137,10 +144,19 @@ class Report:
 
 @dataclass
 class Serialized:
-    """A model object and its bytes, serialized once by the validity check."""
+    """A model object as the validity check wrote it, once: spooled into a file of ``folder``
+    (:mod:`~graphopt.opt.spool`), or as bytes where it cannot be spooled."""
 
+    folder: SpoolDir
     model: onnx.ModelProto | None = None
     data: bytes | None = None
+    spooled: Spooled | None = None
+
+    def hold(self, model: onnx.ModelProto, data: bytes | None, spooled: Spooled | None) -> None:
+        """Hold ``model``'s written form, letting go of the one held before."""
+        if self.spooled is not None and self.spooled is not spooled:
+            remove_path(self.spooled.path)
+        self.model, self.data, self.spooled = model, data, spooled
 
 
 @contextmanager
@@ -187,6 +203,7 @@ def optimize(
     opset: int | None = None,
     measure: bool = True,
     clock: Clock | None = None,
+    spool: SpoolDir | None = None,
 ) -> tuple[onnx.ModelProto, Report]:
     """Optimize a model for a target; return the optimized model and the report.
 
@@ -258,7 +275,7 @@ def optimize(
         optimized, cx = execute(bisect_limit)
     # the output's bytes wait for the bundle in memory; through parity and the safety net only
     # where those hold the model whole anyway (not lean), else the bundle serializes it again
-    serialized = Serialized() if not check or not is_lean(model) else None
+    serialized = Serialized(spool or SpoolDir()) if not check or not is_lean(model) else None
     with clock.phase("validity"):
         say("checking that the output is valid")
         budget = max(10.0, 2 * clock.elapsed("passes"))
@@ -434,32 +451,52 @@ def _invalid(
 ) -> str | None:
     """Why ``model`` is not a valid, loadable model (onnx.checker with full shape checks, then an
     onnxruntime session), or None.  The checker reads the model without its weights
-    (:func:`~graphopt.opt.io.check_without_weights`); the model is serialized once, for the
-    session, and a valid model's bytes go ``into`` the caller's holder (the bundle writes them
-    when it writes the model whole, without external data).  With ``keep`` the session is built
-    as parity builds its own and kept for it (``_loaded_session``); otherwise it is built to
-    load only (:data:`CHECK_ONLY`) and dropped."""
+    (:func:`~graphopt.opt.io.check_without_weights`).  With a holder ``into``, the model is
+    written once (:func:`~graphopt.opt.spool.spool`, else serialized), onnxruntime loads it from
+    what was written, and a valid model's written form goes into the holder (the bundle moves
+    the file, or writes the bytes, when it writes the model whole, without external data).
+    With ``keep`` the session is built as parity builds its own and kept for it
+    (``_loaded_session``); otherwise it is built to load only (:data:`CHECK_ONLY`) and dropped."""
     _LOADED.clear()
-    data = serialize(model) if runtime else None
+    spooled = spool(model, into.folder.path) if runtime and into is not None else None
+    data = serialize(model) if runtime and spooled is None else None
+    try:
+        error = _check(model, base_dir, checker, runtime, keep, data, spooled)
+    except BaseException:
+        if spooled is not None:
+            remove_path(spooled.path)
+        raise
+    if error is None and into is not None and runtime:
+        into.hold(model, data, spooled)
+    elif spooled is not None:
+        remove_path(spooled.path)
+    return error
+
+
+def _check(model, base_dir, checker, runtime, keep, data, spooled) -> str | None:
+    """``_invalid``'s checks of ``model``, given its bytes ``data`` or its ``spooled`` file."""
     if checker:
+        written = (spooled.path, spooled.raw_lengths()) if spooled is not None else None
         try:
-            check_without_weights(model, full_check=True, data=data)
+            check_without_weights(model, full_check=True, data=data, written=written)
         except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
             text = str(e).strip()
             if not about_external_data(e):  # data files resolve beside the model, not here
                 return "onnx.checker: " + (text.splitlines()[0] if text else type(e).__name__)
     if not runtime:
         return None
+    config = None if keep else CHECK_ONLY
     try:
-        session = Session(
-            model, base_dir=base_dir, serialized=data, config=None if keep else CHECK_ONLY
-        )
+        if spooled is not None:  # weights mapped from the written file, not copied
+            session = Session(
+                session_skeleton(model, spooled), base_dir=spooled.path.parent, config=config
+            )
+        else:
+            session = Session(model, base_dir=base_dir, serialized=data, config=config)
     except GraphoptError as e:
         return str(e)
     if keep:
         _LOADED.update(model=model, session=session)
-    if into is not None and data is not None:
-        into.model, into.data = model, data
     return None
 
 

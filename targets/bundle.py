@@ -91,6 +91,7 @@ from graphopt.opt.io import (
     check_output_dir,
     discard,
     external_data_files,
+    file_sha256,
     needs_external_data,
     replace_dir,
     staging_dir,
@@ -306,15 +307,19 @@ def write_bundle(
         staging = staging_dir(dest)
     except OSError as e:
         raise ModelSaveError(f"cannot write to {dest.parent}: {e.strerror or e}") from None
+    held = None
     try:
         source_sha256 = _in_background(_source_sha256, report.model)  # beside the writing
         with report.clock.phase("write"):
+            held = report.take_serialized(model)  # what the validity check wrote and loaded
             written = write_model_files(
                 model,
                 staging / "model.onnx",
                 external=needs_external_data(model),
                 base_dir=(report.bundle_context or {}).get("base_dir"),
-                serialized=report.take_serialized(model),  # the bytes the validity check loaded
+                serialized=held.data if held else None,
+                spooled=held.spooled.path if held and held.spooled else None,
+                spooled_sha256=held.spooled.sha256 if held and held.spooled else None,
             )
         with report.clock.phase("bundle"):
             files = write_bundle_files(
@@ -337,6 +342,8 @@ def write_bundle(
         raise ModelSaveError(f"cannot write {dest}: {e.strerror or e}") from None
     finally:
         discard(staging)
+        if held is not None and held.spooled is not None:
+            discard(held.spooled.path)  # moved into place, unless the write failed first
     return dest
 
 
@@ -487,7 +494,7 @@ def _in_background(fn: Callable[..., Any], *args: Any) -> Future:
 def _source_sha256(model: str | None) -> str | None:
     """The sha256 of the input model file (None when it was not read from a file)."""
     path = Path(model) if model else None
-    return _sha256(path) if path is not None and path.is_file() else None
+    return file_sha256(path) if path is not None and path.is_file() else None
 
 
 def _write_kernels(out_dir: Path, model: onnx.ModelProto, target: Target, report) -> dict:
@@ -538,17 +545,6 @@ def _measure_unknown(
     return len(measured)
 
 
-def _sha256(path: Path) -> str | None:
-    try:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        return h.hexdigest()
-    except OSError:
-        return None
-
-
 # ---------------------------------------------------------------------------- integrity
 def sampled_blocks(size: int) -> list[tuple[int, int]]:
     """(offset, length) of what a fingerprint reads in a file of ``size`` bytes: all of it when
@@ -589,7 +585,7 @@ def _integrity(
     files = {
         name: {
             "size": (out_dir / name).stat().st_size,
-            "sha256": ((known or {}).get(name) or _sha256(out_dir / name)) if full else None,
+            "sha256": ((known or {}).get(name) or file_sha256(out_dir / name)) if full else None,
             "fingerprint": fingerprint(out_dir / name),
         }
         for name in names
@@ -614,7 +610,7 @@ def check_integrity(path: Path, manifest: dict, names: list[str], verify: str = 
     files = (manifest.get("integrity") or {}).get("files")
     if not files:  # a bundle without the integrity section: its model's sha256 only
         want = manifest.get("model_sha256")
-        if want and _sha256(path / names[0]) != want:
+        if want and file_sha256(path / names[0]) != want:
             raise GraphoptError(f"{path / names[0]} does not match the manifest's model_sha256")
         return
     for name in names:
@@ -635,7 +631,7 @@ def _check_file(file: Path, record: dict | None, verify: str) -> None:
     if verify == "full":
         if not record.get("sha256"):
             raise GraphoptError(f"{file.name} has no sha256 in the manifest to verify in full")
-        if _sha256(file) != record.get("sha256"):
+        if file_sha256(file) != record.get("sha256"):
             raise GraphoptError(f"{file} does not match the manifest's sha256")
     elif fingerprint(file) != record.get("fingerprint"):
         raise GraphoptError(
@@ -1411,7 +1407,7 @@ def _register_kernels(path: Path, manifest: dict, config: dict, so, wanted, veri
     if not lib.is_file():
         raise GraphoptError(f"the bundle's kernel library {rel} is missing (run its build.sh)")
     info = ((manifest.get("kernels") or {}).get("libraries") or {}).get(provider) or {}
-    if verify_hash and info.get("sha256") and _sha256(lib) != info["sha256"]:
+    if verify_hash and info.get("sha256") and file_sha256(lib) != info["sha256"]:
         raise GraphoptError(f"{rel} does not match the manifest's sha256 (rebuilt elsewhere?)")
     so.register_custom_ops_library(str(lib))
 

@@ -54,7 +54,7 @@ def test_the_portable_model_is_loaded_once_and_saves_the_fast_path(wide, tmp_pat
         (bundle.FAST_MODEL, "ORT_DISABLE_ALL", False)
     ]
     m = manifest_of(out)
-    assert m["source_model_sha256"] == bundle._sha256(wide)  # hashed beside the sessions
+    assert m["source_model_sha256"] == bundle.file_sha256(wide)  # hashed beside the sessions
     fast = m["fast_path"]
     assert fast["written"] and fast["verified"]["ok"]
     assert "golden inputs (the run verifying the bundle)" in fast["verified"]["against"]
@@ -125,7 +125,7 @@ def test_fast_path_files_have_a_fingerprint_and_no_full_hash(wide, tmp_path):
         rec = files[name]
         assert rec["sha256"] is None and rec["size"] == (out / name).stat().st_size
         assert rec["fingerprint"] == bundle.fingerprint(out / name)
-    assert files["model.onnx"]["sha256"] == bundle._sha256(out / "model.onnx")
+    assert files["model.onnx"]["sha256"] == bundle.file_sha256(out / "model.onnx")
     # the default load checks the fast path's fingerprint and uses it
     assert graphopt.open_session(out)[1]["fast_path"]
     # full verification checks every byte of what it loads: the portable model

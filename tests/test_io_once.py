@@ -17,6 +17,7 @@ from conftest import const, model, vi
 from graphopt.cli import app
 from graphopt.opt import io, optimizer
 from graphopt.opt.errors import ModelLoadError
+from graphopt.opt.spool import SpoolDir
 
 W = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)  # 16 KiB
 
@@ -247,13 +248,19 @@ def small() -> onnx.ModelProto:
     return model(nodes, [vi("x", [4, 64])], [vi("y", [4, 64])], [const("w", W)])
 
 
+def written_bytes(held) -> bytes:
+    """What the validity check wrote of a model: its spooled file, or its bytes."""
+    return held.spooled.path.read_bytes() if held.spooled is not None else held.data
+
+
 @pytest.mark.parametrize("check", [False, True])
 def test_the_bundle_writes_the_bytes_the_validity_check_loaded(tmp_path, monkeypatch, check):
     out, report = graphopt.optimize(small(), check=check)
     held = report.serialized
-    assert held is not None and held.model is out
-    assert held.data == out.SerializeToString()  # the metadata is in them: nothing changed since
-    keys = {p.key for p in onnx.load_model_from_string(held.data).metadata_props}
+    assert held is not None and held.model is out and held.spooled is not None
+    # the metadata is in them: nothing changed since
+    assert written_bytes(held) == out.SerializeToString()
+    keys = {p.key for p in onnx.load_model_from_string(written_bytes(held)).metadata_props}
     assert {"graphopt.pipeline", "graphopt.target"} <= keys
     calls = []
     real = io.serialize
@@ -265,6 +272,7 @@ def test_the_bundle_writes_the_bytes_the_validity_check_loaded(tmp_path, monkeyp
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert manifest["model_sha256"] == hashlib.sha256(written).hexdigest()
     assert report.serialized is None  # let go of once written
+    assert not held.spooled.path.exists()  # moved into the bundle, not copied
 
 
 def test_bytes_held_through_the_safety_net_are_the_models(tmp_path, monkeypatch):
@@ -278,7 +286,7 @@ def test_bytes_held_through_the_safety_net_are_the_models(tmp_path, monkeypatch)
     assert report.performance["measured"], report.performance
     if report.serialized is not None:
         assert report.serialized.model is out
-        assert report.serialized.data == out.SerializeToString()
+        assert written_bytes(report.serialized) == out.SerializeToString()
     bundle = graphopt.write_bundle(out, report, tmp_path / "b")
     assert (bundle / "model.onnx").read_bytes() == out.SerializeToString()
 
@@ -314,9 +322,10 @@ def test_held_bytes_are_not_written_for_a_model_with_external_data(tmp_path):
     )
     lazy = io.load_model(tmp_path / "m.onnx", lazy_external=True)
     assert io.has_external_data(lazy)
-    holder = optimizer.Serialized()
+    holder = optimizer.Serialized(SpoolDir())
     # (the checker looks for m.data beside the working directory: _keep_valid drops that clause)
     assert optimizer._invalid(lazy, tmp_path, checker=False, into=holder) is None
+    assert holder.spooled is None  # its weights are elsewhere: not written whole, not spooled
     assert holder.model is lazy and holder.data == lazy.SerializeToString()
     for external in (True, False):
         out = tmp_path / f"out{external}"

@@ -23,6 +23,7 @@ See README.md next to this file.
 from __future__ import annotations
 
 import argparse
+import compileall
 import datetime as _dt
 import json
 import math
@@ -720,6 +721,10 @@ def _snapshot_graphopt(dest: Path) -> Path:
     for d in ("opt", "passes", "rules", "targets"):
         if (REPO / d).is_dir():
             shutil.copytree(REPO / d, pkg / d, ignore=ignore)
+    # compiled as `pip install` (not editable) compiles an installed package, as the rivals'
+    # are in site-packages: no run pays for compiling graphopt's sources, whatever
+    # PYTHONDONTWRITEBYTECODE says (it only stops Python from writing them as it imports)
+    compileall.compile_dir(pkg, quiet=1)
     return dest
 
 

@@ -1,0 +1,123 @@
+"""The output written whole one weight at a time (opt/spool.py): the very bytes of
+SerializeToString, its sha256, where each weight lies; onnxruntime loading the model from that
+file; and the validity check writing the output once, for the bundle to move into place."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+import graphopt
+from conftest import EXAMPLES, const, model, vi
+from graphopt.cli import app
+from graphopt.opt import optimizer
+from graphopt.opt.parity import Session, make_inputs
+from graphopt.opt.spool import SpoolDir, session_skeleton, spool
+
+EXAMPLE_MODELS = sorted(EXAMPLES.glob("*.onnx"))  # a CNN, a BERT, a super-resolution net, If/Loop
+
+
+@pytest.mark.parametrize("path", EXAMPLE_MODELS, ids=lambda p: p.stem)
+def test_the_spooled_file_is_the_serialized_model(path, tmp_path):
+    m = onnx.load(path)
+    written = spool(m, tmp_path)
+    data = m.SerializeToString()
+    assert written.path.read_bytes() == data
+    assert written.size == len(data)
+    assert written.sha256 == hashlib.sha256(data).hexdigest()
+    assert len(written.spans) == len(m.graph.initializer)
+    for tensor, span in zip(m.graph.initializer, written.spans):
+        if tensor.HasField("raw_data"):
+            offset, length = span
+            assert data[offset : offset + length] == tensor.raw_data
+        else:
+            assert span is None
+
+
+def test_a_model_that_cannot_be_written_in_pieces_is_left_to_the_caller(tmp_path):
+    m = onnx.load(EXAMPLES / "mobilenet_bn.onnx")
+    unknown = m.SerializeToString() + bytes([999 << 3 & 0x7F | 0x80, 999 >> 4, 1])  # field 999
+    strange = onnx.ModelProto.FromString(unknown)
+    assert spool(strange, tmp_path) is None
+    graphless = onnx.ModelProto(ir_version=8)
+    assert spool(graphless, tmp_path) is None
+    assert list(tmp_path.iterdir()) == []  # nothing left behind
+
+
+@pytest.mark.parametrize("name", ["mobilenet_bn", "bert_tiny"])
+def test_onnxruntime_loads_the_model_from_the_spooled_file(name, tmp_path):
+    m = onnx.load(EXAMPLES / f"{name}.onnx")
+    written = spool(m, tmp_path)
+    skeleton = session_skeleton(m, written)
+    external = [t for t in skeleton.graph.initializer if t.data_location == TensorProto.EXTERNAL]
+    assert external and all(not t.HasField("raw_data") for t in external)
+    assert skeleton.ByteSize() < written.size / 10  # the weights are not in it
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # as Session
+    whole = ort.InferenceSession(m.SerializeToString(), options, ["CPUExecutionProvider"])
+    feeds = make_inputs(whole, {}, seed=0)
+    mapped = Session(skeleton, base_dir=tmp_path)
+    for a, b in zip(whole.run(None, feeds), mapped.run(feeds)):
+        np.testing.assert_array_equal(a, b)
+
+
+W = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
+
+
+def matmul_model() -> onnx.ModelProto:
+    node = helper.make_node("MatMul", ["x", "w"], ["y"])
+    return model([node], [vi("x", [4, 64])], [vi("y", [4, 64])], [const("w", W)])
+
+
+def test_an_invalid_output_leaves_no_spooled_file(tmp_path):
+    holder = optimizer.Serialized(SpoolDir(tmp_path))
+    bad = matmul_model()
+    bad.graph.node[0].domain = "com.example.none"  # the checker skips it; onnxruntime refuses
+    bad.opset_import.append(helper.make_opsetid("com.example.none", 1))
+    assert "cannot load" in optimizer._invalid(bad, into=holder)
+    assert holder.spooled is None and list(holder.folder.path.iterdir()) == []
+    good = matmul_model()
+    assert optimizer._invalid(good, into=holder) is None
+    first = holder.spooled.path
+    assert first.read_bytes() == good.SerializeToString()
+    again = matmul_model()
+    assert optimizer._invalid(again, into=holder) is None
+    assert not first.exists() and holder.model is again  # only the latest is held
+    holder.folder.cleanup()
+    assert not holder.folder.path.exists()
+
+
+def test_the_bundle_moves_the_spooled_model_beside_it(tmp_path):
+    from typer.testing import CliRunner
+
+    src = tmp_path / "m.onnx"
+    onnx.save(matmul_model(), src)
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["optimize", str(src), "-o", str(out), "--no-check", "-q"])
+    assert res.exit_code == 0, res.output
+    written = out / "model.onnx"
+    mode = stat.S_IMODE(written.stat().st_mode)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert mode == 0o666 & ~umask  # a new file's permissions, not a temporary's 0600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "out"]  # no spool left
+    loaded = onnx.load(written)
+    assert {p.key for p in loaded.metadata_props} >= {"graphopt.pipeline", "graphopt.target"}
+
+
+def test_the_library_spools_into_the_temporary_folder_and_cleans_up(tmp_path):
+    out, report = graphopt.optimize(matmul_model(), check=False)
+    spool_dir = report.serialized.folder
+    assert report.serialized.spooled.path.parent == spool_dir.path
+    graphopt.write_bundle(out, report, tmp_path / "b")
+    assert list(spool_dir.path.iterdir()) == []  # moved into the bundle
+    folder = spool_dir.path
+    del spool_dir
+    assert not folder.exists()  # the folder goes with the last reference to it
