@@ -341,8 +341,17 @@ def constant_value(tensor: Tensor | None, max_elements: int | None = None) -> np
     if isinstance(tensor, Constant) and not _is_string(tensor):
         if max_elements is not None and math.prod(tensor.shape) > max_elements:
             return None
+        lazy = tensor._values
+        if type(lazy) is LazyValues and lazy.nbytes >= UNCACHED_BYTES:
+            # read for this use, not kept: the model read holds these bytes already, and a
+            # rewrite that replaces the weight (a Conv+BN fold) would leave a third copy alive
+            return np.asarray(lazy.load())
         return np.asarray(tensor.values)
     return None
+
+
+#: weights read from the model of at least this many bytes are read anew for each use
+UNCACHED_BYTES = 1 << 20
 
 
 def _is_string(tensor: Tensor) -> bool:

@@ -30,6 +30,7 @@ from .io import (
     STANDIN_BYTES,
     _copy_field,
     _fields,
+    _is_repeated,
     _Malformed,
     has_external_data,
     remove_path,
@@ -40,6 +41,7 @@ from .io import (
 _GRAPH_TAG = bytes([7 << 3 | 2])
 _INITIALIZER_TAG = bytes([5 << 3 | 2])
 _RAW_DATA = 9  # TensorProto.raw_data
+_RAW_TAG = bytes([_RAW_DATA << 3 | 2])
 #: bytes written (and hashed, on a thread) at a time
 SLICE = 16 << 20
 
@@ -111,7 +113,8 @@ def spool(model: onnx.ModelProto, directory: str | os.PathLike) -> Spooled | Non
     if parts is None:
         return None
     before, g_before, tensors, g_after, after = parts
-    sizes = [t.ByteSize() for t in tensors]
+    splits = [_split(t) for t in tensors]
+    sizes = [_split_size(t, split) for t, split in zip(tensors, splits)]
     graph_len = (
         sum(map(len, g_before))
         + sum(map(len, g_after))
@@ -129,7 +132,7 @@ def spool(model: onnx.ModelProto, directory: str | os.PathLike) -> Spooled | Non
         with os.fdopen(fd, "wb") as f, ThreadPoolExecutor(1) as hasher:
             pending = None
 
-            def emit(chunk: bytes) -> None:
+            def emit(chunk: bytes) -> int:
                 nonlocal pending
                 view = memoryview(chunk)
                 for start in range(0, len(view), SLICE):
@@ -140,31 +143,71 @@ def spool(model: onnx.ModelProto, directory: str | os.PathLike) -> Spooled | Non
                     if start + SLICE >= len(view) > SLICE:
                         piece = bytes(piece)  # the last slice of a weight, so it can go
                     pending = hasher.submit(sha.update, piece)
+                return len(view)
 
-            emit(head)
-            offset = len(head)
-            for tensor, size in zip(tensors, sizes):
-                data = tensor.SerializeToString()
-                if len(data) != size:
-                    raise _Malformed(f"tensor '{tensor.name}' changed size while written")
-                prefix = _INITIALIZER_TAG + _varint(size)
-                emit(prefix)
-                offset += len(prefix)
-                spans.append(_raw_span(data, offset))
-                emit(data)
-                offset += size
-                del data
+            offset = emit(head)
+            for tensor, split, size in zip(tensors, splits, sizes):
+                offset += emit(_INITIALIZER_TAG + _varint(size))
+                start, span = offset, None
+                if split is None:  # written whole: its raw bytes found by their header
+                    data = tensor.SerializeToString()
+                    span = _raw_span(data, offset)
+                    offset += emit(data)
+                    del data
+                else:
+                    fields_before, _, fields_after = split
+                    offset += emit(fields_before)
+                    if tensor.HasField("raw_data"):
+                        data = tensor.raw_data  # out of the message once, for the file
+                        offset += emit(_RAW_TAG + _varint(len(data)))
+                        span = (offset, len(data))
+                        offset += emit(data)
+                        del data
+                    offset += emit(fields_after)
+                spans.append(span)
+                if offset - start != size:
+                    raise _Malformed(f"tensor '{tensor.name}' is not the size it said")
             for chunk in (*g_after, *after):
-                emit(chunk)
-                offset += len(chunk)
+                offset += emit(chunk)
             if pending is not None:
                 pending.result()
         if offset != total:
             raise _Malformed("the pieces do not add up to the model")
+    except _Malformed:
+        remove_path(path)
+        return None  # the caller serializes the model whole
     except BaseException:
         remove_path(path)
         raise
     return Spooled(path, sha.hexdigest(), total, spans)
+
+
+def _split(tensor: onnx.TensorProto) -> tuple[bytes, int | None, bytes] | None:
+    """(the wire bytes of a tensor's fields before raw_data, the length of its raw bytes or
+    None, the wire bytes of its fields after it); None where it holds fields this onnx does not
+    know.  The raw bytes are copied out of the message only to be measured: asking the message
+    its ByteSize() would encode it whole into a growing buffer, twice the weight's size."""
+    if _unknown(tensor):
+        return None
+    before, after = onnx.TensorProto(), onnx.TensorProto()
+    for desc in tensor.DESCRIPTOR.fields:  # raw_data is never read by a walk of its fields
+        if desc.number == _RAW_DATA:
+            continue
+        holder = before if desc.number < _RAW_DATA else after
+        if _is_repeated(desc):
+            if len(value := getattr(tensor, desc.name)):
+                getattr(holder, desc.name).extend(value)
+        elif tensor.HasField(desc.name):
+            _copy_field(holder, desc, getattr(tensor, desc.name))
+    raw = len(tensor.raw_data) if tensor.HasField("raw_data") else None
+    return before.SerializeToString(), raw, after.SerializeToString()
+
+
+def _split_size(tensor: onnx.TensorProto, split) -> int:
+    if split is None:
+        return tensor.ByteSize()
+    head, raw, tail = split
+    return len(head) + (0 if raw is None else 1 + len(_varint(raw)) + raw) + len(tail)
 
 
 def _raw_span(data: bytes, offset: int) -> tuple[int, int] | None:

@@ -41,6 +41,25 @@ def test_the_spooled_file_is_the_serialized_model(path, tmp_path):
             assert span is None
 
 
+def test_tensors_of_every_form_are_written_as_serialized(tmp_path):
+    """raw bytes, typed fields (no raw_data), fields after raw_data, a field onnx does not know
+    (that tensor is written whole, its raw bytes found by their header)."""
+    raw = const("raw", np.arange(600, dtype=np.float32))
+    raw.doc_string = "after raw_data"  # field 12
+    typed = helper.make_tensor("typed", TensorProto.FLOAT, [3], [1.0, 2.0, 3.0])
+    strange = onnx.TensorProto.FromString(
+        const("strange", np.ones(300, np.float32)).SerializeToString() + bytes([0xF8, 0x3E, 7])
+    )  # + field 999, a varint
+    nodes = [helper.make_node("Add", ["raw", "raw"], ["y"])]
+    m = model(nodes, [], [vi("y", [600])], [raw, typed, strange])
+    written = spool(m, tmp_path)
+    data = m.SerializeToString()
+    assert written.path.read_bytes() == data
+    (a, n), none, (b, k) = written.spans
+    assert none is None
+    assert data[a : a + n] == raw.raw_data and data[b : b + k] == strange.raw_data
+
+
 def test_a_model_that_cannot_be_written_in_pieces_is_left_to_the_caller(tmp_path):
     m = onnx.load(EXAMPLES / "mobilenet_bn.onnx")
     unknown = m.SerializeToString() + bytes([999 << 3 & 0x7F | 0x80, 999 >> 4, 1])  # field 999
