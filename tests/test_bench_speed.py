@@ -47,3 +47,36 @@ def test_table_gives_ratios_to_graphopt_no_check():
     assert "| onnxsim | 2.00 | 100 | 0.50 | 0.50 |" in text
     assert "| onnxslim | failed: exit 1: boom |" in text
     assert "startup 1.00, passes 2.00, bundle 0.50, other 0.50; total 4.0" in text
+
+
+def test_summary_gives_ratios_to_onnxruntime_and_medians():
+    meta = {"command": "bench.py --speed", "date": "d", "machine": "m", "rounds": 1}
+
+    def rows(g, o, sim, default, measure, g_rss, o_rss):
+        return {
+            speed.NO_CHECK: {"ok": True, "wall_s": g, "peak_rss_mb": g_rss},
+            speed.DEFAULT: {
+                "ok": True,
+                "wall_s": default,
+                "peak_rss_mb": 1,
+                "phases": {"measure": measure, "total": default},
+            },
+            "onnxruntime offline": {"ok": True, "wall_s": o, "peak_rss_mb": o_rss},
+            "onnxsim": {"ok": True, "wall_s": sim, "peak_rss_mb": 1},
+        }
+
+    text = speed.render(
+        meta,
+        {
+            "a": rows(2.0, 1.0, 3.0, 5.0, 1.0, 100, 200),  # 2x, below onnxsim, (5-1)/2 = 2
+            "b": rows(4.0, 1.0, 3.0, 6.0, 0.0, 300, 200),  # 4x, above onnxsim, 1.5
+            "c": rows(3.0, 1.0, 4.0, 3.0, 0.0, 100, 100),  # 3x, 1.0
+        },
+    )
+    assert "| a | 2.00 | 1.00 | 2.00 | 3.00 | yes | 2.00 | 100 | 200 | 0.50 |" in text
+    assert "| b | 4.00 | 1.00 | 4.00 | 3.00 | no | 1.50 | 300 | 200 | 1.50 |" in text
+    assert (
+        "3 models: --no-check ÷ onnxruntime median 3.00 (max 4.00, 1 above 3x); below onnxsim "
+        "on 2/3; default (without measure) ÷ --no-check median 1.50 (max 2.00); peak RSS ÷ "
+        "onnxruntime median 1.00 (max 1.50, at or below on 2/3)." in text
+    )

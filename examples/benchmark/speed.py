@@ -99,6 +99,7 @@ def render(meta: dict, results: dict) -> str:
         "the same run (< 1: the tool is faster / smaller).",
         "",
     ]
+    lines += summary(results)
     for name, rows in results.items():
         base = rows.get(NO_CHECK, {})
         lines += [
@@ -127,6 +128,57 @@ def render(meta: dict, results: dict) -> str:
                 lines.append(f"\n{tool} phases (report.json, s): {shown}; total {phases['total']}")
         lines.append("")
     return "\n".join(lines)
+
+
+def summary(results: dict) -> list[str]:
+    """One row per model against onnxruntime's offline optimizer and onnxsim, then the medians:
+    graphopt --no-check's wall time and peak RSS over onnxruntime's, whether it is below
+    onnxsim's, and the default run over --no-check without the performance safety net's
+    timing (``measure``, which has a budget of its own)."""
+    ort_name = "onnxruntime offline"
+    lines = [
+        "## Summary",
+        "",
+        "| model | --no-check s | onnxruntime s | ÷ onnxruntime | onnxsim s | below onnxsim "
+        "| default (no measure) ÷ --no-check | --no-check RSS MB | onnxruntime RSS MB "
+        "| RSS ÷ onnxruntime |",
+        "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    walls, rss, defaults, below = [], [], [], []
+    for name, rows in results.items():
+        g, o, sim, d = (rows.get(t, {}) for t in (NO_CHECK, ort_name, "onnxsim", DEFAULT))
+        if not (g.get("ok") and o.get("ok")):
+            lines.append(f"| {name} | failed | | | | | | | | |")
+            continue
+        wr, mr = g["wall_s"] / o["wall_s"], g["peak_rss_mb"] / o["peak_rss_mb"]
+        walls.append(wr)
+        rss.append(mr)
+        faster = "yes" if sim.get("ok") and g["wall_s"] < sim["wall_s"] else "no"
+        below.append(faster == "yes")
+        dr = None
+        if d.get("ok"):
+            dr = (d["wall_s"] - ((d.get("phases") or {}).get("measure") or 0.0)) / g["wall_s"]
+            defaults.append(dr)
+        lines.append(
+            f"| {name} | {g['wall_s']:.2f} | {o['wall_s']:.2f} | {wr:.2f} | "
+            f"{sim['wall_s']:.2f} | {faster} | {bench._fmt(dr)} | {g['peak_rss_mb']:.0f} | "
+            f"{o['peak_rss_mb']:.0f} | {mr:.2f} |"
+            if sim.get("ok")
+            else f"| {name} | {g['wall_s']:.2f} | {o['wall_s']:.2f} | {wr:.2f} | failed | n/a | "
+            f"{bench._fmt(dr)} | {g['peak_rss_mb']:.0f} | {o['peak_rss_mb']:.0f} | {mr:.2f} |"
+        )
+    if walls:
+        dmed = f"{statistics.median(defaults):.2f} (max {max(defaults):.2f})" if defaults else "n/a"
+        lines += [
+            "",
+            f"{len(walls)} models: --no-check ÷ onnxruntime median {statistics.median(walls):.2f} "
+            f"(max {max(walls):.2f}, {sum(w > 3 for w in walls)} above 3x); below onnxsim on "
+            f"{sum(below)}/{len(below)}; default (without measure) ÷ --no-check median "
+            + dmed
+            + f"; peak RSS ÷ onnxruntime median {statistics.median(rss):.2f} "
+            f"(max {max(rss):.2f}, at or below on {sum(r <= 1 for r in rss)}/{len(rss)}).",
+        ]
+    return lines + [""]
 
 
 def run_speed(args, models_dir: Path, only: list[str] | None) -> int:
