@@ -201,6 +201,7 @@ def optimize(
                 opset=opset,
                 clock=clock,
                 spool=spool,  # the output is written once, beside the bundle: moved in
+                in_place=True,  # large weights stay in the input file until written
             )
             expectations = verdicts.resolve_report_expectations(expectations, report, target)
             say("writing the bundle")

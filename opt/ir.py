@@ -342,9 +342,10 @@ def constant_value(tensor: Tensor | None, max_elements: int | None = None) -> np
         if max_elements is not None and math.prod(tensor.shape) > max_elements:
             return None
         lazy = tensor._values
-        if type(lazy) is LazyValues and lazy.nbytes >= UNCACHED_BYTES:
-            # read for this use, not kept: the model read holds these bytes already, and a
-            # rewrite that replaces the weight (a Conv+BN fold) would leave a third copy alive
+        if isinstance(lazy, LazyValues) and lazy.nbytes >= UNCACHED_BYTES:
+            # read for this use, not kept: the model read holds these bytes already (or they
+            # are mapped from a file), and a rewrite that replaces the weight (a Conv+BN fold)
+            # would leave another copy alive; uncached, the constant still exports as it was read
             return np.asarray(lazy.load())
         return np.asarray(tensor.values)
     return None

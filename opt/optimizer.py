@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import gc
 import os
+import sys
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -159,6 +160,23 @@ class Serialized:
         self.model, self.data, self.spooled = model, data, spooled
 
 
+#: the recursion limit while optimizing: shape and dim analyses follow a value back through
+#: every node before it (GPT-2 in fp16, a Cast around each op: over 2,000 calls deep); Python
+#: calls between Python functions take no C stack (3.11+), only frame memory
+RECURSION_LIMIT = 50_000
+
+
+@contextmanager
+def deep_recursion():
+    """Allow analyses to follow long chains (:data:`RECURSION_LIMIT`) while optimizing."""
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(old, RECURSION_LIMIT))
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(old)
+
+
 @contextmanager
 def sparse_collection():
     """Collect cycles less often while optimizing.  A large graph is millions of small objects
@@ -176,7 +194,7 @@ def sparse_collection():
 def _collecting_sparsely(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with sparse_collection():
+        with sparse_collection(), deep_recursion():
             return fn(*args, **kwargs)
 
     return wrapper
@@ -204,11 +222,15 @@ def optimize(
     measure: bool = True,
     clock: Clock | None = None,
     spool: SpoolDir | None = None,
+    in_place: bool = False,
 ) -> tuple[onnx.ModelProto, Report]:
     """Optimize a model for a target; return the optimized model and the report.
 
     A model given by path keeps its external data on disk (memory-mapped when a pass needs
-    values); ``base_dir`` says where a given ModelProto's external references resolve.
+    values); ``base_dir`` says where a given ModelProto's external references resolve.  With
+    ``in_place`` the large inline weights of a large file stay on disk too (see
+    :func:`~graphopt.opt.io.load_model`): the returned model then references the input file
+    for them, and is to be written by ``write_bundle`` (which copies them from it).
 
     ``reference`` chooses what parity compares with: the ``original`` model, its ``float64``
     upcast (catches fp16 overflow that CPU kernels hide), or ``both``.  ``opset`` lifts the
@@ -220,11 +242,11 @@ def optimize(
     measure); a caller that goes on (writing the bundle) passes its own and times its phases on
     it too.  ``report.seconds`` is the clock's reading when this returns.
 
-    The report holds the returned model's bytes as the validity check serialized them (the
-    model is complete then: its metadata is set as it is exported), so that ``write_bundle``
-    writes them instead of serializing the model again (not when parity runs the model lean:
-    they would be held through it); change a copy, not the returned model, if it is to be
-    changed before it is written.
+    The report holds the returned model as the validity check wrote it (the model is complete
+    then: its metadata is set as it is exported), a file in ``spool`` (default: a folder of the
+    system's temporary folder) or its bytes, so that ``write_bundle`` moves or writes it instead
+    of serializing the model again (not when parity runs the model lean); change a copy, not
+    the returned model, if it is to be changed before it is written.
     """
     if reference not in ("original", "float64", "both"):
         raise UsageError(f"reference must be original, float64 or both (got '{reference}')")
@@ -235,7 +257,7 @@ def optimize(
         if isinstance(model, (str, os.PathLike)):
             say("loading")
             base_dir = Path(model).resolve().parent
-            model = load_model(model, lazy_external=True)
+            model = load_model(model, lazy_external=True, in_place=in_place)
         validate_args(model, shapes, inputs, output_tolerances)
         work, upgrade_remarks = _upgraded(model, opset, say)
         tgt = get_target(target)

@@ -43,7 +43,7 @@ from onnx import numpy_helper
 from .customops import register_libraries
 from .errors import GraphoptError, UsageError
 from .feeds import find_runnable, validate_args
-from .io import has_external_data, serialize, tensor_nbytes, write_model_files
+from .io import has_data_files, serialize, tensor_nbytes, write_model_files
 
 Tolerance = tuple[float, float]  # (rtol relative to the output's scale, atol)
 
@@ -234,7 +234,7 @@ def is_lean(model: onnx.ModelProto, budget: int | None = None) -> bool:
     budget = piece_bytes() if budget is None else budget
     if sum(tensor_nbytes(t) for t in model.graph.initializer) <= budget:
         return False
-    return has_external_data(model)
+    return has_data_files(model)  # weights left in their model file are inline ones
 
 
 #: a check may hold a model whole (timing it, running the bundle as deployed) up to this many

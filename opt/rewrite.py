@@ -31,6 +31,7 @@ the later rule runs once the earlier phase is done and reads its typed outcomes
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -400,7 +401,14 @@ def _guards(ir: ModelIR, rule: Rule, m: Match, cx: PassContext) -> None:
     if not rule.quantization_aware:
         crossing = boundary_violation(m.nodes())
         require(crossing is None, "quantized-boundary", lambda: str(crossing))
-    rule.check(m, cx)
+    try:
+        rule.check(m, cx)
+    except RecursionError:  # an analysis followed a chain deeper than the interpreter allows
+        raise NoMatch(
+            "analysis-too-deep",
+            f"proving this rewrite safe follows a chain of more than {sys.getrecursionlimit()} "
+            "calls; it is left as it is",
+        ) from None
 
 
 def _missed(cx: PassContext, pass_name: str, rule: Rule, e: NoMatch, nodes: tuple) -> None:

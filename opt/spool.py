@@ -32,7 +32,9 @@ from .io import (
     _fields,
     _is_repeated,
     _Malformed,
-    has_external_data,
+    has_data_files,
+    in_place_region,
+    is_in_place,
     remove_path,
     temp_prefix,
 )
@@ -42,6 +44,8 @@ _GRAPH_TAG = bytes([7 << 3 | 2])
 _INITIALIZER_TAG = bytes([5 << 3 | 2])
 _RAW_DATA = 9  # TensorProto.raw_data
 _RAW_TAG = bytes([_RAW_DATA << 3 | 2])
+#: what makes a weight left in its model file a reference: not written (it is written inline)
+_REFERENCE_FIELDS = ("external_data", "data_location")
 #: bytes written (and hashed, on a thread) at a time
 SLICE = 16 << 20
 
@@ -84,7 +88,7 @@ def _pieces(model: onnx.ModelProto):
     """(model fields before the graph, graph fields before the initializers, initializers,
     graph fields after them, model fields after the graph), each field as its wire bytes; None
     when the model cannot be written piece by piece (no graph, unknown fields, external data)."""
-    if not model.HasField("graph") or has_external_data(model):
+    if not model.HasField("graph") or has_data_files(model):
         return None
     if _unknown(model) or _unknown(model.graph):
         return None  # serialized after the known fields: not where a piece would put them
@@ -157,7 +161,19 @@ def spool(model: onnx.ModelProto, directory: str | os.PathLike) -> Spooled | Non
                 else:
                     fields_before, _, fields_after = split
                     offset += emit(fields_before)
-                    if tensor.HasField("raw_data"):
+                    if is_in_place(tensor):  # from the model file it was left in
+                        src, at, length = in_place_region(tensor)
+                        offset += emit(_RAW_TAG + _varint(length))
+                        span = (offset, length)
+                        with open(src, "rb") as source:
+                            source.seek(at)
+                            while length:
+                                block = source.read(min(SLICE, length))
+                                if not block:
+                                    raise _Malformed(f"'{src.name}' is shorter than it was")
+                                offset += emit(block)
+                                length -= len(block)
+                    elif tensor.HasField("raw_data"):
                         data = tensor.raw_data  # out of the message once, for the file
                         offset += emit(_RAW_TAG + _varint(len(data)))
                         span = (offset, len(data))
@@ -189,9 +205,10 @@ def _split(tensor: onnx.TensorProto) -> tuple[bytes, int | None, bytes] | None:
     its ByteSize() would encode it whole into a growing buffer, twice the weight's size."""
     if _unknown(tensor):
         return None
+    in_place = is_in_place(tensor)
     before, after = onnx.TensorProto(), onnx.TensorProto()
     for desc in tensor.DESCRIPTOR.fields:  # raw_data is never read by a walk of its fields
-        if desc.number == _RAW_DATA:
+        if desc.number == _RAW_DATA or (in_place and desc.name in _REFERENCE_FIELDS):
             continue
         holder = before if desc.number < _RAW_DATA else after
         if _is_repeated(desc):
@@ -199,7 +216,10 @@ def _split(tensor: onnx.TensorProto) -> tuple[bytes, int | None, bytes] | None:
                 getattr(holder, desc.name).extend(value)
         elif tensor.HasField(desc.name):
             _copy_field(holder, desc, getattr(tensor, desc.name))
-    raw = len(tensor.raw_data) if tensor.HasField("raw_data") else None
+    if in_place:  # its bytes, written inline as they were read
+        raw = in_place_region(tensor)[2]
+    else:
+        raw = len(tensor.raw_data) if tensor.HasField("raw_data") else None
     return before.SerializeToString(), raw, after.SerializeToString()
 
 
@@ -241,7 +261,7 @@ def session_skeleton(model: onnx.ModelProto, spooled: Spooled) -> onnx.ModelProt
                     continue
                 ref = out.graph.initializer.add()
                 for t_desc, t_value in tensor.ListFields():
-                    if t_desc.name != "raw_data":
+                    if t_desc.name != "raw_data" and t_desc.name not in _REFERENCE_FIELDS:
                         _copy_field(ref, t_desc, t_value)
                 ref.data_location = onnx.TensorProto.EXTERNAL
                 for key, text in (

@@ -576,3 +576,35 @@ def test_export_in_place_is_graphsurgeons_export_byte_for_byte():
     b = ir_module.export_model(root)
     assert len(b.graph.node) == 6 and len(b.functions) == 1 and len(b.graph.sparse_initializer) == 1
     assert a.SerializeToString() == b.SerializeToString()
+
+
+def _down(n: int) -> int:
+    return 0 if n == 0 else 1 + _down(n - 1)
+
+
+def test_analyses_may_go_deeper_than_the_default_recursion_limit():
+    """GPT-2 in fp16 (a Cast around every op) took dim analyses over 2,000 calls deep: an
+    internal error before the optimizer raised the interpreter's limit while it runs."""
+    from graphopt.opt.optimizer import RECURSION_LIMIT, deep_recursion
+
+    limit = sys.getrecursionlimit()
+    with pytest.raises(RecursionError):
+        _down(max(limit, 1000) + 100)
+    with deep_recursion():
+        assert _down(RECURSION_LIMIT // 2) == RECURSION_LIMIT // 2
+    assert sys.getrecursionlimit() == limit  # restored
+
+
+def test_an_analysis_too_deep_for_the_limit_leaves_the_rewrite_with_a_remark():
+    from graphopt.opt import rewrite
+
+    class Deep:
+        exclusive = False
+        quantization_aware = True
+
+        def check(self, m, cx):
+            _down(sys.getrecursionlimit() + 10)
+
+    with pytest.raises(rewrite.NoMatch) as e:
+        rewrite._guards(None, Deep(), None, None)
+    assert e.value.code == "analysis-too-deep" and not e.value.structural
