@@ -60,10 +60,12 @@ Constant = gs.Constant
 Variable = gs.Variable
 
 
-def export_model(root: gs.Graph) -> onnx.ModelProto:
+def export_model(root: gs.Graph, consume: bool = False) -> onnx.ModelProto:
     """``gs.export_onnx(root, do_type_check=False)``, built inside the model: each weight is
     copied into it once (gs.export_onnx copies every weight into a GraphProto, then that graph
-    into the model: BERT-base, 0.85 s of its 0.94 s export).  The same message, field for field."""
+    into the model: BERT-base, 0.85 s of its 0.94 s export).  The same message, field for field.
+    ``consume``: a weight computed in memory (a fold's result) is read from the export from
+    then on and its array let go, so the arrays and their copies are never all held at once."""
     model = onnx.ModelProto(ir_version=onnx.IR_VERSION)
     graph = model.graph
     check_duplicate_node_names(root.nodes, level=gs.logger.G_LOGGER.WARNING)
@@ -78,6 +80,8 @@ def export_model(root: gs.Graph) -> onnx.ModelProto:
                 graph.sparse_initializer.append(OnnxExporter.export_sparse_tensor_proto(t))
             else:
                 graph.initializer.append(OnnxExporter.export_tensor_proto(t))
+                if consume and not isinstance(t._values, LazyValues):
+                    t._values = LazyValues(graph.initializer[-1])
     for t in root.inputs + root.outputs:
         tensors.pop(t.name, None)
     graph.value_info.extend(
@@ -165,12 +169,14 @@ class ModelIR:
         self.node_protos[id(self.graph)] = read_protos(self.graph.nodes, model.graph.node)
 
     # ----------------------------------------------------------------- export
-    def to_onnx(self) -> onnx.ModelProto:
-        """Export the graph, restoring model fields, node metadata and overridable defaults."""
+    def to_onnx(self, consume: bool = False) -> onnx.ModelProto:
+        """Export the graph, restoring model fields, node metadata and overridable defaults;
+        ``consume``: the last export, its computed weights let go as they are copied
+        (:func:`export_model`)."""
         self.root.cleanup(remove_unused_graph_inputs=False)
         for g in [self.root] + [s for n in walk_nodes(self.root) for s in subgraphs(n)]:
             toposort(g)
-        exported = export_model(self.root)
+        exported = export_model(self.root, consume)
         added = [
             onnx.OperatorSetIdProto(domain=o.domain, version=o.version)
             for o in exported.opset_import

@@ -288,9 +288,12 @@ def optimize(
             say(f"running {p.text()}")
             run_pass(p, ir, cx)
         say("exporting")
-        exported = ir.to_onnx()
+        exported = ir.to_onnx(consume=True)
         # complete before the validity check serializes it: those are the bytes written
         _set_metadata(exported, {"graphopt.pipeline": to_text(passes), "graphopt.target": tgt.name})
+        # the graph and the values it computed go (the phase replay records hold its nodes);
+        # the remarks, stats and applied rewrites stay
+        cx.ir, cx.settled_ir, cx.settled, cx.phases = None, None, {}, {}
         return exported, cx
 
     with clock.phase("passes"):
@@ -325,6 +328,8 @@ def optimize(
     )
     with clock.phase("parity"):
         parity, parity_f64 = _parities(model, optimized, check, reference, kw, base_dir, say)
+    if parity.runtime_floor:  # later checks against the same golden outputs: the same floor
+        kw["per_output"] = {**(kw["per_output"] or {}), **parity.floor_tolerances()}
     _LOADED.clear()  # the validity check's session, when parity did not take it: its weights go
     # a model too large for one session is not timed: both would be held whole, twice
     why = _unmeasured(measure, check, tgt.name, parity) or too_large(model)
