@@ -58,13 +58,13 @@ def require_representable(exact: np.ndarray, dtype: np.dtype, what: str) -> np.n
     only where that bound exceeds the tolerance, and flushes only where values are that tiny."""
     dtype = np.dtype(dtype)
     exact = np.asarray(exact, dtype=np.float64)
-    magnitude = np.abs(exact)
-    peak = float(magnitude.max()) if exact.size else 0.0
-    if not math.isfinite(peak):
+    hi, lo = (float(exact.max()), float(exact.min())) if exact.size else (0.0, 0.0)
+    if not (math.isfinite(hi) and math.isfinite(lo)):
         bad = exact[~np.isfinite(exact)][0]
         raise NoMatch(
             "precision-nonfinite", f"folded {what} contains {bad} (in float64)", worst=float(bad)
         )
+    peak = max(hi, -lo)  # the largest magnitude, without an array of magnitudes
     if dtype.kind != "f":
         return exact.astype(dtype)
     info = np.finfo(dtype)
@@ -78,11 +78,13 @@ def require_representable(exact: np.ndarray, dtype: np.dtype, what: str) -> np.n
     with np.errstate(over="ignore", under="ignore"):
         stored = exact.astype(dtype)
     subnormal = float(info.smallest_subnormal)
-    if exact.size and float(magnitude.min()) < subnormal:  # only these can flush to zero
-        nonzero = exact != 0
-        flushed = int(np.count_nonzero(nonzero & (stored == 0)))
-        if nonzero.any() and flushed / int(nonzero.sum()) > FLUSH_TOLERANCE:
-            smallest = float(np.min(magnitude[nonzero]))
+    # a value stored as zero is zero or flushed (nothing else rounds to zero): counting the
+    # non-zeros on each side finds the flushed ones without comparing element by element
+    nonzero = int(np.count_nonzero(exact))
+    flushed = nonzero - int(np.count_nonzero(stored))
+    if flushed:
+        if flushed / nonzero > FLUSH_TOLERANCE:
+            smallest = float(np.min(np.abs(exact[exact != 0])))
             raise NoMatch(
                 "precision-underflow",
                 f"{flushed} non-zero values of folded {what} flush to zero in {dtype.name} "
