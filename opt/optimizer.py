@@ -462,8 +462,8 @@ def _guarded_ranges(model, inputs, shapes, seed, base_dir) -> tuple[dict | None,
 _LOADED: dict[str, Any] = {}
 
 
-#: session config of a validity check's session that parity will not reuse: loading is all it
-#: proves, so weights are not pre-packed (copied) for the kernels, and external weights stay
+#: session config of a validity check's session (parity's, :data:`~graphopt.opt.parity.
+#: LEAN_CONFIG`): weights are not pre-packed (copied) for the kernels, and external weights stay
 #: mapped from their file: a decoder's 705 MB of weights cost 55 MB instead of 750 MB
 CHECK_ONLY = {"session.disable_prepacking": "1"}
 
@@ -482,8 +482,8 @@ def _invalid(
     written once (:func:`~graphopt.opt.spool.spool`, else serialized), onnxruntime loads it from
     what was written, and a valid model's written form goes into the holder (the bundle moves
     the file, or writes the bytes, when it writes the model whole, without external data).
-    With ``keep`` the session is built as parity builds its own and kept for it
-    (``_loaded_session``); otherwise it is built to load only (:data:`CHECK_ONLY`) and dropped."""
+    The session is built as parity builds its own (:data:`CHECK_ONLY`: weights not
+    pre-packed); with ``keep`` it is kept for parity (``_loaded_session``), else dropped."""
     _LOADED.clear()
     spooled = spool(model, into.folder.path) if runtime and into is not None else None
     data = serialize(model) if runtime and spooled is None else None
@@ -512,7 +512,7 @@ def _check(model, base_dir, checker, runtime, keep, data, spooled) -> str | None
                 return "onnx.checker: " + (text.splitlines()[0] if text else type(e).__name__)
     if not runtime:
         return None
-    config = None if keep else CHECK_ONLY
+    config = CHECK_ONLY  # kept or not: parity runs it once, so weights are not pre-packed
     try:
         if spooled is not None:  # weights mapped from the written file, not copied
             session = Session(

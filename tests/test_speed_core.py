@@ -276,8 +276,10 @@ def test_external_files_of_a_model_just_read_are_not_parsed_again(tmp_path, monk
     assert parsed
 
 
-def test_the_validity_session_loads_without_copying_weights_unless_parity_takes_it(monkeypatch):
-    from graphopt.opt import optimizer
+def test_the_validity_session_loads_without_copying_weights(monkeypatch):
+    """Parity reuses it and runs it once: pre-packing the weights would cost more than it saves
+    (the sessions parity makes itself are built the same way)."""
+    from graphopt.opt import optimizer, parity
 
     nodes = [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")]
     w = np.random.default_rng(0).random((16, 16)).astype(np.float32)
@@ -296,7 +298,7 @@ def test_the_validity_session_loads_without_copying_weights_unless_parity_takes_
     made.clear()
     _, report = optimizer.optimize(m, check=True)
     assert report.parity.ok
-    assert made[0] is None  # the session parity reuses is built as parity builds its own
+    assert made[0] == optimizer.CHECK_ONLY == parity.LEAN_CONFIG  # as parity builds its own
 
 
 def test_export_keeps_the_exported_graph_and_restores_the_model_fields(monkeypatch):
