@@ -552,6 +552,8 @@ def skeleton(
                     out.graph.initializer.append(tensor)
     for tensor in _all_tensors(out):  # in Constant nodes, subgraphs and functions: copies
         if _stands_in(tensor, None):
+            if is_in_place(tensor):  # (a weight left in its file that a pass moved in there)
+                del tensor.external_data[:]
             tensor.ClearField("raw_data")
             _mark_stand_in(tensor)
             replaced += 1
@@ -878,12 +880,16 @@ def _materialized(model: onnx.ModelProto, base_dir) -> onnx.ModelProto:
     copy.CopyFrom(model)
     for tensor in _all_tensors(copy):
         if external_data_helper.uses_external_data(tensor):
+            left = is_in_place(tensor)
             src, offset, length = external_region(tensor, base_dir)
             with open(src, "rb") as f:
                 f.seek(offset)
                 tensor.raw_data = f.read(length)
             del tensor.external_data[:]
-            tensor.data_location = onnx.TensorProto.DEFAULT
+            if left:  # back as it was read: no data_location field
+                tensor.ClearField("data_location")
+            else:
+                tensor.data_location = onnx.TensorProto.DEFAULT
     return copy
 
 

@@ -28,6 +28,7 @@ from google.protobuf import unknown_fields
 from .io import (
     PROTOBUF_LIMIT,
     STANDIN_BYTES,
+    _all_tensors,
     _copy_field,
     _fields,
     _is_repeated,
@@ -92,6 +93,8 @@ def _pieces(model: onnx.ModelProto):
         return None
     if _unknown(model) or _unknown(model.graph):
         return None  # serialized after the known fields: not where a piece would put them
+    if sum(map(is_in_place, _all_tensors(model))) != sum(map(is_in_place, model.graph.initializer)):
+        return None  # a weight left in its file moved into a node or subgraph: not a piece
     before, after, seen = [], [], False
     for desc, value in model.ListFields():  # in field-number order, as they are serialized
         if desc.name == "graph":

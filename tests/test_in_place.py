@@ -105,3 +105,36 @@ def test_weights_in_an_external_file_stay_there(tmp_path, in_place):
     lazy = io.load_model(tmp_path / "m.onnx", lazy_external=True, in_place=True)
     assert io.has_data_files(lazy)
     assert not any(io.is_in_place(t) for t in lazy.graph.initializer)
+
+
+def _moved_into_a_node(m: onnx.ModelProto) -> onnx.ModelProto:
+    """``m`` with its initializer ``w`` moved into a Constant node (as a pass may move a weight
+    into a node or a subgraph)."""
+    out = onnx.ModelProto()
+    out.CopyFrom(m)
+    w = next(t for t in out.graph.initializer if t.name == "w")
+    node = helper.make_node("Constant", [], ["w"], value=w)
+    kept = [t for t in out.graph.initializer if t.name != "w"]
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(kept)
+    out.graph.node.insert(0, node)
+    return out
+
+
+def test_a_weight_moved_out_of_the_initializers_is_written_as_read(tmp_path, in_place):
+    from graphopt.opt.spool import spool
+
+    nodes = [helper.make_node("Add", ["x", "w"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "g", [vi("x", [600])], [vi("y", [600])], [const("w", np.arange(600.0))]
+    )
+    path = tmp_path / "m.onnx"
+    path.write_bytes(helper.make_model(graph).SerializeToString())
+    lazy = _moved_into_a_node(io.load_model(path, lazy_external=True, in_place=True))
+    whole = _moved_into_a_node(onnx.load(path))
+    assert io.is_in_place(lazy.graph.node[0].attribute[0].t)
+    assert spool(lazy, tmp_path) is None  # not written piece by piece: materialized instead
+    out = tmp_path / "out"
+    out.mkdir()
+    io.write_model_files(lazy, out / "model.onnx", external=False, base_dir=tmp_path)
+    assert (out / "model.onnx").read_bytes() == whole.SerializeToString()
