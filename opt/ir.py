@@ -193,9 +193,10 @@ class ModelIR:
         self._restore_interface(model.graph)
         self._prune_value_info(model.graph)
         model.ir_version = max(self.original_ir_version, 4)
-        # Opsets: keep the original imports, add any domain a rule introduced.
+        # Opsets: keep the original imports, add any domain a rule introduced, by name (the
+        # exporter gathers them in a set: their order changed from one process to the next)
         have = {o.domain for o in model.opset_import}
-        for imp in added:
+        for imp in sorted(added, key=lambda o: o.domain):
             if imp.domain not in have and not is_default(imp.domain):
                 model.opset_import.append(imp)
         present = {i.name for i in model.graph.input}

@@ -610,3 +610,36 @@ def test_an_analysis_too_deep_for_the_limit_leaves_the_rewrite_with_a_remark():
     with pytest.raises(rewrite.NoMatch) as e:
         rewrite._guards(None, Deep(), None, None)
     assert e.value.code == "analysis-too-deep" and not e.value.structural
+
+
+def test_domains_a_rewrite_adds_are_imported_in_the_same_order_in_every_process(tmp_path):
+    """The exporter gathers used domains in a set, whose order follows the string hash seed of
+    the process: the output's bytes changed from run to run when two domains were added."""
+    import subprocess
+
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"], name="r"),
+        helper.make_node("Custom", ["a"], ["b"], domain="zz.custom", name="z"),
+        helper.make_node("Custom", ["b"], ["y"], domain="aa.custom", name="a"),
+    ]
+    graph = helper.make_graph(nodes, "g", [vi("x", [4])], [vi("y", [4])])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    # (the custom domains are not imported: the export adds them, as for a rewrite's new ops)
+    src = tmp_path / "m.onnx"
+    onnx.save(m, src)
+    code = (
+        "import onnx, sys; from graphopt.opt.ir import ModelIR; "
+        "m = ModelIR(onnx.load(sys.argv[1])).to_onnx(); "
+        "print([o.domain for o in m.opset_import])"
+    )
+    runs = {
+        subprocess.run(
+            [sys.executable, "-c", code, str(src)],
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in range(6)
+    }
+    assert runs == {"['', 'aa.custom', 'zz.custom']\n"}
