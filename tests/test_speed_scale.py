@@ -384,3 +384,23 @@ def test_a_model_written_with_its_nodes_spliced_in_reads_back_as_the_whole_model
     assert whole == shell(True)
     for n in (0, 1, 127, 128, 300, 16383, 16384, 2**21 + 5, 2**35):
         assert analysis._varint(n) == _VarintBytes(n)
+
+
+def _console(*args: str):
+    import subprocess
+    import sys
+
+    code = (
+        "import atexit, gc, sys; "
+        "atexit.register(lambda: print('frozen', gc.get_freeze_count() > 0)); "
+        f"sys.argv = ['graphopt', *{list(args)!r}]; "
+        "from graphopt.cli import console; console()"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+
+
+def test_the_command_leaves_its_objects_frozen_to_the_exit_and_keeps_its_exit_code(tmp_path):
+    done = _console("--version")
+    assert done.returncode == 0 and "graphopt" in done.stdout and "frozen True" in done.stdout
+    missing = _console("optimize", str(tmp_path / "missing.onnx"), "-o", str(tmp_path / "b"))
+    assert missing.returncode not in (0, None) and "frozen True" in missing.stdout
