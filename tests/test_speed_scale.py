@@ -404,3 +404,38 @@ def test_the_command_leaves_its_objects_frozen_to_the_exit_and_keeps_its_exit_co
     assert done.returncode == 0 and "graphopt" in done.stdout and "frozen True" in done.stdout
     missing = _console("optimize", str(tmp_path / "missing.onnx"), "-o", str(tmp_path / "b"))
     assert missing.returncode not in (0, None) and "frozen True" in missing.stdout
+
+
+def test_the_imported_graph_is_kept_apart_from_collections_only_while_it_is_optimized():
+    import gc
+
+    from graphopt.opt.optimizer import imported_apart, optimize
+
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    with imported_apart() as imported:
+        assert not gc.isenabled()  # importing: no collections
+        held = [[] for _ in range(10)]
+        imported()
+        assert gc.isenabled() and gc.get_freeze_count() > 0
+    assert gc.isenabled() and gc.get_freeze_count() == 0 and held
+    with pytest.raises(ValueError), imported_apart():
+        raise ValueError("import failed")
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    gc.freeze()  # someone else's freeze is theirs: left as it is
+    try:
+        with imported_apart() as imported:
+            assert gc.isenabled()
+            imported()
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+    gc.disable()  # nor is the collector turned on where it was off
+    try:
+        with imported_apart() as imported:
+            imported()
+        assert not gc.isenabled() and gc.get_freeze_count() == 0
+    finally:
+        gc.enable()
+    m = model([helper.make_node("Relu", ["x"], ["y"])], [vi("x", [2])], [vi("y", [2])])
+    optimize(m, check=False)
+    assert gc.isenabled() and gc.get_freeze_count() == 0
