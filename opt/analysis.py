@@ -115,27 +115,30 @@ _PLAIN = (int, float, str)
 
 def _node_key(n: Node) -> tuple | None:
     """Everything the exported proto of ``n`` is made of, or None when an attribute is not a
-    plain value (a tensor, a graph...): such a node is exported every time."""
-    attrs = []
-    for k, v in n.attrs.items():
-        if isinstance(v, _PLAIN):
-            attrs.append((k, type(v), v))
-        elif isinstance(v, list) and all(isinstance(x, _PLAIN) for x in v):
-            attrs.append((k, list, tuple([(type(x), x) for x in v])))
-        else:
-            return None
+    plain value (a tensor, a graph...): such a node is exported every time.  One flat tuple:
+    op, domain, name, the number of inputs, the input names, the output names, then the
+    attributes (name, type, value) and what the exporter restores (ir: TYPE_PROTO attributes,
+    doc_string/metadata)."""
     fields = n.__dict__  # plain attributes: read without a lookup through the class
-    return (
-        n.op,
-        n.domain,
-        n.name,
-        tuple([t.name for t in n.inputs]),
-        tuple([t.name for t in n.outputs]),
-        tuple(attrs),
-        # what the exporter restores (ir: TYPE_PROTO attributes, doc_string/metadata), held
-        fields.get(_ATTR_ATTR),
-        fields.get(_NOTE_ATTR),
-    )
+    ins = fields["inputs"]
+    key = [fields["op"], fields["domain"], fields["name"], len(ins)]
+    key += [t.name for t in ins]
+    key += [t.name for t in fields["outputs"]]
+    key.append(_ATTRS)  # the output names end here (a name is a str, never this marker)
+    if fields["attrs"]:
+        for k, v in fields["attrs"].items():
+            if isinstance(v, _PLAIN):
+                key += (k, type(v), v)
+            elif isinstance(v, list) and all(isinstance(x, _PLAIN) for x in v):
+                key += (k, list, tuple([(type(x), x) for x in v]))
+            else:
+                return None
+    key += (fields.get(_ATTR_ATTR), fields.get(_NOTE_ATTR))
+    return tuple(key)
+
+
+#: ends the output names in a node key
+_ATTRS = object()
 
 
 def read_protos(nodes: Sequence[Node], read: Sequence[onnx.NodeProto]) -> dict:
@@ -224,50 +227,91 @@ def _infer(ir: ModelIR, g, protos: dict) -> bool:
         for t in n.outputs
         if t.name and t.dtype is not None and t.shape is not None
     ]
-    graph = onnx.helper.make_graph(nodes, "shape-view", inputs, outputs, inits, value_info=known)
+    graph = onnx.helper.make_graph([], "shape-view", inputs, outputs, inits, value_info=known)
     model = onnx.helper.make_model(graph, opset_imports=_opsets(ir))
     model.ir_version = max(ir.original_ir_version, 4)
     model.functions.extend(OnnxExporter.export_function(f) for f in g.functions)
     try:
         inferred = onnx.shape_inference.infer_shapes(
-            model, check_type=False, strict_mode=False, data_prop=True
+            _with_nodes(model, nodes), check_type=False, strict_mode=False, data_prop=True
         )
     except (onnx.shape_inference.InferenceError, RuntimeError, ValueError) as e:
         log.info("shape inference failed: %s", e)
         return False
     tensors = {t.name: t for n in g.nodes for t in n.outputs}
     outputs_ids = {id(t) for t in g.outputs}
+    # a large graph repeats a few types ([B, S, 8] float) many times: each is read once
+    read: dict[bytes, tuple | None] = {}
     for vi in inferred.graph.value_info:
         t = tensors.get(vi.name)
         if not isinstance(t, Variable) or id(t) in outputs_ids:
             continue
-        _apply_type(t, vi.type)
+        shape = t.shape
+        if t.dtype is not None and shape is not None and all(isinstance(d, int) for d in shape):
+            continue  # nothing left to learn
+        raw = vi.type.SerializeToString()
+        parsed = read.get(raw, False)
+        if parsed is False:
+            parsed = read[raw] = _read_type(vi.type)
+        if parsed is not None:
+            _set_type(t, *parsed)
     return True
 
 
-def _apply_type(t: Variable, type_proto: onnx.TypeProto) -> None:
-    if t.dtype is not None and t.shape is not None and all(isinstance(d, int) for d in t.shape):
-        return  # nothing left to learn
+def _read_type(type_proto: onnx.TypeProto) -> tuple[int, tuple | None] | None:
+    """A tensor type's element type and dims (None: no shape), or None for another type."""
     if not type_proto.HasField("tensor_type"):
-        return
+        return None
     tt = type_proto.tensor_type
-    if tt.elem_type and t.dtype is None:
+    if not tt.HasField("shape"):
+        return tt.elem_type, None
+    dims = []
+    for d in tt.shape.dim:
+        if d.HasField("dim_value"):
+            dims.append(int(d.dim_value))
+        elif d.HasField("dim_param"):
+            dims.append(d.dim_param)
+        else:
+            dims.append(None)
+    return tt.elem_type, tuple(dims)
+
+
+def _with_nodes(model: onnx.ModelProto, nodes: Sequence[onnx.NodeProto]) -> bytes:
+    """The bytes of ``model`` with ``nodes`` as its graph's nodes (in this order): each node's
+    bytes written as they are, not copied into the graph message first (a protobuf message is
+    its fields in any order, a repeated field's entries in theirs).  ``model`` loses its graph."""
+    graph = model.graph.SerializeToString()
+    model.ClearField("graph")
+    body = b"".join([_NODE_TAG + _varint(len(b)) + b for b in map(_serialized, nodes)])
+    body += graph
+    return model.SerializeToString() + _GRAPH_TAG + _varint(len(body)) + body
+
+
+_serialized = onnx.NodeProto.SerializeToString
+#: length-delimited field tags: GraphProto.node (1), ModelProto.graph (7)
+_NODE_TAG, _GRAPH_TAG = bytes([1 << 3 | 2]), bytes([7 << 3 | 2])
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _set_type(t: Variable, elem_type: int, dims: tuple | None) -> None:
+    """What a tensor lacks of an inferred type: its dtype, a (more static) shape."""
+    if elem_type and t.dtype is None:
         try:
-            t.dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
+            t.dtype = onnx.helper.tensor_dtype_to_np_dtype(elem_type)
         except KeyError:
             return
-    if tt.HasField("shape"):
-        dims = []
-        for d in tt.shape.dim:
-            if d.HasField("dim_value"):
-                dims.append(int(d.dim_value))
-            elif d.HasField("dim_param"):
-                dims.append(d.dim_param)
-            else:
-                dims.append(None)
+    if dims is not None:
         old = t.shape
         if old is None or _more_static(dims, old):
-            t.shape = dims
+            t.shape = list(dims)
 
 
 def _more_static(new: list, old) -> bool:

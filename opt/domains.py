@@ -16,6 +16,12 @@ def norm_domain(domain: str | None) -> str:
     return DEFAULT if domain in _DEFAULT_SPELLINGS else str(domain)
 
 
+def spellings(domains: frozenset[str]) -> frozenset[str | None]:
+    """Every spelling of canonical ``domains`` (``norm_domain`` of a spelling is in them)."""
+    extra = _DEFAULT_SPELLINGS if DEFAULT in domains else ()
+    return frozenset(domains) | frozenset(extra)
+
+
 def is_default(domain: str | None) -> bool:
     """Whether ``domain`` is ONNX's default operator set."""
     return domain in _DEFAULT_SPELLINGS

@@ -37,12 +37,13 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-from onnx import external_data_helper, numpy_helper
+from onnx import numpy_helper
 from onnx_graphsurgeon.exporters.onnx_exporter import (
     OnnxExporter,
     check_duplicate_node_names,
     update_import_domains,
 )
+from onnx_graphsurgeon.importers import onnx_importer as gs_importer
 from onnx_graphsurgeon.importers.onnx_importer import OnnxImporter
 from onnx_graphsurgeon.ir.tensor import LazyValues, SparseValues
 from onnx_graphsurgeon.util import misc as gs_misc
@@ -552,12 +553,17 @@ _gs_import_node = OnnxImporter.import_node
 
 def _sync_list(owner: object, field: str, items: list) -> gs_misc.SynchronizedList:
     """``SynchronizedList(owner, field, items)``: each item's ``field`` list gets ``owner``."""
-    synced = gs_misc.SynchronizedList.__new__(gs_misc.SynchronizedList)
-    synced.parent_obj, synced.field_name = owner, field
-    list.extend(synced, items)
-    for item in items:
-        list.append(getattr(item, field), owner)
+    synced = _new_list(_SyncList)
+    synced.__dict__ = {"parent_obj": owner, "field_name": field}  # one dict, made whole
+    if items:
+        list.extend(synced, items)
+        for item in items:
+            list.append(getattr(item, field), owner)
     return synced
+
+
+_SyncList = gs_misc.SynchronizedList
+_new_list = _SyncList.__new__
 
 
 def _new_variable(name: str) -> Variable:
@@ -624,7 +630,7 @@ def _import_tensor(onnx_tensor) -> Tensor:
     fields["name"] = onnx_tensor.name
     fields["inputs"] = _sync_list(c, "outputs", [])
     fields["outputs"] = _sync_list(c, "inputs", [])
-    fields["_values"] = LazyValues(onnx_tensor)
+    fields["_values"] = _lazy_values(onnx_tensor)
     fields["data_location"] = (
         int(onnx_tensor.data_location) if onnx_tensor.HasField("data_location") else None
     )
@@ -633,6 +639,25 @@ def _import_tensor(onnx_tensor) -> Tensor:
 
 
 OnnxImporter.import_tensor = staticmethod(_import_tensor)
+
+#: a TensorProto data type's (LazyValues.dtype, item size): the same for every tensor of it
+_LAZY_TYPES: dict[int, tuple] = {}
+
+
+def _lazy_values(onnx_tensor: onnx.TensorProto) -> LazyValues:
+    """``LazyValues(onnx_tensor)``, the dtype and item size looked up once per data type
+    (graphsurgeon rebuilds onnx's list of every data type twice per tensor)."""
+    lazy = object.__new__(LazyValues)
+    lazy.tensor = onnx_tensor
+    lazy.shape = onnx_tensor.dims
+    known = _LAZY_TYPES.get(onnx_tensor.data_type)
+    if known is None:
+        dtype = gs_importer.get_onnx_tensor_dtype(onnx_tensor)
+        known = _LAZY_TYPES[onnx_tensor.data_type] = (dtype, gs_importer.get_itemsize(dtype))
+    lazy.dtype = known[0]
+    lazy.nbytes = gs_misc.volume(lazy.shape) * known[1]
+    return lazy
+
 
 # graphsurgeon writes every constant it holds as raw bytes; ONNX stores strings in string_data
 # and packs int4/uint4 two to a byte.
@@ -783,11 +808,35 @@ class ExternalValues(LazyValues):
 
 
 def _has_external(model: onnx.ModelProto) -> bool:
-    """Whether any tensor of the model (subgraphs included) lives in an external file."""
-    return any(
-        t.data_location == onnx.TensorProto.EXTERNAL
-        for t in external_data_helper._get_all_tensors(model)
-    )
+    """Whether any tensor of the model (subgraphs included) lives in an external file: the
+    tensors ``external_data_helper._get_all_tensors`` walks (initializers of the graph and its
+    bodies, tensor attributes there and in model-local functions), read without a generator
+    per node."""
+    external = onnx.TensorProto.EXTERNAL
+    graphs = list(all_graphs(model.graph))
+    if any(t.data_location == external for g in graphs for t in g.initializer):
+        return True
+    nodes = [n for g in graphs for n in g.node]
+    for f in model.functions:
+        nodes += [n for fn in f.node for g in _bodies(fn) for n in g.node]
+        nodes += f.node
+    for node in nodes:
+        for a in node.attribute:
+            if a.HasField("t") and a.t.data_location == external:
+                return True
+            if any(t.data_location == external for t in a.tensors):
+                return True
+    return False
+
+
+def _bodies(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    """Every graph in a node's attributes, at any depth."""
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            yield from all_graphs(attr.g)
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            for sub in attr.graphs:
+                yield from all_graphs(sub)
 
 
 def _map_external_values(graph: gs.Graph, base_dir) -> None:

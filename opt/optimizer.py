@@ -191,6 +191,31 @@ def sparse_collection():
         gc.set_threshold(*old)
 
 
+@contextmanager
+def imported_apart():
+    """Keep an imported graph out of the cyclic collector's scans while it is optimized: the
+    import runs without collections and what exists once it is done is frozen (``gc.freeze``)
+    until the block ends.  A 200k-node graph is millions of objects, each scanned twice on its
+    way to the oldest generation otherwise (about 6 % of -O2's time there).  Yields the call
+    that ends the import.  Nothing is done where the collector is off or objects are frozen
+    already (the caller's own freeze is left alone)."""
+    mine = gc.isenabled() and gc.get_freeze_count() == 0
+    if mine:
+        gc.disable()
+
+    def imported() -> None:
+        if mine:
+            gc.freeze()
+            gc.enable()
+
+    try:
+        yield imported
+    finally:
+        if mine:
+            gc.enable()
+            gc.unfreeze()
+
+
 def _collecting_sparsely(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -271,7 +296,12 @@ def optimize(
             ranges, range_remarks = _guarded_ranges(model, inputs, shapes, seed, base_dir)
 
     def execute(limit: int | None, skip: frozenset = frozenset()):
-        ir = ModelIR(work, base_dir)
+        with imported_apart() as imported:
+            ir = ModelIR(work, base_dir)
+            imported()
+            return optimize_ir(ir, limit, skip)
+
+    def optimize_ir(ir: ModelIR, limit: int | None, skip: frozenset):
         cx = PassContext(
             target=tgt,
             level=level,

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from .domains import norm_domain
+from .domains import norm_domain, spellings
 from .ir import Constant, Node, Tensor, Variable, constant_value, dtype_of
 
 #: most inputs ``commute=True`` permutes (4! orderings)
@@ -141,6 +141,8 @@ class Op(Pattern):
         set_(self, "_ops", frozenset(self.ops))
         domains = (domain,) if isinstance(domain, str) else domain
         set_(self, "_domains", frozenset(norm_domain(d) for d in domains))
+        # the spellings of those domains a node may carry as they are (no normalizing call)
+        set_(self, "_spellings", spellings(self._domains))
 
     @property
     def ops(self) -> tuple[str, ...]:
@@ -212,8 +214,12 @@ def _compile_node(p: Op) -> Callable[[Node], bool]:
     ]
     pooled = [_compile_tensor(p.inputs[i]) for i in free]
 
+    spelled = p._spellings
+
     def check(node: Node) -> bool:
-        if node.op not in ops or norm_domain(node.domain) not in domains:
+        if node.op not in ops:
+            return False
+        if node.domain not in spelled and norm_domain(node.domain) not in domains:
             return False
         ins = node.inputs
         count = len(ins)
@@ -304,7 +310,9 @@ def _match_tensor(p: Pattern, tensor: Tensor | None, b: dict) -> Iterator[dict]:
 
 
 def _match_node(p: Op, node: Node, b: dict) -> Iterator[dict]:
-    if node.op not in p._ops or norm_domain(node.domain) not in p._domains:
+    if node.op not in p._ops:
+        return
+    if node.domain not in p._spellings and norm_domain(node.domain) not in p._domains:
         return
     if b.get(p.name, node) is not node or not _attrs_ok(p, node):
         return

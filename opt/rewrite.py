@@ -161,12 +161,19 @@ class Rule:
             yield self.match(node, cx)
             return
         found = [{}] if self.pattern is None else match_pattern(self.pattern, node)
-        seen: set[frozenset] = set()
+        # the bindings seen, each once; built from the second on (most nodes have one)
+        first: dict | None = None
+        seen: set[frozenset] | None = None
         for bindings in islice(found, MAX_CANDIDATES):
-            key = frozenset([(k, id(v)) for k, v in bindings.items()])
-            if key in seen:
-                continue
-            seen.add(key)
+            if first is None:
+                first = bindings
+            else:
+                if seen is None:
+                    seen = {_binding_key(first)}
+                key = _binding_key(bindings)
+                if key in seen:
+                    continue
+                seen.add(key)
             m = Match(node, bindings)
             try:
                 self.structure(m, cx)
@@ -188,6 +195,11 @@ class Rule:
 
     def rewrite(self, m: Match, b: Builder) -> Sequence[Tensor | None]:
         raise NotImplementedError
+
+
+def _binding_key(bindings: dict) -> frozenset:
+    """What tells two bindings apart: the objects bound under each name."""
+    return frozenset([(k, id(v)) for k, v in bindings.items()])
 
 
 #: rule-set phases, in the order ``rules`` runs them: cleanups, local fusions (norms,

@@ -44,6 +44,7 @@ Never an accident -- each refusal is a missed remark with its code:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,7 +52,7 @@ from onnx_graphsurgeon import Graph
 
 from graphopt.opt.analysis import EvaluationError, evaluate, infer_shapes
 from graphopt.opt.domains import is_default
-from graphopt.opt.ir import Constant, ModelIR, Node, Variable, static_shape
+from graphopt.opt.ir import Constant, ModelIR, Node, Tensor, Variable, static_shape
 from graphopt.opt.manager import Pass, PassContext, register_pass
 from graphopt.opt.quant import DEQUANTIZE, is_low_bit
 
@@ -159,10 +160,24 @@ class _Growth:
 
 
 def _new_growth(ir: ModelIR) -> _Growth:
-    sizes = [
-        _nbytes(t.shape, t.dtype) for t in ir.root.tensors().values() if isinstance(t, Constant)
-    ]
+    sizes = [_nbytes(t.shape, t.dtype) for t in _all_tensors(ir.root) if isinstance(t, Constant)]
     return _Growth(largest=max(sizes, default=0), total=sum(sizes))
+
+
+def _all_tensors(graph: Graph) -> Iterable[Tensor]:
+    """The values of graphsurgeon's ``graph.tensors()`` (per name, the last tensor of that name
+    among the inputs, each node's inputs and outputs, the outputs; unnamed ones left out),
+    without its per-tensor call."""
+    named = {t.name: t for t in graph.inputs}
+    for node in graph.nodes:
+        for t in node.inputs:
+            named[t.name] = t
+        for t in node.outputs:
+            named[t.name] = t
+    for t in graph.outputs:
+        named[t.name] = t
+    named.pop("", None)
+    return named.values()
 
 
 @dataclass(frozen=True)
