@@ -25,6 +25,7 @@ from pathlib import Path
 import onnx
 from google.protobuf import unknown_fields
 
+from .errors import ModelSaveError
 from .io import (
     PROTOBUF_LIMIT,
     STANDIN_BYTES,
@@ -131,7 +132,10 @@ def spool(model: onnx.ModelProto, directory: str | os.PathLike) -> Spooled | Non
     total = len(head) + graph_len - sum(map(len, g_before)) + sum(map(len, after))
     if total > PROTOBUF_LIMIT:
         return None
-    fd, name = tempfile.mkstemp(prefix="model-", suffix=".onnx", dir=directory)
+    try:
+        fd, name = tempfile.mkstemp(prefix="model-", suffix=".onnx", dir=directory)
+    except OSError as e:
+        raise _cannot_write(directory, e) from None
     path = Path(name)
     sha = hashlib.sha256()
     spans: list[tuple[int, int] | None] = []
@@ -195,6 +199,9 @@ def spool(model: onnx.ModelProto, directory: str | os.PathLike) -> Spooled | Non
     except _Malformed:
         remove_path(path)
         return None  # the caller serializes the model whole
+    except OSError as e:  # a full disk, a folder gone: nothing is left half-written
+        remove_path(path)
+        raise _cannot_write(directory, e) from None
     except BaseException:
         remove_path(path)
         raise
@@ -231,6 +238,12 @@ def _split_size(tensor: onnx.TensorProto, split) -> int:
         return tensor.ByteSize()
     head, raw, tail = split
     return len(head) + (0 if raw is None else 1 + len(_varint(raw)) + raw) + len(tail)
+
+
+def _cannot_write(directory, error: OSError) -> ModelSaveError:
+    return ModelSaveError(
+        f"cannot write the optimized model in {directory}: {error.strerror or error}"
+    )
 
 
 def _raw_span(data: bytes, offset: int) -> tuple[int, int] | None:

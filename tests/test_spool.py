@@ -18,6 +18,7 @@ import graphopt
 from conftest import EXAMPLES, const, model, vi
 from graphopt.cli import app
 from graphopt.opt import optimizer
+from graphopt.opt.errors import ModelSaveError
 from graphopt.opt.parity import Session, make_inputs
 from graphopt.opt.spool import SpoolDir, session_skeleton, spool
 
@@ -140,3 +141,35 @@ def test_the_library_spools_into_the_temporary_folder_and_cleans_up(tmp_path):
     folder = spool_dir.path
     del spool_dir
     assert not folder.exists()  # the folder goes with the last reference to it
+
+
+def test_a_full_disk_is_a_save_error_with_nothing_left_behind(tmp_path, monkeypatch):
+    """It was an internal error (exit 1, 'OSError: No space left on device') from the spool."""
+    from typer.testing import CliRunner
+
+    src = tmp_path / "m.onnx"
+    onnx.save(matmul_model(), src)
+    real = os.fdopen
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, _data):
+            raise OSError(28, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    monkeypatch.setattr(os, "fdopen", lambda fd, mode="r", *a, **k: Full(real(fd, mode, *a, **k)))
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["optimize", str(src), "-o", str(out), "--no-check", "-q"])
+    assert res.exit_code == ModelSaveError.exit_code, res.output
+    assert "No space left on device" in res.stderr and "internal error" not in res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]  # no spool, no bundle
