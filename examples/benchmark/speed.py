@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -69,6 +70,7 @@ def speed_model(name: str, path: Path, side: Path, rounds: int, timeout: float, 
             rec = bench._run_measured(_command(tool, path, out_dir, sidecar), timeout)
             if tool in (NO_CHECK, DEFAULT):
                 rec["phases"] = _phases(out_dir)
+            shutil.rmtree(out_dir, ignore_errors=True)  # (all of them: over 30 GB for the set)
             runs[tool].append(rec)
             ok = "ok" if rec.get("rc") == 0 else rec.get("error", "failed")
             print(f"  {name} round {r + 1}: {tool}: {rec.get('wall_s', 0):.2f} s, {ok}", flush=True)
