@@ -119,6 +119,9 @@ class ConvScaleBase(Rule):
     def compensated(self, exact: np.ndarray, stored: np.ndarray, group: int) -> np.ndarray:
         """``stored`` (``exact`` rounded to nearest float16) with each output channel's row
         re-rounded by :func:`compensated_rows`."""
+        if self.conv_op == "Conv":  # a row is an output channel's slice: views, no index
+            rows = (exact.shape[0], -1)
+            return compensated_rows(exact.reshape(rows), stored.reshape(rows)).reshape(exact.shape)
         index = self.rows(np.arange(exact.size).reshape(exact.shape), group)
         flat = stored.reshape(-1).copy()
         flat[index] = compensated_rows(exact.reshape(-1)[index], flat[index])
