@@ -530,26 +530,21 @@ def skeleton(
     ``data``: the model's own bytes, when the caller has them, to read the top-level weights'
     sizes from their field headers instead of copying each weight out of the message;
     ``lengths``: those sizes, when the caller knows them already."""
-    out = onnx.ModelProto()
+    if lengths is None and data is not None:
+        lengths = _raw_lengths(data)
+    if lengths is not None and len(lengths) != len(model.graph.initializer):
+        lengths = None
     replaced = 0
-    for desc, value in model.ListFields():
-        if desc.name != "graph":
-            _copy_field(out, desc, value)
-            continue
-        if lengths is None and data is not None:
-            lengths = _raw_lengths(data)
-        if lengths is not None and len(lengths) != len(value.initializer):
-            lengths = None
-        for graph_desc, graph_value in value.ListFields():
-            if graph_desc.name != "initializer":
-                _copy_field(out.graph, graph_desc, graph_value)
-                continue
-            for i, tensor in enumerate(graph_value):
-                if _stands_in(tensor, lengths[i] if lengths is not None else None):
-                    _make_stand_in(tensor, out.graph.initializer.add())
-                    replaced += 1
-                else:
-                    out.graph.initializer.append(tensor)
+
+    def put(i: int, tensor: onnx.TensorProto, initializers) -> None:
+        nonlocal replaced
+        if _stands_in(tensor, lengths[i] if lengths is not None else None):
+            _make_stand_in(tensor, initializers.add())
+            replaced += 1
+        else:
+            initializers.append(tensor)
+
+    out = copy_with_initializers(model, put)
     for tensor in _all_tensors(out):  # in Constant nodes, subgraphs and functions: copies
         if _stands_in(tensor, None):
             if is_in_place(tensor):  # (a weight left in its file that a pass moved in there)
@@ -592,16 +587,39 @@ def _stands_in(tensor: onnx.TensorProto, raw_length: int | None) -> bool:
     return (raw_length if raw_length is not None else len(tensor.raw_data)) == size
 
 
-def _make_stand_in(src: onnx.TensorProto, dst: onnx.TensorProto) -> None:
-    """``dst`` becomes ``src`` without its raw bytes (never copied out), marked a stand-in."""
+def copy_with_initializers(model: onnx.ModelProto, put) -> onnx.ModelProto:
+    """A copy of ``model`` field by field, but for its top-level initializers: for each,
+    ``put(index, tensor, the copy's initializers)`` adds what stands for it."""
+    out = onnx.ModelProto()
+    for desc, value in model.ListFields():
+        if desc.name != "graph":
+            _copy_field(out, desc, value)
+            continue
+        for graph_desc, graph_value in value.ListFields():
+            if graph_desc.name != "initializer":
+                _copy_field(out.graph, graph_desc, graph_value)
+                continue
+            for i, tensor in enumerate(graph_value):
+                put(i, tensor, out.graph.initializer)
+    return out
+
+
+def copy_without_data(src: onnx.TensorProto, dst: onnx.TensorProto) -> None:
+    """``dst`` becomes ``src`` without its raw bytes (never copied out) nor where they are
+    stored (a weight left in its file)."""
     for desc in src.DESCRIPTOR.fields:
-        if desc.name in ("raw_data", "external_data", "data_location"):  # (a weight in place)
+        if desc.name in ("raw_data", "external_data", "data_location"):
             continue
         if _is_repeated(desc):
             if len(value := getattr(src, desc.name)):
                 getattr(dst, desc.name).extend(value)
         elif src.HasField(desc.name):
             _copy_field(dst, desc, getattr(src, desc.name))
+
+
+def _make_stand_in(src: onnx.TensorProto, dst: onnx.TensorProto) -> None:
+    """``dst`` becomes ``src`` without its raw bytes, marked a stand-in."""
+    copy_without_data(src, dst)
     _mark_stand_in(dst)
 
 
@@ -1274,26 +1292,10 @@ def _spans(buf, start: int, end: int):
 def _fields(buf, start: int, end: int):
     """(field number, wire type, a, b) of each field of the message in ``buf[start:end]``: a
     varint's value in ``a``; a length-delimited field's bytes at ``buf[a:b]`` (not read);
-    fixed-width fields are skipped."""
-    i = start
-    while i < end:
-        key, i = _varint(buf, i, end)
-        num, wire = key >> 3, key & 7
-        if wire == 0:
-            value, i = _varint(buf, i, end)
-            yield num, wire, value, i
-        elif wire == 2:
-            length, i = _varint(buf, i, end)
-            a, i = i, i + length
-            if i > end:
-                raise _Malformed("field past the end of its message")
-            yield num, wire, a, i
-        elif wire in (1, 5):
-            i += 8 if wire == 1 else 4
-        else:
-            raise _Malformed(f"wire type {wire}")
-    if i != end:
-        raise _Malformed("field past the end of its message")
+    fixed-width fields are skipped (see :func:`_spans`)."""
+    for num, wire, _tag, a, b in _spans(buf, start, end):
+        if wire in (0, 2):
+            yield num, wire, a, b
 
 
 #: (resolved path, size, mtime) of a model file → the external-data files it references

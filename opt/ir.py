@@ -889,9 +889,4 @@ def all_graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
     """A graph and every subgraph of its nodes' attributes, at any depth."""
     yield graph
     for node in graph.node:
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from all_graphs(attr.g)
-            elif attr.type == onnx.AttributeProto.GRAPHS:
-                for sub in attr.graphs:
-                    yield from all_graphs(sub)
+        yield from _bodies(node)

@@ -34,6 +34,8 @@ from .io import (
     _fields,
     _is_repeated,
     _Malformed,
+    copy_with_initializers,
+    copy_without_data,
     has_data_files,
     in_place_region,
     is_in_place,
@@ -261,32 +263,21 @@ def session_skeleton(model: onnx.ModelProto, spooled: Spooled) -> onnx.ModelProt
     :data:`~graphopt.opt.io.STANDIN_BYTES` raw bytes are external data in the spooled file: an
     onnxruntime session made from it with the file's folder as its external-data folder loads
     exactly the model written, its weights mapped from the file."""
-    out = onnx.ModelProto()
     location = spooled.path.name
-    for desc, value in model.ListFields():
-        if desc.name != "graph":
-            _copy_field(out, desc, value)
-            continue
-        for g_desc, g_value in value.ListFields():
-            if g_desc.name != "initializer":
-                _copy_field(out.graph, g_desc, g_value)
-                continue
-            for tensor, span in zip(g_value, spooled.spans):
-                if span is None or span[1] < STANDIN_BYTES:
-                    out.graph.initializer.append(tensor)
-                    continue
-                ref = out.graph.initializer.add()
-                for t_desc, t_value in tensor.ListFields():
-                    if t_desc.name != "raw_data" and t_desc.name not in _REFERENCE_FIELDS:
-                        _copy_field(ref, t_desc, t_value)
-                ref.data_location = onnx.TensorProto.EXTERNAL
-                for key, text in (
-                    ("location", location),
-                    ("offset", str(span[0])),
-                    ("length", str(span[1])),
-                ):
-                    ref.external_data.add(key=key, value=text)
-    return out
+
+    def put(i: int, tensor: onnx.TensorProto, initializers) -> None:
+        span = spooled.spans[i]
+        if span is None or span[1] < STANDIN_BYTES:
+            initializers.append(tensor)
+            return
+        ref = initializers.add()
+        copy_without_data(tensor, ref)
+        ref.data_location = onnx.TensorProto.EXTERNAL
+        offset, length = span
+        for key, text in (("location", location), ("offset", str(offset)), ("length", str(length))):
+            ref.external_data.add(key=key, value=text)
+
+    return copy_with_initializers(model, put)
 
 
 class SpoolDir:
