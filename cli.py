@@ -21,10 +21,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
-import typer
-
 from . import __version__, flags, render
 from . import optimize as run_optimize
+from .command import App, Argument, Exit, Option
 from .flags import STATE, TARGET, Format, Reference
 from .opt import errors
 from .opt import gate as ci
@@ -60,26 +59,23 @@ from .targets.codegen import kernel_pipeline
 
 __all__ = ["TARGET", "app", "console"]  # TARGET: the --target option (its help names every target)
 
-app = typer.Typer(
-    add_completion=False,
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    help="Optimize ONNX models for a target, prove parity, explain every rewrite.",
+app = App(
+    "graphopt", help="Optimize ONNX models for a target, prove parity, explain every rewrite."
 )
 
 
 def _show_version(value: bool) -> None:
     if value:
         print(f"graphopt {__version__}")
-        raise typer.Exit()
+        raise Exit()
 
 
 @app.callback()
 def main(
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+    debug: Annotated[bool, Option("--debug", help="Show tracebacks.")] = False,
     version: Annotated[
         bool,
-        typer.Option(
+        Option(
             "--version", help="Print the version and exit.", callback=_show_version, is_eager=True
         ),
     ] = False,
@@ -96,8 +92,8 @@ def handled() -> Iterator[None]:
         if STATE["debug"]:
             raise
         err.print(f"[bold red]error:[/] {e}", markup=True, soft_wrap=True)
-        raise typer.Exit(e.exit_code) from None
-    except (KeyboardInterrupt, typer.Exit):
+        raise Exit(e.exit_code) from None
+    except (KeyboardInterrupt, Exit):
         raise
     except Exception as e:  # noqa: BLE001 - last resort: one line, never a traceback by default
         if STATE["debug"]:
@@ -107,7 +103,7 @@ def handled() -> Iterator[None]:
             markup=True,
             soft_wrap=True,
         )
-        raise typer.Exit(errors.EXIT_ERROR) from None
+        raise Exit(errors.EXIT_ERROR) from None
 
 
 def _finite(value: float, flag: str, lo: float | None = 0.0) -> float:
@@ -133,13 +129,13 @@ def _exit(code: int, reason: str) -> None:
     """The verdict's one line on stderr (even with --quiet or --format json) and its code."""
     if code:
         render.error(reason)
-        raise typer.Exit(code)
+        raise Exit(code)
 
 
 # ------------------------------------------------------------------ optimize
 @app.command()
 def optimize(
-    model: Annotated[Path, typer.Argument(help="Input .onnx model (never modified).")],
+    model: Annotated[Path, Argument(help="Input .onnx model (never modified).")],
     output: flags.BundleDir = None,
     target: flags.Target = "cpu",
     level: flags.OptLevel = 2,
@@ -255,8 +251,8 @@ def _conclude(report, results: list, checked: bool) -> None:
 # ------------------------------------------------------------------ check, bisect
 @app.command()
 def check(
-    original: Annotated[Path, typer.Argument(help="Reference model.")],
-    optimized: Annotated[Path, typer.Argument(help="Model to compare (a file or a bundle dir).")],
+    original: Annotated[Path, Argument(help="Reference model.")],
+    optimized: Annotated[Path, Argument(help="Model to compare (a file or a bundle dir).")],
     shape: flags.Shapes = None,
     inputs: flags.Inputs = None,
     seed: flags.Seed = 0,
@@ -299,12 +295,12 @@ def check(
             for p in results:
                 render.render_parity(p)
         if not all(p.ok for p in results):
-            raise typer.Exit(errors.EXIT_PARITY)
+            raise Exit(errors.EXIT_PARITY)
 
 
 @app.command()
 def bisect(
-    model: Annotated[Path, typer.Argument(help="Model whose optimization breaks parity.")],
+    model: Annotated[Path, Argument(help="Model whose optimization breaks parity.")],
     output: flags.BisectDir = None,
     target: flags.Target = "cpu",
     level: flags.Level = 2,
@@ -339,13 +335,13 @@ def bisect(
         else:
             render.render_bisect(result, payload)
         if result.found:
-            raise typer.Exit(errors.EXIT_PARITY)
+            raise Exit(errors.EXIT_PARITY)
 
 
 # ------------------------------------------------------------------ explain, lint
 @app.command()
 def explain(
-    model: Annotated[Path, typer.Argument(help="Model to explain.")],
+    model: Annotated[Path, Argument(help="Model to explain.")],
     target: flags.Target = "cpu",
     level: flags.Level = 2,
     pipeline: flags.Pipeline = None,
@@ -393,7 +389,7 @@ def explain(
 
 @app.command()
 def lint(
-    model: Annotated[Path, typer.Argument(help="Model to lint.")],
+    model: Annotated[Path, Argument(help="Model to lint.")],
     freeze_initializers: flags.FreezeInitializers = False,
     output: flags.FrozenOut = None,
     target: flags.Target = "cpu",
@@ -440,7 +436,7 @@ def lint(
 # ------------------------------------------------------------------ bench, gate
 @app.command()
 def bench(
-    model: Annotated[Path, typer.Argument(help="Original model.")],
+    model: Annotated[Path, Argument(help="Original model.")],
     optimized: flags.OptimizedModel = None,
     target: flags.Target = "cpu",
     level: flags.Level = 2,
@@ -504,12 +500,12 @@ def bench(
         else:
             render.render_bench(result)
         if result.regressed:
-            raise typer.Exit(errors.EXIT_PERF)
+            raise Exit(errors.EXIT_PERF)
 
 
 @app.command()
 def gate(
-    model: Annotated[Path, typer.Argument(help="Model to gate (never modified).")],
+    model: Annotated[Path, Argument(help="Model to gate (never modified).")],
     target: flags.Target = "cpu",
     level: flags.Level = 2,
     pipeline: flags.PipelineText = None,
@@ -620,9 +616,9 @@ def rules(fmt: flags.Fmt = Format.text, debug: flags.Debug = False) -> None:
 @app.command()
 def targets(
     action: Annotated[
-        str | None, typer.Argument(help="'show' to print one target's profile and kernel table.")
+        str | None, Argument(help="'show' to print one target's profile and kernel table.")
     ] = None,
-    name: Annotated[str | None, typer.Argument(help="The target to show.")] = None,
+    name: Annotated[str | None, Argument(help="The target to show.")] = None,
     fmt: flags.Fmt = Format.text,
     debug: flags.Debug = False,
 ) -> None:
@@ -657,7 +653,7 @@ def targets(
 
 @app.command()
 def run(
-    bundle: Annotated[Path, typer.Argument(help="A bundle directory written by `optimize`.")],
+    bundle: Annotated[Path, Argument(help="A bundle directory written by `optimize`.")],
     inputs: flags.RunInputs = None,
     output: flags.RunOutput = None,
     provider: flags.Providers = None,
@@ -700,7 +696,7 @@ def run(
         else:
             render.render_run(summary)
         if result["golden"] is not None and not result["golden"]["ok"]:
-            raise typer.Exit(errors.EXIT_PARITY)
+            raise Exit(errors.EXIT_PARITY)
 
 
 def _save_outputs(path: Path, outputs: dict) -> None:

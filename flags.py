@@ -2,7 +2,7 @@
 
 A command in :mod:`graphopt.cli` names its parameters with these types (``target: Target =
 "cpu"``), so a flag shared by several commands reads and behaves the same in each.  Numbers that
-typer cannot bound (finite floats, ``--max-regression``) are checked by the command.
+the command line cannot bound (finite floats, ``--max-regression``) are checked by the command.
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
-import typer
-
+from .command import Option
 from .opt.target import TARGETS
 
 #: ``--debug`` anywhere on the command line: errors show their traceback.
@@ -54,20 +53,20 @@ def _set_debug(value: bool) -> bool:
 
 
 # ------------------------------------------------------------------ shared by several commands
-FORMAT = typer.Option("--format", help="text or json (json: one document on stdout).")
-TARGET = typer.Option("--target", "-t", help=f"Target: {', '.join(TARGETS)}.")
-DEBUG = typer.Option(
+FORMAT = Option("--format", help="text or json (json: one document on stdout).")
+TARGET = Option("--target", "-t", help=f"Target: {', '.join(TARGETS)}.")
+DEBUG = Option(
     "--debug", help="Show tracebacks (also accepted before the command).", callback=_set_debug
 )
-SEED = typer.Option("--seed", min=0, help="Seed of random parity inputs (>= 0).")
-SHAPE = typer.Option(
+SEED = Option("--seed", min=0, help="Seed of random parity inputs (>= 0).")
+SHAPE = Option(
     "--shape",
     help="NAME=D0,D1,... sizes of an input's dynamic dims for the random inputs (repeatable).",
 )
-INPUTS = typer.Option(
+INPUTS = Option(
     "--inputs", help="Real inputs: an .npz (one array per input name) or an .npy (one input)."
 )
-QUIET_PROGRESS = typer.Option("--quiet", "-q", help="No progress lines on stderr.")
+QUIET_PROGRESS = Option("--quiet", "-q", help="No progress lines on stderr.")
 TOLERANCE_HELP = "OUTPUT=RTOL,ATOL overriding the dtype default."
 
 Fmt = Annotated[Format, FORMAT]
@@ -77,21 +76,17 @@ Seed = Annotated[int, SEED]
 Shapes = Annotated[list[str] | None, SHAPE]
 Inputs = Annotated[Path | None, INPUTS]
 Quiet = Annotated[bool, QUIET_PROGRESS]
-Level = Annotated[int, typer.Option("-O", "--level", min=0, max=3)]
-Pipeline = Annotated[str | None, typer.Option("--pipeline")]
-PipelineText = Annotated[
-    str | None, typer.Option("--pipeline", help="Pipeline text (overrides -O).")
-]
-Tolerances = Annotated[list[str] | None, typer.Option("--tolerance", help=TOLERANCE_HELP)]
-JUnit = Annotated[Path | None, typer.Option("--junit", help="Write JUnit XML.")]
-Threads = Annotated[
-    int, typer.Option("--threads", min=1, max=MAX_THREADS, help="intra-op threads.")
-]
+Level = Annotated[int, Option("-O", "--level", min=0, max=3)]
+Pipeline = Annotated[str | None, Option("--pipeline")]
+PipelineText = Annotated[str | None, Option("--pipeline", help="Pipeline text (overrides -O).")]
+Tolerances = Annotated[list[str] | None, Option("--tolerance", help=TOLERANCE_HELP)]
+JUnit = Annotated[Path | None, Option("--junit", help="Write JUnit XML.")]
+Threads = Annotated[int, Option("--threads", min=1, max=MAX_THREADS, help="intra-op threads.")]
 
 # ------------------------------------------------------------------ optimize
 BundleDir = Annotated[
     Path | None,
-    typer.Option(
+    Option(
         "-o",
         "--output",
         help="Output directory (default: <stem>.<target>.graphopt beside the input).",
@@ -99,7 +94,7 @@ BundleDir = Annotated[
 ]
 OptLevel = Annotated[
     int,
-    typer.Option(
+    Option(
         "-O",
         "--level",
         min=0,
@@ -108,38 +103,36 @@ OptLevel = Annotated[
     ),
 ]
 ParityShapes = Annotated[
-    list[str] | None, typer.Option("--shape", help="NAME=D0,D1,... for parity inputs.")
+    list[str] | None, Option("--shape", help="NAME=D0,D1,... for parity inputs.")
 ]
-ParityInputs = Annotated[Path | None, typer.Option("--inputs", help=".npz of inputs for parity.")]
-NoCheck = Annotated[bool, typer.Option("--no-check", help="Skip the parity check.")]
+ParityInputs = Annotated[Path | None, Option("--inputs", help=".npz of inputs for parity.")]
+NoCheck = Annotated[bool, Option("--no-check", help="Skip the parity check.")]
 NoMeasure = Annotated[
-    bool, typer.Option("--no-measure", help="Skip timing the bundle against the original (cpu).")
+    bool, Option("--no-measure", help="Skip timing the bundle against the original (cpu).")
 ]
 BisectLimit = Annotated[
     int | None,
-    typer.Option("--bisect-limit", min=0, help="Apply only the first N rewrites (opt-bisect)."),
+    Option("--bisect-limit", min=0, help="Apply only the first N rewrites (opt-bisect)."),
 ]
-VerifyEach = Annotated[
-    bool, typer.Option("--verify-each", help="Check the model after every pass.")
-]
+VerifyEach = Annotated[bool, Option("--verify-each", help="Check the model after every pass.")]
 FoldSizeLimit = Annotated[
     float,
-    typer.Option("--fold-size-limit", help="MiB a folded constant may grow to (finite, >= 0)."),
+    Option("--fold-size-limit", help="MiB a folded constant may grow to (finite, >= 0)."),
 ]
-RemarksOut = Annotated[Path | None, typer.Option("--remarks", help="Write remarks as JSONL.")]
+RemarksOut = Annotated[Path | None, Option("--remarks", help="Write remarks as JSONL.")]
 ParityReference = Annotated[
     Reference,
-    typer.Option("--reference", help="Parity vs the original, its float64 upcast, or both."),
+    Option("--reference", help="Parity vs the original, its float64 upcast, or both."),
 ]
 Expect = Annotated[
     list[str] | None,
-    typer.Option("--expect", help='Op-count assertions, e.g. "LayerNormalization>=25" (exit 4).'),
+    Option("--expect", help='Op-count assertions, e.g. "LayerNormalization>=25" (exit 4).'),
 ]
-HtmlOut = Annotated[Path | None, typer.Option("--html", help="Write a self-contained HTML report.")]
-QuietAll = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success.")]
+HtmlOut = Annotated[Path | None, Option("--html", help="Write a self-contained HTML report.")]
+QuietAll = Annotated[bool, Option("--quiet", "-q", help="Print nothing on success.")]
 Kernels = Annotated[
     bool | None,
-    typer.Option(
+    Option(
         "--kernels/--no-kernels",
         help="Fuse element-wise chains into generated C/CUDA kernels (fuse-elementwise; "
         "each kept only where its gates pass; the bundle ships kernels/). Default: on for "
@@ -149,7 +142,7 @@ Kernels = Annotated[
 ]
 Weights = Annotated[
     WeightFormat | None,
-    typer.Option(
+    Option(
         "--weights",
         help="-O3: weight-only quantization of MatMul weights to com.microsoft.MatMulNBits "
         "(int4: symmetric; int4-zp: with zero points; block 32), each kept only while every "
@@ -159,7 +152,7 @@ Weights = Annotated[
 ]
 DecoderStepsFlag = Annotated[
     DecoderSteps | None,
-    typer.Option(
+    Option(
         "--decoder-steps",
         help="Declare that a decoder with a KV cache runs as a generation loop (every step "
         "given a past has one new token, or a batch of 1), so its attention may lower to "
@@ -168,7 +161,7 @@ DecoderStepsFlag = Annotated[
 ]
 Opset = Annotated[
     int | None,
-    typer.Option(
+    Option(
         "--opset",
         min=1,
         help="Upgrade the model to this ONNX opset first (e.g. 23 for RMSNormalization); "
@@ -179,66 +172,64 @@ Opset = Annotated[
 # ------------------------------------------------------------------ check, bisect, explain, lint
 CheckReference = Annotated[
     Reference,
-    typer.Option("--reference", help="Compare with ORIGINAL, its float64 upcast, or both."),
+    Option("--reference", help="Compare with ORIGINAL, its float64 upcast, or both."),
 ]
 BisectDir = Annotated[
     Path | None,
-    typer.Option("-o", "--output", help="Directory for the minimal before/after models."),
+    Option("-o", "--output", help="Directory for the minimal before/after models."),
 ]
-RuleFilter = Annotated[str | None, typer.Option("--rule", help="Only this rule.")]
-NodeFilter = Annotated[str | None, typer.Option("--node", help="Only remarks on this node.")]
-CodeFilter = Annotated[str | None, typer.Option("--code", help="Only this guard code.")]
+RuleFilter = Annotated[str | None, Option("--rule", help="Only this rule.")]
+NodeFilter = Annotated[str | None, Option("--node", help="Only remarks on this node.")]
+CodeFilter = Annotated[str | None, Option("--code", help="Only this guard code.")]
 OpFilter = Annotated[
     str | None,
-    typer.Option("--op", help="Only remarks on nodes of this op (FusedConv or its domain.op)."),
+    Option("--op", help="Only remarks on nodes of this op (FusedConv or its domain.op)."),
 ]
-RemarksJsonl = Annotated[Path | None, typer.Option("--remarks", help="Write JSONL.")]
+RemarksJsonl = Annotated[Path | None, Option("--remarks", help="Write JSONL.")]
 FreezeInitializers = Annotated[
     bool,
-    typer.Option(
+    Option(
         "--freeze-initializers",
         help="Write a copy whose initializers are not graph inputs (changes the interface).",
     ),
 ]
 FrozenOut = Annotated[
     Path | None,
-    typer.Option("-o", "--output", help="Where --freeze-initializers writes the model."),
+    Option("-o", "--output", help="Where --freeze-initializers writes the model."),
 ]
 
 # ------------------------------------------------------------------ bench, gate
 OptimizedModel = Annotated[
     Path | None,
-    typer.Option("--optimized", help="Optimized model or bundle (default: optimize MODEL now)."),
+    Option("--optimized", help="Optimized model or bundle (default: optimize MODEL now)."),
 ]
-Runs = Annotated[int, typer.Option("--runs", min=1)]
-Warmup = Annotated[int, typer.Option("--warmup", min=0)]
+Runs = Annotated[int, Option("--runs", min=1)]
+Warmup = Annotated[int, Option("--warmup", min=0)]
 OrtLevel = Annotated[
     str,
-    typer.Option("--ort-level", help="onnxruntime session level: disable, basic, extended, all."),
+    Option("--ort-level", help="onnxruntime session level: disable, basic, extended, all."),
 ]
 BenchBaseline = Annotated[
     Path | None,
-    typer.Option("--baseline", help="Compare with this baseline; exit 5 past --max-regression."),
+    Option("--baseline", help="Compare with this baseline; exit 5 past --max-regression."),
 ]
 BenchSaveBaseline = Annotated[
-    Path | None, typer.Option("--save-baseline", help="Write this run as a baseline file.")
+    Path | None, Option("--save-baseline", help="Write this run as a baseline file.")
 ]
-BenchMaxRegression = Annotated[str, typer.Option("--max-regression")]
-MinSeconds = Annotated[
-    float, typer.Option("--min-seconds", help="Keep measuring at least this long.")
-]
-BenchJUnit = Annotated[Path | None, typer.Option("--junit")]
+BenchMaxRegression = Annotated[str, Option("--max-regression")]
+MinSeconds = Annotated[float, Option("--min-seconds", help="Keep measuring at least this long.")]
+BenchJUnit = Annotated[Path | None, Option("--junit")]
 GateExpect = Annotated[
     list[str] | None,
-    typer.Option("--expect", help='Op-count assertions, e.g. "FusedConv>=10" (exit 4).'),
+    Option("--expect", help='Op-count assertions, e.g. "FusedConv>=10" (exit 4).'),
 ]
 GateBaseline = Annotated[
     Path | None,
-    typer.Option("--baseline", help="Gate baseline to compare with (exit 5 on regression)."),
+    Option("--baseline", help="Gate baseline to compare with (exit 5 on regression)."),
 ]
 GateSaveBaseline = Annotated[
     Path | None,
-    typer.Option(
+    Option(
         "--save-baseline",
         help="Write this run's latency as the baseline (refused, exit 4, when its interval "
         "is wider than --max-regression).",
@@ -246,39 +237,37 @@ GateSaveBaseline = Annotated[
 ]
 GateMaxRegression = Annotated[
     str,
-    typer.Option(
+    Option(
         "--max-regression",
         help="Allowed slowdown of optimized/original vs the baseline, e.g. 5%.",
     ),
 ]
 MaxSeconds = Annotated[
-    float, typer.Option("--max-seconds", help="Longest the latency measurement may take.")
+    float, Option("--max-seconds", help="Longest the latency measurement may take.")
 ]
 
 # ------------------------------------------------------------------ run
 RunInputs = Annotated[
     Path | None,
-    typer.Option(
+    Option(
         "--inputs",
         help=".npz of inputs (default: the bundle's golden inputs, "
         "compared with its golden outputs).",
     ),
 ]
-RunOutput = Annotated[
-    Path | None, typer.Option("-o", "--output", help="Write the outputs to this .npz.")
-]
+RunOutput = Annotated[Path | None, Option("-o", "--output", help="Write the outputs to this .npz.")]
 Providers = Annotated[
     list[str] | None,
-    typer.Option(
+    Option(
         "--provider",
         help="Override the bundle's providers (repeatable), e.g. "
         "CPUExecutionProvider to run a cuda/npu bundle's semantics on CPU.",
     ),
 ]
-Repeat = Annotated[int, typer.Option("--repeat", min=1, help="Runs (timed).")]
+Repeat = Annotated[int, Option("--repeat", min=1, help="Runs (timed).")]
 VerifyFiles = Annotated[
     Verify,
-    typer.Option(
+    Option(
         "--verify",
         help="Integrity of the model files: fingerprint (size and sampled blocks), full "
         "(every byte against the sha256 taken when the bundle was written) or none.",
@@ -286,7 +275,7 @@ VerifyFiles = Annotated[
 ]
 Portable = Annotated[
     bool,
-    typer.Option(
+    Option(
         "--portable",
         help="Run the portable model.onnx even where the machine-specific fast path applies.",
     ),

@@ -218,8 +218,11 @@ def build_bert_tiny() -> Net:
     from transformers import BertConfig, BertModel
 
     config = BertConfig(
-        num_hidden_layers=2, hidden_size=128, num_attention_heads=2,
-        intermediate_size=512, vocab_size=1000,
+        num_hidden_layers=2,
+        hidden_size=128,
+        num_attention_heads=2,
+        intermediate_size=512,
+        vocab_size=1000,
     )
     model = BertModel(config)
     perturb_constant_params(model)

@@ -1165,6 +1165,8 @@ def external_data_files(model_path: Path) -> list[Path]:
     key = _file_key(model_path)
     if key is not None and key in _EXTERNAL_FILES:
         return list(_EXTERNAL_FILES[key])
+    if key is not None and key[1] <= SCAN_ABOVE and not _mentions(model_path, b"location"):
+        return []  # every external reference holds the key "location": none in the file
     if key is not None and key[1] > SCAN_ABOVE:
         try:
             return _located(external_locations(model_path), model_path)
@@ -1175,6 +1177,21 @@ def external_data_files(model_path: Path) -> list[Path]:
     except Exception:  # noqa: BLE001 - unreadable models are reported by load_model
         return []
     return _referenced_files(proto, model_path)
+
+
+def _mentions(path: Path, word: bytes, chunk: int = 1 << 20) -> bool:
+    """Whether the bytes ``word`` occur in the file (True when it cannot be read).  Read in
+    chunks, not mapped: the pages of a map would count in the process's memory."""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            tail = b""
+            while block := f.read(chunk):
+                if word in tail + block[: len(word) - 1] or word in block:
+                    return True
+                tail = block[-(len(word) - 1) :]
+    except OSError:
+        return True
+    return False
 
 
 #: files above this size are scanned for external references rather than parsed: protobuf

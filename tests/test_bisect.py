@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 from onnx import helper
-from typer.testing import CliRunner
 
+from cli_runner import CliRunner
 from conftest import const, model, vi
 from graphopt.cli import app
 from graphopt.opt.bisect import bisect, max_runs

@@ -10,9 +10,9 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
-from typer.testing import CliRunner
 
 import graphopt
+from cli_runner import CliRunner
 from conftest import const, model, vi
 from graphopt.cli import app
 from graphopt.opt.target import get_target

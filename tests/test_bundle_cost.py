@@ -12,10 +12,10 @@ import numpy as np
 import onnx
 import pytest
 from onnx import helper
-from typer.testing import CliRunner
 
 import graphopt
 import graphopt.targets.bundle as bundle
+from cli_runner import CliRunner
 from conftest import const, model, vi
 from graphopt.cli import app
 from graphopt.opt import perf

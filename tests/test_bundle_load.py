@@ -9,10 +9,10 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from typer.testing import CliRunner
 
 import graphopt
 import graphopt.targets.bundle as bundle
+from cli_runner import CliRunner
 from graphopt.cli import app
 
 runner = CliRunner()

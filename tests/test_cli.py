@@ -1,4 +1,4 @@
-"""The command line through typer's CliRunner: outputs, JSON schema, exit codes, bad input."""
+"""The command line run in-process: outputs, JSON schema, exit codes, bad input."""
 
 import json
 
@@ -6,8 +6,8 @@ import numpy as np
 import onnx
 import pytest
 from onnx import helper
-from typer.testing import CliRunner
 
+from cli_runner import CliRunner
 from conftest import const, model, vi
 from graphopt.cli import app
 

@@ -10,9 +10,9 @@ import numpy as np
 import onnx
 import pytest
 from onnx import helper
-from typer.testing import CliRunner
 
 import graphopt.cli as cli
+from cli_runner import CliRunner
 from conftest import ROOT, const, model, vi
 from graphopt import render
 from graphopt.cli import app

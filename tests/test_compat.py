@@ -450,8 +450,7 @@ def test_training_info_and_unused_functions_are_kept():
 def test_zipmap_bundle_is_written_and_runs(tmp_path, string_labels):
     """The CLI path: the bundle's golden files hold no pickles (strings as text, the sequence
     of maps left out of the golden outputs) and ``graphopt run`` describes the sequence."""
-    from typer.testing import CliRunner
-
+    from cli_runner import CliRunner
     from graphopt.cli import app
 
     path = tmp_path / "clf.onnx"

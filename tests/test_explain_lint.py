@@ -6,8 +6,8 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
-from typer.testing import CliRunner
 
+from cli_runner import CliRunner
 from conftest import const, model, vi
 from graphopt.cli import app
 

@@ -11,8 +11,8 @@ import numpy as np
 import onnx
 import pytest
 from onnx import helper
-from typer.testing import CliRunner
 
+from cli_runner import CliRunner
 from conftest import const, model, ops, run, vi
 from graphopt.cli import app
 from graphopt.opt.pipeline import preset, with_kernels

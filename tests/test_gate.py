@@ -9,9 +9,9 @@ import numpy as np
 import onnx
 import pytest
 from onnx import helper, numpy_helper
-from typer.testing import CliRunner
 
 import graphopt.cli as cli
+from cli_runner import CliRunner
 from conftest import EXAMPLES, const, model, vi
 from graphopt.cli import app
 from graphopt.opt.errors import UsageError

@@ -6,9 +6,9 @@ import json
 import numpy as np
 import onnx
 from test_generation import tiny_decoder
-from typer.testing import CliRunner
 
 import graphopt
+from cli_runner import CliRunner
 from graphopt.cli import app
 from graphopt.opt import generation
 from graphopt.opt.errors import EXIT_PARITY

@@ -8,8 +8,8 @@ import numpy as np
 import onnx
 import pytest
 from onnx import helper
-from typer.testing import CliRunner
 
+from cli_runner import CliRunner
 from conftest import EXAMPLES, const, model, vi
 from graphopt.cli import app
 

@@ -6,8 +6,8 @@ import subprocess
 import onnx
 import pytest
 from onnx import helper
-from typer.testing import CliRunner
 
+from cli_runner import CliRunner
 from conftest import EXAMPLES, model, vi
 from graphopt.cli import app
 

@@ -11,8 +11,8 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-from typer.testing import CliRunner
 
+from cli_runner import CliRunner
 from conftest import EXAMPLES, const, vi
 from graphopt.cli import app
 from graphopt.opt import io

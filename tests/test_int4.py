@@ -8,8 +8,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-from typer.testing import CliRunner
 
+from cli_runner import CliRunner
 from conftest import codes, const, model, run, vi
 from graphopt.cli import app
 from graphopt.opt.ir import op_histogram

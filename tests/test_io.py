@@ -101,9 +101,8 @@ def test_lazy_external_data_stays_on_disk_and_output_is_self_contained(tmp_path)
     bundle whose data file is its own (it survives moving; the input's file is untouched)."""
     import shutil
 
-    from typer.testing import CliRunner
-
     import graphopt
+    from cli_runner import CliRunner
     from graphopt.cli import app
     from graphopt.opt import ir as ir_module
 

@@ -329,8 +329,7 @@ def test_check_reads_external_weights_beside_each_model_lazily(tmp_path, monkeyp
     """``graphopt check`` on two external-data models in different folders: their weights are
     not read in at load (parity maps them, in pieces above the budget), and each resolves
     beside its own model."""
-    from typer.testing import CliRunner
-
+    from cli_runner import CliRunner
     from graphopt.cli import app
     from graphopt.opt import io
 

@@ -388,8 +388,8 @@ def test_cli_declares_decoder_steps_into_the_report_and_the_manifest(tmp_path):
     import json
 
     import onnx
-    from typer.testing import CliRunner
 
+    from cli_runner import CliRunner
     from graphopt.cli import app
 
     src, npz, out = tmp_path / "dec.onnx", tmp_path / "feeds.npz", tmp_path / "out"

@@ -143,8 +143,7 @@ def test_output_validity_is_checked_with_no_check_too(monkeypatch):
 
 
 def test_an_external_data_model_from_another_directory_writes_golden(tmp_path, monkeypatch):
-    from typer.testing import CliRunner
-
+    from cli_runner import CliRunner
     from graphopt.cli import app
 
     w = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)

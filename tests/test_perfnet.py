@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 from onnx import helper
-from typer.testing import CliRunner
 
 import graphopt
+from cli_runner import CliRunner
 from conftest import const, model, ops, vi
 from graphopt.cli import app
 from graphopt.opt import perf

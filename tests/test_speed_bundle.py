@@ -7,8 +7,8 @@ import json
 
 import onnx
 from onnx import helper
-from typer.testing import CliRunner
 
+from cli_runner import CliRunner
 from conftest import model, vi
 from graphopt.cli import app
 from graphopt.targets.bundle import dumps_json

@@ -115,7 +115,7 @@ def test_an_invalid_output_leaves_no_spooled_file(tmp_path):
 
 
 def test_the_bundle_moves_the_spooled_model_beside_it(tmp_path):
-    from typer.testing import CliRunner
+    from cli_runner import CliRunner
 
     src = tmp_path / "m.onnx"
     onnx.save(matmul_model(), src)
@@ -145,7 +145,7 @@ def test_the_library_spools_into_the_temporary_folder_and_cleans_up(tmp_path):
 
 def test_a_full_disk_is_a_save_error_with_nothing_left_behind(tmp_path, monkeypatch):
     """It was an internal error (exit 1, 'OSError: No space left on device') from the spool."""
-    from typer.testing import CliRunner
+    from cli_runner import CliRunner
 
     src = tmp_path / "m.onnx"
     onnx.save(matmul_model(), src)

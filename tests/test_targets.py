@@ -7,8 +7,8 @@ from pathlib import Path
 
 import onnx
 import pytest
-from typer.testing import CliRunner
 
+from cli_runner import CliRunner
 from graphopt.cli import app
 from graphopt.opt.target import TARGETS, get_target
 from graphopt.targets.describe import describe_target

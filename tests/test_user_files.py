@@ -11,9 +11,9 @@ import numpy as np
 import onnx
 import pytest
 from onnx import helper
-from typer.testing import CliRunner
 
 import graphopt.targets.bundle as bundle_writer
+from cli_runner import CliRunner
 from conftest import const, model, vi
 from graphopt.cli import app
 from graphopt.opt.io import save_model, staging_dir

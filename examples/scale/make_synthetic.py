@@ -86,10 +86,13 @@ def build(target_nodes: int, seed: int = 0) -> onnx.ModelProto:
         inits += bi
         i += 1
     nodes.append(helper.make_node("Identity", [x], ["y"]))
-    g = helper.make_graph(nodes, "synthetic",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "S", H])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", "S", H])],
-                          inits)
+    g = helper.make_graph(
+        nodes,
+        "synthetic",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "S", H])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", "S", H])],
+        inits,
+    )
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
     m.ir_version = 9
     return m
