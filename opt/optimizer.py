@@ -671,10 +671,14 @@ def _parities(model, optimized, check: bool, reference: str, kw: dict, base_dir,
     return parity, parity_f64
 
 
+#: the safety net's ``why`` when the user turned timing off: the bundle does not time either
+NOT_MEASURED = "not requested (--no-measure)"
+
+
 def _unmeasured(measure: bool, check: bool, target: str, parity: ParityReport) -> str | None:
     """Why the performance safety net does not run, or None when it does."""
     if not measure:
-        return "not requested (--no-measure)"
+        return NOT_MEASURED
     if os.environ.get("GRAPHOPT_NO_MEASURE", "") not in ("", "0"):
         return "turned off by GRAPHOPT_NO_MEASURE"
     if target != "cpu":

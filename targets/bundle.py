@@ -7,7 +7,7 @@ directory (so the whole bundle appears in one rename):
 * ``manifest.json``: every node → the kernel that runs it on the target (provider, op, domain,
   since-version, dtype; for cuda from the pinned table, for cpu from the live registry), with
   layout, output shapes and a workspace estimate where cheap, the verified shape range (the
-  parity shapes), latency (measured on this machine for cpu, else null), ``performance`` (the
+  parity shapes), latency (measured on this machine for cpu unless timing is off, else null), ``performance`` (the
   bundle timed against the original by the performance safety net, or why it was not: a target
   whose device is not here) and a ``verified`` block
   saying what ran here and what did not (``"device": "not-run"`` when the target's device is not
@@ -97,7 +97,9 @@ from graphopt.opt.io import (
     staging_dir,
     write_model_files,
 )
+from graphopt.opt.optimizer import NOT_MEASURED
 from graphopt.opt.parity import (
+    LEAN_CONFIG,
     ParityReport,
     Session,
     check_written,
@@ -898,8 +900,9 @@ def _verify(
     }
     if on_device:
         verified["device"] = "pass" if ok else "fail"
-    if target.name == "cpu" or on_device:
-        latency = _bundle_latency(sess, feeds, created, report)
+    if (target.name == "cpu" or on_device) and (
+        latency := _bundle_latency(sess, feeds, created, report)
+    ):
         latency["providers"] = providers
     saved = save_to is not None and save_error is None
     ran = {"names": every, "outputs": outs, "feeds": feeds, "saved": saved}
@@ -928,13 +931,16 @@ def _bundle_session(out_dir: Path, providers: list[str], save_to: Path | None):
     return sess, time.perf_counter() - t0, error
 
 
-def _bundle_latency(sess, feeds, created: float | None, report) -> dict[str, Any]:
+def _bundle_latency(sess, feeds, created: float | None, report) -> dict[str, Any] | None:
     """The manifest's latency: the performance safety net's own times of the final model (its
-    rounds just timed it at the bundle's session settings, 1 thread), else timed here."""
-    measured = (getattr(report, "performance", None) or {}).get("latency")
-    if measured:
+    rounds just timed it at the bundle's session settings, 1 thread), else timed here; None
+    when the user turned timing off (``--no-measure``)."""
+    performance = getattr(report, "performance", None) or {}
+    if performance.get("latency"):
         where = "this machine: the performance safety net's rounds (the bundle's settings)"
-        return dict(measured) | {"where": where}
+        return dict(performance["latency"]) | {"where": where}
+    if performance.get("why") == NOT_MEASURED:
+        return None
     return _latency(sess, feeds, created)
 
 
@@ -960,6 +966,7 @@ def _deploy_parity(sess, session: dict, feeds, names, got, target: Target, repor
                 ctx["original"],
                 level=getattr(ort.GraphOptimizationLevel, level),
                 base_dir=ctx.get("base_dir"),
+                config=LEAN_CONFIG,  # one run: its weights used where they lie
             )
             ref = original.run(feeds, names)
     except (GraphoptError, KeyError, AttributeError) as e:

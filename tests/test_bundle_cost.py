@@ -191,6 +191,15 @@ def test_manifest_latency_is_timed_when_the_net_did_not_measure(wide, tmp_path):
     assert lat["session_create_ms"] is None  # that session also wrote the fast path
 
 
+def test_manifest_latency_is_not_timed_when_timing_was_turned_off(wide, tmp_path):
+    optimized, report = graphopt.optimize(wide, target="cpu", measure=False)  # --no-measure
+    assert report.performance["why"] == "not requested (--no-measure)"
+    out = graphopt.write_bundle(optimized, report, tmp_path / "b")
+    manifest = manifest_of(out)
+    assert manifest["latency"] is None and manifest["verified"]["bundle_session"]["golden_ok"]
+    assert manifest["verified"]["deploy_parity"]["ok"]
+
+
 # ---------------------------------------------------------------------- memory plan
 def contrib_model(rng) -> onnx.ModelProto:
     """MatMul → com.microsoft.Gelu (untyped by onnx's inference) → MatMul → Relu, 2 MiB of
