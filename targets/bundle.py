@@ -7,10 +7,10 @@ directory (so the whole bundle appears in one rename):
 * ``manifest.json``: every node → the kernel that runs it on the target (provider, op, domain,
   since-version, dtype; for cuda from the pinned table, for cpu from the live registry), with
   layout, output shapes and a workspace estimate where cheap, the verified shape range (the
-  parity shapes), latency (measured on this machine for cpu unless timing is off, else null), ``performance`` (the
-  bundle timed against the original by the performance safety net, or why it was not: a target
-  whose device is not here) and a ``verified`` block
-  saying what ran here and what did not (``"device": "not-run"`` when the target's device is not
+  parity shapes), latency (measured on this machine for cpu unless timing is off, else
+  null), ``performance`` (the bundle timed against the original by the performance safety
+  net, or why it was not: a target whose device is not here) and a ``verified`` block saying
+  what ran here and what did not (``"device": "not-run"`` when the target's device is not
   on this machine: a GPU or NPU result is never claimed).
 * ``session_config.json``: how onnxruntime must build the session — graph optimization level
   (the profile's: ALL on cpu and cuda, whose machine-specific NCHWc layouts are built at load
