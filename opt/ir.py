@@ -304,7 +304,7 @@ class ModelIR:
             return
         movable = self.can_rename(new)
         producer = new.inputs[0] if movable else None
-        old.inputs.clear()
+        unlink_all(old.inputs)
         if movable:
             if old.dtype is None:
                 old.dtype = new.dtype
@@ -327,8 +327,24 @@ class ModelIR:
 
     def remove_node(self, node: Node) -> None:
         """Detach a node; ``cleanup`` drops it (and anything only it used) on export."""
-        node.inputs.clear()
-        node.outputs.clear()
+        unlink_all(node.inputs)
+        unlink_all(node.outputs)
+
+
+def unlink_all(links: list) -> None:
+    """Empty a node's inputs or outputs (or a tensor's producers or consumers), dropping the
+    owner from each element's opposite list.  What graphsurgeon's ``clear`` does, finding the
+    owner by identity: its ``list.remove`` compares it by ``==`` with every element before it,
+    and a node's ``==`` formats a log line and compares names, attributes and tensors (a third
+    of Swin-T's fold-constants)."""
+    field, owner = links.field_name, links.parent_obj
+    for elem in links:
+        opposite = getattr(elem, field)
+        for i, x in enumerate(opposite):
+            if x is owner:
+                list.__delitem__(opposite, i)
+                break
+    list.clear(links)
 
 
 def op_histogram(nodes: Iterable[Node | onnx.NodeProto]) -> dict[str, int]:

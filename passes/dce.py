@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import onnx_graphsurgeon as gs
 
-from graphopt.opt.ir import ModelIR, subgraphs, walk_nodes
+from graphopt.opt.ir import ModelIR, subgraphs, unlink_all, walk_nodes
 from graphopt.opt.manager import Pass, PassContext, register_pass
 
 
@@ -43,7 +43,7 @@ def sweep(graph: gs.Graph) -> int:
     """Drop the nodes of a flat graph that no output depends on (detached, as graphsurgeon's
     ``cleanup`` leaves them, order kept); the number dropped."""
     for inp in graph.inputs:  # a graph input has no producer in the graph
-        inp.inputs.clear()
+        unlink_all(inp.inputs)
     nodes = graph.nodes
     members = {id(n) for n in nodes}
     live: set[int] = set()
@@ -65,7 +65,7 @@ def sweep(graph: gs.Graph) -> int:
         if id(node) in live:
             kept.append(node)
         else:
-            node.inputs.clear()
-            node.outputs.clear()
+            unlink_all(node.inputs)
+            unlink_all(node.outputs)
     graph.nodes = kept
     return len(nodes) - len(kept)

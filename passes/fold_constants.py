@@ -52,7 +52,7 @@ from onnx_graphsurgeon import Graph
 
 from graphopt.opt.analysis import EvaluationError, evaluate, infer_shapes
 from graphopt.opt.domains import is_default
-from graphopt.opt.ir import Constant, ModelIR, Node, Tensor, Variable, static_shape
+from graphopt.opt.ir import Constant, ModelIR, Node, Tensor, Variable, static_shape, unlink_all
 from graphopt.opt.manager import Pass, PassContext, register_pass
 from graphopt.opt.quant import DEQUANTIZE, is_low_bit
 
@@ -374,8 +374,8 @@ class FoldConstants(Pass):
             return False
         if node.op != "Constant":  # its value was in the model already: moved, not added
             growth.add(weight, out_bytes - dying)
-        node.outputs.clear()
-        node.inputs.clear()
+        unlink_all(node.outputs)
+        unlink_all(node.inputs)
         for t, v in zip(outs, values):
             if t.name:
                 t.to_constant(np.asarray(v, order="C"))

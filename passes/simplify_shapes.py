@@ -20,7 +20,7 @@ import numpy as np
 
 from graphopt.opt.analysis import infer_shapes
 from graphopt.opt.domains import is_default
-from graphopt.opt.ir import Constant, ModelIR, Node, Tensor, constant_value
+from graphopt.opt.ir import Constant, ModelIR, Node, Tensor, constant_value, unlink_all
 from graphopt.opt.manager import Pass, PassContext, register_pass
 
 Dim = int | str | tuple  # int: known; str: named symbol; tuple: ("dim", id(tensor), axis)
@@ -177,8 +177,8 @@ class SimplifyShapes(Pass):
                         arr = arr.reshape(())
                     if out.dtype is not None and np.dtype(out.dtype) != np.int64:
                         arr = arr.astype(out.dtype)
-                    node.outputs.clear()
-                    node.inputs.clear()
+                    unlink_all(node.outputs)
+                    unlink_all(node.inputs)
                     out.to_constant(arr)
                     changed = True
                 continue
