@@ -251,21 +251,44 @@ def compensated_rows(exact: np.ndarray, nearest: np.ndarray) -> np.ndarray:
 def rounding_moves(exact: np.ndarray, nearest: np.ndarray) -> tuple:
     """Per value of float16 rows: (its other float16 neighbour, the row's summed rounding
     error [rows, 1], what moving there adds to its own error (inf where a move does not help
-    the row's sum), the move, whether it helps)."""
+    the row's sum), the move (meaningful where it helps), whether it helps)."""
     exact = np.asarray(exact, dtype=np.float64)
     near64 = nearest.astype(np.float64)
     resid = near64 - exact
-    with np.errstate(over="ignore"):
-        other = np.where(
-            resid > 0,
-            np.nextafter(nearest, np.float16(-np.inf)),
-            np.nextafter(nearest, np.float16(np.inf)),
-        ).astype(np.float16)
-    step = other.astype(np.float64) - near64
+    above = resid > 0  # the other neighbour lies below (toward -inf), else above
+    other = _neighbour(nearest, above)
+    step = other.astype(np.float64)
+    step -= near64
     total = resid.sum(axis=1, keepdims=True)
-    useful = (resid != 0) & np.isfinite(step) & (np.sign(step) == -np.sign(total))
-    cost = np.where(useful, np.abs(resid + step) - np.abs(resid), np.inf)
-    return other, total, cost, np.where(useful, step, 0.0), useful
+    # a move goes against its value's error (toward the exact value), so it helps the row's sum
+    # where that error has the sign of the sum: sign(step) == -sign(total)
+    useful = above == (total > 0)
+    useful &= resid != 0
+    useful &= total != 0
+    useful &= np.isfinite(step)
+    cost = resid + step
+    np.abs(cost, out=cost)
+    cost -= np.abs(resid)
+    np.copyto(cost, np.inf, where=~useful)
+    return other, total, cost, step, useful
+
+
+def _neighbour(values: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """``np.nextafter(values, -inf if down else +inf)`` of float16 values, on their bits: a
+    float16's neighbours are the integers beside its bits (magnitude up or down by one unit),
+    but for a zero (the smallest subnormal of the direction's sign) and an infinity moving
+    outward (itself)."""
+    bits = values.view(np.uint16)
+    negative = bits >= 0x8000
+    out = bits + np.where(down == negative, np.uint16(1), np.uint16(0xFFFF))  # +1 or -1, mod 2**16
+    magnitude = bits & np.uint16(0x7FFF)
+    zero = magnitude == 0
+    if zero.any():
+        out[zero] = np.where(down[zero], np.uint16(0x8001), np.uint16(0x0001))
+    outward = (magnitude == 0x7C00) & (down == negative)
+    if outward.any():
+        out[outward] = bits[outward]
+    return out.view(np.float16)
 
 
 #: candidates per row put in order first (at least; 8·sqrt(length) for long rows): a row
@@ -287,28 +310,32 @@ def _cheapest_flips(total, cost, step, useful) -> np.ndarray:
     part = (
         np.argpartition(cost, k - 1, axis=1)[:, :k] if k < n else np.tile(np.arange(n), (rows, 1))
     )
-    order = np.take_along_axis(part, np.lexsort((part, np.take_along_axis(cost, part, 1))), 1)
+    part.sort(axis=1)  # a stable sort by cost then keeps equal costs in the order of the row
+    order = np.take_along_axis(part, np.argsort(np.take_along_axis(cost, part, 1), 1, "stable"), 1)
     sorted_cost = np.take_along_axis(cost, order, axis=1)
     kth = sorted_cost[:, -1:]
     # the prefix as the whole sort has it: values cheaper than the k-th (ties may differ there)
     safe = (sorted_cost < kth).sum(axis=1) if k < n else np.full(rows, n)
-    count, best, added = _best_count(total, sorted_cost, np.take_along_axis(step, order, 1), safe)
+    sorted_step = _helping(sorted_cost, np.take_along_axis(step, order, 1))
+    count, best, added = _best_count(total, sorted_cost, sorted_step, safe)
     whole = ~((2.0 * added >= best) | ~np.isfinite(kth[:, 0]) | (k == n))
     sel = np.arange(k)[None, :] < count[:, None]
     np.put_along_axis(flip, order, sel, axis=1)
     if whole.any():
         idx = np.flatnonzero(whole)
         order = np.argsort(cost[idx], axis=1, kind="stable")
-        count, _, _ = _best_count(
-            total[idx],
-            np.take_along_axis(cost[idx], order, 1),
-            np.take_along_axis(step[idx], order, 1),
-            np.full(idx.size, n),
-        )
+        whole_cost = np.take_along_axis(cost[idx], order, 1)
+        whole_step = _helping(whole_cost, np.take_along_axis(step[idx], order, 1))
+        count, _, _ = _best_count(total[idx], whole_cost, whole_step, np.full(idx.size, n))
         sub = np.zeros((idx.size, n), dtype=bool)
         np.put_along_axis(sub, order, np.arange(n)[None, :] < count[:, None], axis=1)
         flip[idx] = sub
     return flip & useful
+
+
+def _helping(cost: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """The moves, 0 where a move does not help (infinite cost)."""
+    return np.where(np.isfinite(cost), step, 0.0)
 
 
 def _prefix_length(n: int) -> int:

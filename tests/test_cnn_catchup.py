@@ -164,7 +164,7 @@ def _sorted_whole(exact, nearest):
     """compensated_rows with every row sorted whole (the reference for the prefix sort)."""
     other, total, cost, step, useful = rounding_moves(exact, nearest)
     order = np.argsort(cost, axis=1, kind="stable")
-    steps = np.take_along_axis(step, order, axis=1)
+    steps = np.take_along_axis(np.where(useful, step, 0.0), order, axis=1)
     costs = np.take_along_axis(np.where(useful, cost, 0.0), order, axis=1)
     zero = np.zeros_like(total)
     reach = np.abs(total + np.concatenate([zero, np.cumsum(steps, axis=1)], axis=1))
@@ -194,3 +194,17 @@ def test_compensated_rows_sort_a_prefix_like_the_whole_row(rng, monkeypatch, pre
     for exact in rows:
         nearest = exact.astype(np.float16)
         assert np.array_equal(compensated_rows(exact, nearest), _sorted_whole(exact, nearest))
+
+
+@pytest.mark.parametrize("down", [False, True])
+def test_float16_neighbour_is_nextafter_on_every_value(down):
+    """The bit-level neighbour rounding_moves uses equals np.nextafter on all 65,536 float16
+    values but NaNs: zeros of both signs, subnormals, the largest finite, infinities."""
+    from graphopt.rules.conv import _neighbour
+
+    values = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    with np.errstate(over="ignore"):
+        expected = np.nextafter(values, np.float16(-np.inf if down else np.inf))
+    got = _neighbour(values, np.full(values.shape, down))
+    keep = ~np.isnan(values)
+    assert np.array_equal(got[keep].view(np.uint16), expected[keep].view(np.uint16))
