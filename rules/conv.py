@@ -369,12 +369,15 @@ def runtime_bn_fold(w, b, gamma, beta, mean, var, eps: float) -> tuple[np.ndarra
 
     g, bt, mu, v = (r(np.asarray(t).reshape(-1)) for t in (gamma, beta, mean, var))
     scale = r(g / r(np.sqrt(r(v + np.float32(eps)))))
-    weights = r(r(w) * scale.reshape((-1,) + (1,) * (np.ndim(w) - 1)))
+    # float16 weights widen exactly; the product is rounded to float16 once, as it is stored
+    w32 = w.astype(np.float32) if w.dtype == np.float16 else r(w)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        weights = (w32 * scale.reshape((-1,) + (1,) * (np.ndim(w) - 1))).astype(np.float16)
     if b is None:
         bias = r(bt - r(mu * scale))
     else:
         bias = r(r(r(r(np.asarray(b).reshape(-1)) - mu) * scale) + bt)
-    return weights.astype(np.float16), bias.astype(np.float16)
+    return weights, bias.astype(np.float16)
 
 
 def _runtime_folds(target) -> bool:
