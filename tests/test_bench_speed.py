@@ -29,10 +29,24 @@ def test_rows_take_the_median_and_the_largest_rss():
     ]
     row = speed._row(recs + [{"rc": 1, "error": "exit 1: boom"}])
     assert row["wall_s"] == 2.0 and row["peak_rss_mb"] == 300
+    assert row["phases"] is None and row["wall_without_measure_s"] == 2.0
     assert speed._row([{"rc": None, "error": "timeout after 5 s"}]) == {
         "ok": False,
         "error": "timeout after 5 s",
     }
+
+
+def test_the_default_run_without_its_timing_is_taken_round_by_round():
+    """One round whose safety net timed long (and bisected) does not lend its timing to
+    another round's wall time: each round is reduced by its own, then the median."""
+    walls_measures = ((1.13, 0.45), (4.05, 3.39), (1.12, 0.44))
+    recs = [
+        {"rc": 0, "wall_s": w, "peak_rss_mb": 1, "phases": {"measure": m}}
+        for w, m in walls_measures
+    ]
+    row = speed._row(recs)
+    assert row["wall_s"] == 1.13 and row["phases"] == {"measure": 0.45}
+    assert abs(row["wall_without_measure_s"] - 0.68) < 1e-9
 
 
 def test_table_gives_ratios_to_graphopt_no_check():

@@ -1312,6 +1312,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--speed-rounds", type=int, default=1, help="--speed: interleaved rounds per tool"
     )
+    ap.add_argument(
+        "--speed-tools",
+        help="--speed: only these tools, comma-separated as the table names them (e.g. "
+        "'graphopt --no-check,graphopt (default run)')",
+    )
     args = ap.parse_args(argv)
     if args.render:
         data = json.loads(args.render[0].read_text())
