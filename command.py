@@ -57,7 +57,7 @@ class Argument:
 
 
 class _Parser(argparse.ArgumentParser):
-    """Usage errors as one line and exit 2, help on stdout."""
+    """Usage errors as one line and exit 2 (help goes to stdout, as argparse prints it)."""
 
     def error(self, message: str) -> typing.NoReturn:
         sys.stderr.write(f"error: {message} (see '{self.prog} --help')\n")
@@ -67,9 +67,6 @@ class _Parser(argparse.ArgumentParser):
         if message:
             sys.stderr.write(message)
         raise Exit(status)
-
-    def print_help(self, file=None) -> None:  # noqa: ANN001 - argparse's signature
-        super().print_help(file or sys.stdout)
 
 
 class _Eager(argparse.Action):
@@ -84,17 +81,14 @@ class _Eager(argparse.Action):
         self.callback(True)
 
 
-def _unwrap(annotation: Any) -> tuple[Any, bool, bool]:
-    """(the base type, whether None is allowed, whether repeatable) of an annotation."""
-    optional = repeat = False
-    args = typing.get_args(annotation)
+def _unwrap(annotation: Any) -> tuple[Any, bool]:
+    """(the base type, whether repeatable) of an annotation (``X | None`` is X)."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        optional = type(None) in args
-        (annotation,) = [a for a in args if a is not type(None)]
+        (annotation,) = [a for a in typing.get_args(annotation) if a is not type(None)]
     if typing.get_origin(annotation) is list:
-        repeat = True
-        (annotation,) = typing.get_args(annotation)
-    return annotation, optional, repeat
+        (item,) = typing.get_args(annotation)
+        return item, True
+    return annotation, False
 
 
 class _Param:
@@ -106,7 +100,7 @@ class _Param:
             base, info = annotation.__origin__, annotation.__metadata__[0]
         self.required = default is inspect.Parameter.empty
         self.name, self.default = name, None if self.required else default
-        self.type, self.optional, self.repeat = _unwrap(base)
+        self.type, self.repeat = _unwrap(base)
         self.info = info if info is not None else Option(f"--{name.replace('_', '-')}")
 
     @property
