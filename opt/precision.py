@@ -22,6 +22,7 @@ checks the stated int4 tolerance instead of fp32's.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -139,12 +140,12 @@ def refold_errors(
     bias: np.ndarray,
     scale: np.ndarray,
     shift: np.ndarray,
-    stored_rows: np.ndarray,
-    stored_bias: np.ndarray,
     dtype: np.dtype,
     stats: tuple[np.ndarray, np.ndarray] | None = None,
-) -> dict[str, float]:
-    """Error of the folded vs. the unfused low-precision layer against float64, on probes.
+) -> Callable[[np.ndarray, np.ndarray], dict[str, float]]:
+    """Error of folded vs. the unfused low-precision layer against float64, on probes: returns
+    ``errors(stored_rows, stored_bias)`` for candidate folds of the same layer (the probes, the
+    exact and the unfused layer's outputs are computed once).
 
     ``rows`` are the Conv's weights as one row per output channel (C, K) and ``bias`` its bias,
     both as stored; the op after it computes ``z = scale·y + shift`` per channel.  The unfused
@@ -154,8 +155,8 @@ def refold_errors(
     channel's probe is scaled and shifted so that ``y`` has about that mean and variance, as in
     the data the statistics were gathered on.  Probes are non-negative (as after an activation),
     so that weight errors show their systematic part.  Errors are relative to each channel's
-    RMS of the exact ``z``; returns the worst, the mean and the systematic error (the worst
-    channel's error averaged over the probes), for the folded and the unfused layer.
+    RMS of the exact ``z``; ``errors`` returns the worst, the mean and the systematic error (the
+    worst channel's error averaged over the probes), for the folded and the unfused layer.
     """
     dtype = np.dtype(dtype)
     rng = np.random.default_rng(0)
@@ -171,28 +172,33 @@ def refold_errors(
     # channel c's probe is sigma_c·x + offset_c·W_c/|W_c|²: its product with a row V is
     # sigma_c·(x·V) + offset_c·(W_c·V)/|W_c|²
     y = sigma * (x @ rows.T) + offset + bias
-    folded_dot = (
-        sigma * (x @ stored_rows.T) + offset * np.einsum("ck,ck->c", rows, stored_rows) / safe
-    )
     exact = scale * y + shift
     unfused = _round(scale * _round(y, dtype) + shift, dtype)
-    folded = _round(folded_dot + stored_bias, dtype)
     rms = np.sqrt(np.mean(exact**2, axis=0))
     rms = np.where(rms > 0, rms, 1.0)
     e_unf = np.abs(unfused - exact) / rms
-    e_fold = np.abs(folded - exact) / rms
     # systematic part: the error's mean over the probes, per channel (what pooling keeps)
     b_unf = np.abs(np.mean(unfused - exact, axis=0)) / rms
-    b_fold = np.abs(np.mean(folded - exact, axis=0)) / rms
-    out = {
-        "folded_max": e_fold.max(),
-        "folded_mean": e_fold.mean(),
-        "folded_bias": b_fold.max(),
-        "unfused_max": e_unf.max(),
-        "unfused_mean": e_unf.mean(),
-        "unfused_bias": b_unf.max(),
-    }
-    return {k: float(np.nan_to_num(v, nan=np.inf)) for k, v in out.items()}
+
+    def errors(stored_rows: np.ndarray, stored_bias: np.ndarray) -> dict[str, float]:
+        folded_dot = (
+            sigma * (x @ stored_rows.T)
+            + offset * np.einsum("ck,ck->c", rows, stored_rows) / safe
+        )
+        folded = _round(folded_dot + stored_bias, dtype)
+        e_fold = np.abs(folded - exact) / rms
+        b_fold = np.abs(np.mean(folded - exact, axis=0)) / rms
+        out = {
+            "folded_max": e_fold.max(),
+            "folded_mean": e_fold.mean(),
+            "folded_bias": b_fold.max(),
+            "unfused_max": e_unf.max(),
+            "unfused_mean": e_unf.mean(),
+            "unfused_bias": b_unf.max(),
+        }
+        return {k: float(np.nan_to_num(v, nan=np.inf)) for k, v in out.items()}
+
+    return errors
 
 
 def require_refold_no_worse(cx, dtype: np.dtype, what: str, measure) -> None:

@@ -35,6 +35,8 @@ height-broadcast constant is refused ("not-per-channel"): folding it would chang
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -95,8 +97,12 @@ class ConvScaleBase(Rule):
         out_axis = 0 if self.conv_op == "Conv" else 1
         require_accumulation_in_range(cx, m.X.name, w_new, b_new, dt, self.conv_op, out_axis)
 
+        probe: list = []  # the probes and the unfused layer, once for both candidate folds
+
         def errors(rows: np.ndarray, bias: np.ndarray) -> dict[str, float]:
-            return refold_errors(self.rows(w, group), b, scale, shift, rows, bias, dt, stats)
+            if not probe:
+                probe.append(refold_errors(self.rows(w, group), b, scale, shift, dt, stats))
+            return probe[0](rows, bias)
 
         ours: dict[str, float] = {}
 
@@ -235,6 +241,14 @@ class FuseConvTransposeBatchNorm(FuseConvBatchNorm):
     )
 
 
+#: values per block of rows :func:`compensated_rows` works on at once (its float64 temporaries
+#: stay in the core's cache: ~25 % faster than whole layers); blocks run on up to
+#: :data:`ROUNDING_THREADS` threads (numpy releases the GIL in its loops)
+ROUNDING_BLOCK = 65536
+ROUNDING_THREADS = max(1, min(4, os.cpu_count() or 1))
+_rounding_pool: ThreadPoolExecutor | None = None
+
+
 def compensated_rows(exact: np.ndarray, nearest: np.ndarray) -> np.ndarray:
     """Float16 rows whose rounding errors cancel: ``nearest`` (``exact`` rounded to nearest)
     with, in each row, the values whose other neighbour costs least (those nearest to
@@ -242,7 +256,33 @@ def compensated_rows(exact: np.ndarray, nearest: np.ndarray) -> np.ndarray:
     plus twice what the moves add to the values' own errors (all in absolute value): a move
     must cut the sum by at least twice what it costs, so a row whose errors already cancel
     keeps its nearest values.  Each value stays one of the two float16 neighbours of its exact
-    value."""
+    value.  Rows are independent: they are re-rounded in blocks of about
+    :data:`ROUNDING_BLOCK` values, on threads when there are several blocks."""
+    global _rounding_pool
+    rows, n = exact.shape
+    per = max(1, ROUNDING_BLOCK // max(n, 1))
+    if rows <= per:
+        return _compensated_block(exact, nearest)
+    spans = [(i, min(i + per, rows)) for i in range(0, rows, per)]
+    out = np.empty_like(nearest)
+
+    def block(span: tuple[int, int]) -> None:
+        a, b = span
+        out[a:b] = _compensated_block(exact[a:b], nearest[a:b])
+
+    if ROUNDING_THREADS == 1:
+        for span in spans:
+            block(span)
+        return out
+    if _rounding_pool is None:
+        _rounding_pool = ThreadPoolExecutor(ROUNDING_THREADS, thread_name_prefix="graphopt-round")
+    for done in _rounding_pool.map(block, spans):
+        del done
+    return out
+
+
+def _compensated_block(exact: np.ndarray, nearest: np.ndarray) -> np.ndarray:
+    """:func:`compensated_rows` of a few rows, at once."""
     other, total, cost, step, useful = rounding_moves(exact, nearest)
     flip = _cheapest_flips(total, cost, step, useful)
     return np.where(flip, other, nearest)
