@@ -182,8 +182,7 @@ def refold_errors(
 
     def errors(stored_rows: np.ndarray, stored_bias: np.ndarray) -> dict[str, float]:
         folded_dot = (
-            sigma * (x @ stored_rows.T)
-            + offset * np.einsum("ck,ck->c", rows, stored_rows) / safe
+            sigma * (x @ stored_rows.T) + offset * np.einsum("ck,ck->c", rows, stored_rows) / safe
         )
         folded = _round(folded_dot + stored_bias, dtype)
         e_fold = np.abs(folded - exact) / rms
