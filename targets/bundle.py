@@ -870,7 +870,8 @@ def _verify(
     if providers != list(session.get("providers") or []):
         save_to = None  # the fast path is built for the session config's providers only
     try:
-        sess, created, save_error = _bundle_session(out_dir, providers, save_to)
+        once = _timed_elsewhere(report)  # the session runs once: its weights are not packed
+        sess, created, save_error = _bundle_session(out_dir, providers, save_to, once)
         feeds, expected = _golden(out_dir)
         every = [o.name for o in sess.get_outputs()]
         outs = sess.run(
@@ -909,15 +910,21 @@ def _verify(
     return verified, latency, ran | {"save_error": save_error}
 
 
-def _bundle_session(out_dir: Path, providers: list[str], save_to: Path | None):
+def _bundle_session(
+    out_dir: Path, providers: list[str], save_to: Path | None, once: bool = False
+):
     """(session, seconds to create it or None, why onnxruntime could not save): the bundle as
     :func:`load_session` builds it from the portable model; with ``save_to`` the same session
-    also writes onnxruntime's optimized model there (the fast path), so it is built once."""
+    also writes onnxruntime's optimized model there (the fast path), so it is built once.
+    ``once``: the session is run once, not timed (its weights are not pre-packed; the graph
+    onnxruntime optimizes and saves is the same)."""
     if save_to is not None:
         path, manifest, config = read_bundle(out_dir)
         level = config.get("graph_optimization_level", "ORT_ENABLE_EXTENDED")
         try:
-            sess = _session(path, manifest, config, "model.onnx", providers, level, "none", save_to)
+            sess = _session(
+                path, manifest, config, "model.onnx", providers, level, "none", save_to, once
+            )
             if not save_to.is_file():
                 raise GraphoptError("onnxruntime wrote no optimized model")
             return sess, None, None  # its creation time includes writing the fast path
@@ -929,6 +936,13 @@ def _bundle_session(out_dir: Path, providers: list[str], save_to: Path | None):
     t0 = time.perf_counter()
     sess = load_session(out_dir, providers=providers, verify="none", fast_path=False)
     return sess, time.perf_counter() - t0, error
+
+
+def _timed_elsewhere(report) -> bool:
+    """Whether the manifest's latency comes without timing the bundle's verification session:
+    the performance safety net timed the final model, or the user turned timing off."""
+    performance = getattr(report, "performance", None) or {}
+    return bool(performance.get("latency")) or performance.get("why") == NOT_MEASURED
 
 
 def _bundle_latency(sess, feeds, created: float | None, report) -> dict[str, Any] | None:
@@ -1187,15 +1201,20 @@ def _session(
     level: str,
     verify: str,
     save_to: Path | None = None,
+    once: bool = False,
 ) -> ort.InferenceSession:
     """The session of ``model`` (a file of the bundle) at ``level`` with the config's settings;
-    ``save_to``: where onnxruntime writes the graph it optimized."""
+    ``save_to``: where onnxruntime writes the graph it optimized; ``once``: a session run once
+    (a check), whose kernels need not pre-pack their weights."""
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.graph_optimization_level = _level(level)
     if config.get("intra_op_num_threads"):
         so.intra_op_num_threads = int(config["intra_op_num_threads"])
-    for key, value in sorted((config.get("session_config_entries") or {}).items()):
+    entries = dict(config.get("session_config_entries") or {})
+    if once:
+        entries.setdefault("session.disable_prepacking", "1")
+    for key, value in sorted(entries.items()):
         so.add_session_config_entry(key, str(value))
     if save_to is not None:  # weights beside it, mapped at load rather than parsed
         so.optimized_model_filepath = str(save_to)
@@ -1329,7 +1348,7 @@ def _write_fast_path(
         else:
             fast = out_dir / FAST_MODEL
             ref_sess = _session(
-                out_dir, manifest, config, "model.onnx", providers, level, "none", fast
+                out_dir, manifest, config, "model.onnx", providers, level, "none", fast, True
             )
             if not fast.is_file():
                 raise GraphoptError("onnxruntime wrote no optimized model")
@@ -1338,7 +1357,9 @@ def _write_fast_path(
             names = [o.name for o in ref_sess.get_outputs()]
             ref = ref_sess.run(names, _feeds_for(ref_sess, feeds))
             against = "the golden inputs" if golden else "seeded random inputs (no golden inputs)"
-        sess = _session(out_dir, manifest, config, FAST_MODEL, providers, "ORT_DISABLE_ALL", "none")
+        sess = _session(
+            out_dir, manifest, config, FAST_MODEL, providers, "ORT_DISABLE_ALL", "none", once=True
+        )
         got = sess.run(names, _feeds_for(sess, feeds))
     except Exception as e:  # noqa: BLE001 - not saved, not reloaded or not run: no fast path
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -24,13 +24,14 @@ from graphopt.opt.perf import Timing
 
 @pytest.fixture
 def sessions(monkeypatch):
-    """Every session the bundle phase creates from a bundle file: (file, level, saves)."""
-    calls: list[tuple[str, str, bool]] = []
+    """Every session the bundle phase creates from a bundle file: (file, level, saves, run
+    once: weights not pre-packed)."""
+    calls: list[tuple[str, str, bool, bool]] = []
     real = bundle._session
 
-    def spy(path, manifest, config, name, wanted, level, verify, save_to=None):
-        calls.append((name, level, save_to is not None))
-        return real(path, manifest, config, name, wanted, level, verify, save_to)
+    def spy(path, manifest, config, name, wanted, level, verify, save_to=None, once=False):
+        calls.append((name, level, save_to is not None, once))
+        return real(path, manifest, config, name, wanted, level, verify, save_to, once)
 
     monkeypatch.setattr(bundle, "_session", spy)
     return calls
@@ -49,9 +50,11 @@ def test_the_portable_model_is_loaded_once_and_saves_the_fast_path(wide, tmp_pat
     optimized, report = graphopt.optimize(wide, target="cpu")
     out = graphopt.write_bundle(optimized, report, tmp_path / "b")
     portable = [c for c in sessions if c[0] == "model.onnx"]
-    assert portable == [("model.onnx", "ORT_ENABLE_ALL", True)]  # verification + fast path
+    # verification + fast path; its weights pre-packed only when this session is timed
+    once = bundle._timed_elsewhere(report)
+    assert portable == [("model.onnx", "ORT_ENABLE_ALL", True, once)]
     assert [c for c in sessions if c[0] == bundle.FAST_MODEL] == [
-        (bundle.FAST_MODEL, "ORT_DISABLE_ALL", False)
+        (bundle.FAST_MODEL, "ORT_DISABLE_ALL", False, True)  # checked by one run
     ]
     m = manifest_of(out)
     assert m["source_model_sha256"] == bundle.file_sha256(wide)  # hashed beside the sessions
@@ -61,6 +64,22 @@ def test_the_portable_model_is_loaded_once_and_saves_the_fast_path(wide, tmp_pat
     assert m["verified"]["bundle_session"]["golden_ok"] and m["verified"]["deploy_parity"]["ok"]
     sess, how = graphopt.open_session(out)
     assert how["fast_path"] and how["why"] is None
+    ref = graphopt.load_session(out, fast_path=False).run(None, feeds())[0]
+    np.testing.assert_allclose(sess.run(None, feeds())[0], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_an_untimed_bundle_verifies_without_packing_weights(wide, tmp_path, sessions):
+    """--no-measure: no latency, so the verification session runs once, weights not packed;
+    the fast path it saves is the same graph."""
+    optimized, report = graphopt.optimize(wide, target="cpu", measure=False)
+    out = graphopt.write_bundle(optimized, report, tmp_path / "b")
+    assert [c for c in sessions if c[0] == "model.onnx"] == [
+        ("model.onnx", "ORT_ENABLE_ALL", True, True)
+    ]
+    m = manifest_of(out)
+    assert m["latency"] is None and m["fast_path"]["written"]
+    sess, how = graphopt.open_session(out)
+    assert how["fast_path"]
     ref = graphopt.load_session(out, fast_path=False).run(None, feeds())[0]
     np.testing.assert_allclose(sess.run(None, feeds())[0], ref, rtol=1e-5, atol=1e-5)
 
