@@ -910,9 +910,7 @@ def _verify(
     return verified, latency, ran | {"save_error": save_error}
 
 
-def _bundle_session(
-    out_dir: Path, providers: list[str], save_to: Path | None, once: bool = False
-):
+def _bundle_session(out_dir: Path, providers: list[str], save_to: Path | None, once: bool = False):
     """(session, seconds to create it or None, why onnxruntime could not save): the bundle as
     :func:`load_session` builds it from the portable model; with ``save_to`` the same session
     also writes onnxruntime's optimized model there (the fast path), so it is built once.
