@@ -513,7 +513,8 @@ def _invalid(
     what was written, and a valid model's written form goes into the holder (the bundle moves
     the file, or writes the bytes, when it writes the model whole, without external data).
     The session is built as parity builds its own (:data:`CHECK_ONLY`: weights not
-    pre-packed); with ``keep`` it is kept for parity (``_loaded_session``), else dropped."""
+    pre-packed); with ``keep`` it is kept for parity (``_loaded_session``), profiling, so that
+    parity's run also tells every node's output shape (the bundle's memory plan); else dropped."""
     _LOADED.clear()
     spooled = spool(model, into.folder.path) if runtime and into is not None else None
     data = serialize(model) if runtime and spooled is None else None
@@ -546,10 +547,15 @@ def _check(model, base_dir, checker, runtime, keep, data, spooled) -> str | None
     try:
         if spooled is not None:  # weights mapped from the written file, not copied
             session = Session(
-                session_skeleton(model, spooled), base_dir=spooled.path.parent, config=config
+                session_skeleton(model, spooled),
+                base_dir=spooled.path.parent,
+                config=config,
+                profile=keep,
             )
         else:
-            session = Session(model, base_dir=base_dir, serialized=data, config=config)
+            session = Session(
+                model, base_dir=base_dir, serialized=data, config=config, profile=keep
+            )
     except GraphoptError as e:
         return str(e)
     if keep:

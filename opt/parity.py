@@ -24,11 +24,14 @@ session holds only one model at a time, and only the outputs are kept.  Memory t
 one piece,
 not by the model (examples/large: a 5 GiB decoder's parity peaks at ~380 MB), and the results
 are those of one session of the whole model without pre-packing, bit for bit.  The optimized
-model's run also records every tensor's type and shape (``ParityReport.shapes``).
+model's run also records every tensor's type and shape (``ParityReport.shapes``); a whole
+session does too when it profiles (the output's validity session, kept for parity): the bundle's
+memory plan then needs no run of its own.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from dataclasses import asdict, dataclass, field, replace
@@ -178,13 +181,20 @@ class Session:
         base_dir: str | os.PathLike | None = None,
         serialized: bytes | None = None,
         config: dict[str, str] | None = None,
+        profile: bool = False,
     ):
         """``base_dir``: the folder external-data references resolve against (lazy loading);
         ``serialized``: the model's bytes when the caller has them already; ``config``: more
-        session config entries."""
+        session config entries; ``profile``: onnxruntime records every node it runs, so that
+        :meth:`node_shapes` can tell the shapes of what a run computed."""
         so = ort.SessionOptions()
         so.graph_optimization_level = level
         so.log_severity_level = 4
+        self._profile = None
+        if profile:
+            self._profile = tempfile.TemporaryDirectory(prefix="graphopt-profile-")
+            so.enable_profiling = True
+            so.profile_file_prefix = str(Path(self._profile.name) / "run")
         for key, value in (config or {}).items():
             so.add_session_config_entry(key, value)
         if base_dir is not None:
@@ -208,6 +218,40 @@ class Session:
     def output_names(self) -> list[str]:
         return [o.name for o in self.sess.get_outputs()]
 
+    def node_shapes(self, model: onnx.ModelProto) -> dict[str, tuple[int, list[int]]]:
+        """(element type, dims) of the outputs of ``model``'s nodes as the runs since the session
+        was made computed them (a profiling session; else, or once asked, empty).  A node is
+        matched by its index and name; nodes onnxruntime inserted (casts) are not the model's."""
+        if self._profile is None:
+            return {}
+        try:
+            events = json.loads(Path(self.sess.end_profiling()).read_text())
+        except (OSError, ValueError, RuntimeError):
+            events = []
+        finally:
+            self._profile.cleanup()
+            self._profile = None
+        nodes = model.graph.node
+        out: dict[str, tuple[int, list[int]]] = {}
+        for e in events if isinstance(events, list) else []:
+            if not isinstance(e, dict) or e.get("cat") != "Node":
+                continue
+            args, name = e.get("args") or {}, str(e.get("name", ""))
+            if not name.endswith("_kernel_time"):
+                continue
+            index, shapes = int(args.get("node_index", -1)), args.get("output_type_shape") or []
+            node = nodes[index] if 0 <= index < len(nodes) else None
+            if node is None or node.name != name[: -len("_kernel_time")]:
+                continue
+            if len(shapes) != len(node.output):
+                continue
+            for tensor, typed in zip(node.output, shapes):
+                if tensor and isinstance(typed, dict) and len(typed) == 1:
+                    ((kind, dims),) = typed.items()
+                    if kind in _PROFILE_TYPES and isinstance(dims, list):
+                        out[tensor] = (_PROFILE_TYPES[kind], [int(d) for d in dims])
+        return out
+
     def run(self, feeds: dict[str, np.ndarray], names: list[str] | None = None) -> list:
         wanted = {i.name for i in self.sess.get_inputs()}
         try:
@@ -215,6 +259,13 @@ class Session:
         except Exception as e:  # noqa: BLE001
             raise GraphoptError(f"onnxruntime failed to run the model: {_first_line(e)}") from None
 
+
+#: onnxruntime's profile names of element types (``float``, ``int64``, ...) -> TensorProto's
+_PROFILE_TYPES = {
+    onnx.TensorProto.DataType.Name(v).lower(): v
+    for v in onnx.TensorProto.DataType.values()
+    if v != onnx.TensorProto.UNDEFINED
+}
 
 #: weights (bytes) above which parity runs a model piece by piece (:class:`Pieces`); each piece
 #: holds at most this much, or its one larger tensor (``GRAPHOPT_PIECE_MB`` overrides)
@@ -880,6 +931,8 @@ def check_parity(
         )
     shapes = {} if isinstance(opt_sess, Pieces) else None
     got = opt_sess.run(feeds, names, shapes) if shapes is not None else opt_sess.run(feeds, names)
+    if isinstance(opt_sess, Session):  # a profiling session saw the shapes of every node
+        shapes = opt_sess.node_shapes(optimized) or None
     del opt_sess
     diffs = compare_outputs(names, ref, got, tolerances, per_output, compute_dtype(original))
     ok = all(d.ok for d in diffs)

@@ -536,7 +536,9 @@ def _measure_unknown(
     if not unknown or not golden.get("written"):
         return 0
     if known and all(o in known for o in unknown):
-        view.update({o: known[o] for o in unknown})
+        # dims as run; the element type static inference gave, where it did (onnxruntime may
+        # run a node in another type between casts it inserted)
+        view.update({o: ((view.get(o) or (0,))[0] or known[o][0], known[o][1]) for o in unknown})
         return len(unknown)
     feeds, _ = _golden(out_dir)
     try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -263,13 +264,37 @@ def test_unknown_shapes_are_measured_without_serializing_the_weights(rng):
     assert m.SerializeToString() == before  # the model itself is untouched
 
 
-def test_memory_plan_of_a_contrib_model_has_every_size(rng, tmp_path):
+def test_memory_plan_of_a_contrib_model_has_every_size(rng, tmp_path, monkeypatch):
+    """Parity's run of the output profiles its nodes: the contrib ops' output shapes come from
+    it, with no run of the bundle's own, and equal what such a run measures."""
     src = tmp_path / "c.onnx"
     onnx.save(contrib_model(rng), src)
     optimized, report = graphopt.optimize(src, target="cpu", level=0)
+    known = report.parity.shapes
+    assert {n: known[n] for n in "ghry"} == {n: (onnx.TensorProto.FLOAT, [2, 1024]) for n in "ghry"}
+    measured = bundle.measured_view(optimized, report.parity.feeds, list("ghry"))
+    assert measured == {n: known[n] for n in "ghry"}
+    runs = []
+    monkeypatch.setattr(bundle, "measured_view", lambda *a: runs.append(a) or {})
     out = graphopt.write_bundle(optimized, report, tmp_path / "b")
     plan = json.loads((out / "memory_plan.json").read_text())
-    assert plan["measured_shapes"] >= 3 and plan["unknown_size_count"] == 0
+    assert plan["measured_shapes"] >= 3 and plan["unknown_size_count"] == 0 and not runs
+
+
+def test_a_session_profiles_only_when_asked(rng, tmp_path):
+    from graphopt.opt.parity import Session
+
+    m = contrib_model(rng)
+    x = {"x": rng.standard_normal((2, 512)).astype(np.float32)}
+    plain = Session(m)
+    plain.run(x)
+    assert plain.node_shapes(m) == {}
+    profiled = Session(m, profile=True)
+    profiled.run(x)
+    folder = Path(profiled._profile.name)
+    shapes = profiled.node_shapes(m)
+    assert set(shapes) == {o for n in m.graph.node for o in n.output}
+    assert not folder.exists() and profiled.node_shapes(m) == {}  # the profile is gone
 
 
 # ---------------------------------------------------------------------- safety net runs
