@@ -837,10 +837,13 @@ def _verify(
     report,
     save_to: Path | None = None,
 ) -> tuple[dict, dict | None, dict | None]:
-    """Run the bundle as load_session builds it; never claim what did not run.  Returns the
-    manifest's ``verified`` and ``latency`` and what the session ran (None when it did not):
-    ``names``, ``outputs`` (every output on the golden inputs), ``feeds``, ``saved`` (that
-    session also wrote onnxruntime's optimized model to ``save_to``) and ``save_error``."""
+    """Run the bundle as load_session builds it; never claim what did not run.  With
+    ``save_to``, the portable model's session saves onnxruntime's optimized model there (the
+    fast path) and the fast path, loaded as load_session loads it on this machine, is what runs
+    (its graph is that session's); where it does not load or agree, the portable model runs
+    instead and the fast path goes.  Returns the manifest's ``verified`` and ``latency`` and what
+    ran (None when nothing did): ``names``, ``outputs`` (every output on the golden inputs),
+    ``feeds``, ``saved``, ``save_error`` and ``fast`` (:func:`_fast_run`'s verdict)."""
     on_device = (
         target.device_available
         and bool(session.get("providers"))
@@ -871,14 +874,22 @@ def _verify(
     providers = session["providers"] if on_device else ["CPUExecutionProvider"]
     if providers != list(session.get("providers") or []):
         save_to = None  # the fast path is built for the session config's providers only
+    per_output = (report.bundle_context or {}).get("per_output")
+    fast: dict[str, Any] = {}
     try:
         once = _timed_elsewhere(report)  # the session runs once: its weights are not packed
         sess, created, save_error = _bundle_session(out_dir, providers, save_to, once)
         feeds, expected = _golden(out_dir)
+        if save_to is not None and save_error is None:
+            sess = None  # its graph is the fast path's: that runs in its stead, as load_session
+            fast = _fast_run(out_dir, providers, feeds, expected, target, per_output, once)
+            if "why" not in fast:
+                sess, created = fast["session"], fast["created"]
+            else:  # the portable model answers for the bundle; the fast path goes
+                _remove(out_dir, FAST_FILES)
+                sess, created, _ = _bundle_session(out_dir, providers, None)
         every = [o.name for o in sess.get_outputs()]
-        outs = sess.run(
-            every, {k: v for k, v in feeds.items() if k in {i.name for i in sess.get_inputs()}}
-        )
+        outs = fast["outputs"] if "outputs" in fast else sess.run(every, _feeds_for(sess, feeds))
     except Exception as e:  # noqa: BLE001 - reported in the manifest, never a crash
         _remove(out_dir, FAST_FILES)
         verified["bundle_session"] = (
@@ -887,11 +898,13 @@ def _verify(
         return verified, latency, None
     names = [n for n in every if n in expected]
     got = [o for n, o in zip(every, outs) if n in expected]
-    per_output = (report.bundle_context or {}).get("per_output")
     diffs = compare_outputs(
         names, [expected[n] for n in names], got, target.tolerances, per_output=per_output
     )
     ok = all(d.ok for d in diffs)
+    if fast.get("loaded"):  # it ran and erred: where the portable model did not, or too
+        how = "the portable model's" if ok else "the golden outputs, as the portable model's do"
+        fast["why"] = f"its outputs differ from {how} ({fast['why']})"
     verified["deploy_parity"] = _deploy_parity(sess, session, feeds, names, got, target, report)
     verified["bundle_session"] = {
         "providers": providers,
@@ -899,7 +912,12 @@ def _verify(
         "golden_ok": ok,
         "max_abs": {d.name: d.max_abs for d in diffs},
         "what": "the bundle loaded with load_session (its session config) on "
-        + ("the target's device" if on_device else "this machine's CPU (semantics only)"),
+        + ("the target's device" if on_device else "this machine's CPU (semantics only)")
+        + (
+            ": its fast path, onnxruntime's optimized form of model.onnx"
+            if "session" in fast
+            else ""
+        ),
     }
     if on_device:
         verified["device"] = "pass" if ok else "fail"
@@ -908,8 +926,39 @@ def _verify(
     ):
         latency["providers"] = providers
     saved = save_to is not None and save_error is None
-    ran = {"names": every, "outputs": outs, "feeds": feeds, "saved": saved}
+    ran = {"names": every, "outputs": outs, "feeds": feeds, "saved": saved, "fast": fast}
     return verified, latency, ran | {"save_error": save_error}
+
+
+def _fast_run(out_dir, providers, feeds, expected, target, per_output, once) -> dict[str, Any]:
+    """The fast path onnxruntime just saved, loaded as load_session loads it here and run on the
+    golden inputs: {session, created (seconds), outputs, max_abs} when its outputs agree with
+    the golden ones, else {why} (which outputs differ, or why it did not load or run)."""
+    path, manifest, config = read_bundle(out_dir)
+    try:
+        t0 = time.perf_counter()
+        sess = _session(
+            path, manifest, config, FAST_MODEL, providers, "ORT_DISABLE_ALL", "none", once=once
+        )
+        created = time.perf_counter() - t0
+        every = [o.name for o in sess.get_outputs()]
+        outs = sess.run(every, _feeds_for(sess, feeds))
+    except Exception as e:  # noqa: BLE001 - not reloaded or not run: no fast path
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return {"why": f"onnxruntime could not reload or run it: {text}", "loaded": False}
+    names = [n for n in every if n in expected]
+    got = [o for n, o in zip(every, outs) if n in expected]
+    diffs = compare_outputs(
+        names, [expected[n] for n in names], got, target.tolerances, per_output=per_output
+    )
+    if not all(d.ok for d in diffs):
+        return {"why": ", ".join(d.name for d in diffs if not d.ok), "loaded": True}
+    return {
+        "session": sess,
+        "created": created,
+        "outputs": outs,
+        "max_abs": {d.name: d.max_abs for d in diffs},
+    }
 
 
 def _bundle_session(out_dir: Path, providers: list[str], save_to: Path | None, once: bool = False):
@@ -1034,6 +1083,7 @@ def _latency(sess, feeds, created_s: float | None) -> dict[str, Any]:
         "p95_ms": round(times[min(len(times) - 1, int(0.95 * len(times)))] * 1e3, 4),
         "runs": len(times),
         # None when that session also wrote the fast path: its creation time says nothing
+        # (the fast path's session, when it is the one timed, is created as load_session does)
         "session_create_ms": None if created_s is None else round(created_s * 1e3, 2),
         "threads": "onnxruntime default",
         "where": "this machine (measured while writing the bundle)",
@@ -1327,12 +1377,13 @@ def _fast_path_refusal(
 def _write_fast_path(
     out_dir: Path, manifest: dict, config: dict, target: Target, ran: dict | None
 ) -> dict[str, Any]:
-    """Check onnxruntime's optimized form of model.onnx for this machine and keep it only when it
-    loads with optimizations off and its outputs agree with the portable model's at the session
-    config's level; else remove it and say why.  ``ran``: what the bundle's verification session
-    ran (:func:`_verify`), which already wrote the optimized model and ran the portable model on
-    the golden inputs; without it (no golden inputs) both are done here, on seeded random
-    inputs."""
+    """Keep onnxruntime's optimized form of model.onnx for this machine only when it loads with
+    optimizations off and its outputs agree, else remove it and say why.  ``ran``: what the
+    bundle's verification ran (:func:`_verify`): the session that saved it, then the fast path
+    itself on the golden inputs, checked against the golden outputs (:func:`_fast_run`).
+    Without that (no golden inputs, or a session on other providers) it is saved and checked
+    here against the portable model at the session config's level, on the golden inputs or
+    seeded random ones."""
     providers = list(config["providers"])
     level = config.get("graph_optimization_level", "ORT_ENABLE_EXTENDED")
     if ran is not None and ran.get("save_error"):
@@ -1341,22 +1392,30 @@ def _write_fast_path(
         seen = (manifest.get("verified") or {}).get("bundle_session")
         seen = seen.get("as_deployed") if isinstance(seen, dict) else seen
         return _no_fast_path(out_dir, f"the bundle's whole-model session did not run ({seen})")
+    fast = (ran or {}).get("fast") or {}
+    if "why" in fast:
+        return _no_fast_path(out_dir, fast["why"])
+    if "max_abs" in fast:  # it ran for the bundle's verification (_fast_run)
+        return _fast_path_written(
+            providers,
+            config,
+            level,
+            "the golden outputs (the original's) on the golden inputs, loaded as load_session "
+            "loads it (the run verifying the bundle)",
+            fast["max_abs"],
+        )
     try:
-        if ran is not None and ran.get("saved"):
-            names, ref, feeds = ran["names"], ran["outputs"], ran["feeds"]
-            against = "the golden inputs (the run verifying the bundle)"
-        else:
-            fast = out_dir / FAST_MODEL
-            ref_sess = _session(
-                out_dir, manifest, config, "model.onnx", providers, level, "none", fast, True
-            )
-            if not fast.is_file():
-                raise GraphoptError("onnxruntime wrote no optimized model")
-            golden = bool(manifest["golden"].get("written"))
-            feeds = _golden(out_dir)[0] if golden else make_inputs(ref_sess, {}, 0)
-            names = [o.name for o in ref_sess.get_outputs()]
-            ref = ref_sess.run(names, _feeds_for(ref_sess, feeds))
-            against = "the golden inputs" if golden else "seeded random inputs (no golden inputs)"
+        saved = out_dir / FAST_MODEL
+        ref_sess = _session(
+            out_dir, manifest, config, "model.onnx", providers, level, "none", saved, True
+        )
+        if not saved.is_file():
+            raise GraphoptError("onnxruntime wrote no optimized model")
+        golden = bool(manifest["golden"].get("written"))
+        feeds = _golden(out_dir)[0] if golden else make_inputs(ref_sess, {}, 0)
+        names = [o.name for o in ref_sess.get_outputs()]
+        ref = ref_sess.run(names, _feeds_for(ref_sess, feeds))
+        against = "the golden inputs" if golden else "seeded random inputs (no golden inputs)"
         sess = _session(
             out_dir, manifest, config, FAST_MODEL, providers, "ORT_DISABLE_ALL", "none", once=True
         )
@@ -1368,17 +1427,19 @@ def _write_fast_path(
     if not all(d.ok for d in diffs):
         bad = ", ".join(d.name for d in diffs if not d.ok)
         return _no_fast_path(out_dir, f"its outputs differ from the portable model's ({bad})")
+    against = f"the portable model at {level} on {against}"
+    return _fast_path_written(providers, config, level, against, {d.name: d.max_abs for d in diffs})
+
+
+def _fast_path_written(providers, config: dict, level: str, against: str, max_abs: dict) -> dict:
+    """The manifest's record of a fast path kept, checked ``against`` that."""
     return {
         "written": True,
         "model": FAST_MODEL,
         "built_for": machine_signature(providers),
         **_settings(config, level),
         "loaded_with": "ORT_DISABLE_ALL (the graph is already optimized)",
-        "verified": {
-            "ok": True,
-            "against": f"the portable model at {level} on {against}",
-            "max_abs": {d.name: d.max_abs for d in diffs},
-        },
+        "verified": {"ok": True, "against": against, "max_abs": max_abs},
         "note": "used by load_session only on a machine with the same onnxruntime, CPU "
         "architecture and features, providers and requested settings; elsewhere model.onnx",
     }

@@ -51,17 +51,20 @@ def test_the_portable_model_is_loaded_once_and_saves_the_fast_path(wide, tmp_pat
     optimized, report = graphopt.optimize(wide, target="cpu")
     out = graphopt.write_bundle(optimized, report, tmp_path / "b")
     portable = [c for c in sessions if c[0] == "model.onnx"]
-    # verification + fast path; its weights pre-packed only when this session is timed
+    # saves the fast path, which then verifies the bundle (as load_session runs it here);
+    # weights pre-packed only when that is timed
     once = bundle._timed_elsewhere(report)
     assert portable == [("model.onnx", "ORT_ENABLE_ALL", True, once)]
     assert [c for c in sessions if c[0] == bundle.FAST_MODEL] == [
-        (bundle.FAST_MODEL, "ORT_DISABLE_ALL", False, True)  # checked by one run
+        (bundle.FAST_MODEL, "ORT_DISABLE_ALL", False, once)
     ]
     m = manifest_of(out)
     assert m["source_model_sha256"] == bundle.file_sha256(wide)  # hashed beside the sessions
     fast = m["fast_path"]
     assert fast["written"] and fast["verified"]["ok"]
-    assert "golden inputs (the run verifying the bundle)" in fast["verified"]["against"]
+    assert "golden outputs (the original's)" in fast["verified"]["against"]
+    assert "the run verifying the bundle" in fast["verified"]["against"]
+    assert "its fast path" in m["verified"]["bundle_session"]["what"]
     assert m["verified"]["bundle_session"]["golden_ok"] and m["verified"]["deploy_parity"]["ok"]
     sess, how = graphopt.open_session(out)
     assert how["fast_path"] and how["why"] is None
@@ -98,6 +101,9 @@ def test_a_fast_path_that_disagrees_is_removed(wide, tmp_path, monkeypatch):
         def get_inputs(self):
             return self.sess.get_inputs()
 
+        def get_outputs(self):
+            return self.sess.get_outputs()
+
         def run(self, names, feeds):
             return [o + 1.0 for o in self.sess.run(names, feeds)]
 
@@ -110,7 +116,28 @@ def test_a_fast_path_that_disagrees_is_removed(wide, tmp_path, monkeypatch):
     fast = manifest_of(out)["fast_path"]
     assert not fast["written"] and "differ from the portable model's (y)" in fast["why"]
     assert not (out / bundle.FAST_MODEL).exists() and not (out / bundle.FAST_DATA).exists()
-    assert set(manifest_of(out)["integrity"]["files"]) == {"model.onnx"}
+    m = manifest_of(out)
+    assert set(m["integrity"]["files"]) == {"model.onnx"}
+    # the portable model, run in its stead, verified the bundle
+    assert m["verified"]["bundle_session"]["golden_ok"]
+    assert "fast path" not in m["verified"]["bundle_session"]["what"]
+
+
+def test_a_fast_path_that_does_not_load_is_removed(wide, tmp_path, monkeypatch):
+    optimized, report = graphopt.optimize(wide, target="cpu")
+    real = bundle._session
+
+    def refuses(path, manifest, config, name, *a, **k):
+        if name == bundle.FAST_MODEL:
+            raise bundle.GraphoptError("onnxruntime cannot load the bundle: broken (test)")
+        return real(path, manifest, config, name, *a, **k)
+
+    monkeypatch.setattr(bundle, "_session", refuses)
+    out = graphopt.write_bundle(optimized, report, tmp_path / "b")
+    m = manifest_of(out)
+    assert not m["fast_path"]["written"] and "could not reload or run it" in m["fast_path"]["why"]
+    assert "broken (test)" in m["fast_path"]["why"] and m["verified"]["bundle_session"]["golden_ok"]
+    assert not (out / bundle.FAST_MODEL).exists()
 
 
 # ---------------------------------------------------------------------- --no-check
@@ -208,7 +235,7 @@ def test_manifest_latency_is_timed_when_the_net_did_not_measure(wide, tmp_path):
     out = graphopt.write_bundle(optimized, report, tmp_path / "b")
     lat = manifest_of(out)["latency"]
     assert lat["median_ms"] > 0 and lat["runs"] >= 3 and lat["threads"] == "onnxruntime default"
-    assert lat["session_create_ms"] is None  # that session also wrote the fast path
+    assert lat["session_create_ms"] > 0  # the fast path's, as load_session creates it here
 
 
 def test_manifest_latency_is_not_timed_when_timing_was_turned_off(wide, tmp_path):
