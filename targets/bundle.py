@@ -99,7 +99,6 @@ from graphopt.opt.io import (
 )
 from graphopt.opt.optimizer import NOT_MEASURED
 from graphopt.opt.parity import (
-    LEAN_CONFIG,
     ParityReport,
     Session,
     check_written,
@@ -877,19 +876,17 @@ def _verify(
     per_output = (report.bundle_context or {}).get("per_output")
     fast: dict[str, Any] = {}
     try:
-        once = _timed_elsewhere(report)  # the session runs once: its weights are not packed
-        sess, created, save_error = _bundle_session(out_dir, providers, save_to, once)
+        sess, created, save_error = _bundle_session(out_dir, providers, save_to)
         feeds, expected = _golden(out_dir)
         if save_to is not None and save_error is None:
             sess = None  # its graph is the fast path's: that runs in its stead, as load_session
-            fast = _fast_run(out_dir, providers, feeds, expected, target, per_output, once)
-            if "why" not in fast:
+            fast = _fast_run(out_dir, providers, feeds, expected, target, per_output)
+            if not fast.get("ok"):
+                sess, created, fast = _portable_instead(out_dir, providers, feeds, fast, target)
+            else:
                 sess, created = fast["session"], fast["created"]
-            else:  # the portable model answers for the bundle; the fast path goes
-                _remove(out_dir, FAST_FILES)
-                sess, created, _ = _bundle_session(out_dir, providers, None)
         every = [o.name for o in sess.get_outputs()]
-        outs = fast["outputs"] if "outputs" in fast else sess.run(every, _feeds_for(sess, feeds))
+        outs = fast["outputs"] if "session" in fast else sess.run(every, _feeds_for(sess, feeds))
     except Exception as e:  # noqa: BLE001 - reported in the manifest, never a crash
         _remove(out_dir, FAST_FILES)
         verified["bundle_session"] = (
@@ -902,9 +899,6 @@ def _verify(
         names, [expected[n] for n in names], got, target.tolerances, per_output=per_output
     )
     ok = all(d.ok for d in diffs)
-    if fast.get("loaded"):  # it ran and erred: where the portable model did not, or too
-        how = "the portable model's" if ok else "the golden outputs, as the portable model's do"
-        fast["why"] = f"its outputs differ from {how} ({fast['why']})"
     verified["deploy_parity"] = _deploy_parity(sess, session, feeds, names, got, target, report)
     verified["bundle_session"] = {
         "providers": providers,
@@ -930,49 +924,69 @@ def _verify(
     return verified, latency, ran | {"save_error": save_error}
 
 
-def _fast_run(out_dir, providers, feeds, expected, target, per_output, once) -> dict[str, Any]:
-    """The fast path onnxruntime just saved, loaded as load_session loads it here and run on the
-    golden inputs: {session, created (seconds), outputs, max_abs} when its outputs agree with
-    the golden ones, else {why} (which outputs differ, or why it did not load or run)."""
+def _fast_run(out_dir, providers, feeds, expected, target, per_output) -> dict[str, Any]:
+    """The fast path onnxruntime just saved, loaded as load_session loads it here (weights
+    pre-packed: some kernels compute otherwise without, e.g. MatMulNBits) and run on the golden
+    inputs: {session, created (seconds), names, outputs, ok (they agree with the golden ones),
+    max_abs, off (the outputs that do not)}, or {why} when it did not load or run."""
     path, manifest, config = read_bundle(out_dir)
     try:
         t0 = time.perf_counter()
-        sess = _session(
-            path, manifest, config, FAST_MODEL, providers, "ORT_DISABLE_ALL", "none", once=once
-        )
+        sess = _session(path, manifest, config, FAST_MODEL, providers, "ORT_DISABLE_ALL", "none")
         created = time.perf_counter() - t0
         every = [o.name for o in sess.get_outputs()]
         outs = sess.run(every, _feeds_for(sess, feeds))
     except Exception as e:  # noqa: BLE001 - not reloaded or not run: no fast path
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return {"why": f"onnxruntime could not reload or run it: {text}", "loaded": False}
+        return {"why": f"onnxruntime could not reload or run it: {text}"}
     names = [n for n in every if n in expected]
     got = [o for n, o in zip(every, outs) if n in expected]
     diffs = compare_outputs(
         names, [expected[n] for n in names], got, target.tolerances, per_output=per_output
     )
-    if not all(d.ok for d in diffs):
-        return {"why": ", ".join(d.name for d in diffs if not d.ok), "loaded": True}
     return {
         "session": sess,
         "created": created,
+        "names": every,
         "outputs": outs,
+        "ok": all(d.ok for d in diffs),
         "max_abs": {d.name: d.max_abs for d in diffs},
+        "off": [d.name for d in diffs if not d.ok],
     }
 
 
-def _bundle_session(out_dir: Path, providers: list[str], save_to: Path | None, once: bool = False):
+def _portable_instead(out_dir, providers, feeds, fast: dict, target: Target):
+    """(session, seconds to create it, the fast path's verdict) when the fast path did not
+    agree with the golden outputs or did not run: model.onnx as load_session loads it without
+    one.  A fast path that ran is kept when it agrees with that session, output for output
+    (both then differ from the golden outputs alike: the runtime's own numerics at that level,
+    e.g. int4 kernels), and answers for the bundle; else it goes."""
+    portable, created, _ = _bundle_session(out_dir, providers, None)
+    if "session" not in fast:
+        _remove(out_dir, FAST_FILES)
+        return portable, created, fast
+    names = fast["names"]
+    theirs = portable.run(names, _feeds_for(portable, feeds))
+    diffs = compare_outputs(names, theirs, fast["outputs"], target.tolerances)
+    if all(d.ok for d in diffs):
+        fast["against_portable"] = {d.name: d.max_abs for d in diffs}
+        return fast["session"], fast["created"], fast
+    _remove(out_dir, FAST_FILES)
+    bad = ", ".join(d.name for d in diffs if not d.ok)
+    return portable, created, {"why": f"its outputs differ from the portable model's ({bad})"}
+
+
+def _bundle_session(out_dir: Path, providers: list[str], save_to: Path | None):
     """(session, seconds to create it or None, why onnxruntime could not save): the bundle as
-    :func:`load_session` builds it from the portable model; with ``save_to`` the same session
-    also writes onnxruntime's optimized model there (the fast path), so it is built once.
-    ``once``: the session is run once, not timed (its weights are not pre-packed; the graph
-    onnxruntime optimizes and saves is the same)."""
+    :func:`load_session` builds it from the portable model; with ``save_to`` a session that
+    writes onnxruntime's optimized model there (the fast path) instead, which is not run: its
+    weights are not pre-packed (the graph onnxruntime optimizes and saves is the same)."""
     if save_to is not None:
         path, manifest, config = read_bundle(out_dir)
         level = config.get("graph_optimization_level", "ORT_ENABLE_EXTENDED")
         try:
             sess = _session(
-                path, manifest, config, "model.onnx", providers, level, "none", save_to, once
+                path, manifest, config, "model.onnx", providers, level, "none", save_to, True
             )
             if not save_to.is_file():
                 raise GraphoptError("onnxruntime wrote no optimized model")
@@ -985,13 +999,6 @@ def _bundle_session(out_dir: Path, providers: list[str], save_to: Path | None, o
     t0 = time.perf_counter()
     sess = load_session(out_dir, providers=providers, verify="none", fast_path=False)
     return sess, time.perf_counter() - t0, error
-
-
-def _timed_elsewhere(report) -> bool:
-    """Whether the manifest's latency comes without timing the bundle's verification session:
-    the performance safety net timed the final model, or the user turned timing off."""
-    performance = getattr(report, "performance", None) or {}
-    return bool(performance.get("latency")) or performance.get("why") == NOT_MEASURED
 
 
 def _bundle_latency(sess, feeds, created: float | None, report) -> dict[str, Any] | None:
@@ -1029,7 +1036,8 @@ def _deploy_parity(sess, session: dict, feeds, names, got, target: Target, repor
                 ctx["original"],
                 level=getattr(ort.GraphOptimizationLevel, level),
                 base_dir=ctx.get("base_dir"),
-                config=LEAN_CONFIG,  # one run: its weights used where they lie
+                # weights pre-packed, as deployed: some kernels compute otherwise without (the
+                # MatMulNBits onnxruntime fuses from int4 DequantizeLinear + MatMul at ALL)
             )
             ref = original.run(feeds, names)
     except (GraphoptError, KeyError, AttributeError) as e:
@@ -1254,8 +1262,8 @@ def _session(
     once: bool = False,
 ) -> ort.InferenceSession:
     """The session of ``model`` (a file of the bundle) at ``level`` with the config's settings;
-    ``save_to``: where onnxruntime writes the graph it optimized; ``once``: a session run once
-    (a check), whose kernels need not pre-pack their weights."""
+    ``save_to``: where onnxruntime writes the graph it optimized; ``once``: a session not run as
+    deployed (it only saves that graph): its kernels do not pre-pack their weights."""
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.graph_optimization_level = _level(level)
@@ -1395,6 +1403,13 @@ def _write_fast_path(
     fast = (ran or {}).get("fast") or {}
     if "why" in fast:
         return _no_fast_path(out_dir, fast["why"])
+    if "against_portable" in fast:  # both off the golden outputs, alike (_portable_instead)
+        against = (
+            f"the portable model at {level} on the golden inputs (the run verifying the bundle; "
+            f"neither agrees with the golden outputs on {', '.join(fast['off'])}: the runtime's "
+            "own numerics at that level)"
+        )
+        return _fast_path_written(providers, config, level, against, fast["against_portable"])
     if "max_abs" in fast:  # it ran for the bundle's verification (_fast_run)
         return _fast_path_written(
             providers,
@@ -1407,7 +1422,7 @@ def _write_fast_path(
     try:
         saved = out_dir / FAST_MODEL
         ref_sess = _session(
-            out_dir, manifest, config, "model.onnx", providers, level, "none", saved, True
+            out_dir, manifest, config, "model.onnx", providers, level, "none", saved
         )
         if not saved.is_file():
             raise GraphoptError("onnxruntime wrote no optimized model")
@@ -1416,9 +1431,7 @@ def _write_fast_path(
         names = [o.name for o in ref_sess.get_outputs()]
         ref = ref_sess.run(names, _feeds_for(ref_sess, feeds))
         against = "the golden inputs" if golden else "seeded random inputs (no golden inputs)"
-        sess = _session(
-            out_dir, manifest, config, FAST_MODEL, providers, "ORT_DISABLE_ALL", "none", once=True
-        )
+        sess = _session(out_dir, manifest, config, FAST_MODEL, providers, "ORT_DISABLE_ALL", "none")
         got = sess.run(names, _feeds_for(sess, feeds))
     except Exception as e:  # noqa: BLE001 - not saved, not reloaded or not run: no fast path
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

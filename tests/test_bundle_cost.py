@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from onnx import helper
 
@@ -51,12 +52,11 @@ def test_the_portable_model_is_loaded_once_and_saves_the_fast_path(wide, tmp_pat
     optimized, report = graphopt.optimize(wide, target="cpu")
     out = graphopt.write_bundle(optimized, report, tmp_path / "b")
     portable = [c for c in sessions if c[0] == "model.onnx"]
-    # saves the fast path, which then verifies the bundle (as load_session runs it here);
-    # weights pre-packed only when that is timed
-    once = bundle._timed_elsewhere(report)
-    assert portable == [("model.onnx", "ORT_ENABLE_ALL", True, once)]
+    # saves the fast path and is not run (no weights pre-packed); the fast path, loaded as
+    # load_session loads it, verifies the bundle
+    assert portable == [("model.onnx", "ORT_ENABLE_ALL", True, True)]
     assert [c for c in sessions if c[0] == bundle.FAST_MODEL] == [
-        (bundle.FAST_MODEL, "ORT_DISABLE_ALL", False, once)
+        (bundle.FAST_MODEL, "ORT_DISABLE_ALL", False, False)
     ]
     m = manifest_of(out)
     assert m["source_model_sha256"] == bundle.file_sha256(wide)  # hashed beside the sessions
@@ -72,20 +72,52 @@ def test_the_portable_model_is_loaded_once_and_saves_the_fast_path(wide, tmp_pat
     np.testing.assert_allclose(sess.run(None, feeds())[0], ref, rtol=1e-5, atol=1e-5)
 
 
-def test_an_untimed_bundle_verifies_without_packing_weights(wide, tmp_path, sessions):
-    """--no-measure: no latency, so the verification session runs once, weights not packed;
-    the fast path it saves is the same graph."""
-    optimized, report = graphopt.optimize(wide, target="cpu", measure=False)
-    out = graphopt.write_bundle(optimized, report, tmp_path / "b")
-    assert [c for c in sessions if c[0] == "model.onnx"] == [
-        ("model.onnx", "ORT_ENABLE_ALL", True, True)
+def int4_model(path):
+    """int4 block-quantized DequantizeLinear + MatMul: onnxruntime fuses it into MatMulNBits at
+    ORT_ENABLE_ALL, whose pre-packed kernel computes otherwise than without pre-packing (int8
+    activations) and than the graph as written."""
+    rng = np.random.default_rng(0)
+    k, n, block = 128, 64, 32
+    w = helper.make_tensor("w", onnx.TensorProto.INT4, [k, n], rng.integers(-8, 8, k * n).tolist())
+    s = const("s", (rng.random((k // block, n)) * 0.02 + 0.01).astype(np.float32))
+    nodes = [
+        helper.make_node("DequantizeLinear", ["w", "s"], ["wf"], axis=0, block_size=block),
+        helper.make_node("MatMul", ["x", "wf"], ["y"], name="mm"),
+        helper.make_node("Relu", ["y"], ["z"], name="relu"),
     ]
+    g = helper.make_graph(nodes, "q", [vi("x", [1, 16, k])], [vi("z", [1, 16, n])], [w, s])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    m.ir_version = 10
+    onnx.save(m, path)
+    return path
+
+
+def test_the_bundle_is_checked_with_weights_packed_as_deployed(tmp_path):
+    """Pre-packing changes what an int4 model computes at ALL: the deploy parity loads the
+    original as deployed, and the fast path is kept when it agrees with model.onnx at ALL, even
+    though neither agrees with the graph as written (--no-measure: no safety net's outputs)."""
+    src = int4_model(tmp_path / "q.onnx")
+    x = {"x": np.random.default_rng(1).standard_normal((1, 16, 128)).astype(np.float32)}
+
+    def run(level, pack=True):
+        so = ort.SessionOptions()
+        so.graph_optimization_level = level
+        if not pack:
+            so.add_session_config_entry("session.disable_prepacking", "1")
+        return ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"]).run(None, x)
+
+    level = ort.GraphOptimizationLevel
+    as_written, packed = run(level.ORT_DISABLE_ALL)[0], run(level.ORT_ENABLE_ALL)[0]
+    assert np.abs(packed - as_written).max() > 1e-3  # the premise: packing changes the numbers
+    np.testing.assert_array_equal(run(level.ORT_ENABLE_ALL, pack=False)[0], as_written)
+    out = tmp_path / "b"
+    res = CliRunner().invoke(app, ["optimize", str(src), "-o", str(out), "--no-measure", "-q"])
+    assert res.exit_code == 0, res.output
     m = manifest_of(out)
-    assert m["latency"] is None and m["fast_path"]["written"]
-    sess, how = graphopt.open_session(out)
-    assert how["fast_path"]
-    ref = graphopt.load_session(out, fast_path=False).run(None, feeds())[0]
-    np.testing.assert_allclose(sess.run(None, feeds())[0], ref, rtol=1e-5, atol=1e-5)
+    assert m["verified"]["deploy_parity"]["ok"] and not m["verified"]["bundle_session"]["golden_ok"]
+    fast = m["fast_path"]
+    assert fast["written"] and "the portable model at ORT_ENABLE_ALL" in fast["verified"]["against"]
+    assert "the runtime's own numerics" in fast["verified"]["against"]
 
 
 def test_a_fast_path_that_disagrees_is_removed(wide, tmp_path, monkeypatch):
