@@ -221,7 +221,10 @@ class Session:
     def node_shapes(self, model: onnx.ModelProto) -> dict[str, tuple[int, list[int]]]:
         """(element type, dims) of the outputs of ``model``'s nodes as the runs since the session
         was made computed them (a profiling session; else, or once asked, empty).  A node is
-        matched by its index and name; nodes onnxruntime inserted (casts) are not the model's."""
+        matched by its index and name, or by its name alone; the casts onnxruntime inserts around
+        a node it runs in another type tell their tensor's dims.  Where it inserted any, element
+        types are UNDEFINED (nodes ran in other types than the model's).  A node onnxruntime
+        expanded into others (a function op) is not told."""
         if self._profile is None:
             return {}
         try:
@@ -232,24 +235,43 @@ class Session:
             self._profile.cleanup()
             self._profile = None
         nodes = model.graph.node
+        names = [n.name for n in nodes]
+        made = {o for n in nodes for o in n.output if o}
+        by_name = {n.name: n for n in nodes if n.name and names.count(n.name) == 1} if nodes else {}
         out: dict[str, tuple[int, list[int]]] = {}
-        for e in events if isinstance(events, list) else []:
-            if not isinstance(e, dict) or e.get("cat") != "Node":
+        events = [e for e in events if isinstance(e, dict)] if isinstance(events, list) else []
+        # where onnxruntime inserted casts, nodes ran in other types than the model's: their
+        # dims are the model's, their element types are not told
+        recast = any(str(e.get("name", "")).startswith(_INSERTED_CAST) for e in events)
+        for e in events:
+            if e.get("cat") != "Node":
                 continue
             args, name = e.get("args") or {}, str(e.get("name", ""))
             if not name.endswith("_kernel_time"):
                 continue
+            name = name[: -len("_kernel_time")]
             index, shapes = int(args.get("node_index", -1)), args.get("output_type_shape") or []
+            cast = name[len(_INSERTED_CAST) :] if name.startswith(_INSERTED_CAST) else None
+            if cast and cast in made and cast not in out and len(shapes) == 1:
+                # a cast onnxruntime put beside a node it runs in another type, named after
+                # the model's tensor it converts: the same dims (an element type may differ)
+                dims = next(iter(shapes[0].values()), None) if isinstance(shapes[0], dict) else None
+                if isinstance(dims, list):
+                    out[cast] = (onnx.TensorProto.UNDEFINED, [int(d) for d in dims])
             node = nodes[index] if 0 <= index < len(nodes) else None
-            if node is None or node.name != name[: -len("_kernel_time")]:
-                continue
-            if len(shapes) != len(node.output):
+            # a node onnxruntime replaced (run in another type between casts it inserted) keeps
+            # its name, not its index: its dims are the model's, its element type may not be
+            same = node is not None and node.name == name
+            node = node if same else by_name.get(name)
+            if node is None or len(shapes) != len(node.output):
                 continue
             for tensor, typed in zip(node.output, shapes):
                 if tensor and isinstance(typed, dict) and len(typed) == 1:
                     ((kind, dims),) = typed.items()
                     if kind in _PROFILE_TYPES and isinstance(dims, list):
-                        out[tensor] = (_PROFILE_TYPES[kind], [int(d) for d in dims])
+                        typed_here = same and not recast
+                        elem = _PROFILE_TYPES[kind] if typed_here else onnx.TensorProto.UNDEFINED
+                        out[tensor] = (elem, [int(d) for d in dims])
         return out
 
     def run(self, feeds: dict[str, np.ndarray], names: list[str] | None = None) -> list:
@@ -259,6 +281,9 @@ class Session:
         except Exception as e:  # noqa: BLE001
             raise GraphoptError(f"onnxruntime failed to run the model: {_first_line(e)}") from None
 
+
+#: what onnxruntime names the casts it inserts around a node it runs in another type
+_INSERTED_CAST = "InsertedPrecisionFreeCast_"
 
 #: onnxruntime's profile names of element types (``float``, ``int64``, ...) -> TensorProto's
 _PROFILE_TYPES = {

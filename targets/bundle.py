@@ -528,24 +528,30 @@ def _kernel_latencies(nodes: list[dict], kernels: dict | None) -> None:
 def _measure_unknown(
     out_dir: Path, model: onnx.ModelProto, view, golden: dict, base_dir=None, known=None
 ) -> int:
-    """Fill the shapes static inference left unknown from an onnxruntime run on the golden
-    inputs (none when ``known``, shapes parity measured on them, has them all); returns how
-    many were measured."""
+    """Fill the shapes static inference left unknown: from ``known`` (the shapes parity's run
+    measured on the golden inputs), the rest from an onnxruntime run on them (none when
+    ``known`` has them all); returns how many were filled."""
     unknown = [o for n in model.graph.node for o in n.output if o and nbytes(view.get(o)) is None]
     if not unknown or not golden.get("written"):
         return 0
-    if known and all(o in known for o in unknown):
-        # dims as run; the element type static inference gave, where it did (onnxruntime may
-        # run a node in another type between casts it inserted)
-        view.update({o: ((view.get(o) or (0,))[0] or known[o][0], known[o][1]) for o in unknown})
-        return len(unknown)
+    # dims as run; the element type static inference gave, where it did (onnxruntime may run a
+    # node in another type between casts it inserted), else the run's
+    filled = {}
+    for o in unknown:
+        elem = (view.get(o) or (0,))[0] or (known or {}).get(o, (0,))[0]
+        if known and o in known and elem:
+            filled[o] = (elem, known[o][1])
+    view.update(filled)
+    missing = [o for o in unknown if o not in filled]
+    if not missing:
+        return len(filled)
     feeds, _ = _golden(out_dir)
     try:
-        measured = measured_view(model, feeds, unknown, base_dir)
+        measured = measured_view(model, feeds, missing, base_dir)
     except GraphoptError:
-        return 0
+        return len(filled)
     view.update(measured)
-    return len(measured)
+    return len(filled) + len(measured)
 
 
 # ---------------------------------------------------------------------------- integrity
@@ -873,14 +879,16 @@ def _verify(
     providers = session["providers"] if on_device else ["CPUExecutionProvider"]
     if providers != list(session.get("providers") or []):
         save_to = None  # the fast path is built for the session config's providers only
-    per_output = (report.bundle_context or {}).get("per_output")
+    per_output = ctx.get("per_output")
+    # the tolerance parity held the model to (an fp16 model's, whatever its outputs' dtype)
+    dtype = compute_dtype(ctx["original"]) if ctx.get("original") is not None else None
     fast: dict[str, Any] = {}
     try:
         sess, created, save_error = _bundle_session(out_dir, providers, save_to)
         feeds, expected = _golden(out_dir)
         if save_to is not None and save_error is None:
             sess = None  # its graph is the fast path's: that runs in its stead, as load_session
-            fast = _fast_run(out_dir, providers, feeds, expected, target, per_output)
+            fast = _fast_run(out_dir, providers, feeds, expected, target, per_output, dtype)
             if not fast.get("ok"):
                 sess, created, fast = _portable_instead(out_dir, providers, feeds, fast, target)
             else:
@@ -895,9 +903,8 @@ def _verify(
         return verified, latency, None
     names = [n for n in every if n in expected]
     got = [o for n, o in zip(every, outs) if n in expected]
-    diffs = compare_outputs(
-        names, [expected[n] for n in names], got, target.tolerances, per_output=per_output
-    )
+    expect = [expected[n] for n in names]
+    diffs = compare_outputs(names, expect, got, target.tolerances, per_output, dtype)
     ok = all(d.ok for d in diffs)
     verified["deploy_parity"] = _deploy_parity(sess, session, feeds, names, got, target, report)
     verified["bundle_session"] = {
@@ -924,7 +931,9 @@ def _verify(
     return verified, latency, ran | {"save_error": save_error}
 
 
-def _fast_run(out_dir, providers, feeds, expected, target, per_output) -> dict[str, Any]:
+def _fast_run(
+    out_dir, providers, feeds, expected, target, per_output, dtype=None
+) -> dict[str, Any]:
     """The fast path onnxruntime just saved, loaded as load_session loads it here (weights
     pre-packed: some kernels compute otherwise without, e.g. MatMulNBits) and run on the golden
     inputs: {session, created (seconds), names, outputs, ok (they agree with the golden ones),
@@ -941,9 +950,8 @@ def _fast_run(out_dir, providers, feeds, expected, target, per_output) -> dict[s
         return {"why": f"onnxruntime could not reload or run it: {text}"}
     names = [n for n in every if n in expected]
     got = [o for n, o in zip(every, outs) if n in expected]
-    diffs = compare_outputs(
-        names, [expected[n] for n in names], got, target.tolerances, per_output=per_output
-    )
+    expect = [expected[n] for n in names]
+    diffs = compare_outputs(names, expect, got, target.tolerances, per_output, dtype)
     return {
         "session": sess,
         "created": created,

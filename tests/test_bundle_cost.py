@@ -340,6 +340,35 @@ def test_memory_plan_of_a_contrib_model_has_every_size(rng, tmp_path, monkeypatc
     assert plan["measured_shapes"] >= 3 and plan["unknown_size_count"] == 0 and not runs
 
 
+def test_profiled_shapes_of_nodes_run_in_another_type(rng):
+    """An fp16 graph onnxruntime runs in float between casts it inserts: the dims of its
+    outputs come from the profile, their element types do not (static inference has them)."""
+    from graphopt.opt.parity import Session
+
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["m"], name="mm"),
+        helper.make_node("Softmax", ["m"], ["p"], axis=-1, name="softmax"),
+        helper.make_node("Relu", ["p"], ["y"], name="relu"),
+    ]
+    w = onnx.numpy_helper.from_array(rng.standard_normal((8, 32)).astype(np.float16), "W")
+    f16 = onnx.TensorProto.FLOAT16
+    g = helper.make_graph(
+        nodes,
+        "h",
+        [helper.make_tensor_value_info("x", f16, [3, 8])],
+        [helper.make_tensor_value_info("y", f16, [3, 32])],
+        [w],
+    )
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    sess = Session(m, profile=True)
+    sess.run({"x": rng.standard_normal((3, 8)).astype(np.float16)})
+    # MatMul and Relu ran in float between inserted casts: dims, no element type; the fp16
+    # Softmax was expanded into other ops (a function), so its output is left to a run
+    undefined = onnx.TensorProto.UNDEFINED
+    assert sess.node_shapes(m) == {"m": (undefined, [3, 32]), "y": (undefined, [3, 32])}
+
+
 def test_a_session_profiles_only_when_asked(rng, tmp_path):
     from graphopt.opt.parity import Session
 
