@@ -135,7 +135,7 @@ def _round(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
         return np.asarray(x, dtype=np.float64).astype(dtype).astype(np.float64)
 
 
-def refold_errors(
+def refold_probe(
     rows: np.ndarray,
     bias: np.ndarray,
     scale: np.ndarray,
@@ -202,7 +202,7 @@ def refold_errors(
 
 def require_refold_no_worse(cx, dtype: np.dtype, what: str, measure) -> None:
     """Folding into fp16/bf16 weights re-rounds them: kept when the measured error of the folded
-    layer (``measure()`` → :func:`refold_errors`) is no worse than the unfused graph's (within
+    layer (``measure()`` → :func:`refold_probe`) is no worse than the unfused graph's (within
     ``REFOLD_SLACK``) in both the worst error and the systematic error (each channel's error
     averaged over the probes).  The systematic part matters: re-rounded weights err the same way
     on every input, and pooling keeps that while it averages the unfused graph's rounding noise

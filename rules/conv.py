@@ -45,7 +45,7 @@ from graphopt.opt.ir import Constant, constant_value, dtype_of
 from graphopt.opt.manager import register_rule
 from graphopt.opt.precision import (
     REFOLD_SLACK,
-    refold_errors,
+    refold_probe,
     require_accumulation_in_range,
     require_refold_no_worse,
     require_representable,
@@ -101,7 +101,7 @@ class ConvScaleBase(Rule):
 
         def errors(rows: np.ndarray, bias: np.ndarray) -> dict[str, float]:
             if not probe:
-                probe.append(refold_errors(self.rows(w, group), b, scale, shift, dt, stats))
+                probe.append(refold_probe(self.rows(w, group), b, scale, shift, dt, stats))
             return probe[0](rows, bias)
 
         ours: dict[str, float] = {}
