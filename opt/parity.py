@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -235,9 +236,9 @@ class Session:
             self._profile.cleanup()
             self._profile = None
         nodes = model.graph.node
-        names = [n.name for n in nodes]
+        names = Counter(n.name for n in nodes)
         made = {o for n in nodes for o in n.output if o}
-        by_name = {n.name: n for n in nodes if n.name and names.count(n.name) == 1} if nodes else {}
+        by_name = {n.name: n for n in nodes if n.name and names[n.name] == 1}
         out: dict[str, tuple[int, list[int]]] = {}
         events = [e for e in events if isinstance(e, dict)] if isinstance(events, list) else []
         # where onnxruntime inserted casts, nodes ran in other types than the model's: their
