@@ -375,6 +375,16 @@ def constant_value(tensor: Tensor | None, max_elements: int | None = None) -> np
     return None
 
 
+def standalone_tensor_proto(tensor: Constant) -> onnx.TensorProto:
+    """``tensor`` as a TensorProto holding its values: a weight left in its model file or in
+    an external data file is read, so that a model built from it (a gate's sub-model, loaded
+    from bytes) needs no file beside it."""
+    lazy = tensor._values
+    if isinstance(lazy, LazyValues) and lazy.tensor.data_location == onnx.TensorProto.EXTERNAL:
+        return numpy_helper.from_array(np.asarray(lazy.load()), tensor.name)
+    return OnnxExporter.export_tensor_proto(tensor)
+
+
 #: weights read from the model of at least this many bytes are read anew for each use
 UNCACHED_BYTES = 1 << 20
 

@@ -50,7 +50,16 @@ from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
 from graphopt.opt.analysis import infer_shapes
 from graphopt.opt.domains import is_default, norm_domain
-from graphopt.opt.ir import Constant, ModelIR, Node, Tensor, Variable, subgraphs, toposort
+from graphopt.opt.ir import (
+    Constant,
+    ModelIR,
+    Node,
+    Tensor,
+    Variable,
+    standalone_tensor_proto,
+    subgraphs,
+    toposort,
+)
 from graphopt.opt.manager import Pass, PassContext, register_pass
 from graphopt.opt.rewrite import Builder
 from graphopt.targets.codegen import cuda as cuda_gen
@@ -468,9 +477,9 @@ def chain_models(ir: ModelIR, region: Region, shape: list[int]):
         for t in n.inputs:
             if isinstance(t, Constant) and t.name not in seen:
                 seen.add(t.name)
-                inits.append(OnnxExporter.export_tensor_proto(t))
+                inits.append(standalone_tensor_proto(t))
     xs = [_value_info(x.name, spec.dtype, shape) for x in region.xs if isinstance(x, Variable)]
-    expanded = [OnnxExporter.export_tensor_proto(c) for c in region.expanded.values()]
+    expanded = [standalone_tensor_proto(c) for c in region.expanded.values()]
     y = _value_info(region.out.name, spec.dtype, shape)
     nodes = [OnnxExporter.export_node(n) for n in region.nodes]
     unfused = onnx.helper.make_model(
@@ -536,7 +545,7 @@ def context_models(ir: ModelIR, cx: PassContext, region: Region, fused_node: onn
                 nbytes += int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize
                 if nbytes > MAX_CONTEXT_BYTES:
                     return None
-                inits.append(OnnxExporter.export_tensor_proto(t))
+                inits.append(standalone_tensor_proto(t))
                 continue
             dt = _dtype(t)
             if dt not in ("float32", "float16") or not _known(t.shape):
@@ -559,7 +568,7 @@ def context_models(ir: ModelIR, cx: PassContext, region: Region, fused_node: onn
         onnx.numpy_helper.from_array(np.asarray(p.values).reshape(-1), f"p{k}")
         for k, p in enumerate(region.ps)
     ]
-    params += [OnnxExporter.export_tensor_proto(c) for c in region.expanded.values()]
+    params += [standalone_tensor_proto(c) for c in region.expanded.values()]
     unfused = onnx.helper.make_model(
         onnx.helper.make_graph(before + chain + after, "ctx", vis, outputs, inits),
         opset_imports=opsets,

@@ -9,12 +9,14 @@ import re
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from onnx import helper
 
 from cli_runner import CliRunner
 from conftest import const, model, ops, run, vi
 from graphopt.cli import app
+from graphopt.opt import io, ir
 from graphopt.opt.pipeline import preset, with_kernels
 from graphopt.targets.bundle import load_session
 from graphopt.targets.codegen import gates
@@ -502,3 +504,33 @@ def test_a_scalar_runtime_input_is_fed_as_an_array():
     m = model(nodes, [vi("x", [1, 8, 8, 8]), vi("s", [])], [vi("y", [1, 8, 8, 8])], inits)
     out, report = run(m, pipeline=PIPE)
     assert report.parity.ran and report.parity.ok
+
+
+def test_gates_of_a_model_whose_weights_stay_in_its_file(tmp_path, monkeypatch):
+    """A large model's weights are left in its file (opt/io.py): the gate's context model,
+    loaded from bytes, carries the neighbour Conv's weight itself, not a reference to that
+    file (onnxruntime would look for it beside the working directory and refuse the model)."""
+    loaded = []
+
+    def loads(unfused, fused, feeds, library, **kw):  # the gate's models load; timing faked
+        for m in (unfused, fused):
+            so = ort.SessionOptions()
+            so.register_custom_ops_library(library)
+            ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        loaded.append(len(unfused.graph.initializer))
+        return gates.GateResult(True, numbers={"fused_us": 1.0, "unfused_us": 2.0, "speedup": 2.0})
+
+    monkeypatch.setattr(gates, "benchmark", loads)
+    monkeypatch.setenv("GRAPHOPT_IN_PLACE_ABOVE", "0")
+    monkeypatch.setattr(io, "IN_PLACE_BYTES", 1024)
+    monkeypatch.setattr(ir, "UNCACHED_BYTES", 1024)  # a rule reading W does not keep it
+    src = tmp_path / "masm.onnx"
+    onnx.save(masm(c=32), src)  # the Conv weight: 4 KiB, left in the file
+    monkeypatch.chdir(tmp_path.parent)
+    out = tmp_path / "b"
+    res = CliRunner().invoke(app, ["optimize", str(src), "--kernels", "-o", str(out), "-q"])
+    assert res.exit_code == 0, res.output
+    report = json.loads((out / "report.json").read_text())
+    codes = [r["code"] for r in report["remarks"] if r["rule"] == "fuse-elementwise"]
+    assert "fired" in codes and "gate-failed" not in codes, codes
+    assert 3 in loaded  # the context model: the Conv's weight and the chain's two constants
