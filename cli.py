@@ -146,6 +146,7 @@ def optimize(
     inputs: flags.ParityInputs = None,
     no_check: flags.NoCheck = False,
     no_measure: flags.NoMeasure = False,
+    keep_initializer_inputs: flags.KeepInitializerInputs = False,
     seed: flags.Seed = 0,
     bisect_limit: flags.BisectLimit = None,
     verify_each: flags.VerifyEach = False,
@@ -199,6 +200,7 @@ def optimize(
                 clock=clock,
                 spool=spool,  # the output is written once, beside the bundle: moved in
                 in_place=True,  # large weights stay in the input file until written
+                keep_weight_inputs=keep_initializer_inputs,
             )
             expectations = verdicts.resolve_report_expectations(expectations, report, target)
             say("writing the bundle")

@@ -110,6 +110,13 @@ NoCheck = Annotated[bool, Option("--no-check", help="Skip the parity check.")]
 NoMeasure = Annotated[
     bool, Option("--no-measure", help="Skip timing the bundle against the original (cpu).")
 ]
+KeepInitializerInputs = Annotated[
+    bool,
+    Option(
+        "--keep-initializer-inputs",
+        help="Keep weights an export listed as graph inputs overridable (not folded).",
+    ),
+]
 BisectLimit = Annotated[
     int | None,
     Option("--bisect-limit", min=0, help="Apply only the first N rewrites (opt-bisect)."),

@@ -78,6 +78,9 @@ def render_report(report, custom_pipeline: bool = False) -> None:
     ]
     if changed:
         out.print("ops (before→after): " + ", ".join(changed), soft_wrap=True)
+    for r in report.remarks:  # what the output's callers see changed
+        if r.kind == "analysis" and r.code == "weights-frozen":
+            out.print(f"[yellow]interface[/]: {r.message}", soft_wrap=True)
     render_fired(report)
     render_misses(group_misses(report))
     note = device_note(report)

@@ -22,6 +22,15 @@ remark, so the user knows what the optimized model differs in besides the rewrit
   onnxruntime's own fusions off); kept, the calls stay opaque to every rule.  A function the
   inliner cannot take (e.g. an opset it cannot convert) is kept; legalize then judges its
   calls by their bodies.
+* **Weights listed as graph inputs** (exported with ``keep_initializers_as_inputs=True``).  In
+  IR >= 4 an initializer listed as an input is an overridable default, so neither onnxruntime
+  nor graphopt may fold it, and no Conv+BN fold, no constant folding reaches the weights.  When
+  *every* initializer of the main graph is listed and at least one is a weight (a float tensor
+  of rank 2 or more): the exporter flag's signature, not a deliberate default (those are a few
+  listed among unlisted weights: scalars, thresholds), they become constants and leave the
+  inputs (:func:`weights_as_inputs`), as onnxruntime's load-time warning advises, onnxsim and
+  onnxslim do.  Callers that feed only the model's real inputs see no change; a feed for a
+  frozen weight is refused.  ``--keep-initializer-inputs`` keeps them overridable.
 * **String tensors** and **sequence/map values** (ai.onnx.ml ZipMap) pass through the IR
   untouched (:mod:`graphopt.opt.ir` exports them faithfully).
 
@@ -121,6 +130,35 @@ def called_functions(model: onnx.ModelProto) -> dict[FunctionId, int]:
             seen.add(fid)
             todo += [n for n in proto_nodes(table[fid].node) if function_id(n) in table]
     return calls
+
+
+def weights_as_inputs(model: onnx.ModelProto) -> list[str]:
+    """The initializers of a model exported with its weights as graph inputs, to be frozen
+    into constants: every initializer of the main graph is listed as an input (IR >= 4) and
+    one at least is a weight (float, rank 2 or more); else [] (only some listed: deliberate
+    overridable defaults, kept)."""
+    if model.ir_version < 4:
+        return []  # listed initializers are constants in IR < 4 anyway
+    inits = model.graph.initializer
+    listed = {i.name for i in model.graph.input}
+    if not inits or any(t.name not in listed for t in inits):
+        return []
+    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
+    floats.add(onnx.TensorProto.DOUBLE)
+    if not any(t.data_type in floats and len(t.dims) >= 2 for t in inits):
+        return []
+    return [t.name for t in inits]
+
+
+def frozen_note(names: list[str]) -> Note:
+    """The note of :func:`weights_as_inputs`'s freezing."""
+    return Note(
+        "weights-frozen",
+        f"{len(names)} initializers were also graph inputs (every weight, as "
+        "keep_initializers_as_inputs=True exports them): they are constants in the output, "
+        "which no longer lists them as inputs (so they fold, and feeds for them are refused); "
+        "--keep-initializer-inputs keeps them overridable",
+    )
 
 
 def inline_functions(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Note]]:

@@ -48,7 +48,7 @@ from onnx_graphsurgeon.importers.onnx_importer import OnnxImporter
 from onnx_graphsurgeon.ir.tensor import LazyValues, SparseValues
 from onnx_graphsurgeon.util import misc as gs_misc
 
-from .compat import Note, function_id, inline_functions
+from .compat import Note, frozen_note, function_id, inline_functions, weights_as_inputs
 from .domains import is_default
 
 PROVENANCE_KEY = "graphopt.rule"
@@ -110,8 +110,11 @@ class ModelIR:
         base_dir: str | os.PathLike | None = None,
         *,
         inline: bool = True,
+        freeze_weights: bool = False,
     ):
-        """``inline=False`` keeps model-local functions (verbatim, opaque to the passes)."""
+        """``inline=False`` keeps model-local functions (verbatim, opaque to the passes);
+        ``freeze_weights``: weights an export listed as graph inputs become constants
+        (:func:`~graphopt.opt.compat.weights_as_inputs`)."""
         self.original_ir_version = model.ir_version
         #: what importing changed beyond the pipeline (see opt/compat.py)
         self.notes: list[Note] = []
@@ -129,7 +132,10 @@ class ModelIR:
         #: graph inputs legalize pinned to static shapes (their dim_params are not restored)
         self.pinned: set[str] = set()
         input_names = {i.name for i in model.graph.input}
-        overridable = model.ir_version >= 4
+        frozen = weights_as_inputs(model) if freeze_weights else []
+        if frozen:
+            self.notes.append(frozen_note(frozen))
+        overridable = model.ir_version >= 4 and not frozen
         self.input_defaults: dict[str, onnx.TensorProto] = {}
         init_names = {t.name for t in model.graph.initializer}
         if init_names & input_names and overridable:
@@ -142,7 +148,7 @@ class ModelIR:
             )
             model = stripped
         elif init_names & input_names:
-            # IR < 4: initializers listed as inputs are constants; drop them from the inputs.
+            # IR < 4 or frozen: initializers listed as inputs are constants; drop them there
             stripped = _graph_copy(model, skip=("input",))
             stripped.graph.input.extend(i for i in model.graph.input if i.name not in init_names)
             model = stripped

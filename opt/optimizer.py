@@ -248,6 +248,7 @@ def optimize(
     clock: Clock | None = None,
     spool: SpoolDir | None = None,
     in_place: bool = False,
+    keep_weight_inputs: bool = False,
 ) -> tuple[onnx.ModelProto, Report]:
     """Optimize a model for a target; return the optimized model and the report.
 
@@ -256,6 +257,10 @@ def optimize(
     ``in_place`` the large inline weights of a large file stay on disk too (see
     :func:`~graphopt.opt.io.load_model`): the returned model then references the input file
     for them, and is to be written by ``write_bundle`` (which copies them from it).
+
+    Weights an export listed as graph inputs (``keep_initializers_as_inputs=True``) become
+    constants at levels 1 and above (:func:`~graphopt.opt.compat.weights_as_inputs`; an
+    analysis remark says so) unless ``keep_weight_inputs``.
 
     ``reference`` chooses what parity compares with: the ``original`` model, its ``float64``
     upcast (catches fp16 overflow that CPU kernels hide), or ``both``.  ``opset`` lifts the
@@ -295,9 +300,11 @@ def optimize(
             say("measuring value ranges on the calibration inputs")
             ranges, range_remarks = _guarded_ranges(model, inputs, shapes, seed, base_dir)
 
+    freeze = level >= 1 and not keep_weight_inputs
+
     def execute(limit: int | None, skip: frozenset = frozenset()):
         with imported_apart() as imported:
-            ir = ModelIR(work, base_dir)
+            ir = ModelIR(work, base_dir, freeze_weights=freeze)
             imported()
             return optimize_ir(ir, limit, skip)
 

@@ -14,8 +14,9 @@ from graphopt.cli import app
 runner = CliRunner()
 
 
-def conv_bn_kiai(rng, tmp_path):
-    """Conv+BN exported with keep_initializers_as_inputs=True (weights are graph inputs)."""
+def conv_bn_kiai(rng, tmp_path, listed=slice(None)):
+    """Conv+BN exported with keep_initializers_as_inputs=True (weights are graph inputs);
+    ``listed``: which of W, g, b, m, v are inputs."""
     c = 4
     inits = [
         const("W", rng.standard_normal((c, 3, 3, 3))),
@@ -30,7 +31,7 @@ def conv_bn_kiai(rng, tmp_path):
     ]
     m = model(
         nodes,
-        [vi("x", [1, 3, 8, 8])] + [vi(t.name, list(t.dims)) for t in inits],
+        [vi("x", [1, 3, 8, 8])] + [vi(t.name, list(t.dims)) for t in inits[listed]],
         [vi("y", None)],
         inits,
     )
@@ -40,7 +41,7 @@ def conv_bn_kiai(rng, tmp_path):
 
 
 def test_explain_names_reason_and_hint(rng, tmp_path):
-    p = conv_bn_kiai(rng, tmp_path)
+    p = conv_bn_kiai(rng, tmp_path, listed=slice(1, None))  # BN's: overridable defaults
     res = runner.invoke(app, ["explain", str(p), "--format", "json"])
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
@@ -131,3 +132,19 @@ def test_bad_model(cmd, tmp_path):
     p.write_bytes(b"garbage")
     res = runner.invoke(app, [cmd, str(p)])
     assert res.exit_code == 1 and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_optimize_freezes_exported_weight_inputs_and_says_so(rng, tmp_path):
+    p = conv_bn_kiai(rng, tmp_path)
+    out = tmp_path / "o"
+    res = runner.invoke(app, ["optimize", str(p), "-o", str(out), "--no-measure"])
+    assert res.exit_code == 0, res.output
+    assert "interface: 5 initializers were also graph inputs" in " ".join(res.output.split())
+    assert [i.name for i in onnx.load(out / "model.onnx").graph.input] == ["x"]
+    kept = tmp_path / "k"
+    args = ["optimize", str(p), "-o", str(kept), "--no-measure", "--keep-initializer-inputs"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert "interface:" not in res.output
+    inputs = [i.name for i in onnx.load(kept / "model.onnx").graph.input]
+    assert inputs == ["x", "W", "g", "b", "m", "v"]

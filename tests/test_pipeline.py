@@ -145,14 +145,57 @@ def test_input_model_is_not_modified(rng):
     assert m.SerializeToString() == before
 
 
-def test_keep_initializers_as_inputs_interface_is_preserved(rng):
-    """Initializers listed as inputs stay overridable inputs (IR >= 4)."""
+def test_weights_exported_as_inputs_are_frozen(rng):
+    """Every initializer listed as an input, weights among them: the signature of
+    keep_initializers_as_inputs=True.  They become constants, leave the inputs, and fold;
+    an analysis remark says so."""
     m = bn_chain(rng)
     m.graph.input.extend([vi(t.name, list(t.dims)) for t in m.graph.initializer])
+    before = m.SerializeToString()
+    out, report = run(m, level=2)
+    assert m.SerializeToString() == before  # the caller's model is untouched
+    assert [i.name for i in out.graph.input] == ["x"]
+    assert ops(out) == {"FusedConv": 1} and report.parity.ok
+    (note,) = [r for r in report.remarks if r.code == "weights-frozen"]
+    assert note.kind == "analysis" and note.message.startswith("5 initializers")
+    assert "--keep-initializer-inputs" in note.message
+
+
+def test_keep_initializers_as_inputs_interface_is_preserved_on_request(rng):
+    """keep_weight_inputs (--keep-initializer-inputs), and -O0: they stay overridable inputs."""
+    m = bn_chain(rng)
+    m.graph.input.extend([vi(t.name, list(t.dims)) for t in m.graph.initializer])
+    for kw in ({"level": 2, "keep_weight_inputs": True}, {"level": 0}):
+        out, report = run(m, **kw)
+        assert [i.name for i in out.graph.input] == [i.name for i in m.graph.input]
+        assert {t.name for t in out.graph.initializer} >= {"g", "b", "m", "v"}
+        assert not [r for r in report.remarks if r.code == "weights-frozen"]
+        missed = [r.code for r in report.remarks if r.rule == "fuse-conv-bn"]
+        assert missed == (["non-constant-param"] if kw["level"] else [])
+
+
+def test_some_initializers_listed_are_deliberate_defaults(rng):
+    """Only some initializers listed (the Conv weight is not): overridable defaults, kept."""
+    m = bn_chain(rng)
+    m.graph.input.extend([vi(t.name, list(t.dims)) for t in m.graph.initializer[1:]])
     out, report = run(m, level=2)
     assert [i.name for i in out.graph.input] == [i.name for i in m.graph.input]
-    assert {t.name for t in out.graph.initializer} >= {"g", "b", "m", "v"}
     assert "non-constant-param" in [r.code for r in report.remarks if r.rule == "fuse-conv-bn"]
+    assert not [r for r in report.remarks if r.code == "weights-frozen"]
+
+
+def test_listed_scalars_alone_are_not_weights(rng):
+    """Every initializer listed but none a weight (rank < 2): deliberate defaults, kept."""
+    nodes = [helper.make_node("Mul", ["x", "s"], ["y"], name="mul")]
+    m = model(
+        nodes,
+        [vi("x", [2, 3]), vi("s", [])],
+        [vi("y", None)],
+        [const("s", np.array(2.0))],
+    )
+    out, report = run(m, level=2)
+    assert [i.name for i in out.graph.input] == ["x", "s"]
+    assert not [r for r in report.remarks if r.code == "weights-frozen"]
 
 
 def test_ir3_initializers_as_inputs_are_constants(rng):
