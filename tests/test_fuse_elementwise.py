@@ -534,3 +534,16 @@ def test_gates_of_a_model_whose_weights_stay_in_its_file(tmp_path, monkeypatch):
     codes = [r["code"] for r in report["remarks"] if r["rule"] == "fuse-elementwise"]
     assert "fired" in codes and "gate-failed" not in codes, codes
     assert 3 in loaded  # the context model: the Conv's weight and the chain's two constants
+
+
+def test_the_benchmark_stops_once_its_rounds_decide():
+    """A clear win, a clear loss and a tie within 2 % settle after the minimum pairs; rounds
+    that swing both ways beyond the tie go on (to the budget)."""
+    n = gates.BENCH_MIN_PAIRS
+    unfused = [1.0 + 0.01 * (k % 3) for k in range(n)]
+    assert not gates.decided(unfused[:-1], [0.5 * u for u in unfused[:-1]])  # too few pairs
+    assert gates.decided(unfused, [0.5 * u * (1 + 0.01 * (k % 2)) for k, u in enumerate(unfused)])
+    assert gates.decided(unfused, [1.5 * u * (1 + 0.01 * (k % 2)) for k, u in enumerate(unfused)])
+    assert gates.decided(unfused, [u * (1 + 0.004 * (-1) ** k) for k, u in enumerate(unfused)])
+    swings = [u * (1.0 + 0.2 * (-1) ** k) for k, u in enumerate(unfused)]
+    assert not gates.decided(unfused, swings)

@@ -10,13 +10,15 @@ For one candidate (a chain of ONNX nodes and the kernel that replaces it) at a c
    ``ORT_ENABLE_ALL`` with one intra-op thread (and one kernel thread), medians of interleaved
    runs -- onnxruntime's own fusions of the chain (e.g. x·σ(x) -> QuickGelu) are in the baseline;
    the pass runs it on the chain alone and on the chain with its neighbours (see
-   ``passes/fuse_elementwise.py``), the latter deciding.
+   ``passes/fuse_elementwise.py``), the latter deciding.  Rounds go on for up to
+   ``BENCH_BUDGET_S`` each, fewer once they have decided (:func:`decided`).
 
 Each gate says why it failed with the numbers; the pass turns that into a missed remark.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -36,6 +38,10 @@ from .spec import KernelSpec
 BENCH_BUDGET_S = 0.6
 BENCH_MIN_PAIRS = 7
 BENCH_MAX_PAIRS = 60
+#: the benchmark stops before its budget once its rounds have decided: the 95 % interval of
+#: the mean per-pair log ratio (fused / unfused, t-quantile) lies on one side of 1, or within
+#: this relative difference of it (a tie: no win to measure more closely)
+BENCH_TIE = 0.02
 
 
 @dataclass
@@ -145,7 +151,8 @@ def benchmark(
             s.run(None, feeds)
     t_start = time.perf_counter()
     while len(runs[0]) < BENCH_MAX_PAIRS and (
-        len(runs[0]) < BENCH_MIN_PAIRS or time.perf_counter() - t_start < budget_s
+        len(runs[0]) < BENCH_MIN_PAIRS
+        or (time.perf_counter() - t_start < budget_s and not decided(runs[0], runs[1]))
     ):
         for k, s in enumerate(sessions):
             t0 = time.perf_counter()
@@ -172,6 +179,29 @@ def benchmark(
             numbers,
         )
     return GateResult(True, numbers=numbers)
+
+
+#: two-sided 95 % quantiles of Student's t by degrees of freedom; between two, the smaller
+#: degrees' (the wider interval)
+_T95 = {6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086}
+
+
+def decided(unfused: list[float], fused: list[float]) -> bool:
+    """Whether paired timings settle the benchmark: the 95 % interval of the mean log ratio
+    (fused / unfused) excludes 0, or lies within ``log(1 ± BENCH_TIE)``."""
+    n = len(unfused)
+    if n < BENCH_MIN_PAIRS:
+        return False
+    logs = [math.log(f / u) for u, f in zip(unfused, fused) if u > 0 and f > 0]
+    if len(logs) < n:
+        return False
+    df = n - 1
+    t = _T95[max(k for k in _T95 if k <= df)]
+    half = t * statistics.stdev(logs) / math.sqrt(n)
+    mean = statistics.fmean(logs)
+    lo, hi = mean - half, mean + half
+    tie = math.log1p(BENCH_TIE)
+    return lo > 0 or hi < 0 or (-tie < lo and hi < tie)
 
 
 def _ops_after_ort(model: onnx.ModelProto) -> list[str]:
