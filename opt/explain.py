@@ -24,7 +24,8 @@ from .optimizer import Report
 HINTS = {
     "non-constant-param": "the value is a graph input or computed at run time; if it is really a "
     "weight exported with keep_initializers_as_inputs=True, run `graphopt lint MODEL "
-    "--freeze-initializers -o FROZEN.onnx` and optimize that",
+    "--freeze-initializers -o FROZEN.onnx` and optimize that (optimize freezes them itself "
+    "where every initializer is listed, unless --keep-initializer-inputs)",
     "shared-intermediate": "another node reads the intermediate result; fusing would compute it "
     "twice. Nothing to fix unless that reader is dead code",
     "rank-not-2": "Gemm is rank-2 only; a batched MatMul + bias Add stays two nodes (onnxruntime "

@@ -25,6 +25,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from .compat import weights_as_inputs
 from .domains import is_default
 from .ir import all_graphs
 
@@ -60,7 +61,13 @@ def lint(model: onnx.ModelProto, *, missed_remarks: list | None = None) -> list[
                 "keep_initializers_as_inputs=True): they can be overridden at run time, "
                 "so they are "
                 "not constants and Conv+BN, MatMul+Add and other folds cannot use them",
-                "graphopt lint MODEL --freeze-initializers -o FROZEN.onnx (changes the model's "
+                (
+                    "graphopt optimize makes them constants itself (every initializer is listed: "
+                    "the exporter flag's signature; --keep-initializer-inputs keeps them), or "
+                    if weights_as_inputs(model)
+                    else ""
+                )
+                + "graphopt lint MODEL --freeze-initializers -o FROZEN.onnx (changes the model's "
                 "interface: those inputs disappear), or re-export with keep_initializers_as_inputs="
                 "False",
                 as_inputs[:20],

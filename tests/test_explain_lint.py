@@ -64,8 +64,13 @@ def test_explain_names_reason_and_hint(rng, tmp_path):
 def test_lint_proposes_freeze_and_freezing_lets_fusion_fire(rng, tmp_path):
     p = conv_bn_kiai(rng, tmp_path)
     res = runner.invoke(app, ["lint", str(p), "--format", "json"])
-    codes = {f["code"] for f in json.loads(res.stdout)["findings"]}
-    assert "initializer-as-input" in codes
+    findings = {f["code"]: f for f in json.loads(res.stdout)["findings"]}
+    assert findings["initializer-as-input"]["fix"].startswith("graphopt optimize makes them")
+    (tmp_path / "partial").mkdir()
+    partial = conv_bn_kiai(rng, tmp_path / "partial", listed=slice(1, None))
+    res = runner.invoke(app, ["lint", str(partial), "--format", "json"])
+    findings = {f["code"]: f for f in json.loads(res.stdout)["findings"]}
+    assert findings["initializer-as-input"]["fix"].startswith("graphopt lint MODEL")
     frozen = tmp_path / "frozen.onnx"
     res = runner.invoke(app, ["lint", str(p), "--freeze-initializers", "-o", str(frozen)])
     assert res.exit_code == 0, res.output
