@@ -132,6 +132,11 @@ def called_functions(model: onnx.ModelProto) -> dict[FunctionId, int]:
     return calls
 
 
+#: the element types of weights (:func:`weights_as_inputs`)
+_FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE})
+_FLOAT_TYPES |= {onnx.TensorProto.BFLOAT16}
+
+
 def weights_as_inputs(model: onnx.ModelProto) -> list[str]:
     """The initializers of a model exported with its weights as graph inputs, to be frozen
     into constants: every initializer of the main graph is listed as an input (IR >= 4) and
@@ -143,9 +148,7 @@ def weights_as_inputs(model: onnx.ModelProto) -> list[str]:
     listed = {i.name for i in model.graph.input}
     if not inits or any(t.name not in listed for t in inits):
         return []
-    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
-    floats.add(onnx.TensorProto.DOUBLE)
-    if not any(t.data_type in floats and len(t.dims) >= 2 for t in inits):
+    if not any(t.data_type in _FLOAT_TYPES and len(t.dims) >= 2 for t in inits):
         return []
     return [t.name for t in inits]
 
