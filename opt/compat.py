@@ -133,8 +133,9 @@ def called_functions(model: onnx.ModelProto) -> dict[FunctionId, int]:
 
 
 #: the element types of weights (:func:`weights_as_inputs`)
-_FLOAT_TYPES = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE})
-_FLOAT_TYPES |= {onnx.TensorProto.BFLOAT16}
+_FLOAT_TYPES = frozenset(
+    getattr(onnx.TensorProto, name) for name in ("FLOAT", "FLOAT16", "BFLOAT16", "DOUBLE")
+)
 
 
 def weights_as_inputs(model: onnx.ModelProto) -> list[str]:
