@@ -18,7 +18,6 @@ Each gate says why it failed with the numbers; the pass turns that into a missed
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import time
@@ -31,6 +30,7 @@ import onnx
 import onnxruntime as ort
 
 from graphopt.opt.parity import compare_outputs
+from graphopt.opt.perf import ratio_interval
 
 from .expr import evaluate
 from .spec import KernelSpec
@@ -39,8 +39,8 @@ BENCH_BUDGET_S = 0.6
 BENCH_MIN_PAIRS = 7
 BENCH_MAX_PAIRS = 60
 #: the benchmark stops before its budget once its rounds have decided: the 95 % interval of
-#: the mean per-pair log ratio (fused / unfused, t-quantile) lies on one side of 1, or within
-#: this relative difference of it (a tie: no win to measure more closely)
+#: the median per-pair ratio (fused / unfused) lies on one side of 1, or within this relative
+#: difference of it (a tie: no win to measure more closely)
 BENCH_TIE = 0.02
 
 
@@ -181,27 +181,14 @@ def benchmark(
     return GateResult(True, numbers=numbers)
 
 
-#: two-sided 95 % quantiles of Student's t by degrees of freedom; between two, the smaller
-#: degrees' (the wider interval)
-_T95 = {6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086}
-
-
 def decided(unfused: list[float], fused: list[float]) -> bool:
-    """Whether paired timings settle the benchmark: the 95 % interval of the mean log ratio
-    (fused / unfused) excludes 0, or lies within ``log(1 ± BENCH_TIE)``."""
-    n = len(unfused)
-    if n < BENCH_MIN_PAIRS:
+    """Whether paired timings settle the benchmark: the bootstrap 95 % interval of the median
+    per-pair ratio (fused / unfused, :func:`~graphopt.opt.perf.ratio_interval`) excludes 1, or
+    lies within ``1 ± BENCH_TIE``."""
+    if len(unfused) < BENCH_MIN_PAIRS or not all(u > 0 for u in unfused):
         return False
-    logs = [math.log(f / u) for u, f in zip(unfused, fused) if u > 0 and f > 0]
-    if len(logs) < n:
-        return False
-    df = n - 1
-    t = _T95[max(k for k in _T95 if k <= df)]
-    half = t * statistics.stdev(logs) / math.sqrt(n)
-    mean = statistics.fmean(logs)
-    lo, hi = mean - half, mean + half
-    tie = math.log1p(BENCH_TIE)
-    return lo > 0 or hi < 0 or (-tie < lo and hi < tie)
+    _, low, high = ratio_interval([f / u for u, f in zip(unfused, fused)], resamples=500)
+    return low > 1.0 or high < 1.0 or (1.0 - BENCH_TIE < low and high < 1.0 + BENCH_TIE)
 
 
 def _ops_after_ort(model: onnx.ModelProto) -> list[str]:
