@@ -15,6 +15,9 @@ from typing import Any
 from .domains import norm_domain
 from .errors import UsageError
 
+FLOAT16 = "tensor(float16)"
+FLOAT = "tensor(float)"
+
 #: (op_type, domain) -> list of (since_version, end_version or None, frozenset of type strings)
 KernelTable = dict[tuple[str, str], list[tuple[int, int | None, frozenset[str]]]]
 
@@ -85,6 +88,37 @@ class Target:
             if dtype is None or not types or dtype in types:
                 return True
         return False
+
+    def runs_fused(
+        self,
+        op: str,
+        domain: str,
+        opset: int | None,
+        dtype: str | None,
+        instead_of: tuple[str, str, int | None],
+    ) -> bool:
+        """Whether the target runs ``op``, a fused node taking over the compute of
+        ``instead_of`` ((op, domain, opset) of the node it fuses away), for ``dtype``: with a
+        kernel for it, or, where the runtime runs a float16 node by casting around its float
+        kernel (``fp16_via_float``), when it runs both that way: the fused node sits inside the
+        casts the replaced node already had, so it adds none (and the nodes fused into it lose
+        theirs)."""
+        if self.has_kernel(op, domain, opset, dtype):
+            return True
+        return self.runs_via_float(op, domain, opset, dtype) and self.runs_via_float(
+            *instead_of, dtype
+        )
+
+    def runs_via_float(self, op: str, domain: str, opset: int | None, dtype: str | None) -> bool:
+        """Whether the runtime runs a ``dtype`` node of ``op`` by casting it to float around
+        its float kernel: float16 on a ``fp16_via_float`` runtime, no float16 kernel, a float
+        one."""
+        return (
+            dtype == FLOAT16
+            and self.fp16_via_float
+            and not self.has_kernel(op, domain, opset, FLOAT16)
+            and self.has_kernel(op, domain, opset, FLOAT)
+        )
 
     def accumulates_fp32(self, op: str) -> bool:
         return op in self.fp32_accumulation

@@ -36,7 +36,7 @@ import math
 import numpy as np
 import onnx.defs
 
-from graphopt.opt.domains import MS, same_domain
+from graphopt.opt.domains import MS, is_default, same_domain
 from graphopt.opt.ir import Constant, Node, Tensor, Variable, constant_value, dtype_of, type_string
 from graphopt.opt.manager import register_rule
 from graphopt.opt.rewrite import (
@@ -148,18 +148,36 @@ def last_dim(t: Tensor) -> int | None:
 
 
 def lowering(
-    cx, choices: list[tuple[str, str, int | None, dict]], tname: str, what: str
+    cx,
+    choices: list[tuple[str, str, int | None, dict]],
+    tname: str,
+    what: str,
+    instead_of: str | tuple[str, str] | None = None,
 ) -> tuple[str, str, dict]:
     """The first (op, domain, min_opset, attrs) the target has a kernel for at the model's opset.
 
     ``min_opset`` applies to default-domain ops only (the op must exist at the model's opset).
+    ``instead_of``: the op (a default-domain name, or (op, domain)) whose compute the fused op
+    takes over; where the runtime runs both inside casts to float (``Target.runs_fused``),
+    that counts as a kernel.
     """
     opset = cx.ir.opset
+    if isinstance(instead_of, str):
+        instead_of = (instead_of, "")
+    replaced = None
+    if instead_of is not None:
+        replaced = (instead_of[0], instead_of[1], opset if is_default(instead_of[1]) else 1)
+
+    def runs(op: str, domain: str, at: int) -> bool:
+        if replaced is None:
+            return cx.target.has_kernel(op, domain, at, tname)
+        return cx.target.runs_fused(op, domain, at, tname, replaced)
+
     for op, domain, min_opset, attrs in choices:
         if domain:
-            if cx.target.has_kernel(op, domain, 1, tname):
+            if runs(op, domain, 1):
                 return op, domain, attrs
-        elif opset >= (min_opset or 1) and cx.target.has_kernel(op, "", opset, tname):
+        elif opset >= (min_opset or 1) and runs(op, "", opset):
             return op, domain, attrs
     names = ", ".join(
         f"{d + '.' if d else ''}{op}" + (f" (opset ≥ {v})" if not d and v else "")
@@ -264,6 +282,8 @@ class _Activation(Rule):
 
 class _GeluBase(_Activation):
     approximate = "none"
+    #: the op of the pattern whose compute the Gelu kernel takes over
+    core_op = "Erf"
 
     def lowering_choices(self) -> list[tuple[str, str, int | None, dict]]:
         raise NotImplementedError
@@ -277,7 +297,7 @@ class _GeluBase(_Activation):
         self.check_constants(m)
         tname = float_type(m.x)
         op, domain, attrs = lowering(
-            cx, self.lowering_choices(), tname, f"GELU ({self.approximate})"
+            cx, self.lowering_choices(), tname, f"GELU ({self.approximate})", self.core_op
         )
         m.stash(lowered=(op, domain, attrs))
 
@@ -311,6 +331,7 @@ class FuseGeluTanh(_GeluBase):
     name = "fuse-gelu-tanh"
     summary = "0.5·x·(1+tanh(√(2/π)·(x+0.044715·x³))) → FastGelu"
     approximate = "tanh"
+    core_op = "Tanh"
     pattern = _gelu_tree(TANH_BODY)
 
     def lowering_choices(self):
@@ -353,7 +374,7 @@ class FuseQuickGelu(_Activation):
                 f"the sigmoid's factor '{factor.name}' is not a one-element constant",
             )
         tname = float_type(m.x)
-        lowering(cx, [("QuickGelu", MS, None, {})], tname, "QuickGelu")
+        lowering(cx, [("QuickGelu", MS, None, {})], tname, "QuickGelu", "Sigmoid")
         m.stash(alpha_value=float(alpha))
 
     def rewrite(self, m, b):
@@ -530,7 +551,8 @@ class _BiasGeluBase(Rule):
             f"bias is {dtype_of(m.bias)}, input is {dtype_of(m.y)}",
         )
         tname = float_type(m.y)
-        lowering(cx, [(self.fused_op, MS, None, {})], tname, self.fused_op)
+        gelu = (m.gelu.op, m.gelu.domain)
+        lowering(cx, [(self.fused_op, MS, None, {})], tname, self.fused_op, gelu)
         m.stash(vec=vec)
 
     def rewrite(self, m, b):

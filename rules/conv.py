@@ -622,7 +622,7 @@ class FuseConvActivation(Rule):
         y = m.conv.outputs[0]
         tname = float_type(y)
         require(
-            cx.target.has_kernel("FusedConv", MS, 1, tname),
+            cx.target.runs_fused("FusedConv", MS, 1, tname, ("Conv", "", cx.ir.opset)),
             "no-kernel",
             f"target {cx.target.name} has no FusedConv kernel for {tname}",
             dtype=tname,

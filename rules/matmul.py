@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from graphopt.opt.dims import Dims, shape_elements
-from graphopt.opt.ir import Constant, constant_value, dtype_of, static_shape, type_string
+from graphopt.opt.ir import Constant, Node, constant_value, dtype_of, static_shape, type_string
 from graphopt.opt.manager import register_rule
 from graphopt.opt.precision import require_refold_allowed, require_representable
 from graphopt.opt.rewrite import Alt, Const, Op, Rule, applies_only_if, opt, require
@@ -490,11 +490,14 @@ PRODUCT = Alt(
 )
 
 
-def _fused_matmul_kernel(cx, t) -> None:
+def _fused_matmul_kernel(cx, t, matmul: Node) -> None:
+    """The target runs a FusedMatMul in place of ``matmul`` (whose output is ``t``)."""
     dt = dtype_of(t)
     tname = type_string(dt) if dt is not None else None
+    opset = cx.ir.opset if matmul.op == "MatMul" else 1
     require(
-        tname is not None and cx.target.has_kernel("FusedMatMul", MS, 1, tname),
+        tname is not None
+        and cx.target.runs_fused("FusedMatMul", MS, 1, tname, (matmul.op, matmul.domain, opset)),
         "no-kernel",
         f"target {cx.target.name} has no com.microsoft.FusedMatMul kernel for {tname}",
     )
@@ -526,7 +529,7 @@ class FuseMatMulTranspose(Rule):
             applies_only_if(key not in m.bindings or len(m.bindings[key].outputs[0].outputs) == 1)
 
     def check(self, m, cx):
-        _fused_matmul_kernel(cx, m.matmul.outputs[0])
+        _fused_matmul_kernel(cx, m.matmul.outputs[0], m.matmul)
 
     def rewrite(self, m, b):
         a, c = inputs(m.matmul)
@@ -581,7 +584,7 @@ class FoldMatMulScale(Rule):
             "shared-intermediate",
             f"the product '{m.matmul.outputs[0].name}' is also read unscaled",
         )
-        _fused_matmul_kernel(cx, m.matmul.outputs[0])
+        _fused_matmul_kernel(cx, m.matmul.outputs[0], m.matmul)
         k = float(c.reshape(()))
         require(k != 0.0, "scale-mismatch", "the scale is zero")
         alpha = float(m.matmul.attrs.get("alpha", 1.0)) if m.matmul.op == "FusedMatMul" else 1.0

@@ -465,6 +465,8 @@ class _Decompose(Rule):
         tname = _tname(m.x)
         opset = _opset(cx, self.domain)
         applies_only_if(not cx.target.has_kernel(self.root, self.domain, opset, tname))
+        # a float16 node the runtime runs inside casts to float needs no decomposition
+        applies_only_if(not cx.target.runs_via_float(self.root, self.domain, opset, tname))
 
     def check(self, m, cx):
         require(m.x is not None, "unknown-dtype", "the op has no input")

@@ -102,4 +102,18 @@ def rng():
     return np.random.default_rng(0)
 
 
+@pytest.fixture
+def cpu_without_fp16_casts(monkeypatch):
+    """The cpu target as if its runtime did not run float16 nodes by casting around float
+    kernels (``fp16_via_float`` off): fusions then need a float16 kernel of their own."""
+    import dataclasses
+
+    from graphopt.opt.target import TARGETS
+    from graphopt.targets.profiles import CPU
+
+    tgt = dataclasses.replace(CPU, name="cpu-no-fp16-casts", fp16_via_float=False)
+    monkeypatch.setitem(TARGETS, tgt.name, tgt)
+    return tgt.name
+
+
 __all__ = ["assert_optimized", "check_parity", "codes", "const", "model", "ops", "run", "vi"]

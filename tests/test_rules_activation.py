@@ -172,8 +172,15 @@ def test_erf_gelu_shared_intermediate_is_missed():
     assert report.parity.ok
 
 
-def test_gelu_fp16_on_cpu_has_no_kernel():
-    out, report = run(erf_gelu(dtype=np.float16), check=False)
+def test_gelu_fp16_on_cpu_runs_inside_the_casts_the_erf_had():
+    """onnxruntime's cpu Gelu is float only, like its Erf: a float16 Erf already runs inside
+    casts to float, so the fused Gelu takes its place there."""
+    out, report = assert_optimized(erf_gelu(dtype=np.float16))
+    assert hist(out) == {"com.microsoft.Gelu": 1}
+
+
+def test_gelu_fp16_needs_a_float16_kernel_where_nothing_casts(cpu_without_fp16_casts):
+    out, report = run(erf_gelu(dtype=np.float16), target=cpu_without_fp16_casts, check=False)
     assert codes(report, "fuse-gelu-erf") == ["no-kernel"]
     msg = next(r.message for r in report.remarks if r.rule == "fuse-gelu-erf")
     assert "tensor(float16)" in msg
@@ -281,6 +288,22 @@ def test_quick_gelu(swap):
     out, _ = assert_optimized(quick_gelu(swap=swap))
     assert hist(out) == {"com.microsoft.QuickGelu": 1}
     assert attr(out, "QuickGelu", "alpha") == pytest.approx(1.702)
+
+
+def test_quick_gelu_fp16_on_cpu_runs_inside_the_casts_the_sigmoid_had():
+    nodes = [
+        helper.make_node("Mul", ["x", "alpha"], ["ax"]),
+        helper.make_node("Sigmoid", ["ax"], ["s"]),
+        helper.make_node("Mul", ["x", "s"], ["y"]),
+    ]
+    m = model(
+        nodes,
+        [vi("x", [2, 3, D], TensorProto.FLOAT16)],
+        [vi("y", None, TensorProto.FLOAT16)],
+        [const("alpha", 1.702, np.float16)],
+    )
+    out, _ = assert_optimized(m)
+    assert hist(out) == {"com.microsoft.QuickGelu": 1}
 
 
 def test_silu_is_quick_gelu_alpha_1():

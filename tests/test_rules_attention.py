@@ -492,10 +492,18 @@ def test_unprovable_reshape_between_the_matmuls_is_missed():
     assert report.parity.ok
 
 
-def test_fp16_on_cpu_has_no_contrib_kernel():
-    """onnxruntime's cpu MultiHeadAttention is float32 only; its ONNX Attention (opset 23) has a
-    float16 kernel, so the remark names the upgrade."""
-    out, report = run(attention(dtype=np.float16), check=False)
+def test_fp16_on_cpu_runs_inside_the_casts_its_matmuls_had():
+    """onnxruntime's cpu MultiHeadAttention is float32 only, like its MatMul: float16
+    attention already runs inside casts to float, and the fused kernel takes its place."""
+    out, report = run(attention(dtype=np.float16))
+    assert hist(out)["com.microsoft.MultiHeadAttention"] == 1
+    assert report.parity.ran and report.parity.ok
+
+
+def test_fp16_without_casts_has_no_contrib_kernel(cpu_without_fp16_casts):
+    """Without casts to float, the cpu MultiHeadAttention (float32 only) does not run float16;
+    its ONNX Attention (opset 23) has a float16 kernel, so the remark names the upgrade."""
+    out, report = run(attention(dtype=np.float16), target=cpu_without_fp16_casts, check=False)
     assert codes(report, RULE) == ["opset-too-old"]
     (r,) = [r for r in report.remarks if r.rule == RULE]
     assert "--opset 23" in r.message

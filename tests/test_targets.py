@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -123,3 +124,21 @@ def test_cli_shows_one_target():
 def test_cli_targets_usage_errors(args):
     res = runner.invoke(app, args)
     assert res.exit_code == 2, res.output
+
+
+def test_a_fusion_runs_in_float16_where_the_runtime_casts_around_what_it_replaces():
+    """onnxruntime cpu runs a float16 node with only a float kernel inside casts to float: a
+    fused node may take the place of one that ran that way, never of one with a float16
+    kernel (that would add casts), and a runtime that does not cast needs the kernel itself."""
+    cpu = get_target("cpu")
+    f16 = "tensor(float16)"
+    assert cpu.fp16_via_float and not cpu.has_kernel("FusedConv", "com.microsoft", 1, f16)
+    assert cpu.runs_via_float("Conv", "", 17, f16)
+    assert cpu.runs_fused("FusedConv", "com.microsoft", 1, f16, ("Conv", "", 17))
+    assert cpu.runs_fused("FusedConv", "com.microsoft", 1, "tensor(float)", ("Conv", "", 17))
+    assert cpu.has_kernel("LayerNormalization", "", 17, f16)
+    assert not cpu.runs_via_float("LayerNormalization", "", 17, f16)
+    assert not cpu.runs_via_float("Conv", "", 17, "tensor(bfloat16)")  # float16 only
+    assert not cpu.runs_fused("Gelu", "com.microsoft", 1, f16, ("LayerNormalization", "", 17))
+    native = dataclasses.replace(cpu, fp16_via_float=False)
+    assert not native.runs_fused("FusedConv", "com.microsoft", 1, f16, ("Conv", "", 17))

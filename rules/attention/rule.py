@@ -211,7 +211,7 @@ class FuseMultiHeadAttention(Rule):
                 return
         choices = [("MultiHeadAttention", MS, None, {}), ("Attention", "", 23, {})]
         try:
-            op, _, _ = lowering(cx, choices, float_type(a.q.x), "attention")
+            op, _, _ = lowering(cx, choices, float_type(a.q.x), "attention", "MatMul")
         except NoMatch as e:
             e.message = f"stage {LOWER}: {e.message}"
             e.args_.update(stage=LOWER, tensor=a.q.x.name, softmax=a.core.softmax.name)
