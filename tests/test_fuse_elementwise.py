@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import subprocess
 
 import numpy as np
 import onnx
@@ -411,6 +413,14 @@ def test_cli_kernels_bundle(tmp_path, faster):
         "build.log",
     ):
         assert (k / f).is_file(), f
+    # the library is the build cache's; the bundle's build.sh makes the same one again
+    rebuilt = tmp_path / "rebuilt"
+    shutil.copytree(k, rebuilt)
+    (rebuilt / "libgraphopt_fused.so").unlink()
+    subprocess.run(["bash", "build.sh"], cwd=rebuilt, check=True, capture_output=True)
+    assert (rebuilt / "libgraphopt_fused.so").read_bytes() == (
+        k / "libgraphopt_fused.so"
+    ).read_bytes()
     config = json.loads((out / "session_config.json").read_text())
     assert config["custom_op_libraries"] == {
         "CPUExecutionProvider": "kernels/cpu/libgraphopt_fused.so"
