@@ -2,7 +2,8 @@
 
 Per model, every tool runs as a whole process under bench.py's measuring wrapper (wall time and
 peak RSS of the process): ``graphopt optimize --no-check`` (the optimizer and the bundle, no
-parity), graphopt's default run (parity, the performance safety net and generated kernels where
+parity; generated kernels and their gates where a compiler is present, as by default), graphopt's
+default run (parity, the performance safety net and generated kernels where
 a compiler is present; ``--shape`` from the sidecar), onnxruntime's offline optimization in a
 Python script (ORT_ENABLE_EXTENDED, the optimized model written by the session), onnxsim,
 onnxslim, onnxscript's optimizer and onnxoptimizer.  With ``--speed-rounds N`` the tools run N
@@ -47,7 +48,7 @@ def _command(tool: str, src: Path, out_dir: Path, sidecar: dict) -> list[str]:
         cmd = [c for c in cmd if c not in ("--no-measure", "--no-kernels")]
         if tool == DEFAULT:  # as a user runs it: parity, safety net, kernels
             return cmd + bench._shape_flags(sidecar.get("inputs"))
-        return cmd + ["--no-check", "--no-kernels"]
+        return cmd + ["--no-check"]  # as typed: generated kernels (and their gates) included
     cmd, _ = bench._optimize_cmd(RIVALS[tool], src, out_dir, sidecar)
     return cmd
 
