@@ -270,3 +270,15 @@ def test_scores_of_an_attention_without_a_head_merge_fold(rng):
     attention) is no pattern fuse-attention roots at: the folds take it."""
     out, report = run(transposed_product(rng, scale="Mul", softmax=True))
     assert ops(out) == {"FusedMatMul": 1, "Softmax": 1}
+
+
+def test_fp16_folds_into_fused_matmul_where_the_matmul_ran_inside_casts(rng):
+    """onnxruntime's cpu FusedMatMul is float only, like its MatMul: the float16 product
+    already ran inside casts to float, and the fused one takes its place there."""
+    m = transposed_product(rng, scale="Mul")
+    for v in [*m.graph.input, *m.graph.output]:
+        v.type.tensor_type.elem_type = TensorProto.FLOAT16
+    (c,) = m.graph.initializer
+    c.CopyFrom(const("c", 0.125, np.float16))
+    out, report = assert_optimized(m)
+    assert ops(out) == {"FusedMatMul": 1}
