@@ -284,8 +284,10 @@ def compensated_rows(exact: np.ndarray, nearest: np.ndarray) -> np.ndarray:
 def _compensated_block(exact: np.ndarray, nearest: np.ndarray) -> np.ndarray:
     """:func:`compensated_rows` of a few rows, at once."""
     other, total, cost, step, useful = rounding_moves(exact, nearest)
-    flip = _cheapest_flips(total, cost, step, useful)
-    return np.where(flip, other, nearest)
+    rows, cols = _cheapest_flips(total, cost, step, useful)
+    out = nearest.copy()
+    out[rows, cols] = other[rows, cols]
+    return out
 
 
 def rounding_moves(exact: np.ndarray, nearest: np.ndarray) -> tuple:
@@ -305,11 +307,13 @@ def rounding_moves(exact: np.ndarray, nearest: np.ndarray) -> tuple:
     useful = above == (total > 0)
     useful &= resid != 0
     useful &= total != 0
-    useful &= np.isfinite(step)
+    finite = np.isfinite(step)
+    if not finite.all():  # a move out of the largest finite float16
+        useful &= finite
     cost = resid + step
     np.abs(cost, out=cost)
     cost -= np.abs(resid)
-    np.copyto(cost, np.inf, where=~useful)
+    np.putmask(cost, ~useful, np.inf)
     return other, total, cost, step, useful
 
 
@@ -319,15 +323,19 @@ def _neighbour(values: np.ndarray, down: np.ndarray) -> np.ndarray:
     but for a zero (the smallest subnormal of the direction's sign) and an infinity moving
     outward (itself)."""
     bits = values.view(np.uint16)
-    negative = bits >= 0x8000
-    out = bits + np.where(down == negative, np.uint16(1), np.uint16(0xFFFF))  # +1 or -1, mod 2**16
+    outward = down == (bits >= 0x8000)  # away from zero: the magnitude's bits go up by one
+    out = outward.view(np.uint8).astype(np.uint16)
+    out <<= 1
+    out += bits
+    out -= np.uint16(1)  # bits + 1 or bits - 1, mod 2**16
     magnitude = bits & np.uint16(0x7FFF)
     zero = magnitude == 0
     if zero.any():
         out[zero] = np.where(down[zero], np.uint16(0x8001), np.uint16(0x0001))
-    outward = (magnitude == 0x7C00) & (down == negative)
-    if outward.any():
-        out[outward] = bits[outward]
+    infinite = magnitude == 0x7C00
+    if infinite.any():
+        stays = infinite & outward
+        out[stays] = bits[stays]
     return out.view(np.float16)
 
 
@@ -338,16 +346,15 @@ def _neighbour(values: np.ndarray, down: np.ndarray) -> np.ndarray:
 FLIP_PREFIX = 32
 
 
-def _cheapest_flips(total, cost, step, useful) -> np.ndarray:
-    """Which values :func:`compensated_rows` moves: per row, the first ``count`` in the order
-    of a stable sort by cost, ``count`` minimizing |total + their steps| + 2·their costs.  Only
-    the :data:`FLIP_PREFIX` cheapest are sorted; a row whose best count could lie beyond them
-    (costs never decrease along the order, so none can once twice the prefix's costs reach
-    the best found) is sorted whole, so the result is the whole sort's."""
+def _cheapest_flips(total, cost, step, useful) -> tuple[np.ndarray, np.ndarray]:
+    """Which values :func:`compensated_rows` moves, as (rows, columns): per row, the first
+    ``count`` in the order of a stable sort by cost, ``count`` minimizing |total + their steps|
+    + 2·their costs.  Only the :data:`FLIP_PREFIX` cheapest are sorted; a row whose best count
+    could lie beyond them (costs never decrease along the order, so none can once twice the
+    prefix's costs reach the best found) is sorted whole, so the result is the whole sort's."""
     rows, n = cost.shape
-    flip = np.zeros((rows, n), dtype=bool)
     if n == 0:
-        return flip
+        return np.empty(0, np.intp), np.empty(0, np.intp)
     k = _prefix_length(n)
     part = (
         np.argpartition(cost, k - 1, axis=1)[:, :k] if k < n else np.tile(np.arange(n), (rows, 1))
@@ -361,18 +368,23 @@ def _cheapest_flips(total, cost, step, useful) -> np.ndarray:
     sorted_step = _helping(sorted_cost, np.take_along_axis(step, order, 1))
     count, best, added = _best_count(total, sorted_cost, sorted_step, safe)
     whole = ~((2.0 * added >= best) | ~np.isfinite(kth[:, 0]) | (k == n))
-    sel = np.arange(k)[None, :] < count[:, None]
-    np.put_along_axis(flip, order, sel, axis=1)
+    r, c = _firsts(order, np.where(whole, 0, count))
     if whole.any():
         idx = np.flatnonzero(whole)
         order = np.argsort(cost[idx], axis=1, kind="stable")
         whole_cost = np.take_along_axis(cost[idx], order, 1)
         whole_step = _helping(whole_cost, np.take_along_axis(step[idx], order, 1))
         count, _, _ = _best_count(total[idx], whole_cost, whole_step, np.full(idx.size, n))
-        sub = np.zeros((idx.size, n), dtype=bool)
-        np.put_along_axis(sub, order, np.arange(n)[None, :] < count[:, None], axis=1)
-        flip[idx] = sub
-    return flip & useful
+        rw, cw = _firsts(order, count)
+        r, c = np.concatenate([r, idx[rw]]), np.concatenate([c, cw])
+    keep = useful[r, c]
+    return r[keep], c[keep]
+
+
+def _firsts(order: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, columns) of the first ``count[i]`` columns ``order[i]`` lists, per row i."""
+    r, j = np.nonzero(np.arange(order.shape[1])[None, :] < count[:, None])
+    return r, order[r, j]
 
 
 def _helping(cost: np.ndarray, step: np.ndarray) -> np.ndarray:
