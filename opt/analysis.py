@@ -115,7 +115,9 @@ _PLAIN = (int, float, str)
 
 def _node_key(n: Node) -> tuple | None:
     """Everything the exported proto of ``n`` is made of, or None when an attribute is not a
-    plain value (a tensor, a graph...): such a node is exported every time.  One flat tuple:
+    plain value or a constant tensor (a graph...): such a node is exported every time.  A
+    constant tensor attribute (ConstantOfShape's value) counts by its identity, its values' and
+    its name.  One flat tuple:
     op, domain, name, the number of inputs, the input names, the output names, then the
     attributes (name, type, value) and what the exporter restores (ir: TYPE_PROTO attributes,
     doc_string/metadata)."""
@@ -131,6 +133,8 @@ def _node_key(n: Node) -> tuple | None:
                 key += (k, type(v), v)
             elif isinstance(v, list) and all(isinstance(x, _PLAIN) for x in v):
                 key += (k, list, tuple([(type(x), x) for x in v]))
+            elif isinstance(v, Constant):  # by identity (the entry holds it: see _held)
+                key += (k, Constant, id(v), id(v._values), v.name)
             else:
                 return None
     key += (fields.get(_ATTR_ATTR), fields.get(_NOTE_ATTR))
@@ -151,8 +155,14 @@ def read_protos(nodes: Sequence[Node], read: Sequence[onnx.NodeProto]) -> dict:
     for n, proto in zip(nodes, read):
         key = _node_key(n)
         if key is not None:
-            protos[id(n)] = (n, key, proto)
+            protos[id(n)] = (n, key, proto, _held(n))
     return protos
+
+
+def _held(n: Node) -> tuple:
+    """The constant tensors among ``n``'s attributes: an entry keyed on their ids keeps them
+    alive, so that no other object takes an id while the entry stands."""
+    return tuple(v for v in n.attrs.values() if isinstance(v, Constant)) if n.attrs else ()
 
 
 def _export_nodes(nodes: Sequence[Node], protos: dict) -> list[onnx.NodeProto]:
@@ -168,7 +178,7 @@ def _export_nodes(nodes: Sequence[Node], protos: dict) -> list[onnx.NodeProto]:
         else:
             proto = OnnxExporter.export_node(n)
         if key is not None:
-            kept[id(n)] = (n, key, proto)
+            kept[id(n)] = (n, key, proto, _held(n))
         out.append(proto)
     protos.clear()
     protos.update(kept)
@@ -190,15 +200,18 @@ def _infer(ir: ModelIR, g, protos: dict) -> bool:
     if missing is not None:
         log.info("shape inference skipped: no opset import for domain %s", missing)
         return False
-    nodes = _export_nodes(g.nodes, protos)
+    # a node a pass unlinked (folded: no outputs) until the graph is swept computes nothing
+    nodes = _export_nodes([n for n in g.nodes if n.outputs], protos)
     inits, inputs = [], [_value_info(t) for t in g.inputs]
     seen = {t.name for t in g.inputs}
+    last_constants = ir.constant_protos.get(id(g), {})
+    constants: dict[int, tuple] = {}
     for node in g.nodes:
         for t in node.inputs:
             if isinstance(t, Constant) and t.name not in seen:
                 seen.add(t.name)
                 if math.prod(t.shape) <= SMALL_CONSTANT:
-                    inits.append(OnnxExporter.export_tensor_proto(t))
+                    inits.append(_constant_proto(t, last_constants, constants))
                 else:
                     inputs.append(
                         onnx.helper.make_tensor_value_info(
@@ -227,6 +240,7 @@ def _infer(ir: ModelIR, g, protos: dict) -> bool:
         for t in n.outputs
         if t.name and t.dtype is not None and t.shape is not None
     ]
+    ir.constant_protos[id(g)] = constants
     graph = onnx.helper.make_graph([], "shape-view", inputs, outputs, inits, value_info=known)
     model = onnx.helper.make_model(graph, opset_imports=_opsets(ir))
     model.ir_version = max(ir.original_ir_version, 4)
@@ -256,6 +270,17 @@ def _infer(ir: ModelIR, g, protos: dict) -> bool:
         if parsed is not None:
             _set_type(t, *parsed)
     return True
+
+
+def _constant_proto(t: Constant, last: dict, now: dict) -> onnx.TensorProto:
+    """The proto of a small constant: the one the last inference exported when it is the same
+    tensor, with the same values object and name (constants are replaced, not changed in
+    place), else exported; ``now`` collects this inference's."""
+    entry = last.get(id(t))
+    if entry is None or entry[0] is not t or entry[1] is not t._values or entry[2] != t.name:
+        entry = (t, t._values, t.name, OnnxExporter.export_tensor_proto(t))
+    now[id(t)] = entry
+    return entry[3]
 
 
 def _read_type(type_proto: onnx.TypeProto) -> tuple[int, tuple | None] | None:

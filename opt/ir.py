@@ -174,6 +174,8 @@ class ModelIR:
         from .analysis import read_protos  # analysis builds on this module
 
         self.node_protos[id(self.graph)] = read_protos(self.graph.nodes, model.graph.node)
+        #: per graph (by id): the small constants its last shape inference exported, by id
+        self.constant_protos: dict[int, dict] = {}
 
     # ----------------------------------------------------------------- export
     def to_onnx(self, consume: bool = False) -> onnx.ModelProto:

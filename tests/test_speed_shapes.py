@@ -10,7 +10,7 @@ from onnx import helper
 
 from conftest import const, model, vi
 from graphopt.opt import analysis
-from graphopt.opt.ir import ModelIR
+from graphopt.opt.ir import ModelIR, unlink_all
 from graphopt.opt.manager import PassContext, run_pass
 from graphopt.opt.parity import check_parity
 from graphopt.opt.target import get_target
@@ -78,3 +78,66 @@ def test_shapes_after_passes_are_those_of_a_fresh_inference():
     m.graph.node[0].attribute[0].ints[:] = [2, 1, 0]
     parity = check_parity(m, optimized)
     assert parity.ran and parity.ok, parity
+
+
+def _with_constant_of_shape() -> onnx.ModelProto:
+    value = helper.make_tensor("v", onnx.TensorProto.FLOAT, [1], [2.0])
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"], name="shape"),
+        helper.make_node("ConstantOfShape", ["s"], ["f"], value=value, name="fill"),
+        helper.make_node("Add", ["x", "f"], ["a"], name="add"),
+        helper.make_node("Mul", ["a", "c"], ["y"], name="mul"),
+    ]
+    return model(nodes, [vi("x", [2, 3])], [vi("y", None)], [const("c", np.ones(3))])
+
+
+def test_a_constant_tensor_attribute_keeps_its_proto_until_replaced():
+    ir = ModelIR(_with_constant_of_shape())
+    nodes = list(ir.graph.nodes)
+    protos: dict = {}
+    first = analysis._export_nodes(nodes, protos)
+    again = analysis._export_nodes(nodes, protos)
+    assert again[1] is first[1]  # ConstantOfShape: its value attribute is the same tensor
+    fill = nodes[1]
+    fill.attrs["value"] = analysis.Constant("v", np.array([3.0], dtype=np.float32))
+    third = analysis._export_nodes(nodes, protos)
+    assert third[1] is not first[1]
+    assert [p.SerializeToString() for p in third] == _fresh(nodes)
+
+
+def test_small_constants_are_exported_once_until_replaced_or_renamed():
+    ir = ModelIR(_with_constant_of_shape())
+    c = ir.graph.nodes[3].inputs[1]
+    last: dict = {}
+    first = analysis._constant_proto(c, {}, last)
+    now: dict = {}
+    assert analysis._constant_proto(c, last, now) is first and set(now) == {id(c)}
+    c.name = "c2"
+    assert analysis._constant_proto(c, now, {}).name == "c2"
+    c.values = np.zeros(3)
+    assert onnx.numpy_helper.to_array(analysis._constant_proto(c, now, {})).tolist() == [0, 0, 0]
+
+
+def test_nodes_a_pass_unlinked_are_left_out_of_inference(monkeypatch):
+    """A folded node stays in the node list, without inputs or outputs, until the graph is
+    swept; inference runs without it and learns the shapes of the others."""
+    ir = ModelIR(_model())
+    shape = ir.graph.nodes[2]
+    value = np.array([3, 2, 4], dtype=np.int64)
+    unlink_all(shape.outputs)  # as fold-constants does
+    unlink_all(shape.inputs)
+    ir.graph.nodes[3].inputs[1].to_constant(value)
+    for n in ir.graph.nodes:
+        for t in n.outputs:
+            t.shape = None
+    exported = []
+    real = analysis._export_nodes
+
+    def export(nodes, protos):
+        exported.extend(nodes)
+        return real(nodes, protos)
+
+    monkeypatch.setattr(analysis, "_export_nodes", export)
+    assert analysis.infer_shapes(ir)
+    assert shape not in exported and len(exported) == 4
+    assert ir.graph.nodes[3].outputs[0].shape == [3, 2, 4]
