@@ -52,6 +52,10 @@ _RAW_TAG = bytes([_RAW_DATA << 3 | 2])
 _REFERENCE_FIELDS = ("external_data", "data_location")
 #: bytes written (and hashed, on a thread) at a time
 SLICE = 16 << 20
+#: pieces smaller than this are hashed where they are written: handing each of a model's many
+#: small fields and tensors to the hashing thread costs more than hashing it (ESRGAN, 2472
+#: pieces: 0.2 s of spooling, 0.1 s of it waiting on the thread)
+INLINE_HASH = 1 << 20
 
 
 @dataclass
@@ -153,6 +157,10 @@ def spool(model: onnx.ModelProto, directory: str | os.PathLike) -> Spooled | Non
                     f.write(piece)
                     if pending is not None:
                         pending.result()  # one slice hashed behind the one written
+                        pending = None
+                    if len(piece) < INLINE_HASH:
+                        sha.update(piece)
+                        continue
                     if start + SLICE >= len(view) > SLICE:
                         piece = bytes(piece)  # the last slice of a weight, so it can go
                     pending = hasher.submit(sha.update, piece)

@@ -173,3 +173,26 @@ def test_a_full_disk_is_a_save_error_with_nothing_left_behind(tmp_path, monkeypa
     assert res.exit_code == ModelSaveError.exit_code, res.output
     assert "No space left on device" in res.stderr and "internal error" not in res.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]  # no spool, no bundle
+
+
+@pytest.mark.parametrize("inline", [0, 1000, 1 << 30])
+def test_the_hash_is_the_files_whether_pieces_are_hashed_inline_or_on_the_thread(
+    inline, tmp_path, monkeypatch
+):
+    """Small pieces are hashed where they are written, large ones on the thread behind the
+    write, slice by slice (weights of several slices included): one sha256 of the file."""
+    from graphopt.opt import spool as spool_module
+
+    monkeypatch.setattr(spool_module, "INLINE_HASH", inline)
+    monkeypatch.setattr(spool_module, "SLICE", 4096)
+    big = const("big", np.arange(5000, dtype=np.float32))  # 20 kB: five slices
+    small = const("small", np.arange(10, dtype=np.float32))
+    nodes = [
+        helper.make_node("Add", ["big", "big"], ["y"]),
+        helper.make_node("Neg", ["small"], ["z"]),
+    ]
+    m = model(nodes, [], [vi("y", [5000]), vi("z", [10])], [big, small])
+    written = spool(m, tmp_path)
+    data = m.SerializeToString()
+    assert written.path.read_bytes() == data
+    assert written.sha256 == hashlib.sha256(data).hexdigest()
