@@ -200,6 +200,13 @@ def refold_probe(
     return errors
 
 
+def refold_measured(cx, dtype: np.dtype) -> bool:
+    """Whether :func:`require_refold_no_worse` measures a fold into ``dtype`` weights here:
+    fp16/bf16 below -O3."""
+    dtype = np.dtype(dtype)
+    return dtype.kind == "f" and dtype.itemsize <= 2 and cx.level < 3
+
+
 def require_refold_no_worse(cx, dtype: np.dtype, what: str, measure) -> None:
     """Folding into fp16/bf16 weights re-rounds them: kept when the measured error of the folded
     layer (``measure()`` → :func:`refold_probe`) is no worse than the unfused graph's (within
@@ -214,9 +221,9 @@ def require_refold_no_worse(cx, dtype: np.dtype, what: str, measure) -> None:
     users get at ORT_ENABLE_BASIC and above anyway.  A fold that re-rounds nothing (scales that
     are powers of two, fresh BN statistics) is kept.  -O3 folds regardless (the other precision
     guards still apply).  A refusal (``precision-refold``) carries the numbers."""
-    dtype = np.dtype(dtype)
-    if dtype.kind != "f" or dtype.itemsize > 2 or cx.level >= 3:
+    if not refold_measured(cx, dtype):
         return
+    dtype = np.dtype(dtype)
     e = measure()
     worse = e["folded_max"] > REFOLD_SLACK * e["unfused_max"] or (
         e["folded_bias"] > REFOLD_SLACK * e["unfused_bias"]

@@ -46,6 +46,7 @@ from graphopt.opt.ir import Constant, constant_value, dtype_of
 from graphopt.opt.manager import register_rule
 from graphopt.opt.precision import (
     REFOLD_SLACK,
+    refold_measured,
     refold_probe,
     require_accumulation_in_range,
     require_refold_no_worse,
@@ -101,7 +102,7 @@ class ConvScaleBase(Rule):
             out_axis = 0 if self.conv_op == "Conv" else 1
             require_accumulation_in_range(cx, m.X.name, w_new, b_new, dt, self.conv_op, out_axis)
             probe, theirs = None, None
-            if _refold_measured(cx, dt):
+            if refold_measured(cx, dt):
                 probe = refold_probe(self.rows(w, group), b, scale, shift, dt, stats)
             if probe is not None and runtime is not None and _runtime_folds(cx.target):
                 rw, rb = runtime()
@@ -454,13 +455,6 @@ def runtime_bn_fold(w, b, gamma, beta, mean, var, eps: float) -> tuple[np.ndarra
     else:
         bias = r(r(r(r(np.asarray(b).reshape(-1)) - mu) * scale) + bt)
     return weights, bias.astype(np.float16)
-
-
-def _refold_measured(cx, dt) -> bool:
-    """Whether :func:`~graphopt.opt.precision.require_refold_no_worse` measures a fold into
-    ``dt`` weights at this level (fp16/bf16 below -O3)."""
-    dtype = np.dtype(dt)
-    return dtype.kind == "f" and dtype.itemsize <= 2 and cx.level < 3
 
 
 def _runtime_folds(target) -> bool:
