@@ -36,6 +36,7 @@ exits 3 with it) and the report keeps the numbers.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -45,7 +46,7 @@ import onnx
 import onnxruntime as ort
 
 from .customops import register_libraries
-from .parity import DEFAULT_TOLERANCES, compute_dtype, open_session, too_large
+from .parity import DEFAULT_TOLERANCES, LEAN_CONFIG, compute_dtype, open_session, too_large
 
 _PAST = re.compile(r"^(past_key_values|past)\.(\d+)\.(key|value)$|^past_(key|value)[._](\d+)$")
 _NP_TYPES = {
@@ -184,14 +185,17 @@ def decoder_interface(model: onnx.ModelProto) -> Interface | str:
 
 # ------------------------------------------------------------------------------ running
 def _session(model: onnx.ModelProto | str, base_dir=None):
-    """A CPU session on ``model`` with the custom-op libraries of its generated kernels; a
-    model too large for one session (:func:`~graphopt.opt.parity.too_large`) runs in pieces,
-    as parity runs it.  ``base_dir``: where a proto's external weights resolve."""
+    """A CPU session on ``model`` (a proto or a file) with the custom-op libraries of its
+    generated kernels, weights not pre-packed (:data:`~graphopt.opt.parity.LEAN_CONFIG`, as
+    parity runs); a model too large for one session (:func:`~graphopt.opt.parity.too_large`)
+    runs in pieces, as parity runs it.  ``base_dir``: where a proto's external weights resolve."""
     if isinstance(model, onnx.ModelProto) and too_large(model):
         return _InPieces(open_session(model, base_dir, lean=True))
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 3
+    for key, value in LEAN_CONFIG.items():
+        so.add_session_config_entry(key, value)
     if base_dir is not None:
         so.add_session_config_entry(
             "session.model_external_initializers_file_folder_path", str(base_dir)
@@ -262,9 +266,12 @@ def check_generation(
     seed: int = 0,
     tolerances: dict[str, tuple[float, float]] | None = None,
     base_dir=None,
+    written: tuple[onnx.ModelProto, str | os.PathLike] | None = None,
 ) -> GenerationResult:
     """Greedy generation of ``steps`` tokens after a ``prefill``-token prompt on both models
-    (``base_dir``: where the protos' external weights resolve)."""
+    (``base_dir``: where the protos' external weights resolve; ``written``: ``optimized`` as
+    written, a copy whose weights are external data in files of a folder, run instead: its
+    weights mapped from them, not serialized again)."""
     import time
 
     t0 = time.perf_counter()
@@ -278,7 +285,10 @@ def check_generation(
         return GenerationResult.not_run(spec)
     try:
         ref = _Decoder(original, spec, batch, base_dir)
-        opt = _Decoder(optimized, spec, batch, base_dir)
+        if written is not None:
+            opt = _Decoder(written[0], spec, batch, written[1])
+        else:
+            opt = _Decoder(optimized, spec, batch, base_dir)
     except Exception as e:  # noqa: BLE001 - onnxruntime raises many unrelated types
         return GenerationResult.not_run(f"onnxruntime could not load a model: {_line(e)}")
     rng = np.random.default_rng(seed)
@@ -337,10 +347,15 @@ def check_generation(
     return result
 
 
-def report_generation(report, optimized: onnx.ModelProto) -> dict[str, Any] | None:
+def report_generation(
+    report,
+    optimized: onnx.ModelProto,
+    written: tuple[onnx.ModelProto, str | os.PathLike] | None = None,
+) -> dict[str, Any] | None:
     """report.json's ``generation``: the check's result for a decoder with a KV cache; None for
     any other model, or when parity did not run (``--no-check``) or the original is not at hand.
-    ``report`` is :class:`graphopt.opt.optimizer.Report` (its bundle context holds the original)."""
+    ``report`` is :class:`graphopt.opt.optimizer.Report` (its bundle context holds the original);
+    ``written``: ``optimized`` as the bundle wrote it (see :func:`check_generation`)."""
     original = (report.bundle_context or {}).get("original")
     if original is None or not report.parity.ran:
         return None
@@ -351,7 +366,7 @@ def report_generation(report, optimized: onnx.ModelProto) -> dict[str, Any] | No
     )
     if isinstance(decoder_interface(header), str):
         return None
-    if optimized.ByteSize() >= 2**31 - 2**20:
+    if written is None and optimized.ByteSize() >= 2**31 - 2**20:
         return GenerationResult.not_run("the optimized model is over 2 GB in memory").to_dict()
     source = original if isinstance(original, onnx.ModelProto) else str(original)
     return check_generation(
@@ -359,6 +374,7 @@ def report_generation(report, optimized: onnx.ModelProto) -> dict[str, Any] | No
         optimized,
         tolerances=_quantized_tolerances(report),
         base_dir=(report.bundle_context or {}).get("base_dir"),
+        written=written,
     ).to_dict()
 
 

@@ -66,6 +66,7 @@ config's level.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -107,6 +108,7 @@ from graphopt.opt.parity import (
     make_inputs,
     too_large,
 )
+from graphopt.opt.spool import session_skeleton
 from graphopt.opt.target import Target, get_target
 from graphopt.targets.kernels import model_opsets, primary_slots, resolve
 from graphopt.targets.memory import dtype_name, measured_view, memory_plan, nbytes, shape_view
@@ -332,7 +334,9 @@ def write_bundle(
                 sha256=written,
                 source_sha256=source_sha256,
             )
-            report.generation = report_generation(report, model)  # decoders with a KV cache
+            # decoders with a KV cache: the model as written, its weights mapped from the file
+            mapped = _as_written(model, held, written, staging / "model.onnx")
+            report.generation = report_generation(report, model, mapped)
         report.seconds = report.clock.seconds()  # report.json: every phase up to here
         report.outputs = {k: str(dest / v) for k, v in files.items()}
         report.outputs["report"] = str(dest / "report.json")
@@ -346,6 +350,16 @@ def write_bundle(
         if held is not None and held.spooled is not None:
             discard(held.spooled.path)  # moved into place, unless the write failed first
     return dest
+
+
+def _as_written(model, held, written: dict[str, str], path: Path):
+    """(a copy of ``model`` whose weights are external data in ``path``, its folder) when
+    ``path`` is the validity check's spooled file moved into place (its spans known), else
+    None."""
+    spooled = held.spooled if held is not None else None
+    if spooled is None or written.get(path.name) != spooled.sha256 or not path.is_file():
+        return None
+    return session_skeleton(model, dataclasses.replace(spooled, path=path)), path.parent
 
 
 def write_bundle_files(

@@ -1,6 +1,7 @@
 """The greedy generation check on a tiny KV-cache decoder built in the test."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -278,3 +279,38 @@ def test_generation_runs_a_model_with_generated_kernels(monkeypatch):
         pytest.skip(f"no generated kernel here: {report.ops_after}")
     result = check_generation(m, out).to_dict()
     assert result["verdict"] == "ok", result
+
+
+def test_cli_checks_the_model_as_written(tmp_path, monkeypatch):
+    """The command's check runs the bundle's model.onnx, its weights mapped from that file (the
+    file the validity check wrote and moved into place), not a new serialization."""
+    from cli_runner import CliRunner
+
+    from graphopt.cli import app
+    from graphopt.opt import generation
+
+    seen = []
+    real = generation.check_generation
+
+    def spy(original, optimized, **kw):
+        mapped, folder = kw["written"]
+        seen.append(
+            {
+                loc.value
+                for t in mapped.graph.initializer
+                for loc in t.external_data
+                if loc.key == "location"
+            }
+        )
+        assert (Path(folder) / "model.onnx").is_file()
+        return real(original, optimized, **kw)
+
+    monkeypatch.setattr(generation, "check_generation", spy)
+    path = tmp_path / "decoder.onnx"
+    onnx.save(tiny_decoder(), path)
+    args = ["optimize", str(path), "-o", str(tmp_path / "b"), "--no-measure", "--no-kernels"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert seen == [{"model.onnx"}]
+    gen = json.loads((tmp_path / "b" / "report.json").read_text())["generation"]
+    assert gen["ok"] and gen["tokens_match"], gen

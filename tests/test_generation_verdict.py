@@ -56,8 +56,8 @@ def test_not_a_decoder_is_not_a_failure():
 def _tampered(real):
     """report_generation run against a decoder whose cache is written wrong."""
 
-    def report_generation(report, optimized):
-        return real(report, tiny_decoder(present_scale=1.5))
+    def report_generation(report, optimized, written=None):
+        return real(report, tiny_decoder(present_scale=1.5))  # not the file written
 
     return report_generation
 
