@@ -285,7 +285,6 @@ def test_cli_checks_the_model_as_written(tmp_path, monkeypatch):
     """The command's check runs the bundle's model.onnx, its weights mapped from that file (the
     file the validity check wrote and moved into place), not a new serialization."""
     from cli_runner import CliRunner
-
     from graphopt.cli import app
     from graphopt.opt import generation
 
