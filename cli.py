@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -167,8 +168,11 @@ def optimize(
     with handled(), sparse_collection():  # writing the bundle of a large graph too
         clock = Clock.since_process_start()  # report.seconds: every phase of the wait
         src = model.resolve()
-        protected = protected_paths(src)
-        dest = check_output_dir(output or default_bundle_dir(model, target), BUNDLE_KIND, protected)
+        out = output or default_bundle_dir(model, target)
+        # the input's external-data files exist: only an output that exists can be or hold one
+        # (listing them reads the file; write_bundle checks them again, once it is read)
+        early = protected_paths(src) if os.path.lexists(out) else [src]
+        dest = check_output_dir(out, BUNDLE_KIND, early)
         side = {"--remarks": remarks, "--junit": junit, "--html": html_report}
         check_side_outputs(side, models=[src], files=[inputs] if inputs else [], dirs=[dest])
         fold_limit = _finite(fold_size_limit, "--fold-size-limit")
@@ -204,6 +208,7 @@ def optimize(
             )
             expectations = verdicts.resolve_report_expectations(expectations, report, target)
             say("writing the bundle")
+            protected = protected_paths(src)  # the input and its data files, as read
             write_bundle(optimized, report, dest, protected=protected, progress=say)
         if remarks:
             _write_remarks(remarks, report.remarks)

@@ -387,6 +387,25 @@ def test_a_large_input_is_scanned_not_parsed(tmp_path, monkeypatch):
     assert res.exit_code == 2 and "would contain or replace the input" in res.stderr, res.output
 
 
+def test_a_fresh_output_does_not_list_the_inputs_data_files_before_reading_it(
+    tmp_path, monkeypatch
+):
+    """Only an output that exists can be or hold the input's data files: for a new one they are
+    listed once the input is read (from what the read found), never by a scan of the file."""
+    src = tmp_path / "m.onnx"
+    onnx.save(weighted(), src, save_as_external_data=True, location="w.bin", size_threshold=0)
+    monkeypatch.setattr(io, "SCAN_ABOVE", 0)
+    scans = []
+    real = io.external_locations
+    monkeypatch.setattr(io, "external_locations", lambda p: scans.append(p) or real(p))
+    args = ["optimize", str(src), "--no-check", "--no-kernels", "-o"]
+    res = CliRunner().invoke(app, [*args, str(tmp_path / "b")])
+    assert res.exit_code == 0, res.output
+    assert scans == []
+    res = CliRunner().invoke(app, [*args, str(tmp_path)])  # exists: holds the input's w.bin
+    assert res.exit_code == 2 and "would contain or replace the input" in res.stderr, res.output
+
+
 def test_a_file_that_is_no_model_is_still_nothing_listed(tmp_path, monkeypatch):
     monkeypatch.setattr(io, "SCAN_ABOVE", 0)
     junk = tmp_path / "junk.onnx"
