@@ -1,4 +1,5 @@
-"""The command's process settings: one malloc arena on glibc unless the user chose."""
+"""The command's process settings: one malloc arena on glibc and one BLAS thread, unless the
+user chose."""
 
 from __future__ import annotations
 
@@ -44,3 +45,50 @@ def test_the_users_setting_and_other_c_libraries_are_left_alone(monkeypatch, lib
     monkeypatch.setattr(os, "confstr", not_glibc)
     cli._one_malloc_arena()
     assert libc.calls == []
+
+
+_BLAS_PROBE = """
+import ctypes, sys
+import numpy
+from graphopt import cli
+print(cli._one_blas_thread())
+maps = open('/proc/self/maps').read().splitlines()
+path = next(line.split()[-1] for line in maps if 'openblas' in line.lower())
+lib = ctypes.CDLL(path)
+names = ('scipy_openblas_get_num_threads64_', 'openblas_get_num_threads64_',
+         'openblas_get_num_threads')
+get = next(getattr(lib, n) for n in names if hasattr(lib, n))
+print(get())
+"""
+
+
+def _has_openblas() -> bool:
+    import numpy  # noqa: F401
+
+    try:
+        with open("/proc/self/maps") as maps:
+            return any("openblas" in line.lower() for line in maps)
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_openblas(), reason="numpy is not built on OpenBLAS here")
+@pytest.mark.parametrize("env", [{}, {"OPENBLAS_NUM_THREADS": "2"}])
+def test_one_blas_thread_unless_the_user_chose(env):
+    """In a fresh process (the setting is the process's): numpy's OpenBLAS on one thread,
+    unless OPENBLAS_NUM_THREADS (or OMP_NUM_THREADS) is set."""
+    import subprocess
+    import sys
+
+    clean = {
+        k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", _BLAS_PROBE], env=clean | env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    said, threads = out.stdout.split()
+    if env:
+        assert said == "None" and threads == env["OPENBLAS_NUM_THREADS"]
+    else:
+        assert said == "1" and threads == "1"
