@@ -19,6 +19,9 @@ the integer arithmetic of :data:`ARITH`, computed by :func:`arith`) as a list of
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 
 from .domains import MS, norm_domain
@@ -105,6 +108,8 @@ class Dims:
         self.memo: dict[tuple[int, int], Key] = {}
         #: id(tensor) -> its value as an object array of keys (see :func:`shape_elements`)
         self.values_memo: dict[int, np.ndarray | None] = {}
+        #: every tensor the memos key by id, held: no other object takes its id meanwhile
+        self.held: list[Tensor] = []
 
     def key(self, t: Tensor, axis: int) -> Key:
         r = rank(t)
@@ -114,6 +119,7 @@ class Dims:
             axis += r
         mk = (id(t), axis)
         if mk not in self.memo:
+            self.held.append(t)
             self.memo[mk] = ("dim", t.name, axis)  # cycle guard
             self.memo[mk] = self._key(t, axis, r)
         return self.memo[mk]
@@ -451,6 +457,7 @@ def _values(t: Tensor | None, dims: Dims, depth: int = 48) -> np.ndarray | None:
         return None
     memo = dims.values_memo
     if id(t) not in memo:
+        dims.held.append(t)
         memo[id(t)] = None  # cycle guard
         v = _compute_values(t, dims, depth)
         if v is not None and not isinstance(v, np.ndarray):  # one element picked out
@@ -557,7 +564,7 @@ def shape_elements(t: Tensor | None, dims: Dims | None = None) -> list[Key] | No
     """The elements of a small int64 shape tensor (rank ≤ 1) as dim keys: constants as
     ``("int", v)``, shape glue (Shape, Concat, Gather, Slice, Unsqueeze, Squeeze, Reshape,
     Transpose, Cast) followed, integer arithmetic (:data:`ARITH`) computed by :func:`arith`."""
-    a = _values(t, dims or Dims())
+    a = _values(t, dims or current())
     if a is None or a.ndim > 1:
         return None
     return list(a.reshape(-1))
@@ -565,8 +572,49 @@ def shape_elements(t: Tensor | None, dims: Dims | None = None) -> list[Key] | No
 
 def same_dim(a: Tensor, i: int, b: Tensor, j: int) -> bool:
     """Whether dim ``i`` of ``a`` provably equals dim ``j`` of ``b`` at run time."""
-    d = Dims()
+    d = current()
     return d.key(a, i) == d.key(b, j)
+
+
+#: the Dims the rules share while the rule engine works on a graph (innermost last; None while
+#: a rewrite changes it)
+_SHARED: list[Dims | None] = []
+
+
+def current() -> Dims:
+    """The Dims of the graph as it is now: while the rule engine works on a graph
+    (:func:`sharing`), one for every question asked between two rewrites (:func:`changed`
+    renews it), so that each tensor's dims are derived once, not once per question (each walks
+    back towards the graph's inputs); elsewhere, and while a rewrite is being built
+    (:func:`unshared`), a fresh one."""
+    top = _SHARED[-1] if _SHARED else None
+    return top if top is not None else Dims()
+
+
+@contextmanager
+def sharing() -> Iterator[None]:
+    """Questions asked meanwhile share one :class:`Dims` (:func:`current`)."""
+    _SHARED.append(Dims())
+    try:
+        yield
+    finally:
+        _SHARED.pop()
+
+
+@contextmanager
+def unshared() -> Iterator[None]:
+    """Questions asked meanwhile (the graph changing under them) each get a fresh Dims."""
+    _SHARED.append(None)
+    try:
+        yield
+    finally:
+        _SHARED.pop()
+
+
+def changed() -> None:
+    """The graph changed (a rewrite): what the shared Dims derived is forgotten."""
+    if _SHARED and _SHARED[-1] is not None:
+        _SHARED[-1] = Dims()
 
 
 def pins(target: list[Key], dims: list[Key]) -> bool:
@@ -577,4 +625,17 @@ def pins(target: list[Key], dims: list[Key]) -> bool:
     )
 
 
-__all__ = ["ARITH", "Dims", "Key", "arith", "pins", "rank", "same_dim", "shape_elements"]
+__all__ = [
+    "ARITH",
+    "Dims",
+    "Key",
+    "arith",
+    "changed",
+    "current",
+    "pins",
+    "rank",
+    "same_dim",
+    "shape_elements",
+    "sharing",
+    "unshared",
+]

@@ -43,6 +43,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from . import dims
 from .ir import Constant, ModelIR, Node, Tensor, Variable, constant_value
 from .patterns import Alt, Const, Op, Pattern, Var, feasibility, opt, root_domain
 from .patterns import match as match_pattern
@@ -303,7 +304,8 @@ def apply_rules(ir: ModelIR, rules: Sequence[Rule], cx: PassContext, pass_name: 
     queued = {id(n) for n in queue}
     budget = 4 * len(queue) + 100  # rewrites; more means rules undo each other
     try:
-        return _drain(ir, queue, queued, index, cx, pass_name, budget)
+        with dims.sharing():  # the rules' dim questions, answered once per graph state
+            return _drain(ir, queue, queued, index, cx, pass_name, budget)
     finally:
         ir.graph.nodes = [n for n in ir.graph.nodes if n.outputs]  # drop rewritten-away nodes
 
@@ -372,7 +374,10 @@ def _try_rule(
         m = _first_passing(ir, rule, node, cx, pass_name)
         if m is None or not cx.take_bisect_step(rule.name, node.name):
             return None
-        return _apply(ir, rule, m, cx, pass_name)
+        with dims.unshared():  # the graph changes as the rewrite is built
+            applied = _apply(ir, rule, m, cx, pass_name)
+        dims.changed()
+        return applied
     finally:
         stats.seconds += time.perf_counter() - t0
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from graphopt.opt.dims import Dims, shape_elements
+from graphopt.opt.dims import current as current_dims
+from graphopt.opt.dims import shape_elements
 from graphopt.opt.ir import Constant, Node, constant_value, dtype_of, static_shape, type_string
 from graphopt.opt.manager import register_rule
 from graphopt.opt.precision import require_refold_allowed, require_representable
@@ -211,7 +212,7 @@ class FlattenedGemmToMatMul(Rule):
             "unknown-shape",
             f"'{m.x.name}' is not of known rank ≥ 3 with a static last dim",
         )
-        dims = Dims()
+        dims = current_dims()
         flat = shape_elements(m.flat, dims)
         require(
             flat in ([("int", -1), ("int", k)],),

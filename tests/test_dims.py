@@ -315,3 +315,51 @@ def test_shape_values_through_casts_to_integers_only():
     t = tensors(model(nodes, [vi("x", [1])], outs, inits))
     assert shape_elements(t["tt32"]) == [("int", 4), ("int", 0)]
     assert shape_elements(t["ttb"]) is None
+
+
+def test_rules_share_one_dims_between_rewrites():
+    """The rule engine opens one Dims per graph state: every question between two rewrites shares
+    its memo; a rewrite (and the rewrite being built) gets a fresh one; outside, always fresh."""
+    from graphopt.opt import dims
+
+    assert dims.current() is not dims.current()
+    with dims.sharing():
+        first = dims.current()
+        assert dims.current() is first
+        with dims.unshared():
+            assert dims.current() is not dims.current() and dims.current() is not first
+        assert dims.current() is first
+        dims.changed()
+        assert dims.current() is not first
+    assert dims.current() is not dims.current()
+
+
+def test_the_engine_renews_the_shared_dims_after_each_rewrite(monkeypatch):
+    """Two SkipLayerNormalization fusions in one pass: their checks' questions are answered by
+    a Dims that no rewrite has happened under (the second check's is not the first's)."""
+    from graphopt.opt import dims
+    from graphopt.rules import norm
+
+    seen = []
+    real = norm.same_dim
+
+    def spy(a, i, b, j):
+        seen.append(dims.current())
+        return real(a, i, b, j)
+
+    monkeypatch.setattr(norm, "same_dim", spy)
+    nodes, inits = [], []
+    for k in range(2):
+        x = "x" if k == 0 else "n0"
+        nodes += [
+            helper.make_node("Add", [x, f"r{k}"], [f"a{k}"]),
+            helper.make_node("LayerNormalization", [f"a{k}", f"g{k}", f"b{k}"], [f"n{k}"], axis=-1),
+        ]
+        inits += [const(f"g{k}", np.ones(C, np.float32)), const(f"b{k}", np.zeros(C, np.float32))]
+    ins = [vi("x", ["B", "S", C]), vi("r0", ["B", "S", C]), vi("r1", ["B", "S", C])]
+    m = model(nodes, ins, [vi("n1", ["B", "S", C])], inits)
+    out, _ = assert_optimized(m, level=2, target="cuda")  # (slower on cpu: not fused there)
+    h = op_histogram(out.graph.node)
+    assert h.get("com.microsoft.SkipLayerNormalization") == 2, h
+    first = seen[:2]  # the first check's two questions (batch, sequence) share one
+    assert len(seen) >= 4 and first[0] is first[1] and seen[2] is not first[0]

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from graphopt.opt.dims import Dims, rank
+from graphopt.opt.dims import current as current_dims
+from graphopt.opt.dims import rank
 from graphopt.opt.domains import MS, norm_domain
 from graphopt.opt.ir import Node, Tensor
 from graphopt.opt.rewrite import NoMatch
@@ -206,7 +207,7 @@ def past_empty_concat(t: Tensor | None) -> tuple[Tensor | None, list[Node]]:
     if cat is None or len(inputs(cat)) != 2 or cat.attrs.get("axis") not in (-1, 3):
         return t, []
     u, e = inputs(cat)
-    if rank(u) != 4 or Dims().key(e, 3) != ("int", 0):
+    if rank(u) != 4 or current_dims().key(e, 3) != ("int", 0):
         return t, []
     split = producer(e, "Split")  # of the rotated heads: the fusion's when only e is read
     return u, [cat] + ([split] if split is not None else [])

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from graphopt.opt.dims import Dims, arith, rank, shape_elements
+from graphopt.opt.dims import current as current_dims
 from graphopt.opt.ir import Node, Tensor, constant_value, dtype_of
 from graphopt.opt.rewrite import Builder
 
@@ -203,7 +204,7 @@ def _lengths(b: Builder, q: Tensor, total: Tensor, name: str) -> list[Tensor]:
     """``seqlens_k`` = T − 1 in every row (int32 [B]) and ``total_sequence_length`` (int32 [])."""
     last = b.op("Sub", [total, b.const(np.array([1], np.int64), "one")], name=f"{name}/last_key")
     rows = last
-    if Dims().key(q, 0) != ("int", 1):
+    if current_dims().key(q, 0) != ("int", 1):
         rows = b.op("Expand", [last, _len(b, q, 0, f"{name}/batch")], name=f"{name}/seqlens")
     seqlens = b.op("Cast", [rows], {"to": 6}, name=f"{name}/seqlens_k")
     scalar = b.op("Squeeze", [total, b.const(np.array([0], np.int64), "axis0")], name=f"{name}/t")

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from graphopt.opt.dims import Dims, Key, rank, shape_elements
+from graphopt.opt.dims import current as current_dims
 from graphopt.opt.ir import Node, Tensor, constant_value
 
 from ..activation import inputs, producer, scalar
@@ -145,7 +146,7 @@ def _k_through_3d(t: Tensor | None) -> tuple[list[Node], Tensor] | None:
     y = inputs(inner)[0] if inner is not None else None
     if y is None or rank(y) not in (None, 4):
         return None
-    dims = Dims()
+    dims = current_dims()
     k = [dims.key(y, i) for i in range(4)]
     ie = shape_elements(inputs(inner)[1], dims)
     oe = shape_elements(inputs(outer)[1], dims)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from graphopt.opt.dims import Dims, rank, shape_elements
+from graphopt.opt.dims import current as current_dims
 from graphopt.opt.ir import Constant, Node, Tensor, constant_value, dtype_of
 from graphopt.opt.manager import register_rule
 from graphopt.opt.patterns import Alt, Op
@@ -161,7 +162,7 @@ class FuseMultiHeadAttention(Rule):
     # --------------------------------------------------------------------- guards
     def check(self, m, cx):
         a: Attention = m.attention
-        dims = Dims()
+        dims = current_dims()
         for t in [s.x for s in (a.q, a.k, a.v) if s.layout != "bnsh"]:
             if rank(t) != 3:
                 raise _refused(
@@ -204,7 +205,7 @@ class FuseMultiHeadAttention(Rule):
         if (causal is None or "0" in causal) and cx.target.has_kernel(
             "GroupQueryAttention", MS, 1, float_type(a.q.x)
         ):
-            a.gqa = plan_gqa(a, Dims(), cx.options.get(OPTION) == "generate")
+            a.gqa = plan_gqa(a, current_dims(), cx.options.get(OPTION) == "generate")
             if a.gqa is not None:
                 a.op = "GroupQueryAttention"
                 _note_declared(a, cx)
@@ -349,7 +350,7 @@ class FuseMultiHeadAttention(Rule):
 
 def _note_declared(a: Attention, cx) -> None:
     """An analysis remark when GroupQueryAttention rests on the user's declaration."""
-    dims = Dims()
+    dims = current_dims()
     if ("int", 1) in (dims.key(a.q.x, 0), dims.key(a.q.x, 1)):
         return
     cx.remarks.add(
