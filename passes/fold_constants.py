@@ -203,14 +203,26 @@ class FoldConstants(Pass):
         if GROWTH_KEY not in cx.options:
             cx.options[GROWTH_KEY] = _new_growth(ir)
         growth = cx.options[GROWTH_KEY]
+        ir.toposort()
+        # a round's folds make constants of what later nodes read: those deferred for want of
+        # their operands' values (a generator's shape, a divisor) are tried in the next round,
+        # without waiting for the next iteration of the pipeline (no new shapes are needed)
+        refused: set[int] = set()  # nodes a round refused: not tried again in this run
+        changed = False
+        while self._round(ir, cx, limit, growth, refused):
+            changed = True
+        return changed
+
+    def _round(self, ir: ModelIR, cx: PassContext, limit: int, growth, refused: set) -> bool:
+        """Fold every node whose inputs are known (or computed in this round); whether any
+        was folded."""
         sizes: dict[int, int] = {}  # ids of tensors computed by this round's batch → bytes
         batch: list[Node] = []
         direct: list[tuple[Node, np.ndarray]] = []
         projected = {False: 0, True: 0}  # growth the batch is expected to add, by kind
         weights: set[int] = set()  # ids of the batch's nodes that build weights
-        ir.toposort()
         for node in ir.graph.nodes:
-            if not self._candidate(node):
+            if id(node) in refused or not self._candidate(node):
                 continue
             shape_value = _shape_value(node)
             if shape_value is not None:
@@ -230,6 +242,7 @@ class FoldConstants(Pass):
             if verdict == DEFER:
                 continue
             if isinstance(verdict, _Refusal):
+                refused.add(id(node))
                 cx.remark(
                     "missed",
                     self.name,
@@ -247,12 +260,20 @@ class FoldConstants(Pass):
 
         changed = False
         for node, v in direct:
-            changed |= self._materialize(ir, cx, node, [v], limit, growth, False)
+            changed |= self._folded(ir, cx, node, [v], limit, growth, False, refused)
         if batch:
             for node, values in self._evaluate(ir, cx, batch):
                 weight = id(node) in weights
-                changed |= self._materialize(ir, cx, node, values, limit, growth, weight)
+                changed |= self._folded(ir, cx, node, values, limit, growth, weight, refused)
         return changed
+
+    def _folded(self, ir, cx, node, values, limit, growth, weight, refused: set) -> bool:
+        """:meth:`_materialize`; a node it leaves (refused, or not evaluated) is not tried
+        again in this run."""
+        if self._materialize(ir, cx, node, values, limit, growth, weight):
+            return True
+        refused.add(id(node))
+        return False
 
     @staticmethod
     def _candidate(node: Node) -> bool:

@@ -241,3 +241,24 @@ def test_growth_budget_scales_with_the_model(big_model):
     assert report.parity.ok
     assert ("Tile" in ops(out)) is not big_model
     assert ("fold-size-budget" in codes(report, "fold-constants")) is not big_model
+
+
+def test_a_chain_deferred_for_its_operands_folds_in_one_run_of_the_pass():
+    """ConstantOfShape's shape is a Div computed in the same round (a generator's shape and a
+    divisor are deferred until known): the pass's next round folds them, in the same run."""
+    nodes = [
+        helper.make_node("Neg", ["two"], ["minus_two"]),
+        helper.make_node("Div", ["dims", "minus_two"], ["half"]),
+        helper.make_node("Neg", ["half"], ["shape"]),
+        helper.make_node("ConstantOfShape", ["shape"], ["zeros"]),
+        helper.make_node("Add", ["x", "zeros"], ["y"]),
+    ]
+    m = model(
+        nodes,
+        [vi("x", [4, 6])],
+        [vi("y", [4, 6])],
+        [const("dims", [8, 12], np.int64), const("two", [2, 2], np.int64)],
+    )
+    out, report = run(m, pipeline="fold-constants")
+    assert ops(out) == {"Add": 1}, ops(out)
+    assert [p["name"] for p in report.passes] == ["fold-constants"] and report.parity.ok
