@@ -272,6 +272,47 @@ def _infer(ir: ModelIR, g, protos: dict) -> bool:
     return True
 
 
+def infer_node(
+    ir: ModelIR, node: Node, given: dict[int, tuple[int, tuple]] | None = None
+) -> list[tuple[int, tuple | None] | None] | None:
+    """The (element type, dims) onnx's shape inference gives each output of ``node`` when its
+    inputs are constants (small ones' values given, for data propagation) or typed in
+    ``given`` (id of the tensor → element type, dims), without inferring the graph; None when
+    an input is neither or inference refuses the node."""
+    given = given or {}
+    ins = [t for t in node.inputs if t is not None and t.name]
+    if not all(isinstance(t, Constant) or id(t) in given for t in ins):
+        return None
+    domain = node.domain or ""
+    opsets = {o.domain: o.version for o in _opsets(ir)}
+    try:
+        schema = onnx.defs.get_schema(node.op, opsets.get(domain, 1), domain)
+        types = {
+            t.name: onnx.helper.make_tensor_type_proto(*given[id(t)])
+            if id(t) in given
+            else onnx.helper.make_tensor_type_proto(_elem_type(t.dtype), list(t.shape))
+            for t in ins
+        }
+        data = {
+            t.name: OnnxExporter.export_tensor_proto(t)
+            for t in ins
+            if isinstance(t, Constant) and math.prod(t.shape) <= SMALL_CONSTANT
+        }
+        out = onnx.shape_inference.infer_node_outputs(
+            schema, OnnxExporter.export_node(node), types, data, opset_imports=_opsets(ir)
+        )
+    except (
+        onnx.defs.SchemaError,
+        onnx.shape_inference.InferenceError,
+        RuntimeError,
+        ValueError,
+        TypeError,
+        KeyError,
+    ):
+        return None
+    return [_read_type(out[t.name]) if t.name in out else None for t in node.outputs]
+
+
 def _constant_proto(t: Constant, last: dict, now: dict) -> onnx.TensorProto:
     """The proto of a small constant: the one the last inference exported when it is the same
     tensor, with the same values object and name (constants are replaced, not changed in

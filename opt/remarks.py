@@ -43,6 +43,13 @@ class RemarkLog:
         self._by_key.pop(key, None)
         self._by_key[key] = remark
 
+    def forget_miss(self, rule: str, anchor: str) -> None:
+        """Drop the miss recorded for ``rule`` at node ``anchor``: the rule did its work there
+        after all (a fold refused once, done at a later iteration)."""
+        key = (rule, anchor, "")
+        if key in self._by_key and self._by_key[key].kind == "missed":
+            del self._by_key[key]
+
     def __iter__(self):
         return iter(self._by_key.values())
 

@@ -48,9 +48,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
+import onnx
 from onnx_graphsurgeon import Graph
 
-from graphopt.opt.analysis import EvaluationError, evaluate, infer_shapes
+from graphopt.opt.analysis import EvaluationError, evaluate, infer_node, infer_shapes
 from graphopt.opt.domains import is_default
 from graphopt.opt.ir import Constant, ModelIR, Node, Tensor, Variable, static_shape, unlink_all
 from graphopt.opt.manager import Pass, PassContext, register_pass
@@ -209,18 +210,21 @@ class FoldConstants(Pass):
         # without waiting for the next iteration of the pipeline (no new shapes are needed)
         refused: set[int] = set()  # nodes a round refused: not tried again in this run
         changed = False
-        while self._round(ir, cx, limit, growth, refused):
+        while self._round(ir, cx, limit, growth, refused, later=changed):
             changed = True
         return changed
 
-    def _round(self, ir: ModelIR, cx: PassContext, limit: int, growth, refused: set) -> bool:
+    def _round(
+        self, ir: ModelIR, cx: PassContext, limit: int, growth, refused: set, later: bool
+    ) -> bool:
         """Fold every node whose inputs are known (or computed in this round); whether any
-        was folded."""
+        was folded.  ``later``: a round after the first of this run (see :meth:`_precheck`)."""
         sizes: dict[int, int] = {}  # ids of tensors computed by this round's batch → bytes
         batch: list[Node] = []
         direct: list[tuple[Node, np.ndarray]] = []
         projected = {False: 0, True: 0}  # growth the batch is expected to add, by kind
         weights: set[int] = set()  # ids of the batch's nodes that build weights
+        typed: dict[int, tuple] = {}  # a later round's inferred output types, by tensor id
         for node in ir.graph.nodes:
             if id(node) in refused or not self._candidate(node):
                 continue
@@ -237,7 +241,7 @@ class FoldConstants(Pass):
             weight = _builds_weight(node)
             node_limit, used, budget = growth.bounds(weight, limit)
             verdict = self._precheck(
-                ir, node, sizes, node_limit, (used + projected[weight], budget)
+                ir, node, sizes, node_limit, (used + projected[weight], budget), later, typed
             )
             if verdict == DEFER:
                 continue
@@ -290,9 +294,20 @@ class FoldConstants(Pass):
         sizes: dict[int, int],
         limit: int,
         used: tuple[int, int],
+        later: bool = False,
+        typed: dict | None = None,
     ) -> int | str | _Refusal:
-        """Before evaluation: the growth the fold adds, DEFER, or why it must not run."""
+        """Before evaluation: the growth the fold adds, DEFER, or why it must not run.  In a
+        ``later`` round of a run a node's outputs must have a known size (no inference has
+        run since the last round's folds: a node of constants is inferred alone), else it
+        waits for the pipeline's next inference: evaluated blind, a table too large to keep
+        would be computed only to be refused.  ``typed``: the types so inferred of the
+        outputs of this round's batch, by tensor id (filled in here)."""
         out_bytes = _estimate_output_bytes(node, sizes)
+        if out_bytes is None and later:
+            out_bytes = _inferred_output_bytes(ir, node, typed)
+            if out_bytes is None:
+                return DEFER
         if out_bytes == DEFER:
             return DEFER
         if out_bytes is not None:
@@ -395,6 +410,7 @@ class FoldConstants(Pass):
             return False
         if node.op != "Constant":  # its value was in the model already: moved, not added
             growth.add(weight, out_bytes - dying)
+        cx.remarks.forget_miss(self.name, node.name)  # refused at an earlier try: folded now
         unlink_all(node.outputs)
         unlink_all(node.inputs)
         for t, v in zip(outs, values):
@@ -613,6 +629,31 @@ def _estimate_output_bytes(node: Node, sizes: dict[int, int]) -> int | str | Non
     if any(s is None for s in shapes):
         return None
     return sum(_nbytes(s, t.dtype) for s, t in zip(shapes, named))
+
+
+def _inferred_output_bytes(ir: ModelIR, node: Node, typed: dict | None) -> int | None:
+    """Bytes of the node's outputs as onnx infers the node alone (its inputs constants or
+    typed earlier in the round: ``typed``, which gets its outputs' types), or None when not
+    every output comes out of static shape."""
+    got_types = infer_node(ir, node, typed)
+    if got_types is None:
+        return None
+    total, mine = 0, {}
+    for t, got in zip(node.outputs, got_types):
+        if not _named(t):
+            continue
+        if got is None or got[1] is None or not all(isinstance(d, int) for d in got[1]):
+            return None
+        elem, dims = got
+        try:
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(elem) if elem else t.dtype
+        except KeyError:
+            dtype = t.dtype
+        total += _nbytes(dims, dtype)
+        mine[id(t)] = (elem, dims)
+    if typed is not None:
+        typed.update(mine)
+    return total
 
 
 def _arithmetic_hazard(node: Node) -> str | _Refusal | None:

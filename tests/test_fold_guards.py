@@ -262,3 +262,35 @@ def test_a_chain_deferred_for_its_operands_folds_in_one_run_of_the_pass():
     out, report = run(m, pipeline="fold-constants")
     assert ops(out) == {"Add": 1}, ops(out)
     assert [p["name"] for p in report.passes] == ["fold-constants"] and report.parity.ok
+
+
+def test_a_later_round_does_not_evaluate_what_it_cannot_size(monkeypatch):
+    """A later round runs without a new inference: a node whose outputs' size is unknown is
+    inferred alone from its constant inputs, so that a table too large to keep is refused
+    before onnxruntime computes it (the [N, N] broadcast of a ConstantOfShape whose shape was
+    itself computed in a round)."""
+    n = 1024  # [n, n] float32: 4 MiB, past the default limit
+    evaluated = []
+    real = fold_constants.evaluate
+
+    def spy(ir, nodes, known, wanted):
+        evaluated.extend(node.op for node in nodes)
+        return real(ir, nodes, known, wanted)
+
+    monkeypatch.setattr(fold_constants, "evaluate", spy)
+    nodes = [
+        helper.make_node("Neg", ["minus_shape"], ["shape"]),
+        helper.make_node("ConstantOfShape", ["shape"], ["row"]),
+        helper.make_node("Add", ["row", "col"], ["table"]),
+        helper.make_node("Add", ["x", "table"], ["y"]),
+    ]
+    m = model(
+        nodes,
+        [vi("x", [n, n])],
+        [vi("y", [n, n])],
+        [const("minus_shape", [-1, -n], np.int64), const("col", np.ones((n, 1), np.float32))],
+    )
+    out, report = run(m, pipeline="fold-constants")
+    assert "ConstantOfShape" not in ops(out) and ops(out)["Add"] == 2
+    assert evaluated.count("Add") == 0, evaluated
+    assert "fold-size-limit" in codes(report, "fold-constants")

@@ -233,6 +233,22 @@ def test_a_miss_at_a_node_a_fusion_absorbed_is_dropped_whichever_came_first(miss
     assert [r.rule for r in log.final()] == ["test-fused"]
 
 
+def test_forgetting_a_miss_keeps_everything_else():
+    """A fold refused at one try and done at a later one: its miss goes, nothing else does."""
+    from graphopt.opt.remarks import Remark, RemarkLog
+
+    log = RemarkLog()
+    log.add(Remark("missed", "fold", "fold-constants", "fold-size-budget", ("a",), "budget"))
+    log.add(Remark("missed", "fold", "fold-constants", "fold-size-limit", ("b",), "limit"))
+    log.add(Remark("analysis", "fold", "fold-constants", "fold-eval-failed", ("a",), "ort"))
+    log.forget_miss("fold-constants", "a")
+    log.forget_miss("other-rule", "b")
+    assert [(r.nodes, r.code) for r in log] == [
+        (("b",), "fold-size-limit"),
+        (("a",), "fold-eval-failed"),
+    ]
+
+
 def test_one_domain_normalization():
     from graphopt.opt.domains import MS, in_domains, is_default, norm_domain, same_domain
 
