@@ -284,9 +284,10 @@ def infer_node(
     if not all(isinstance(t, Constant) or id(t) in given for t in ins):
         return None
     domain = node.domain or ""
-    opsets = {o.domain: o.version for o in _opsets(ir)}
+    imports = _opsets(ir)
     try:
-        schema = onnx.defs.get_schema(node.op, opsets.get(domain, 1), domain)
+        version = next((o.version for o in imports if o.domain == domain), 1)
+        schema = onnx.defs.get_schema(node.op, version, domain)
         types = {
             t.name: onnx.helper.make_tensor_type_proto(*given[id(t)])
             if id(t) in given
@@ -299,7 +300,7 @@ def infer_node(
             if isinstance(t, Constant) and math.prod(t.shape) <= SMALL_CONSTANT
         }
         out = onnx.shape_inference.infer_node_outputs(
-            schema, OnnxExporter.export_node(node), types, data, opset_imports=_opsets(ir)
+            schema, OnnxExporter.export_node(node), types, data, opset_imports=imports
         )
     except (
         onnx.defs.SchemaError,
