@@ -42,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from graphopt.opt.dims import same_dim
+from graphopt.opt.halfcast import float64, to_float16, widen
 from graphopt.opt.ir import Constant, constant_value, dtype_of
 from graphopt.opt.manager import register_rule
 from graphopt.opt.precision import (
@@ -106,7 +107,7 @@ class ConvScaleBase(Rule):
                 probe = refold_probe(self.rows(w, group), b, scale, shift, dt, stats)
             if probe is not None and runtime is not None and _runtime_folds(cx.target):
                 rw, rb = runtime()
-                theirs = probe(self.rows(rw.astype(np.float64), group), rb.astype(np.float64))
+                theirs = probe(self.rows(float64(rw), group), float64(rb))
         finally:
             if rounded is not None:
                 stored_w = rounded()
@@ -114,8 +115,8 @@ class ConvScaleBase(Rule):
 
         def measure() -> dict[str, float]:
             if not ours:
-                rows = self.rows(stored_w.astype(np.float64), group)
-                ours.update(probe(rows, stored_b.astype(np.float64)))
+                rows = self.rows(float64(stored_w), group)
+                ours.update(probe(rows, float64(stored_b)))
             return ours
 
         try:
@@ -200,7 +201,7 @@ class FuseConvBatchNorm(ConvScaleBase):
             ("BN running_var", m.var),
         )
         dt = _float_weights(m)
-        w = value(m.W).astype(np.float64)
+        w = float64(value(m.W))
         group = int(m.conv.attrs.get("group", 1))
         c_out = self.out_channels(w, group)
         params = [value(t).astype(np.float64).reshape(-1) for t in (m.gamma, m.beta, m.mean, m.var)]
@@ -318,11 +319,11 @@ def rounding_moves(exact: np.ndarray, nearest: np.ndarray) -> tuple:
     error [rows, 1], what moving there adds to its own error (inf where a move does not help
     the row's sum), the move (meaningful where it helps), whether it helps)."""
     exact = np.asarray(exact, dtype=np.float64)
-    near64 = nearest.astype(np.float64)
+    near64 = float64(nearest)
     resid = near64 - exact
     above = resid > 0  # the other neighbour lies below (toward -inf), else above
     other = _neighbour(nearest, above)
-    step = other.astype(np.float64)
+    step = float64(other)
     step -= near64
     total = resid.sum(axis=1, keepdims=True)
     # a move goes against its value's error (toward the exact value), so it helps the row's sum
@@ -447,9 +448,9 @@ def runtime_bn_fold(w, b, gamma, beta, mean, var, eps: float) -> tuple[np.ndarra
     g, bt, mu, v = (r(np.asarray(t).reshape(-1)) for t in (gamma, beta, mean, var))
     scale = r(g / r(np.sqrt(r(v + np.float32(eps)))))
     # float16 weights widen exactly; the product is rounded to float16 once, as it is stored
-    w32 = w.astype(np.float32) if w.dtype == np.float16 else r(w)
+    w32 = widen(w) if w.dtype == np.float16 else r(w)
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-        weights = (w32 * scale.reshape((-1,) + (1,) * (np.ndim(w) - 1))).astype(np.float16)
+        weights = to_float16(w32 * scale.reshape((-1,) + (1,) * (np.ndim(w) - 1)))
     if b is None:
         bias = r(bt - r(mu * scale))
     else:
