@@ -111,7 +111,14 @@ from graphopt.opt.parity import (
 from graphopt.opt.spool import session_skeleton
 from graphopt.opt.target import Target, get_target
 from graphopt.targets.kernels import model_opsets, primary_slots, resolve
-from graphopt.targets.memory import dtype_name, measured_view, memory_plan, nbytes, shape_view
+from graphopt.targets.memory import (
+    dtype_name,
+    measured_view,
+    memory_plan,
+    nbytes,
+    schema_elem_types,
+    shape_view,
+)
 
 SCHEMA = "graphopt.bundle/1"
 MANIFEST = "manifest.json"
@@ -543,18 +550,23 @@ def _measure_unknown(
     out_dir: Path, model: onnx.ModelProto, view, golden: dict, base_dir=None, known=None
 ) -> int:
     """Fill the shapes static inference left unknown: from ``known`` (the shapes parity's run
-    measured on the golden inputs), the rest from an onnxruntime run on them (none when
-    ``known`` has them all); returns how many were filled."""
+    measured on the golden inputs; element types from static inference, else that run, else
+    the ops' schemas), the rest from an onnxruntime run on them (none when ``known`` has them
+    all); returns how many were filled."""
     unknown = [o for n in model.graph.node for o in n.output if o and nbytes(view.get(o)) is None]
     if not unknown or not golden.get("written"):
         return 0
     # dims as run; the element type static inference gave, where it did (onnxruntime may run a
-    # node in another type between casts it inserted), else the run's
+    # node in another type between casts it inserted), else the run's, else the schema's
     filled = {}
+    elems = {name: info[0] for name, info in view.items() if info and info[0]}
+    elems |= {
+        name: info[0] for name, info in (known or {}).items() if info[0] and name not in elems
+    }
+    elems |= schema_elem_types(model, elems)
     for o in unknown:
-        elem = (view.get(o) or (0,))[0] or (known or {}).get(o, (0,))[0]
-        if known and o in known and elem:
-            filled[o] = (elem, known[o][1])
+        if known and o in known and elems.get(o):
+            filled[o] = (elems[o], known[o][1])
     view.update(filled)
     missing = [o for o in unknown if o not in filled]
     if not missing:

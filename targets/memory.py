@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -171,6 +172,94 @@ def measured_view(
             f"onnxruntime cannot measure the shapes: {text.splitlines()[0] if text else e}"
         ) from None
     return _typed(names, wanted, values)
+
+
+def schema_elem_types(model: onnx.ModelProto, elems: dict[str, int]) -> dict[str, int]:
+    """Element types of main-graph node outputs that ``elems`` (name → known element type) lacks,
+    from their ops' schemas (ONNX's, or onnxruntime's for its contrib ops), in node order: an
+    output whose type variable an input shares has that input's type, one whose constraint
+    allows a single type has that type.  What no schema decides stays out."""
+    known = dict(elems)
+    opsets = {o.domain or "": o.version for o in model.opset_import}
+    out: dict[str, int] = {}
+    for node in model.graph.node:
+        todo = [(i, o) for i, o in enumerate(node.output) if o and not known.get(o)]
+        if not todo:
+            continue
+        schema = _schema(node.op_type, node.domain or "", opsets.get(node.domain or ""))
+        if schema is None:
+            continue
+        formal_in, formal_out, single = schema
+        bound: dict[str, int] = {}
+        for i, name in enumerate(node.input):
+            if name and known.get(name) and formal_in:
+                var = formal_in[min(i, len(formal_in) - 1)]
+                bound.setdefault(var, known[name])
+        for i, name in todo:
+            if not formal_out:
+                break
+            var = formal_out[min(i, len(formal_out) - 1)]
+            elem = bound.get(var) or single.get(var)
+            if elem:
+                known[name] = out[name] = elem
+    return out
+
+
+_TENSOR_TYPES = {
+    f"tensor({name.lower()})": value
+    for name, value in TensorProto.DataType.items()
+    if value != TensorProto.UNDEFINED
+}
+_TENSOR_TYPES |= {"tensor(float)": TensorProto.FLOAT, "tensor(double)": TensorProto.DOUBLE}
+
+
+@lru_cache(maxsize=1)
+def _contrib_schemas() -> dict[tuple[str, str], Any]:
+    """onnxruntime's schemas of ops outside the ONNX domain, the latest version of each."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as C
+
+    out: dict[tuple[str, str], Any] = {}
+    try:
+        schemas = C.get_all_operator_schema()
+    except Exception:  # noqa: BLE001 - a build without schemas: nothing decided from them
+        return out
+    for sc in schemas:
+        if sc.domain in ("", "ai.onnx"):
+            continue
+        key = (sc.domain, sc.name)
+        if key not in out or sc.since_version > out[key].since_version:
+            out[key] = sc
+    return out
+
+
+@lru_cache(maxsize=1024)
+def _schema(op: str, domain: str, opset: int | None):
+    """(input type strings, output type strings, {type string: the one element type it
+    allows}) of an op, or None when no schema is known."""
+    if domain in ("", "ai.onnx"):
+        try:
+            sc = onnx.defs.get_schema(op, opset or onnx.defs.onnx_opset_version(), "")
+        except onnx.defs.SchemaError:
+            return None
+        ins = tuple(f.type_str for f in sc.inputs)
+        outs = tuple(f.type_str for f in sc.outputs)
+        constraints = [
+            (tc.type_param_str, list(tc.allowed_type_strs)) for tc in sc.type_constraints
+        ]
+    else:
+        sc = _contrib_schemas().get((domain, op))
+        if sc is None:
+            return None
+        ins = tuple(f.typeStr for f in sc.inputs)
+        outs = tuple(f.typeStr for f in sc.outputs)
+        constraints = [
+            (tc.type_param_str, list(tc.allowed_type_strs)) for tc in sc.type_constraints
+        ]
+    single = {t: _TENSOR_TYPES[t] for t in ins + outs if t in _TENSOR_TYPES}
+    for var, allowed in constraints:
+        if len(allowed) == 1 and allowed[0] in _TENSOR_TYPES:
+            single[var] = _TENSOR_TYPES[allowed[0]]
+    return ins, outs, single
 
 
 def _typed(names: list[str], wanted: list[str], values: list) -> dict[str, TypeInfo]:

@@ -415,3 +415,70 @@ def test_no_whole_model_session_no_fast_path(wide, tmp_path, monkeypatch, sessio
     fast = manifest_of(out)["fast_path"]
     assert not fast["written"] and "over the piece budget (test)" in fast["why"]
     assert not (out / bundle.FAST_MODEL).exists() and sessions == []
+
+
+def test_element_types_from_schemas():
+    """Outputs static inference cannot type take their type from the op's schema: a type
+    variable bound by an input (contrib ops too), or a constraint of one type."""
+    from graphopt.targets.memory import schema_elem_types
+
+    f16, f32, i64 = onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT, onnx.TensorProto.INT64
+    nodes = [
+        helper.make_node("FastGelu", ["x"], ["g"], domain="com.microsoft"),
+        helper.make_node(
+            "SkipLayerNormalization", ["g", "x", "s", "b"], ["n", "mean"], domain="com.microsoft"
+        ),
+        helper.make_node("Reshape", ["n", "shape"], ["r"]),
+        helper.make_node("Shape", ["r"], ["rs"]),
+        helper.make_node("Cast", ["r"], ["c"], to=f32),
+        helper.make_node("Concat", ["g", "n", "r"], ["cat"], axis=0),
+        helper.make_node("Unknown", ["r"], ["u"], domain="custom.domain"),
+    ]
+    g = helper.make_graph(nodes, "s", [vi("x", [2, 4], f16)], [vi("cat", None, f16)])
+    m = helper.make_model(
+        g,
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+    )
+    got = schema_elem_types(m, {"x": f16, "s": f16, "b": f16, "shape": i64})
+    # Cast's output type is its attribute's, not its schema's; an unknown op decides nothing
+    assert got == {"g": f16, "n": f16, "mean": f32, "r": f16, "rs": i64, "cat": f16}
+
+
+def test_memory_plan_types_profiled_fp16_tensors_from_schemas(rng, tmp_path, monkeypatch):
+    """onnxruntime runs an fp16 FastGelu in float (expanded between casts it inserts): parity's
+    profile has the dims of the Reshape after it but no element type, and static inference
+    none; the schemas type it, so only FastGelu's own output (not profiled) is measured."""
+    f16 = onnx.TensorProto.FLOAT16
+    w = onnx.numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float16), "W")
+    shape = onnx.numpy_helper.from_array(np.array([3, 8, 8], np.int64), "shape")
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["m"], name="mm"),
+        helper.make_node("FastGelu", ["m"], ["g"], domain="com.microsoft", name="gelu"),
+        helper.make_node("Reshape", ["g", "shape"], ["r"], name="reshape"),
+        helper.make_node("Relu", ["r"], ["y"], name="relu"),
+    ]
+    g = helper.make_graph(
+        nodes,
+        "f",
+        [helper.make_tensor_value_info("x", f16, [3, 64])],
+        [helper.make_tensor_value_info("y", f16, [3, 8, 8])],
+        [w, shape],
+    )
+    m = helper.make_model(
+        g,
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+    )
+    m.ir_version = 8
+    src = tmp_path / "f.onnx"
+    onnx.save(m, src)
+    optimized, report = graphopt.optimize(src, target="cpu", level=0)
+    assert report.parity.shapes["r"] == (onnx.TensorProto.UNDEFINED, [3, 8, 8])
+    asked, real = [], bundle.measured_view
+    monkeypatch.setattr(
+        bundle,
+        "measured_view",
+        lambda m, f, names, *a: asked.extend(names) or real(m, f, names, *a),
+    )
+    out = graphopt.write_bundle(optimized, report, tmp_path / "b")
+    plan = json.loads((out / "memory_plan.json").read_text())
+    assert plan["unknown_size_count"] == 0 and asked == ["g"]
