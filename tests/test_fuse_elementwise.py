@@ -109,7 +109,7 @@ def test_real_benchmark_records_its_numbers():
     """The real gate: fired or refused as slower, either way with onnxruntime's numbers."""
     out, report = run(masm(), pipeline=PIPE)
     (r,) = remarks(report, "passed") or remarks(report, "missed")
-    assert r.code in ("fired", "slower-in-context")
+    assert r.code in ("fired", "slower-in-context", "slower")
     b = r.args["gates"]["benchmark"]
     assert r.args["gates"]["in_context"]["neighbours"] == ["Conv"]
     assert b["fused_us"] > 0 and b["unfused_us"] > 0 and b["threads"] == 1
@@ -322,6 +322,49 @@ def test_paddle_hardswish_is_fused(faster, opset):
 
 
 # --------------------------------------------------------------------------- gates
+def test_same_neighbour_kernels():
+    """The chain's own benchmark decides only where onnxruntime runs exactly the same kernels
+    around it with and without the fusion."""
+    nchwc = "com.microsoft.nchwc:Conv"
+    around = [nchwc, "com.microsoft.nchwc:ReorderOutput", "Add", "Mul", "Add", "Concat"]
+    fused = [nchwc, "com.microsoft.nchwc:ReorderOutput", "graphopt.fused:K", "Concat"]
+    chain = ["Add", "Mul", "Add"]
+    assert gates.same_neighbour_kernels(around, fused, chain, "graphopt.fused:K")
+    # a chain op onnxruntime fused into a neighbour (the Add into the Conv): lost by fusing
+    assert not gates.same_neighbour_kernels(
+        [nchwc, "Mul", "Add", "Concat"],
+        [nchwc, "graphopt.fused:K", "Concat"],
+        chain,
+        "graphopt.fused:K",
+    )
+    # the fused model runs a neighbour differently (a reorder more, a plain Conv)
+    assert not gates.same_neighbour_kernels(
+        around, fused + ["com.microsoft.nchwc:ReorderInput"], chain, "graphopt.fused:K"
+    )
+    assert not gates.same_neighbour_kernels(around, ["Conv"] + fused[1:], chain, "graphopt.fused:K")
+    assert not gates.same_neighbour_kernels([], fused, chain, "graphopt.fused:K")
+
+
+def test_same_neighbour_kernels_leave_the_decision_to_the_chain(monkeypatch):
+    """Where the neighbours run the same kernels either way, the chain is not timed with them:
+    its own benchmark decides, and the remark says so."""
+    calls = []
+
+    def timed(unfused, fused, feeds, library, **kw):
+        calls.append(len(unfused.graph.node))
+        return gates.GateResult(True, numbers={"fused_us": 2.0, "unfused_us": 4.0, "speedup": 2.0})
+
+    monkeypatch.setattr(gates, "benchmark", timed)
+    monkeypatch.setattr(gates, "same_neighbour_kernels", lambda *a: True)
+    out, report = run(masm(), pipeline=PIPE)
+    (passed,) = remarks(report, "passed")
+    assert len(calls) == 1 and fused_ops(out)
+    c = passed.args["gates"]["in_context"]
+    assert c["timed"] is False and c["neighbours"] == ["Conv"]
+    assert "same kernels around it either way" in passed.message
+    assert report.parity.ok
+
+
 def test_slower_kernel_is_rejected_with_numbers(monkeypatch):
     def slower(unfused, fused, feeds, library, **kw):
         return gates.GateResult(

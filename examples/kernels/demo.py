@@ -463,11 +463,12 @@ def markdown(r: dict) -> str:
             err = f"{k['max_abs_vs_float64']:.1e}" if k["max_abs_vs_float64"] is not None else "-"
             ort_ops = " + ".join(k["onnxruntime_ops"] or [])
             c = k.get("in_context") or {}
-            ctx = (
-                f"{c['fused_us']} vs {c['unfused_us']} (+{', '.join(c['neighbours'])})"
-                if c
-                else "-"
-            )
+            if c and "fused_us" in c:
+                ctx = f"{c['fused_us']} vs {c['unfused_us']} (+{', '.join(c['neighbours'])})"
+            elif c:  # onnxruntime runs the same kernels around it either way: not timed
+                ctx = f"same kernels around it (+{', '.join(c['neighbours'])})"
+            else:
+                ctx = "-"
             out.append(
                 _row(row["model"], k["at"], k["outcome"], k["shape"], k["fused_us"])
                 + f" {k['unfused_us']} ({ort_ops}) | {ratio} | {ctx} | {err} |"

@@ -10,7 +10,9 @@ For one candidate (a chain of ONNX nodes and the kernel that replaces it) at a c
    ``ORT_ENABLE_ALL`` with one intra-op thread (and one kernel thread), medians of interleaved
    runs -- onnxruntime's own fusions of the chain (e.g. x·σ(x) -> QuickGelu) are in the baseline;
    the pass runs it on the chain alone and on the chain with its neighbours (see
-   ``passes/fuse_elementwise.py``), the latter deciding.  Rounds go on for up to
+   ``passes/fuse_elementwise.py``), the latter deciding -- unless onnxruntime runs the same
+   neighbour kernels either way (:func:`same_neighbour_kernels`: no fusion across the chain's
+   boundary lost), when the chain's own benchmark decides.  Rounds go on for up to
    ``BENCH_BUDGET_S`` each, fewer once they have decided (:func:`decided`).
 
 Each gate says why it failed with the numbers; the pass turns that into a missed remark.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -207,6 +210,13 @@ def decided(unfused: list[float], fused: list[float]) -> bool:
 
 def _ops_after_ort(model: onnx.ModelProto) -> list[str]:
     """The op types onnxruntime runs for ``model`` at ORT_ENABLE_ALL (its own fusions applied)."""
+    return [k.rpartition(":")[2] for k in kernels_after_ort(model)]
+
+
+def kernels_after_ort(model: onnx.ModelProto, library: str | None = None) -> list[str]:
+    """The ops onnxruntime runs for ``model`` at ORT_ENABLE_ALL, its own fusions and layout
+    changes applied, as ``domain:op`` (plain ``op`` in the ONNX domain); ``library``: the
+    generated kernels' library the model needs; empty when onnxruntime does not load it."""
     import tempfile
     from pathlib import Path
 
@@ -218,10 +228,30 @@ def _ops_after_ort(model: onnx.ModelProto) -> list[str]:
         so.log_severity_level = 4
         so.optimized_model_filepath = str(path)
         try:
+            if library:
+                so.register_custom_ops_library(library)
             ort.InferenceSession(model.SerializeToString(), so, ["CPUExecutionProvider"])
-            return [n.op_type for n in onnx.load(str(path)).graph.node]
-        except Exception:  # noqa: BLE001 - informational only
+            nodes = onnx.load(str(path)).graph.node
+        except Exception:  # noqa: BLE001 - not loaded: nothing known
             return []
+        return [f"{n.domain}:{n.op_type}" if n.domain else n.op_type for n in nodes]
+
+
+def same_neighbour_kernels(
+    unfused: list[str], fused: list[str], chain: list[str], kernel: str
+) -> bool:
+    """Whether onnxruntime runs the same kernels around the chain with and without the fusion
+    (``unfused``, ``fused``: :func:`kernels_after_ort` of the chain with its neighbours): every
+    op of the chain still runs unfused (none was fused into a neighbour or converted with one)
+    and the fused model runs exactly the rest plus the kernel.  Then no fusion across the
+    chain's boundary is lost, the neighbours cost the same either way, and the chain's own
+    benchmark decides."""
+    if not unfused or not fused:
+        return False
+    ran, ops = Counter(unfused), Counter(chain)
+    if any(ran[op] < n for op, n in ops.items()):
+        return False
+    return ran - ops + Counter({kernel: 1}) == Counter(fused)
 
 
 def median_us(sess: ort.InferenceSession, feeds: dict[str, np.ndarray], runs: int = 30) -> float:
