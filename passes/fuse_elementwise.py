@@ -802,7 +802,9 @@ class FuseElementwise(Pass):
                 if not bench.ok:
                     return gates.GateResult(False, bench.code, bench.message, numbers)
                 return gates.GateResult(True, numbers=numbers)
-            in_ctx = gates.benchmark(c_unfused, c_fused, c_feeds, str(lib.path))
+            in_ctx = gates.benchmark(
+                c_unfused, c_fused, c_feeds, str(lib.path), unfused_kernels=around
+            )
             numbers["in_context"] = {**in_ctx.numbers, "neighbours": neighbours}
             if not in_ctx.ok:
                 return gates.GateResult(

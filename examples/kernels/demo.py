@@ -260,7 +260,7 @@ def silu_vs_quickgelu(shape, seconds) -> dict:
     )
     return {
         "shape": shape,
-        "onnxruntime_ops": gates._ops_after_ort(chain),
+        "onnxruntime_ops": [k.rpartition(":")[2] for k in gates.kernels_after_ort(chain)],
         "onnxruntime_us": round(ms[0] * 1e3, 1),
         "generated_us": round(ms[1] * 1e3, 1),
     }

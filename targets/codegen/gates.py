@@ -148,11 +148,15 @@ def benchmark(
     library: str,
     *,
     budget_s: float = BENCH_BUDGET_S,
+    unfused_kernels: list[str] | None = None,
 ) -> GateResult:
-    """Medians of interleaved runs at ORT_ENABLE_ALL, one thread each."""
+    """Medians of interleaved runs at ORT_ENABLE_ALL, one thread each; ``unfused_kernels``:
+    :func:`kernels_after_ort` of ``unfused`` when the caller has it."""
     base = session(unfused, "ORT_ENABLE_ALL")
     mine = session(fused, "ORT_ENABLE_ALL", library=library)
-    base_ops = _ops_after_ort(unfused)
+    if unfused_kernels is None:
+        unfused_kernels = kernels_after_ort(unfused)
+    base_ops = [k.rpartition(":")[2] for k in unfused_kernels]
     runs: list[list[float]] = [[], []]
     sessions = [base, mine]
     for s in sessions:
@@ -206,11 +210,6 @@ def decided(unfused: list[float], fused: list[float]) -> bool:
         return False
     _, low, high = ratio_interval([f / u for u, f in zip(unfused, fused)], resamples=500)
     return low > 1.0 or high < 1.0 or (1.0 - BENCH_TIE < low and high < 1.0 + BENCH_TIE)
-
-
-def _ops_after_ort(model: onnx.ModelProto) -> list[str]:
-    """The op types onnxruntime runs for ``model`` at ORT_ENABLE_ALL (its own fusions applied)."""
-    return [k.rpartition(":")[2] for k in kernels_after_ort(model)]
 
 
 def kernels_after_ort(model: onnx.ModelProto, library: str | None = None) -> list[str]:
