@@ -288,24 +288,49 @@ def session_skeleton(model: onnx.ModelProto, spooled: Spooled) -> onnx.ModelProt
     return copy_with_initializers(model, put)
 
 
+def _remove_spool(path: Path, made: tuple[Path, ...]) -> None:
+    remove_path(path)
+    _remove_empty(made)
+
+
+def _remove_empty(folders: tuple[Path, ...]) -> None:
+    """Remove ``folders`` (deepest first) that are still empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty (the output was written there), or gone
+            return
+
+
 class SpoolDir:
     """A private folder for spooled models, removed with what is left in it on :meth:`cleanup`,
     at the end of a ``with`` block, when this object is collected or when the process exits;
     ``parent``: where it is made, default the system's temporary folder."""
 
-    def __init__(self, parent: str | os.PathLike | None = None, prefix: str = "graphopt-spool-"):
+    def __init__(
+        self,
+        parent: str | os.PathLike | None = None,
+        prefix: str = "graphopt-spool-",
+        made: tuple[Path, ...] = (),
+    ):
         self.path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
-        self._finalizer = weakref.finalize(self, remove_path, self.path)
+        self._finalizer = weakref.finalize(self, _remove_spool, self.path, made)
 
     @classmethod
     def beside(cls, final: str | os.PathLike) -> SpoolDir:
         """A folder beside the output ``final`` (named as that output's temporaries, so that a
         killed run's is swept by the next write of it): the bundle renames the spooled model
-        into place.  In the temporary folder where one cannot be made there."""
-        final = Path(final)
+        into place, on the same file system (not a copy from the temporary folder's).  The
+        output's missing parent folders are made for it, as writing the output makes them,
+        and removed again on cleanup while they are empty.  In the temporary folder where
+        one cannot be made there."""
+        final = Path(final).absolute()
+        made = tuple(p for p in final.parents if not os.path.lexists(p))
         try:
-            return cls(final.parent, temp_prefix(final, "tmp"))
+            final.parent.mkdir(parents=True, exist_ok=True)
+            return cls(final.parent, temp_prefix(final, "tmp"), made)
         except OSError:
+            _remove_empty(made)
             return cls()
 
     def cleanup(self) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -196,3 +197,35 @@ def test_the_hash_is_the_files_whether_pieces_are_hashed_inline_or_on_the_thread
     data = m.SerializeToString()
     assert written.path.read_bytes() == data
     assert written.sha256 == hashlib.sha256(data).hexdigest()
+
+
+def test_the_spool_folder_is_beside_an_output_whose_folders_do_not_exist_yet(tmp_path):
+    final = tmp_path / "a" / "b" / "out"
+    spool_dir = SpoolDir.beside(final)
+    assert spool_dir.path.parent == final.parent  # the same file system: moved, not copied
+    spool_dir.cleanup()
+    assert list(tmp_path.iterdir()) == []  # the folders it made, still empty, are gone
+    spool_dir = SpoolDir.beside(final)
+    final.mkdir()  # the output was written there
+    spool_dir.cleanup()
+    assert final.is_dir() and not spool_dir.path.exists()
+
+
+def test_a_nested_new_output_folder_gets_the_spooled_model_moved_in(tmp_path, monkeypatch):
+    from cli_runner import CliRunner
+    from graphopt.opt import spool as spool_module
+
+    src = tmp_path / "m.onnx"
+    onnx.save(matmul_model(), src)
+    made = []
+    mkdtemp = spool_module.tempfile.mkdtemp
+    monkeypatch.setattr(
+        spool_module.tempfile, "mkdtemp", lambda **kw: made.append(kw.get("dir")) or mkdtemp(**kw)
+    )
+    out = tmp_path / "x" / "y" / "out"
+    res = CliRunner().invoke(app, ["optimize", str(src), "-o", str(out), "--no-check", "-q"])
+    assert res.exit_code == 0, res.output
+    assert (out / "model.onnx").is_file()
+    # spooled beside it (not in the temporary folder): renamed into place
+    assert {Path(d).resolve() for d in made} == {out.parent.resolve()}  # and the staging
+    assert sorted(p.name for p in out.parent.iterdir()) == ["out"]
