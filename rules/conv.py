@@ -337,8 +337,22 @@ def rounding_moves(exact: np.ndarray, nearest: np.ndarray) -> tuple:
     cost = resid + step
     np.abs(cost, out=cost)
     cost -= np.abs(resid)
-    np.putmask(cost, ~useful, np.inf)
+    _infinite_where_not(cost, useful)
     return other, total, cost, step, useful
+
+
+_INF_BITS = np.float64(np.inf).view(np.int64)
+
+
+def _infinite_where_not(values: np.ndarray, keep: np.ndarray) -> None:
+    """``values[~keep] = inf`` (float64, in place), on the bits: a masked store branches on
+    every value and runs 3x slower on a mask as irregular as which moves help."""
+    drop = keep.view(np.int8).astype(np.int64)
+    drop -= 1  # all bits set where not kept, none where kept
+    bits = values.view(np.int64)
+    bits &= ~drop
+    drop &= _INF_BITS
+    bits |= drop
 
 
 def _neighbour(values: np.ndarray, down: np.ndarray) -> np.ndarray:
