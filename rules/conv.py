@@ -273,12 +273,20 @@ def compensated_rows(exact: np.ndarray, nearest: np.ndarray) -> np.ndarray:
     return compensated_rows_started(exact, nearest)()
 
 
+def _pool() -> ThreadPoolExecutor:
+    global _rounding_pool
+    if _rounding_pool is None:
+        _rounding_pool = ThreadPoolExecutor(ROUNDING_THREADS, thread_name_prefix="graphopt-round")
+    return _rounding_pool
+
+
 def compensated_rows_started(exact: np.ndarray, nearest: np.ndarray) -> Callable[[], np.ndarray]:
     """:func:`compensated_rows`, its blocks started on the rounding threads (when there are
     several): returns what waits for them and gives the rows."""
-    global _rounding_pool
     rows, n = exact.shape
     per = max(1, ROUNDING_BLOCK // max(n, 1))
+    if rows <= per and ROUNDING_THREADS > 1:  # one block, still beside the caller's work
+        return _pool().submit(_compensated_block, exact, nearest).result
     if rows <= per:
         out = _compensated_block(exact, nearest)
         return lambda: out
@@ -293,9 +301,7 @@ def compensated_rows_started(exact: np.ndarray, nearest: np.ndarray) -> Callable
         for span in spans:
             block(span)
         return lambda: out
-    if _rounding_pool is None:
-        _rounding_pool = ThreadPoolExecutor(ROUNDING_THREADS, thread_name_prefix="graphopt-round")
-    futures = [_rounding_pool.submit(block, span) for span in spans]
+    futures = [_pool().submit(block, span) for span in spans]
 
     def wait() -> np.ndarray:
         for f in futures:
