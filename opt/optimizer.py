@@ -372,11 +372,15 @@ def optimize(
     why = _unmeasured(measure, check, tgt.name, parity) or too_large(model)
     performance: dict[str, Any] = {"measured": False, "why": why}
     original_outputs: dict[str, dict] = {}
+    fast_path = None
     if why is None:
         with clock.phase("measure"):
             net = _PerfNet(model, optimized, cx, execute, bisect_limit, base_dir, say)
-            optimized, cx, performance = net.run(tgt, parity.feeds, optimize_s)
-            original_outputs = net.original_outputs
+            # the final model's timing session saves the bundle's fast path beside the
+            # spooled model (one session of it, not two)
+            save_into = serialized.folder.path if serialized is not None else None
+            optimized, cx, performance = net.run(tgt, parity.feeds, optimize_s, save_into)
+            original_outputs, fast_path = net.original_outputs, net.fast_path
         if performance.get("reverted"):
             with clock.phase("parity"):
                 parity, parity_f64 = _parities(
@@ -433,6 +437,11 @@ def optimize(
             "reference_outputs": parity.reference_outputs if parity.ran else None,
             # the original's outputs on those inputs by session level (the performance net's)
             "original_outputs": original_outputs,
+            # onnxruntime's optimized form of the returned model, saved by the performance
+            # net's session of it (perf.Saved), or None
+            "fast_path": fast_path
+            if fast_path is not None and fast_path.model is optimized
+            else None,
         },
     )
     report.seconds = clock.seconds()
@@ -719,6 +728,9 @@ class _PerfNet:
         self.built: dict[frozenset, tuple] = {frozenset(): (optimized, cx)}
         #: the original's outputs on the parity inputs by session level, as the net ran it
         self.original_outputs: dict[str, dict] = {}
+        #: onnxruntime's optimized form of the returned model, written by the session that
+        #: timed it (:class:`~graphopt.opt.perf.Saved`): the bundle's fast path
+        self.fast_path = None
 
     def skip_for(self, rules: frozenset) -> frozenset:
         return self.cx.skip | {(r, n) for _, r, n in self.cx.applied if r in rules}
@@ -738,15 +750,28 @@ class _PerfNet:
             self.built[rules] = out
         return self.built[rules]
 
-    def run(self, tgt, feeds, optimize_s: float) -> tuple[onnx.ModelProto, Any, dict]:
-        from ..targets.bundle import session_config
+    def run(
+        self, tgt, feeds, optimize_s: float, save_into: Path | None = None
+    ) -> tuple[onnx.ModelProto, Any, dict]:
+        """Time the optimized model against the original and revert the rules that made it
+        slower; with ``save_into`` (a folder), the session timing the final model also saves
+        onnxruntime's optimized form of it there (:attr:`fast_path`)."""
+        from ..targets.bundle import FAST_MODEL, session_config
         from . import perf
 
         budget = max(perf.MIN_BUDGET_S, optimize_s)
         self.say(f"timing the bundle against the original (at most {budget:.0f} s)")
         start = time.perf_counter()
+        duel = None
         try:
-            duel = perf.Duel(self.original, feeds, lambda m: session_config(tgt, m), self.base_dir)
+            duel = perf.Duel(
+                self.original,
+                feeds,
+                lambda m: session_config(tgt, m),
+                self.base_dir,
+                save_into=save_into,
+                save_as=FAST_MODEL,
+            )
             self.original_outputs = duel.outputs
             net = perf.find_slow_rules(
                 self.rules,
@@ -754,6 +779,8 @@ class _PerfNet:
                 budget - (time.perf_counter() - start),  # loading the original counts too
             )
         except GraphoptError as e:
+            if duel is not None:
+                duel.discard_saved()
             return self.optimized, self.cx, {"measured": False, "why": str(e)}
         optimized, cx = self.optimized, self.cx
         reverted = frozenset(rule for rule, _ in net.reverted)
@@ -772,4 +799,8 @@ class _PerfNet:
             )
         for remark in perf.remarks(net, self.cx.applied, budget):
             cx.remarks.add(remark)
+        if duel.saved is not None and duel.saved.model is optimized:
+            self.fast_path = duel.saved
+        else:  # saved for a candidate that is not the model returned
+            duel.discard_saved()
         return optimized, cx, perf.summary(net, budget)

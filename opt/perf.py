@@ -47,7 +47,7 @@ import onnxruntime as ort
 
 from .customops import register_libraries
 from .errors import GraphoptError
-from .io import serialize, write_model_files
+from .io import discard, serialize, write_model_files
 
 #: slower beyond noise: the interval's lower bound above 1 + MARGIN
 MARGIN = 0.015
@@ -235,12 +235,39 @@ def _options(level: str, disabled_entries: dict[str, str], base_dir) -> ort.Sess
     return so
 
 
-class _Loaded:
-    """An onnxruntime session at given settings (spilled to a temp dir when over 2 GB)."""
+def save_optimized(so: ort.SessionOptions, path: Path) -> None:
+    """Make the session ``so`` configures write the graph onnxruntime optimized to ``path``,
+    its weights beside it in ``<name>.data`` (mapped at load rather than parsed)."""
+    so.optimized_model_filepath = str(path)
+    so.add_session_config_entry(
+        "session.optimized_model_external_initializers_file_name", f"{path.name}.data"
+    )
+    so.add_session_config_entry(
+        "session.optimized_model_external_initializers_min_size_in_bytes", "1024"
+    )
 
-    def __init__(self, model: onnx.ModelProto, config: dict[str, Any], base_dir) -> None:
+
+@dataclass
+class Saved:
+    """onnxruntime's optimized form of ``model`` (its graph at ``config``'s settings), written
+    by the session that timed it: ``path`` and ``<path>.data``."""
+
+    model: onnx.ModelProto
+    path: Path
+    config: dict[str, Any]
+
+
+class _Loaded:
+    """An onnxruntime session at given settings (spilled to a temp dir when over 2 GB);
+    ``save_to``: where onnxruntime writes the graph it optimized (:func:`save_optimized`)."""
+
+    def __init__(
+        self, model: onnx.ModelProto, config: dict[str, Any], base_dir, save_to: Path | None = None
+    ) -> None:
         level = config.get("graph_optimization_level", BASELINE)
         so = _options(level, config.get("session_config_entries") or {}, base_dir)
+        if save_to is not None:
+            save_optimized(so, save_to)
         disabled = list(config.get("disabled_optimizers") or [])
         self._tmp = None
         try:
@@ -291,7 +318,12 @@ def _time(run: Callable[[], object], k: int) -> float:
 
 
 class Duel:
-    """The original at ORT_ENABLE_ALL (loaded once) against candidates at their bundle settings."""
+    """The original at ORT_ENABLE_ALL (loaded once) against candidates at their bundle settings.
+
+    With ``save_into`` (a folder), each candidate's session also writes onnxruntime's optimized
+    form of it there (``<save_into>/fast-*/<save_as>``; :attr:`saved`, the latest candidate's
+    only): the bundle's fast path when that candidate is the final model, so that the bundle
+    does not build the same session again to save it."""
 
     def __init__(
         self,
@@ -300,8 +332,12 @@ class Duel:
         config: Callable[[onnx.ModelProto], dict[str, Any]],
         base_dir=None,
         margin: float = MARGIN,
+        save_into: Path | None = None,
+        save_as: str = "model.optimized.onnx",
     ) -> None:
         self.feeds, self.config, self.base_dir, self.margin = feeds, config, base_dir, margin
+        self.save_into, self.save_as = save_into, save_as
+        self.saved: Saved | None = None
         loaded = _Loaded(original, {"graph_optimization_level": BASELINE}, base_dir)
         self.base = loaded.runner(feeds)
         names = [o.name for o in loaded.sess.get_outputs()]
@@ -311,8 +347,10 @@ class Duel:
 
     def measure(self, model: onnx.ModelProto, seconds: float) -> Timing:
         start = time.perf_counter()
-        cand = _Loaded(model, self.config(model), self.base_dir).runner(self.feeds)
-        created = time.perf_counter() - start
+        saved = self.saved
+        cand = self._load(model).runner(self.feeds)
+        # None when that session also wrote the fast path: its creation time says nothing
+        created = time.perf_counter() - start if self.saved is saved else None
         runs = (cand, self.base)
         warm = min(_time(r, 1) for r in runs)  # warm-up; the first run allocates
         if warm >= ONE_RUN_S:  # a run alone is a round: no estimate needed
@@ -340,6 +378,31 @@ class Duel:
         ratio, low, high = ratio_interval(ratios)
         seconds = time.perf_counter() - start
         return Timing(ratio, low, high, len(ratios), seconds, tuple(ratios), tuple(own), created)
+
+    def _load(self, model: onnx.ModelProto) -> _Loaded:
+        """The candidate's session; it saves its optimized graph when asked to and this model
+        has none saved yet (a session that cannot save is made again without)."""
+        config = self.config(model)
+        if self.save_into is None or (self.saved is not None and self.saved.model is model):
+            return _Loaded(model, config, self.base_dir)
+        folder = Path(tempfile.mkdtemp(prefix="fast-", dir=self.save_into))
+        path = folder / self.save_as
+        try:
+            loaded = _Loaded(model, config, self.base_dir, path)
+        except GraphoptError:
+            loaded = None
+        if loaded is None or not path.is_file():
+            discard(folder)
+            return loaded or _Loaded(model, config, self.base_dir)
+        self.discard_saved()
+        self.saved = Saved(model, path, config)
+        return loaded
+
+    def discard_saved(self) -> None:
+        """Remove the optimized graph saved last (when it will not be used)."""
+        if self.saved is not None:
+            discard(self.saved.path.parent)
+            self.saved = None
 
 
 def latency(t: Timing) -> dict[str, Any] | None:

@@ -44,7 +44,9 @@ directory (so the whole bundle appears in one rename):
   ``write_bundle(..., fast_path=True)`` checks it on seeded random inputs instead).  It is
   written by the very session that verifies the bundle (the portable model at the session
   config's level, which ``optimized_model_filepath`` makes onnxruntime save), and checked
-  against that session's outputs: one session of the portable model, not two.
+  against that session's outputs: one session of the portable model, not two.  Where the
+  performance safety net timed the final model, its session (the same model at the same
+  settings) saved it already and the bundle moves that in (``fast_path.saved_by``).
 * the manifest's ``integrity``: per model file its size, the sha256 of every byte (taken once,
   while model.onnx is written) and a fingerprint (sha256 of the size and sampled blocks,
   :func:`fingerprint`); the fast path's files, a copy onnxruntime derives here, record the size
@@ -71,6 +73,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -108,6 +111,7 @@ from graphopt.opt.parity import (
     make_inputs,
     too_large,
 )
+from graphopt.opt.perf import save_optimized
 from graphopt.opt.spool import session_skeleton
 from graphopt.opt.target import Target, get_target
 from graphopt.targets.kernels import model_opsets, primary_slots, resolve
@@ -484,13 +488,16 @@ def write_bundle_files(
         "bundle: verifying it as load_session runs it"
         + (", saving onnxruntime's optimized model (the fast path)" if save_to else "")
     )
-    verified, latency, ran = _verify(out_dir, manifest, session, target, report, save_to)
+    presaved = _presaved_fast_path(ctx.get("fast_path"), model, session) if save_to else None
+    verified, latency, ran = _verify(out_dir, manifest, session, target, report, save_to, presaved)
     manifest["verified"], manifest["latency"] = verified, latency
     if refusal:
         manifest["fast_path"] = {"written": False, "why": refusal}
     else:
         say("bundle: checking the machine-specific fast path")
         manifest["fast_path"] = _write_fast_path(out_dir, manifest, session, target, ran)
+        if manifest["fast_path"].get("written") and (ran or {}).get("saved_by"):
+            manifest["fast_path"]["saved_by"] = ran["saved_by"]
     if manifest["fast_path"].get("written"):
         files["fast_path"] = FAST_MODEL
         kept = [f for f in FAST_FILES if (out_dir / f).is_file()]
@@ -867,14 +874,17 @@ def _verify(
     target: Target,
     report,
     save_to: Path | None = None,
+    presaved: Path | None = None,
 ) -> tuple[dict, dict | None, dict | None]:
     """Run the bundle as load_session builds it; never claim what did not run.  With
     ``save_to``, the portable model's session saves onnxruntime's optimized model there (the
-    fast path) and the fast path, loaded as load_session loads it on this machine, is what runs
-    (its graph is that session's); where it does not load or agree, the portable model runs
-    instead and the fast path goes.  Returns the manifest's ``verified`` and ``latency`` and what
-    ran (None when nothing did): ``fast`` (the fast path's verdict: :func:`_fast_run`,
-    :func:`_portable_instead`) and ``save_error`` (why onnxruntime could not save it)."""
+    fast path; moved there from ``presaved`` instead when the performance net's session of the
+    same model at the same settings saved it) and the fast path, loaded as load_session loads
+    it on this machine, is what runs (its graph is that session's); where it does not load or
+    agree, the portable model runs instead and the fast path goes.  Returns the manifest's
+    ``verified`` and ``latency`` and what ran (None when nothing did): ``fast`` (the fast
+    path's verdict: :func:`_fast_run`, :func:`_portable_instead`), ``save_error`` (why
+    onnxruntime could not save it) and ``saved_by`` (which session saved it)."""
     on_device = (
         target.device_available
         and bool(session.get("providers"))
@@ -909,8 +919,14 @@ def _verify(
     # the tolerance parity held the model to (an fp16 model's, whatever its outputs' dtype)
     dtype = compute_dtype(ctx["original"]) if ctx.get("original") is not None else None
     fast: dict[str, Any] = {}
+    saved_by = None
     try:
-        sess, created, save_error = _bundle_session(out_dir, providers, save_to)
+        if save_to is not None and presaved is not None and _moved_in(presaved, save_to):
+            sess, created, save_error = None, None, None
+            saved_by = PRESAVED_BY
+        else:
+            sess, created, save_error = _bundle_session(out_dir, providers, save_to)
+            saved_by = SAVED_BY if save_to is not None and save_error is None else None
         feeds, expected = _golden(out_dir)
         if save_to is not None and save_error is None:
             sess = None  # its graph is the fast path's: that runs in its stead, as load_session
@@ -952,7 +968,43 @@ def _verify(
         latency := _bundle_latency(sess, feeds, created, report)
     ):
         latency["providers"] = providers
-    return verified, latency, {"fast": fast, "save_error": save_error}
+    return verified, latency, {"fast": fast, "save_error": save_error, "saved_by": saved_by}
+
+
+#: the manifest's ``fast_path.saved_by``: which onnxruntime session wrote the fast path
+SAVED_BY = "the bundle's verification session (model.onnx at the session config's settings)"
+PRESAVED_BY = (
+    "the performance safety net's session of the final model (the session config's settings, "
+    "1 thread), the one that timed it: the same graph, not built twice"
+)
+
+
+def _presaved_fast_path(saved, model: onnx.ModelProto, session: dict) -> Path | None:
+    """The fast path the performance net's session saved (``saved``: perf.Saved) when it is of
+    this very ``model`` at the session config's settings and providers, else None."""
+    if saved is None or saved.model is not model or not saved.path.is_file():
+        return None
+    if list(session.get("providers") or []) != ["CPUExecutionProvider"]:
+        return None
+    level = session.get("graph_optimization_level", "ORT_ENABLE_EXTENDED")
+    theirs = saved.config.get("graph_optimization_level", "ORT_ENABLE_EXTENDED")
+    if _settings(saved.config, theirs) != _settings(session, level):
+        return None
+    return saved.path
+
+
+def _moved_in(presaved: Path, save_to: Path) -> bool:
+    """Move the presaved fast path (and its weights) to ``save_to``; False (nothing moved)
+    when it cannot be."""
+    data = presaved.with_name(presaved.name + ".data")
+    try:
+        if data.is_file():
+            shutil.move(data, save_to.with_name(save_to.name + ".data"))
+        shutil.move(presaved, save_to)
+        return True
+    except OSError:
+        _remove(save_to.parent, [save_to.name, save_to.name + ".data"])
+        return False
 
 
 def _fast_run(
@@ -1307,13 +1359,7 @@ def _session(
     for key, value in sorted(entries.items()):
         so.add_session_config_entry(key, str(value))
     if save_to is not None:  # weights beside it, mapped at load rather than parsed
-        so.optimized_model_filepath = str(save_to)
-        so.add_session_config_entry(
-            "session.optimized_model_external_initializers_file_name", f"{save_to.name}.data"
-        )
-        so.add_session_config_entry(
-            "session.optimized_model_external_initializers_min_size_in_bytes", "1024"
-        )
+        save_optimized(so, save_to)
     _register_kernels(path, manifest, config, so, wanted, verify != "none")
     try:
         with _kernel_threads(config.get("kernel_threads")):

@@ -7,6 +7,7 @@ import json
 import time
 
 import numpy as np
+import onnx
 import pytest
 from onnx import helper
 
@@ -308,3 +309,70 @@ def test_a_suspect_first_measurement_is_extended_and_pooled():
     assert calls == [frozenset(), frozenset()] and net.measurements == 2
     assert net.first.rounds == 52 and net.first.slower()
     assert "not from a rewrite" in net.stopped  # no rule fired: nothing to revert
+
+
+def _saving_sessions(monkeypatch):
+    """Every bundle session made to save onnxruntime's optimized graph (the fast path)."""
+    from graphopt.targets import bundle
+
+    calls = []
+    session = bundle._session
+
+    def traced(*args, **kw):
+        save_to = args[7] if len(args) > 7 else kw.get("save_to")
+        if save_to is not None:
+            calls.append(save_to)
+        return session(*args, **kw)
+
+    monkeypatch.setattr(bundle, "_session", traced)
+    return calls
+
+
+def test_the_session_that_timed_the_final_model_saved_its_fast_path(
+    measuring, monkeypatch, tmp_path
+):
+    from graphopt.targets import bundle
+
+    saving = _saving_sessions(monkeypatch)
+    # no rule to revert: the model timed first is the model returned, however noisy the timing
+    out, report = graphopt.optimize(slow_model(), pipeline="dce")
+    assert report.performance["measured"] and not report.performance["reverted"]
+    presaved = report.bundle_context["fast_path"]
+    assert presaved.model is out and presaved.path.is_file()
+    written = graphopt.write_bundle(out, report, tmp_path / "b")
+    fast = json.loads((written / "manifest.json").read_text())["fast_path"]
+    assert fast["written"] and fast["verified"]["ok"] and fast["saved_by"] == bundle.PRESAVED_BY
+    assert saving == []  # the bundle built no session of its own to save it
+    assert not presaved.path.exists()  # moved into the bundle, nothing left behind
+    sess, how = graphopt.open_session(written)
+    assert how["fast_path"] and how["model"] == bundle.FAST_MODEL
+
+
+def test_a_fast_path_saved_for_another_model_is_not_used(measuring, monkeypatch, tmp_path):
+    from graphopt.targets import bundle
+
+    saving = _saving_sessions(monkeypatch)
+    out, report = graphopt.optimize(slow_model(), pipeline="dce")
+    assert report.bundle_context["fast_path"].model is out
+    changed = type(out)()
+    changed.CopyFrom(out)  # another model object (a caller's edited copy)
+    written = graphopt.write_bundle(changed, report, tmp_path / "b")
+    fast = json.loads((written / "manifest.json").read_text())["fast_path"]
+    assert fast["written"] and fast["saved_by"] == bundle.SAVED_BY
+    assert len(saving) == 1  # its own session saved it
+
+
+def test_the_fast_path_is_the_final_models_after_a_revert(
+    slow_rule, measuring, monkeypatch, tmp_path
+):
+    from graphopt.targets import bundle
+
+    out, report = graphopt.optimize(slow_model(), pipeline=PIPELINE)
+    assert "test-slow-neg" in [r["rule"] for r in report.performance["reverted"]]
+    presaved = report.bundle_context["fast_path"]
+    assert presaved is None or presaved.model is out
+    written = graphopt.write_bundle(out, report, tmp_path / "b")
+    fast = json.loads((written / "manifest.json").read_text())["fast_path"]
+    assert fast["written"] and fast["verified"]["ok"]
+    saved = onnx.load(str(written / bundle.FAST_MODEL), load_external_data=False)
+    assert "MatMul" not in {n.op_type for n in saved.graph.node}  # not the slow candidate's
