@@ -376,10 +376,9 @@ def optimize(
     if why is None:
         with clock.phase("measure"):
             net = _PerfNet(model, optimized, cx, execute, bisect_limit, base_dir, say)
-            # the final model's timing session saves the bundle's fast path beside the
-            # spooled model (one session of it, not two)
-            save_into = serialized.folder.path if serialized is not None else None
-            optimized, cx, performance = net.run(tgt, parity.feeds, optimize_s, save_into)
+            # the final model's timing session loads it as written and saves the bundle's
+            # fast path beside it (one session of it, not two)
+            optimized, cx, performance = net.run(tgt, parity.feeds, optimize_s, serialized)
             original_outputs, fast_path = net.original_outputs, net.fast_path
         if performance.get("reverted"):
             with clock.phase("parity"):
@@ -717,6 +716,17 @@ def _unmeasured(measure: bool, check: bool, target: str, parity: ParityReport) -
     return None
 
 
+def _written_form(held: Serialized | None, model: onnx.ModelProto):
+    """``model`` as the validity check wrote it, for an onnxruntime session: (a skeleton whose
+    weights are mapped from the spooled file, its folder) or (its bytes, None); None when
+    ``held`` does not hold this very model."""
+    if held is None or held.model is not model:
+        return None
+    if held.spooled is not None:
+        return serialize(session_skeleton(model, held.spooled)), held.spooled.path.parent
+    return (held.data, None) if held.data is not None else None
+
+
 class _PerfNet:
     """The performance safety net over one optimization (:mod:`graphopt.opt.perf`): candidates
     are the pipeline re-run with every rewrite of some rules skipped."""
@@ -751,11 +761,13 @@ class _PerfNet:
         return self.built[rules]
 
     def run(
-        self, tgt, feeds, optimize_s: float, save_into: Path | None = None
+        self, tgt, feeds, optimize_s: float, held: Serialized | None = None
     ) -> tuple[onnx.ModelProto, Any, dict]:
         """Time the optimized model against the original and revert the rules that made it
-        slower; with ``save_into`` (a folder), the session timing the final model also saves
-        onnxruntime's optimized form of it there (:attr:`fast_path`)."""
+        slower.  With ``held`` (the validity check's written form of the model), a candidate
+        that is the model it holds is loaded from that (not serialized again), and the session
+        timing the final model also saves onnxruntime's optimized form of it in its folder
+        (:attr:`fast_path`)."""
         from ..targets.bundle import FAST_MODEL, session_config
         from . import perf
 
@@ -769,8 +781,9 @@ class _PerfNet:
                 feeds,
                 lambda m: session_config(tgt, m),
                 self.base_dir,
-                save_into=save_into,
+                save_into=held.folder.path if held is not None else None,
                 save_as=FAST_MODEL,
+                written=lambda m: _written_form(held, m),
             )
             self.original_outputs = duel.outputs
             net = perf.find_slow_rules(

@@ -259,12 +259,21 @@ class Saved:
 
 class _Loaded:
     """An onnxruntime session at given settings (spilled to a temp dir when over 2 GB);
-    ``save_to``: where onnxruntime writes the graph it optimized (:func:`save_optimized`)."""
+    ``save_to``: where onnxruntime writes the graph it optimized (:func:`save_optimized`);
+    ``written``: the model as it was written already, (bytes or a model whose weights are
+    external data, the folder they resolve in), loaded instead of serializing it again."""
 
     def __init__(
-        self, model: onnx.ModelProto, config: dict[str, Any], base_dir, save_to: Path | None = None
+        self,
+        model: onnx.ModelProto,
+        config: dict[str, Any],
+        base_dir,
+        save_to: Path | None = None,
+        written: tuple[Any, Path | None] | None = None,
     ) -> None:
         level = config.get("graph_optimization_level", BASELINE)
+        if written is not None:  # the model as written: its bytes, or a skeleton and its folder
+            base_dir = written[1]
         so = _options(level, config.get("session_config_entries") or {}, base_dir)
         if save_to is not None:
             save_optimized(so, save_to)
@@ -272,7 +281,7 @@ class _Loaded:
         self._tmp = None
         try:
             kernels = register_libraries(so, model)
-            src: Any = serialize(model)
+            src: Any = written[0] if written is not None else serialize(model)
             if src is None:
                 self._tmp = tempfile.TemporaryDirectory(prefix="graphopt-perf-")
                 src = str(Path(self._tmp.name) / "model.onnx")
@@ -334,9 +343,12 @@ class Duel:
         margin: float = MARGIN,
         save_into: Path | None = None,
         save_as: str = "model.optimized.onnx",
+        written: Callable[[onnx.ModelProto], tuple[Any, Path | None] | None] | None = None,
     ) -> None:
         self.feeds, self.config, self.base_dir, self.margin = feeds, config, base_dir, margin
         self.save_into, self.save_as = save_into, save_as
+        #: a candidate as it was written already (:class:`_Loaded`'s ``written``), or None
+        self.written = written or (lambda _model: None)
         self.saved: Saved | None = None
         loaded = _Loaded(original, {"graph_optimization_level": BASELINE}, base_dir)
         self.base = loaded.runner(feeds)
@@ -382,18 +394,18 @@ class Duel:
     def _load(self, model: onnx.ModelProto) -> _Loaded:
         """The candidate's session; it saves its optimized graph when asked to and this model
         has none saved yet (a session that cannot save is made again without)."""
-        config = self.config(model)
+        config, written = self.config(model), self.written(model)
         if self.save_into is None or (self.saved is not None and self.saved.model is model):
-            return _Loaded(model, config, self.base_dir)
+            return _Loaded(model, config, self.base_dir, written=written)
         folder = Path(tempfile.mkdtemp(prefix="fast-", dir=self.save_into))
         path = folder / self.save_as
         try:
-            loaded = _Loaded(model, config, self.base_dir, path)
+            loaded = _Loaded(model, config, self.base_dir, path, written)
         except GraphoptError:
             loaded = None
         if loaded is None or not path.is_file():
             discard(folder)
-            return loaded or _Loaded(model, config, self.base_dir)
+            return loaded or _Loaded(model, config, self.base_dir, written=written)
         self.discard_saved()
         self.saved = Saved(model, path, config)
         return loaded

@@ -376,3 +376,12 @@ def test_the_fast_path_is_the_final_models_after_a_revert(
     assert fast["written"] and fast["verified"]["ok"]
     saved = onnx.load(str(written / bundle.FAST_MODEL), load_external_data=False)
     assert "MatMul" not in {n.op_type for n in saved.graph.node}  # not the slow candidate's
+
+
+def test_the_timed_model_is_loaded_as_the_validity_check_wrote_it(measuring, monkeypatch):
+    serialized = []
+    real = perf.serialize
+    monkeypatch.setattr(perf, "serialize", lambda m: serialized.append(m) or real(m))
+    out, report = graphopt.optimize(slow_model(), pipeline="dce")
+    assert report.performance["measured"]
+    assert serialized and all(m is not out for m in serialized)  # the original's only
