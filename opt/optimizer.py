@@ -20,7 +20,6 @@ import numpy as np
 import onnx
 
 from . import compat
-from .blas import one_blas_thread
 from .clock import Clock
 from .errors import GraphoptError, UsageError
 from .feeds import validate_args
@@ -304,7 +303,7 @@ def optimize(
     freeze = level >= 1 and not keep_weight_inputs
 
     def execute(limit: int | None, skip: frozenset = frozenset()):
-        with imported_apart() as imported, one_blas_thread():  # beside the passes' own threads
+        with imported_apart() as imported:
             ir = ModelIR(work, base_dir, freeze_weights=freeze)
             imported()
             return optimize_ir(ir, limit, skip)
