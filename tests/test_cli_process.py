@@ -92,3 +92,44 @@ def test_one_blas_thread_unless_the_user_chose(env):
         assert said == "None" and threads == env["OPENBLAS_NUM_THREADS"]
     else:
         assert said == "1" and threads == "1"
+
+
+_QUIET_PROBE = """
+import sys
+from graphopt.cli import console
+sys.argv = ["graphopt", "optimize", sys.argv[1], "-o", sys.argv[2], "--quiet", "--no-check"]
+try:
+    console()
+except SystemExit as e:
+    code = e.code
+print(code, any(m == "rich" or m.startswith("rich.") for m in sys.modules))
+"""
+
+
+def test_a_quiet_run_does_not_import_rich(tmp_path):
+    """Nothing is printed: the console library (about 30 ms of every start) is not loaded."""
+    import subprocess
+    import sys
+
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    w = numpy_helper.from_array(np.ones((4, 4), np.float32), "w")
+    node = helper.make_node("MatMul", ["x", "w"], ["y"])
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 4])],
+        [w],
+    )
+    src = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), src)
+    out = subprocess.run(
+        [sys.executable, "-c", _QUIET_PROBE, str(src), str(tmp_path / "b")],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "False"]
