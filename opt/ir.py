@@ -374,10 +374,14 @@ def constant_value(tensor: Tensor | None, max_elements: int | None = None) -> np
         if max_elements is not None and math.prod(tensor.shape) > max_elements:
             return None
         lazy = tensor._values
-        if isinstance(lazy, LazyValues) and lazy.nbytes >= UNCACHED_BYTES:
+        if isinstance(lazy, LazyValues) and (
+            lazy.nbytes >= UNCACHED_BYTES or lazy.tensor.data_location == onnx.TensorProto.EXTERNAL
+        ):
             # read for this use, not kept: the model read holds these bytes already (or they
-            # are mapped from a file), and a rewrite that replaces the weight (a Conv+BN fold)
-            # would leave another copy alive; uncached, the constant still exports as it was read
+            # are mapped from a file: a mapping kept would hold its pages until the graph, a
+            # web of reference cycles, is collected), and a rewrite that replaces the weight (a
+            # Conv+BN fold) would leave another copy alive; uncached, the constant still exports
+            # as it was read
             return np.asarray(lazy.load())
         return np.asarray(tensor.values)
     return None

@@ -138,3 +138,24 @@ def test_a_weight_moved_out_of_the_initializers_is_written_as_read(tmp_path, in_
     out.mkdir()
     io.write_model_files(lazy, out / "model.onnx", external=False, base_dir=tmp_path)
     assert (out / "model.onnx").read_bytes() == whole.SerializeToString()
+
+
+def test_a_weight_read_from_the_file_is_not_kept_mapped(tmp_path, in_place):
+    """A rule reading a weight left in the file gets its values for that use: the constant keeps
+    its reference, not a mapping of the file (the graph is reference cycles: a mapping kept
+    there holds its pages until the cyclic collector frees the whole graph)."""
+    from onnx_graphsurgeon.ir.tensor import LazyValues
+
+    from graphopt.opt import ir
+
+    w = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)  # 16 KiB: below UNCACHED_BYTES
+    node = helper.make_node("MatMul", ["x", "w"], ["y"])
+    graph = helper.make_graph([node], "g", [vi("x", [2, 64])], [vi("y", [2, 64])], [const("w", w)])
+    src = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), src)
+    model = io.load_model(src, lazy_external=True, in_place=True)
+    assert io.is_in_place(model.graph.initializer[0])
+    graph_ir = ir.ModelIR(model, tmp_path)
+    weight = next(t for t in graph_ir.graph.tensors().values() if t.name == "w")
+    assert np.array_equal(ir.constant_value(weight), w)
+    assert isinstance(weight._values, LazyValues)  # not replaced by the mapped array
