@@ -272,7 +272,7 @@ class _Loaded:
         written: tuple[Any, Path | None] | None = None,
     ) -> None:
         level = config.get("graph_optimization_level", BASELINE)
-        if written is not None:  # the model as written: its bytes, or a skeleton and its folder
+        if written is not None and written[1] is not None:  # a skeleton: its weights' folder
             base_dir = written[1]
         so = _options(level, config.get("session_config_entries") or {}, base_dir)
         if save_to is not None:

@@ -385,3 +385,12 @@ def test_the_timed_model_is_loaded_as_the_validity_check_wrote_it(measuring, mon
     out, report = graphopt.optimize(slow_model(), pipeline="dce")
     assert report.performance["measured"]
     assert serialized and all(m is not out for m in serialized)  # the original's only
+
+
+def test_a_model_with_external_data_is_timed(measuring, tmp_path):
+    """Its output is not spooled (its weights stay in their data file): the safety net loads the
+    bytes the validity check held, the weights resolved beside the input."""
+    src = tmp_path / "m.onnx"
+    onnx.save(slow_model(), src, save_as_external_data=True, location="m.data", size_threshold=0)
+    out, report = graphopt.optimize(src, pipeline="dce")
+    assert report.performance["measured"], report.performance
