@@ -437,10 +437,8 @@ def optimize(
             # the original's outputs on those inputs by session level (the performance net's)
             "original_outputs": original_outputs,
             # onnxruntime's optimized form of the returned model, saved by the performance
-            # net's session of it (perf.Saved), or None
-            "fast_path": fast_path
-            if fast_path is not None and fast_path.model is optimized
-            else None,
+            # net's session of it (perf.Saved; the net keeps it for the model it returns only)
+            "fast_path": fast_path,
         },
     )
     report.seconds = clock.seconds()
