@@ -32,7 +32,15 @@ from .io import (
 )
 from .ir import ModelIR, op_histogram
 from .manager import PassContext, run_pass
-from .parity import ParityReport, Session, check_parity, is_lean, measure_ranges, too_large
+from .parity import (
+    ParityReport,
+    ReferenceRun,
+    Session,
+    check_parity,
+    is_lean,
+    measure_ranges,
+    too_large,
+)
 from .pipeline import parse, preset, to_text
 from .precision import quantized_weight_tolerances
 from .reference import upcast_to_float64
@@ -333,58 +341,62 @@ def optimize(
         cx.ir, cx.settled_ir, cx.settled, cx.phases = None, None, {}, {}
         return exported, cx
 
-    with clock.phase("passes"):
-        optimized, cx = execute(bisect_limit)
-    # the output's bytes wait for the bundle in memory; through parity and the safety net only
-    # where those hold the model whole anyway (not lean), else the bundle serializes it again
-    serialized = Serialized(spool or SpoolDir()) if not check or not is_lean(model) else None
-    with clock.phase("validity"):
-        say("checking that the output is valid")
-        budget = max(10.0, 2 * clock.elapsed("passes"))
-        optimized, cx = _keep_valid(
-            model,
-            optimized,
-            cx,
-            execute,
-            bisect_limit,
-            say,
-            base_dir,
-            budget,
-            keep=check and not is_lean(model),  # lean parity runs its own pieces
-            into=serialized,
-        )
-    optimize_s = clock.elapsed("passes") + clock.elapsed("validity")
+    # parity's run of the original goes on beside the passes (they leave a core idle)
+    with _reference_ahead(model, check, reference, shapes, inputs, seed, base_dir, clock) as ahead:
+        with clock.phase("passes"):
+            optimized, cx = execute(bisect_limit)
+        # the output's bytes wait for the bundle in memory; through parity and the safety net only
+        # where those hold the model whole anyway (not lean), else the bundle serializes it again
+        serialized = Serialized(spool or SpoolDir()) if not check or not is_lean(model) else None
+        with clock.phase("validity"):
+            say("checking that the output is valid")
+            budget = max(10.0, 2 * clock.elapsed("passes"))
+            optimized, cx = _keep_valid(
+                model,
+                optimized,
+                cx,
+                execute,
+                bisect_limit,
+                say,
+                base_dir,
+                budget,
+                keep=check and not is_lean(model),  # lean parity runs its own pieces
+                into=serialized,
+            )
+        optimize_s = clock.elapsed("passes") + clock.elapsed("validity")
 
-    kw = dict(
-        shapes=shapes,
-        inputs=inputs,
-        seed=seed,
-        tolerances=tgt.tolerances,
-        per_output=quantized_weight_tolerances(cx.options, output_tolerances),  # opt-in int4
-        base_dir=base_dir,
-    )
-    with clock.phase("parity"):
-        parity, parity_f64 = _parities(model, optimized, check, reference, kw, base_dir, say)
-    if parity.runtime_floor:  # later checks against the same golden outputs: the same floor
-        kw["per_output"] = {**(kw["per_output"] or {}), **parity.floor_tolerances()}
-    _LOADED.clear()  # the validity check's session, when parity did not take it: its weights go
-    # a model too large for one session is not timed: both would be held whole, twice
-    why = _unmeasured(measure, check, tgt.name, parity) or too_large(model)
-    performance: dict[str, Any] = {"measured": False, "why": why}
-    original_outputs: dict[str, dict] = {}
-    fast_path = None
-    if why is None:
-        with clock.phase("measure"):
-            net = _PerfNet(model, optimized, cx, execute, bisect_limit, base_dir, say)
-            # the final model's timing session loads it as written and saves the bundle's
-            # fast path beside it (one session of it, not two)
-            optimized, cx, performance = net.run(tgt, parity.feeds, optimize_s, serialized)
-            original_outputs, fast_path = net.original_outputs, net.fast_path
-        if performance.get("reverted"):
-            with clock.phase("parity"):
-                parity, parity_f64 = _parities(
-                    model, optimized, check, reference, kw, base_dir, say
-                )
+        kw = dict(
+            shapes=shapes,
+            inputs=inputs,
+            seed=seed,
+            tolerances=tgt.tolerances,
+            per_output=quantized_weight_tolerances(cx.options, output_tolerances),  # opt-in int4
+            base_dir=base_dir,
+        )
+        with clock.phase("parity"):
+            parity, parity_f64 = _parities(
+                model, optimized, check, reference, kw | {"ahead": ahead}, base_dir, say
+            )
+        if parity.runtime_floor:  # later checks against the same golden outputs: the same floor
+            kw["per_output"] = {**(kw["per_output"] or {}), **parity.floor_tolerances()}
+        _LOADED.clear()  # the validity check's session, when parity did not take it: its weights go
+        # a model too large for one session is not timed: both would be held whole, twice
+        why = _unmeasured(measure, check, tgt.name, parity) or too_large(model)
+        performance: dict[str, Any] = {"measured": False, "why": why}
+        original_outputs: dict[str, dict] = {}
+        fast_path = None
+        if why is None:
+            with clock.phase("measure"):
+                net = _PerfNet(model, optimized, cx, execute, bisect_limit, base_dir, say)
+                # the final model's timing session loads it as written and saves the bundle's
+                # fast path beside it (one session of it, not two)
+                optimized, cx, performance = net.run(tgt, parity.feeds, optimize_s, serialized)
+                original_outputs, fast_path = net.original_outputs, net.fast_path
+            if performance.get("reverted"):
+                with clock.phase("parity"):
+                    parity, parity_f64 = _parities(
+                        model, optimized, check, reference, kw | {"ahead": ahead}, base_dir, say
+                    )
 
     report = Report(
         model=name,
@@ -653,6 +665,23 @@ def _keep_valid(
             f"the model was invalid after {rule} at '{node}' ({why}); that rewrite was reverted",
         )
     return optimized, cx
+
+
+@contextmanager
+def _reference_ahead(model, check, reference, shapes, inputs, seed, base_dir, clock=None):
+    """Parity's run of the original (:class:`~graphopt.opt.parity.ReferenceRun`) started now,
+    when parity will compare with it and runs it whole; None otherwise.  Its session is made in
+    ``clock``'s parity phase.  Stopped on the way out (an error in between does not wait for
+    it to finish)."""
+    if not check or reference not in ("original", "both") or is_lean(model):
+        yield None
+        return
+    with (clock or Clock()).phase("parity"):
+        ahead = ReferenceRun(model, shapes=shapes, inputs=inputs, seed=seed, base_dir=base_dir)
+    try:
+        yield ahead
+    finally:
+        ahead.stop()
 
 
 def _guarded(run: Callable[[], ParityReport]) -> ParityReport:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -275,10 +276,15 @@ class Session:
                         out[tensor] = (elem, [int(d) for d in dims])
         return out
 
-    def run(self, feeds: dict[str, np.ndarray], names: list[str] | None = None) -> list:
+    def run(
+        self,
+        feeds: dict[str, np.ndarray],
+        names: list[str] | None = None,
+        options: ort.RunOptions | None = None,
+    ) -> list:
         wanted = {i.name for i in self.sess.get_inputs()}
         try:
-            return self.sess.run(names, {k: v for k, v in feeds.items() if k in wanted})
+            return self.sess.run(names, {k: v for k, v in feeds.items() if k in wanted}, options)
         except Exception as e:  # noqa: BLE001
             raise GraphoptError(f"onnxruntime failed to run the model: {_first_line(e)}") from None
 
@@ -303,6 +309,11 @@ PIECE_BYTES = 256 << 20
 #: it saves (705 MB decoder, seq 16, loaded machine: create + run 1.0 s unpacked, 3.9 s packed;
 #: DeiT-base: 1.1 s against 1.4-2.4 s, the same outputs)
 LEAN_CONFIG = {"session.disable_prepacking": "1"}
+
+
+#: session config of the original's run ahead of the passes (:class:`ReferenceRun`): its
+#: threads wait without spinning, so that they leave the passes' thread its core
+AHEAD_CONFIG = {**LEAN_CONFIG, "session.intra_op.allow_spinning": "0"}
 
 
 def piece_bytes() -> int:
@@ -888,6 +899,82 @@ def _diff(
     )
 
 
+class ReferenceRun:
+    """Parity's run of the original, started on a thread before the passes: the inputs it
+    runs on, found as :func:`check_parity` finds them, and the original's outputs on them.
+    The passes leave a core idle most of the time and never change the original; onnxruntime
+    runs without the GIL (its session is made before the thread starts: it builds one with
+    the GIL held).  Same session settings as parity's own run (its threads only wait
+    without spinning: :data:`AHEAD_CONFIG`), so the same values.  Not for a model parity runs
+    lean (:func:`is_lean`): its session would hold the weights beside the passes."""
+
+    def __init__(
+        self,
+        original: onnx.ModelProto,
+        *,
+        shapes: dict[str, list[int]] | None = None,
+        inputs: dict[str, np.ndarray] | None = None,
+        seed: int = 0,
+        base_dir: str | os.PathLike | None = None,
+    ) -> None:
+        self.original = original
+        self._args = (shapes, inputs, seed, base_dir)
+        self._options = ort.RunOptions()
+        self._done: tuple | BaseException | None = None
+        # made here: onnxruntime holds the GIL while it builds a session, so a thread would
+        # only slow the passes down meanwhile; it runs without
+        try:
+            sess = Session(original, base_dir=base_dir, config=AHEAD_CONFIG)
+        except GraphoptError as e:
+            sess, self._done = None, e
+        self._thread = threading.Thread(
+            target=self._work, args=(sess,), name="graphopt-reference", daemon=True
+        )
+        self._thread.start()
+
+    def matches(self, original, shapes, inputs, seed, base_dir) -> bool:
+        """Whether this is the run :func:`check_parity` of these arguments would make."""
+        mine = self._args
+        return (
+            original is self.original
+            and mine[0] == shapes
+            and mine[1] is inputs
+            and mine[2] == seed
+            and mine[3] == base_dir
+        )
+
+    def _work(self, sess: Session | None) -> None:
+        if sess is None:
+            return
+        shapes, inputs, seed, _ = self._args
+        try:
+            names = sess.output_names()
+            feeds, ref = find_runnable(
+                self.original,
+                lambda f: sess.run(f, names, self._options),
+                lambda shp, high: make_inputs(sess.sess, shp, seed, inputs, high),
+                shapes,
+                inputs,
+            )
+            self._done = (names, feeds, ref)
+        except BaseException as e:  # noqa: BLE001 - raised again where the result is taken
+            self._done = e
+
+    def result(self) -> tuple[list[str], dict[str, np.ndarray], list]:
+        """(output names, feeds, the original's outputs), once the run is over; what it raised
+        is raised here."""
+        self._thread.join()
+        if isinstance(self._done, BaseException):
+            raise self._done
+        assert self._done is not None
+        return self._done
+
+    def stop(self) -> None:
+        """Cut the run short (the optimization went no further) and wait for the thread."""
+        self._options.terminate = True
+        self._thread.join()
+
+
 def check_parity(
     original: onnx.ModelProto,
     optimized: onnx.ModelProto,
@@ -903,29 +990,35 @@ def check_parity(
     base_dir: str | os.PathLike | None = None,
     optimized_session: Session | None = None,
     optimized_base_dir: str | os.PathLike | None = None,
+    ahead: ReferenceRun | None = None,
 ) -> ParityReport:
     """Run both models on the same inputs and compare every output of the original.
 
     ``reference`` (e.g. the float64 upcast of the original) replaces the original as the side
     the optimized model is compared with; inputs are still generated from the original.
     ``base_dir``: where external weights resolve (``optimized_base_dir``: the optimized
-    model's, when they are elsewhere).
+    model's, when they are elsewhere).  ``ahead``: the original's run, started earlier
+    (:class:`ReferenceRun`); used when it is the run these arguments make.
     """
     opt_dir = base_dir if optimized_base_dir is None else optimized_base_dir
     validate_args(original, shapes, inputs, per_output)
     lean = is_lean(original)
-    orig_sess = open_session(original, base_dir, lean)
-    names = orig_sess.output_names()
-    feeds, ref = find_runnable(
-        original,
-        lambda f: orig_sess.run(f, names),
-        lambda shp, high: make_inputs(orig_sess.sess, shp, seed, inputs, high),
-        shapes,
-        inputs,
-    )
+    pieces = 0
+    if ahead is not None and not lean and ahead.matches(original, shapes, inputs, seed, base_dir):
+        names, feeds, ref = ahead.result()
+    else:
+        orig_sess = open_session(original, base_dir, lean)
+        names = orig_sess.output_names()
+        feeds, ref = find_runnable(
+            original,
+            lambda f: orig_sess.run(f, names),
+            lambda shp, high: make_inputs(orig_sess.sess, shp, seed, inputs, high),
+            shapes,
+            inputs,
+        )
+        pieces = getattr(orig_sess, "count", 0)
+        orig_sess = None  # free the session before the optimized one loads
     shapes_used = {k: list(np.shape(v)) for k, v in feeds.items()}
-    pieces = getattr(orig_sess, "count", 0)
-    orig_sess = None  # free the session before the optimized one loads
     if reference is not None:
         ref = open_session(reference, base_dir, lean).run(feeds, names)
     if lean:  # both sides run lean, as the original did (a whole session would hold its weights)
