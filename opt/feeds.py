@@ -11,6 +11,10 @@ not run proves nothing.  So the sizes are derived, then tried on the *original* 
   ladder 224, 256, 320, 128, 64, 640, 512, 32 — unless the model's metadata carries an image
   size (``imgsz``, ``image_size``...), which is tried first;
 * other dims (sequences, samples) follow 16, 64, 256, 1024, 32, 128, 512, 4096;
+* a decoder's cache (inputs named like ``past``/``cache``) has its own length, from the
+  sequence ladder; a length written as a sum (``past_sequence_length + 1``) is that sum, and
+  one named as a total (``total_seq``) is the cache's plus the new tokens'; one new token is
+  tried too (a decoding step);
 * integer inputs are drawn in [0, 100) (``mask``: ones with the first row's last quarter zero,
   as padding; ``token_type``/``segment``: zeros), then in {0, 1} once the ladder is exhausted
   (indices into a small table).
@@ -42,6 +46,11 @@ MAX_INPUT_BYTES = 4 << 30
 BATCH_NAMES = re.compile(r"^(n|b|bs|batch|batch_size|batchsize|num_batches)$|batch", re.I)
 SPATIAL_NAMES = re.compile(r"height|width|^h$|^w$|^H$|^W$|_h$|_w$|img|image", re.I)
 SIZE_KEYS = re.compile(r"imgsz|image_size|img_size|input_size|input_shape|resolution", re.I)
+#: inputs holding a decoder's key/value cache: their symbolic lengths are the cache's (the
+#: past), a sequence, not an image's side
+CACHE_INPUTS = re.compile(r"past|cache|pkv", re.I)
+#: a length named as the cache and the new tokens together (the attention mask's)
+TOTAL_NAMES = re.compile(r"total|full|all_seq|kv_seq|key_seq", re.I)
 
 Dim = int | str | None  # static size, dim_param, or unknown
 
@@ -234,16 +243,27 @@ def candidate_shapes(
             kinds[key] = _stronger(kinds.get(key), _kind(s, axis, d))
     hint = _metadata_image_size(model)
     spatial = ([hint] if hint else []) + [v for v in SPATIAL_LADDER if v != hint]
+    # a decoder with a cache: the cache's length and the new tokens' are set apart, and a
+    # total length (named so, or written as a sum) is their sum; the new tokens are tried
+    # as many as the cache holds, then one (a decoding step)
+    past = any(k == "past" for k in kinds.values())
+    steps = [(step, None) for step in range(len(SEQUENCE_LADDER))]
+    if past:
+        steps[1:1] = [(0, 1)]
     out = []
-    for step in range(len(SEQUENCE_LADDER)):
-        values = {}
+    for step, new_tokens in steps:
+        values: dict[object, int] = {}
         for key, kind in kinds.items():
             if kind == "batch":
                 values[key] = 1
             elif kind == "spatial":
                 values[key] = spatial[step % len(spatial)]
+            elif kind == "sequence" and new_tokens is not None:
+                values[key] = new_tokens
             else:
                 values[key] = SEQUENCE_LADDER[step]
+        if past:
+            _relate_lengths(values, kinds)
         assignment = {}
         for s in free:
             dims = []
@@ -262,10 +282,56 @@ def candidate_shapes(
     return out
 
 
+def _relate_lengths(values: dict[object, int], kinds: dict[object, str]) -> None:
+    """In place: a total length is the cache's plus the new tokens' — a dim_param written as
+    a sum of others (``past_sequence_length + 1``) is that sum; one named as a total
+    (:data:`TOTAL_NAMES`) is the past length plus the new tokens' (when each is one size)."""
+    names = {k: v for k, v in values.items() if isinstance(k, str)}
+    for key in values:
+        if isinstance(key, str) and (total := _sum_of(key, names)) is not None:
+            values[key] = total
+    pasts = {values[k] for k, kind in kinds.items() if kind == "past"}
+    news = {values[k] for k, kind in kinds.items() if kind == "sequence" and _plain(k)}
+    if len(pasts) == 1 and len(news) == 1:
+        total = pasts.pop() + news.pop()
+        for key, kind in kinds.items():
+            if kind == "sequence" and not _plain(key) and not _SUM.search(str(key)):
+                values[key] = total
+
+
+def _plain(key: object) -> bool:
+    """A length that is neither a total nor a sum of others."""
+    return not (isinstance(key, str) and (TOTAL_NAMES.search(key) or _SUM.search(key)))
+
+
+_SUM = re.compile(r"[+]")
+_TERM = re.compile(r"^\s*(?:(\d+)|([A-Za-z_][\w.]*))\s*$")
+
+
+def _sum_of(expression: str, values: dict[str, int]) -> int | None:
+    """The value of a dim_param written as a sum of known dim_params and integers, else None."""
+    if not _SUM.search(expression):
+        return None
+    total = 0
+    for term in expression.split("+"):
+        m = _TERM.match(term)
+        if m is None:
+            return None
+        if m.group(1) is not None:
+            total += int(m.group(1))
+        elif m.group(2) in values and m.group(2) != expression:
+            total += values[m.group(2)]
+        else:
+            return None
+    return total
+
+
 def _kind(spec: InputSpec, axis: int, dim: Dim) -> str:
     name = dim if isinstance(dim, str) else ""
     if name and BATCH_NAMES.search(name):
         return "batch"
+    if CACHE_INPUTS.search(spec.name) and axis > 0:
+        return "past"
     if name and SPATIAL_NAMES.search(name):
         return "spatial"
     if axis == 0 and (spec.dims is None or len(spec.dims) > 1):
@@ -284,7 +350,7 @@ def _static(d: Dim) -> bool:
 
 def _stronger(old: str | None, new: str) -> str:
     """A symbol seen as batch anywhere stays batch; spatial beats sequence."""
-    order = {"batch": 2, "spatial": 1, "sequence": 0}
+    order = {"batch": 3, "spatial": 2, "past": 1, "sequence": 0}
     return new if old is None or order[new] > order[old] else old
 
 

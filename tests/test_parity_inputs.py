@@ -223,3 +223,43 @@ def test_attention_masks_are_padded_so_a_dropped_mask_shows():
     assert mask[0, :12].all() and not mask[0, 12:].any() and mask[1].all()
     _, report = graphopt.optimize(m, level=1)
     assert report.parity.ran and report.parity.ok
+
+
+def cached_decoder(total: str):
+    """A decoder step: the cache (past) and the new tokens are concatenated, and the attention
+    mask must be as long as both (``total``: its length's dim_param)."""
+    nodes = [
+        helper.make_node("Cast", ["input_ids"], ["ids"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["ids", "axes13"], ["new"]),
+        helper.make_node("Concat", ["past_key_values.0.key", "new"], ["present"], axis=2),
+        helper.make_node("ReduceSum", ["present", "axes13"], ["lengths"], keepdims=0),
+        helper.make_node("Cast", ["attention_mask"], ["mask"], to=TensorProto.FLOAT),
+        helper.make_node("Add", ["lengths", "mask"], ["y"]),
+    ]
+    inputs = [
+        vi("input_ids", ["batch", "seq"], TensorProto.INT64),
+        vi("attention_mask", ["batch", total], TensorProto.INT64),
+        vi("past_key_values.0.key", ["batch", 1, "past_seq", 1]),
+    ]
+    return model(nodes, inputs, [vi("y", None)], [const("axes13", [1, 3], np.int64)])
+
+
+def test_a_total_length_is_the_cache_and_the_new_tokens():
+    m = cached_decoder("total_seq")
+    first = candidate_shapes(m)[0]
+    assert first["input_ids"] == [1, 16] and first["past_key_values.0.key"] == [1, 1, 16, 1]
+    assert first["attention_mask"] == [1, 32]
+    _, report = graphopt.optimize(m, level=1, measure=False)
+    assert report.parity.ran and report.parity.ok, report.parity.error
+    assert report.parity.inputs["attention_mask"] == [1, 32]
+
+
+def test_a_length_written_as_a_sum_is_that_sum_and_one_new_token_is_tried():
+    m = cached_decoder("past_seq + 1")
+    _, report = graphopt.optimize(m, level=1, measure=False)
+    assert report.parity.ran and report.parity.ok, report.parity.error
+    assert report.parity.inputs == {
+        "input_ids": [1, 1],
+        "attention_mask": [1, 17],
+        "past_key_values.0.key": [1, 1, 16, 1],
+    }
