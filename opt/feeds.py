@@ -11,10 +11,11 @@ not run proves nothing.  So the sizes are derived, then tried on the *original* 
   ladder 224, 256, 320, 128, 64, 640, 512, 32 — unless the model's metadata carries an image
   size (``imgsz``, ``image_size``...), which is tried first;
 * other dims (sequences, samples) follow 16, 64, 256, 1024, 32, 128, 512, 4096;
+* a size written as a sum of other dims (``past_sequence_length + 1``, ``s0 + s1``) is that
+  sum;
 * a decoder's cache (inputs named like ``past``/``cache``) has its own length, from the
-  sequence ladder; a length written as a sum (``past_sequence_length + 1``) is that sum, and
-  one named as a total (``total_seq``) is the cache's plus the new tokens'; one new token is
-  tried too (a decoding step);
+  sequence ladder; a length named as a total (``total_seq``) is the cache's plus the new
+  tokens', and one new token is tried too (a decoding step);
 * integer inputs are drawn in [0, 100) (``mask``: ones with the first row's last quarter zero,
   as padding; ``token_type``/``segment``: zeros), then in {0, 1} once the ladder is exhausted
   (indices into a small table).
@@ -262,8 +263,7 @@ def candidate_shapes(
                 values[key] = new_tokens
             else:
                 values[key] = SEQUENCE_LADDER[step]
-        if past:
-            _relate_lengths(values, kinds)
+        _relate_lengths(values, kinds)
         assignment = {}
         for s in free:
             dims = []
@@ -283,9 +283,9 @@ def candidate_shapes(
 
 
 def _relate_lengths(values: dict[object, int], kinds: dict[object, str]) -> None:
-    """In place: a total length is the cache's plus the new tokens' — a dim_param written as
-    a sum of others (``past_sequence_length + 1``) is that sum; one named as a total
-    (:data:`TOTAL_NAMES`) is the past length plus the new tokens' (when each is one size)."""
+    """In place: a dim_param written as a sum of others (``past_sequence_length + 1``,
+    ``s0 + s1``) is that sum; in a decoder with a cache, one named as a total
+    (:data:`TOTAL_NAMES`) is the cache's length plus the new tokens' (when each is one size)."""
     names = {k: v for k, v in values.items() if isinstance(k, str)}
     for key in values:
         if isinstance(key, str) and (total := _sum_of(key, names)) is not None:
@@ -295,7 +295,7 @@ def _relate_lengths(values: dict[object, int], kinds: dict[object, str]) -> None
     if len(pasts) == 1 and len(news) == 1:
         total = pasts.pop() + news.pop()
         for key, kind in kinds.items():
-            if kind == "sequence" and not _plain(key) and not _SUM.search(str(key)):
+            if kind == "sequence" and not _plain(key) and not _SUM.search(str(key)):  # a total
                 values[key] = total
 
 
@@ -349,7 +349,8 @@ def _static(d: Dim) -> bool:
 
 
 def _stronger(old: str | None, new: str) -> str:
-    """A symbol seen as batch anywhere stays batch; spatial beats sequence."""
+    """A symbol seen as batch anywhere stays batch; spatial beats a cache's length, which
+    beats sequence."""
     order = {"batch": 3, "spatial": 2, "past": 1, "sequence": 0}
     return new if old is None or order[new] > order[old] else old
 

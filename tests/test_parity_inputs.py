@@ -263,3 +263,13 @@ def test_a_length_written_as_a_sum_is_that_sum_and_one_new_token_is_tried():
         "attention_mask": [1, 17],
         "past_key_values.0.key": [1, 1, 16, 1],
     }
+
+
+def test_a_size_written_as_a_sum_of_dims_is_that_sum_in_any_model():
+    nodes = [
+        helper.make_node("Pad", ["x", "pads"], ["padded"]),
+        helper.make_node("Add", ["padded", "y"], ["z"]),
+    ]
+    inputs = [vi("x", [1, "n"]), vi("y", [1, "n + 1"])]
+    m = model(nodes, inputs, [vi("z", None)], [const("pads", [0, 0, 0, 1], np.int64)])
+    assert candidate_shapes(m)[0] == {"x": [1, 16], "y": [1, 17]}
