@@ -270,6 +270,6 @@ def test_a_size_written_as_a_sum_of_dims_is_that_sum_in_any_model():
         helper.make_node("Pad", ["x", "pads"], ["padded"]),
         helper.make_node("Add", ["padded", "y"], ["z"]),
     ]
-    inputs = [vi("x", [1, "n"]), vi("y", [1, "n + 1"])]
+    inputs = [vi("x", [1, "len"]), vi("y", [1, "len + 1"])]
     m = model(nodes, inputs, [vi("z", None)], [const("pads", [0, 0, 0, 1], np.int64)])
     assert candidate_shapes(m)[0] == {"x": [1, 16], "y": [1, 17]}
