@@ -238,11 +238,19 @@ def _reference(buf, start: int, end: int, location: str) -> onnx.TensorProto | N
     return tensor
 
 
+#: bytes :func:`_hash_file` reads at a time, into one buffer: no allocation per read (a read
+#: of many MiB is a fresh mapping each time, and glibc then keeps later temporaries of that
+#: size in its heap instead of giving them back)
+HASH_BLOCK = 1 << 20
+
+
 def _hash_file(path: Path) -> str:
     sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(CHUNK), b""):
-            sha.update(block)
+    buf = bytearray(HASH_BLOCK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            sha.update(view[:n])
     return sha.hexdigest()
 
 
