@@ -1,6 +1,7 @@
 """The greedy generation check on a tiny KV-cache decoder built in the test."""
 
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -313,3 +314,31 @@ def test_cli_checks_the_model_as_written(tmp_path, monkeypatch):
     assert seen == [{"model.onnx"}]
     gen = json.loads((tmp_path / "b" / "report.json").read_text())["generation"]
     assert gen["ok"] and gen["tokens_match"], gen
+
+
+def test_the_original_steps_on_a_thread_beside_the_optimized_model(monkeypatch):
+    """Both models' steps run at once (the original's on a thread): same values as one after
+    the other, and a failure is still told of the model it happened in."""
+    from graphopt.opt import generation
+
+    names = []
+    real = generation._Decoder.step
+
+    def step(self, ids):
+        names.append(threading.current_thread().name.split("_")[0])
+        return real(self, ids)
+
+    monkeypatch.setattr(generation._Decoder, "step", step)
+    m = tiny_decoder()
+    r = check_generation(m, tiny_decoder(present_scale=1.5), prefill=4, steps=3)
+    assert set(names) == {"graphopt-generation", threading.current_thread().name}
+    assert r.ran and not r.ok and r.per_step[0]["max_abs"] == 0.0
+
+    def failing(self, ids):
+        if self.length:  # the second step of either model
+            raise RuntimeError("boom")
+        return real(self, ids)
+
+    monkeypatch.setattr(generation._Decoder, "step", failing)
+    r = check_generation(m, m, prefill=4, steps=3)
+    assert not r.ran and "on the original" in r.why and not r.crashed
