@@ -159,3 +159,33 @@ def test_a_weight_read_from_the_file_is_not_kept_mapped(tmp_path, in_place):
     weight = next(t for t in graph_ir.graph.tensors().values() if t.name == "w")
     assert np.array_equal(ir.constant_value(weight), w)
     assert isinstance(weight._values, LazyValues)  # not replaced by the mapped array
+
+
+@pytest.mark.parametrize("inline", [0, 1 << 30])
+def test_weights_copied_from_their_file_through_two_buffers_hash_as_written(
+    inline, tmp_path, in_place, monkeypatch
+):
+    """A weight left in its file is copied into the spooled output a block at a time, through
+    two buffers in turn while the last block is hashed on the thread: the bytes and the sha256
+    are the file's, whatever the weights' sizes against the block."""
+    from graphopt.opt import spool as spool_module
+
+    monkeypatch.setattr(spool_module, "COPY_BLOCK", 4096)
+    monkeypatch.setattr(spool_module, "INLINE_HASH", inline)
+    rng = np.random.default_rng(0)
+    sizes = [1000, 1024, 3000, 7777]  # under, at, over and across several blocks (floats)
+    inits = [const(f"w{i}", rng.standard_normal(n).astype(np.float32)) for i, n in enumerate(sizes)]
+    nodes = [helper.make_node("Neg", [f"w{i}"], [f"y{i}"]) for i in range(len(sizes))]
+    outputs = [vi(f"y{i}", [n]) for i, n in enumerate(sizes)]
+    m = helper.make_model(
+        helper.make_graph(nodes, "g", [], outputs, inits),
+        opset_imports=[helper.make_opsetid("", 17)],
+    )
+    path = tmp_path / "m.onnx"
+    onnx.save(m, path)
+    lazy = io.load_model(path, lazy_external=True, in_place=True)
+    assert sum(io.is_in_place(t) for t in lazy.graph.initializer) == 4
+    written = spool_module.spool(lazy, tmp_path)
+    data = written.path.read_bytes()
+    assert written.sha256 == hashlib.sha256(data).hexdigest()
+    assert onnx.load_model_from_string(data) == onnx.load(path)
