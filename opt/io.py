@@ -830,15 +830,18 @@ class _Hashing:
             self._hash_error = e
 
 
-def _blocks(f: BinaryIO, length: int, what: str) -> Iterator[bytes]:
-    """``length`` bytes of ``f`` from where it stands, in chunks; ModelSaveError if it ends
-    first (``what`` names the data)."""
+def _blocks(f: BinaryIO, length: int, what: str) -> Iterator[memoryview]:
+    """``length`` bytes of ``f`` from where it stands, in blocks of :data:`HASH_BLOCK` read into
+    one buffer (each block is valid until the next is asked for: no allocation per read);
+    ModelSaveError if it ends first (``what`` names the data)."""
+    buf = bytearray(min(HASH_BLOCK, length))
+    view = memoryview(buf)
     while length:
-        block = f.read(min(CHUNK, length))
-        if not block:
+        n = f.readinto(view[: min(len(buf), length)])
+        if not n:
             raise ModelSaveError(f"{what} is truncated")
-        yield block
-        length -= len(block)
+        yield view[:n]
+        length -= n
 
 
 def _kernel_copy(src_fd: int, dst_fd: int, offset: int, start: int, length: int) -> int:

@@ -444,3 +444,25 @@ def test_validity_of_an_external_data_output_does_not_depend_on_the_working_dire
     (elsewhere / "m.data").mkdir()  # a folder of that name where the checker looks: not a file
     monkeypatch.chdir(elsewhere)
     assert _invalid(lazy, base_dir=folder) is None
+
+
+def test_blocks_are_read_into_one_buffer_and_a_short_file_is_an_error(tmp_path, monkeypatch):
+    """A file copied or hashed by hand is read a block at a time into one buffer (no
+    allocation per read); a file shorter than its recorded length is a save error."""
+    import io as pyio
+
+    from graphopt.opt import io as gio
+    from graphopt.opt.errors import ModelSaveError
+
+    monkeypatch.setattr(gio, "HASH_BLOCK", 1000)
+    data = bytes(range(256)) * 20  # 5120 bytes: five full blocks and a partial one
+    f = pyio.BytesIO(data)
+    f.seek(7)
+    seen, buffers = [], set()
+    for block in gio._blocks(f, len(data) - 7, "x"):
+        seen.append(bytes(block))
+        buffers.add(id(block.obj))
+    assert b"".join(seen) == data[7:] and [len(b) for b in seen] == [1000] * 5 + [113]
+    assert len(buffers) == 1
+    with pytest.raises(ModelSaveError, match="x is truncated"):
+        list(gio._blocks(pyio.BytesIO(data), len(data) + 1, "x"))
