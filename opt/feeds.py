@@ -287,30 +287,37 @@ def _relate_lengths(values: dict[object, int], kinds: dict[object, str]) -> None
     ``s0 + s1``) is that sum; in a decoder with a cache, one named as a total
     (:data:`TOTAL_NAMES`) is the cache's length plus the new tokens' (when each is one size)."""
     names = {k: v for k, v in values.items() if isinstance(k, str)}
-    for key in values:
-        if isinstance(key, str) and (total := _sum_of(key, names)) is not None:
+    for key in names:
+        if (total := _sum_of(key, names)) is not None:
             values[key] = total
     pasts = {values[k] for k, kind in kinds.items() if kind == "past"}
-    news = {values[k] for k, kind in kinds.items() if kind == "sequence" and _plain(k)}
+    news = {
+        values[k]
+        for k, kind in kinds.items()
+        if kind == "sequence" and not _is_total(k) and not _is_sum(k)
+    }
     if len(pasts) == 1 and len(news) == 1:
         total = pasts.pop() + news.pop()
         for key, kind in kinds.items():
-            if kind == "sequence" and not _plain(key) and not _SUM.search(str(key)):  # a total
+            if kind == "sequence" and _is_total(key):
                 values[key] = total
 
 
-def _plain(key: object) -> bool:
-    """A length that is neither a total nor a sum of others."""
-    return not (isinstance(key, str) and (TOTAL_NAMES.search(key) or _SUM.search(key)))
+def _is_sum(key: object) -> bool:
+    return isinstance(key, str) and "+" in key
 
 
-_SUM = re.compile(r"[+]")
+def _is_total(key: object) -> bool:
+    """A length named as the cache's and the new tokens' together (not written as a sum)."""
+    return isinstance(key, str) and not _is_sum(key) and bool(TOTAL_NAMES.search(key))
+
+
 _TERM = re.compile(r"^\s*(?:(\d+)|([A-Za-z_][\w.]*))\s*$")
 
 
 def _sum_of(expression: str, values: dict[str, int]) -> int | None:
     """The value of a dim_param written as a sum of known dim_params and integers, else None."""
-    if not _SUM.search(expression):
+    if not _is_sum(expression):
         return None
     total = 0
     for term in expression.split("+"):
