@@ -79,7 +79,6 @@ def require_representable(exact: np.ndarray, dtype: np.dtype, what: str) -> np.n
         )
     with np.errstate(over="ignore", under="ignore"):
         stored = exact.astype(dtype)
-    subnormal = float(info.smallest_subnormal)
     # a value stored as zero is zero or flushed (nothing else rounds to zero): counting the
     # non-zeros on each side finds the flushed ones without comparing element by element
     nonzero = int(np.count_nonzero(exact))
@@ -94,9 +93,8 @@ def require_representable(exact: np.ndarray, dtype: np.dtype, what: str) -> np.n
                 flushed=flushed,
                 worst=smallest,
             )
-    tol = STORE_TOLERANCE.get(dtype.name, 1e-6)
-    bound = max(float(info.eps) / 2, subnormal / 2 / peak) if peak > 0 else 0.0
-    if peak > 0 and bound > tol:
+    if not rounds_within_tolerance(peak, dtype):
+        tol = STORE_TOLERANCE.get(dtype.name, 1e-6)
         err = np.abs(stored.astype(np.float64) - exact) / peak
         worst = float(err.max())
         if worst > tol:
@@ -108,6 +106,17 @@ def require_representable(exact: np.ndarray, dtype: np.dtype, what: str) -> np.n
                 tolerance=tol,
             )
     return stored
+
+
+def rounds_within_tolerance(peak: float, dtype: np.dtype) -> bool:
+    """Whether rounding values of magnitude up to ``peak`` (finite, within range) to float
+    ``dtype`` errs by at most its :data:`STORE_TOLERANCE` of ``peak`` without measuring: half an
+    ulp (relative eps/2, or half the smallest subnormal below the normal range)."""
+    if peak <= 0:
+        return True
+    info = np.finfo(dtype)
+    bound = max(float(info.eps) / 2, float(info.smallest_subnormal) / 2 / peak)
+    return bound <= STORE_TOLERANCE.get(np.dtype(dtype).name, 1e-6)
 
 
 def _count_nonzero(a: np.ndarray) -> int:
@@ -163,7 +172,17 @@ def refold_probe(
 ) -> Callable[[np.ndarray, np.ndarray], dict[str, float]]:
     """Error of folded vs. the unfused low-precision layer against float64, on probes: returns
     ``errors(stored_rows, stored_bias)`` for candidate folds of the same layer (the probes, the
-    exact and the unfused layer's outputs are computed once).
+    exact and the unfused layer's outputs are computed once).  :class:`ProbedRows` holds the
+    measurement of some of the output channels, for layers measured in blocks."""
+    probed = ProbedRows(rows, bias, scale, shift, dtype, stats)
+    return lambda stored_rows, stored_bias: probe_errors(
+        [probed.unfused], [probed.folded(stored_rows, stored_bias)]
+    )
+
+
+class ProbedRows:
+    """The refold measurement of some output channels of a layer, as sums that add up across
+    blocks of channels (:func:`probe_errors` turns them into the errors).
 
     ``rows`` are the Conv's weights as one row per output channel (C, K) and ``bias`` its bias,
     both as stored; the op after it computes ``z = scale·y + shift`` per channel.  The unfused
@@ -173,48 +192,57 @@ def refold_probe(
     channel's probe is scaled and shifted so that ``y`` has about that mean and variance, as in
     the data the statistics were gathered on.  Probes are non-negative (as after an activation),
     so that weight errors show their systematic part.  Errors are relative to each channel's
-    RMS of the exact ``z``; ``errors`` returns the worst, the mean and the systematic error (the
-    worst channel's error averaged over the probes), for the folded and the unfused layer.
+    RMS of the exact ``z``; the sums are the worst, the total and the systematic error (the
+    worst channel's error averaged over the probes) with the number of values, for the unfused
+    layer (``unfused``) and a candidate fold (``folded``).
     """
-    dtype = np.dtype(dtype)
-    x = _probe_patches(rows.shape[1])
-    norm2 = np.einsum("ck,ck->c", rows, rows)
-    safe = np.where(norm2 > 0, norm2, 1.0)
-    if stats is not None:
-        mean, var = (np.asarray(v, dtype=np.float64).reshape(-1) for v in stats)
-        sigma = np.sqrt(np.maximum(var, 0.0) / safe)
-        offset = np.where(norm2 > 0, mean - bias, 0.0)
-    else:
-        sigma, offset = 1.0 / np.sqrt(safe), np.zeros(rows.shape[0])
-    # channel c's probe is sigma_c·x + offset_c·W_c/|W_c|²: its product with a row V is
-    # sigma_c·(x·V) + offset_c·(W_c·V)/|W_c|²
-    y = sigma * (x @ rows.T) + offset + bias
-    exact = scale * y + shift
-    unfused = _round(scale * _round(y, dtype) + shift, dtype)
-    rms = np.sqrt(np.mean(exact**2, axis=0))
-    rms = np.where(rms > 0, rms, 1.0)
-    e_unf = np.abs(unfused - exact) / rms
-    # systematic part: the error's mean over the probes, per channel (what pooling keeps)
-    b_unf = np.abs(np.mean(unfused - exact, axis=0)) / rms
 
-    def errors(stored_rows: np.ndarray, stored_bias: np.ndarray) -> dict[str, float]:
-        folded_dot = (
-            sigma * (x @ stored_rows.T) + offset * np.einsum("ck,ck->c", rows, stored_rows) / safe
-        )
-        folded = _round(folded_dot + stored_bias, dtype)
-        e_fold = np.abs(folded - exact) / rms
-        b_fold = np.abs(np.mean(folded - exact, axis=0)) / rms
-        out = {
-            "folded_max": e_fold.max(),
-            "folded_mean": e_fold.mean(),
-            "folded_bias": b_fold.max(),
-            "unfused_max": e_unf.max(),
-            "unfused_mean": e_unf.mean(),
-            "unfused_bias": b_unf.max(),
+    def __init__(self, rows, bias, scale, shift, dtype, stats=None):
+        self.dtype = np.dtype(dtype)
+        self.rows = rows
+        self.x = x = _probe_patches(rows.shape[1])
+        norm2 = np.einsum("ck,ck->c", rows, rows)
+        self.safe = safe = np.where(norm2 > 0, norm2, 1.0)
+        if stats is not None:
+            mean, var = (np.asarray(v, dtype=np.float64).reshape(-1) for v in stats)
+            self.sigma = np.sqrt(np.maximum(var, 0.0) / safe)
+            self.offset = np.where(norm2 > 0, mean - bias, 0.0)
+        else:
+            self.sigma, self.offset = 1.0 / np.sqrt(safe), np.zeros(rows.shape[0])
+        # channel c's probe is sigma_c·x + offset_c·W_c/|W_c|²: its product with a row V is
+        # sigma_c·(x·V) + offset_c·(W_c·V)/|W_c|²
+        y = self.sigma * (x @ rows.T) + self.offset + bias
+        self.exact = exact = scale * y + shift
+        unfused = _round(scale * _round(y, self.dtype) + shift, self.dtype)
+        rms = np.sqrt(np.mean(exact**2, axis=0))
+        self.rms = np.where(rms > 0, rms, 1.0)
+        self.unfused = self._sums(unfused)
+
+    def folded(self, stored_rows: np.ndarray, stored_bias: np.ndarray) -> np.ndarray:
+        """The sums for a candidate fold: its rows and bias as stored (float64)."""
+        dot = self.sigma * (self.x @ stored_rows.T)
+        dot += self.offset * np.einsum("ck,ck->c", self.rows, stored_rows) / self.safe
+        return self._sums(_round(dot + stored_bias, self.dtype))
+
+    def _sums(self, out: np.ndarray) -> np.ndarray:
+        e = np.abs(out - self.exact) / self.rms
+        # systematic part: the error's mean over the probes, per channel (what pooling keeps)
+        b = np.abs(np.mean(out - self.exact, axis=0)) / self.rms
+        return np.array([e.max(), e.sum(), b.max(), e.size], dtype=np.float64)
+
+
+def probe_errors(unfused: list[np.ndarray], folded: list[np.ndarray]) -> dict[str, float]:
+    """The errors of :func:`refold_probe` from the :class:`ProbedRows` sums of every block of
+    channels: the worst, the mean and the systematic error, folded and unfused."""
+    out = {}
+    for side, parts in (("folded", folded), ("unfused", unfused)):
+        a = np.stack(parts)
+        out |= {
+            f"{side}_max": a[:, 0].max(),
+            f"{side}_mean": a[:, 1].sum() / a[:, 3].sum(),
+            f"{side}_bias": a[:, 2].max(),
         }
-        return {k: float(np.nan_to_num(v, nan=np.inf)) for k, v in out.items()}
-
-    return errors
+    return {k: float(np.nan_to_num(v, nan=np.inf)) for k, v in out.items()}
 
 
 def refold_measured(cx, dtype: np.dtype) -> bool:

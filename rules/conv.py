@@ -12,20 +12,18 @@ that runs onnxruntime at level BASIC or above, no worse than onnxruntime's own f
 * Pad+Conv: zero constant padding of spatial axes moves into Conv's ``pads``.
 * Conv [+ Z] + activation → com.microsoft.FusedConv where the target has that kernel.
 
-float16 weights are stored with compensated rounding: each output channel's row is rounded to
-nearest, then the values nearest to half-way are rounded the other way while each such move cuts
-the row's summed rounding error by at least twice what it adds to its own value's error, so that
-the errors cancel in the channel's response to inputs of a common mean (after an activation)
-instead of adding up to a systematic error.
+float16 weights are stored with compensated rounding, so that the rounding errors of each output
+channel's row cancel instead of adding up to a systematic error; a float16 Conv fold is made
+and measured in blocks of output channels on the rounding threads (``opt/float16_fold``).
 
 onnxruntime folds Conv+BatchNormalization itself at session level BASIC (``ConvBNFusion``, any
 provider), in the weights' dtype and rounding every step to it (``var + eps``, its square root,
 the scale, then ``W·scale`` and the bias: matched bit for bit with onnxruntime 1.32's saved
-model, see ``runtime_bn_fold``).  So an fp16 Conv+BN left unfused runs folded anyway, with a
-per-channel scale rounded to fp16.  Measured on torchvision ResNet-50 fp16 with randomized BN
-statistics (logits against a float64 upcast, onnxruntime 1.32 CPU, mean |error| over three
-inputs): original at ORT_DISABLE_ALL 0.73, at ORT_ENABLE_ALL 4.75 (its own fold); every
-Conv+BN folded here with nearest rounding 3.04, with compensated rounding 1.86.
+model, see ``opt/float16_fold.runtime_bn_fold``). So an fp16 Conv+BN left unfused runs folded
+anyway, with a per-channel scale rounded to fp16. Measured on torchvision ResNet-50 fp16 with
+randomized BN statistics (logits against a float64 upcast, onnxruntime 1.32 CPU, mean |error|
+over three inputs): original at ORT_DISABLE_ALL 0.73, at ORT_ENABLE_ALL 4.75 (its own fold);
+every Conv+BN folded here with nearest rounding 3.04, with compensated rounding 1.86.
 
 "Per output channel" is checked exactly: after right-aligning the constant with the Conv output
 (rank r), every axis but axis 1 must have size 1 and axis 1 must be 1 or C_out.  A width- or
@@ -34,24 +32,28 @@ height-broadcast constant is refused ("not-per-channel"): folding it would chang
 
 from __future__ import annotations
 
-import math
-import os
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 
 from graphopt.opt.dims import same_dim
-from graphopt.opt.halfcast import float64, to_float16, widen
+from graphopt.opt.float16_fold import (
+    compensated_rows_started,
+    fold_rows,
+    require_no_worse_than_runtime,
+    runtime_bn_scale,
+    runtime_folds,
+    runtime_scaled,
+)
+from graphopt.opt.halfcast import float64
 from graphopt.opt.ir import Constant, constant_value, dtype_of
 from graphopt.opt.manager import register_rule
 from graphopt.opt.precision import (
-    REFOLD_SLACK,
+    FLUSH_TOLERANCE,
     refold_measured,
     refold_probe,
     require_accumulation_in_range,
     require_refold_no_worse,
     require_representable,
+    rounds_within_tolerance,
 )
 from graphopt.opt.rewrite import (
     Alt,
@@ -86,12 +88,15 @@ class ConvScaleBase(Rule):
         return w.shape[0] if self.conv_op == "Conv" else w.shape[1] * group
 
     def store(self, m, cx, w, b, scale, shift, dt, stats=None, runtime=None) -> None:
-        """Fold ``z = scale·Conv(x) + shift`` (per output channel) into the weights in float64,
-        check it with the precision guards, then stash it in the weight dtype.  ``runtime``:
-        returns the (weights, bias) onnxruntime's own fold of this pattern stores, when it has
-        one."""
+        """Fold ``z = scale·Conv(x) + shift`` (per output channel) into the weights ``w`` (as
+        stored) in float64, check it with the precision guards, then stash it in the weight
+        dtype.  ``runtime``: returns onnxruntime's per-channel scale and bias of its own fold of
+        this pattern (``runtime_bn_scale``), when it has one."""
+        if self._store_rows(m, cx, w, b, scale, shift, dt, stats, runtime):
+            return
         group = int(m.conv.attrs.get("group", 1))
-        w_new = self.scale_weights(w, scale, group)
+        w64 = float64(w)
+        w_new = self.scale_weights(w64, scale, group)
         b_new = b * scale + shift
         stored_w = require_representable(w_new, dt, "Conv weights")
         # float16: the re-rounding runs on the rounding threads while this one checks the bias
@@ -104,10 +109,11 @@ class ConvScaleBase(Rule):
             require_accumulation_in_range(cx, m.X.name, w_new, b_new, dt, self.conv_op, out_axis)
             probe, theirs = None, None
             if refold_measured(cx, dt):
-                probe = refold_probe(self.rows(w, group), b, scale, shift, dt, stats)
-            if probe is not None and runtime is not None and _runtime_folds(cx.target):
-                rw, rb = runtime()
-                theirs = probe(self.rows(float64(rw), group), float64(rb))
+                probe = refold_probe(self.rows(w64, group), b, scale, shift, dt, stats)
+            if probe is not None and runtime is not None and runtime_folds(cx.target):
+                their_scale, their_bias = runtime()
+                their_rows = self.rows(float64(runtime_scaled(w, their_scale)), group)
+                theirs = probe(their_rows, float64(their_bias))
         finally:
             if rounded is not None:
                 stored_w = rounded()
@@ -119,13 +125,39 @@ class ConvScaleBase(Rule):
                 ours.update(probe(rows, float64(stored_b)))
             return ours
 
-        try:
-            require_refold_no_worse(cx, dt, "Conv weights", measure)
-        except NoMatch:
-            if theirs is None:
-                raise
-            require_no_worse_than_runtime(dt, measure(), theirs)
+        _require_refold_kept(cx, dt, measure, theirs)
         m.stash(w_new=stored_w, b_new=stored_b)
+
+    def _store_rows(self, m, cx, w, b, scale, shift, dt, stats, runtime) -> bool:
+        """:meth:`store` of a measured float16 Conv fold, folded and measured in blocks of
+        output channels (``fold_rows``); False, leaving it to the whole-layer path, where that
+        path's precision guards would refuse before measuring (it then says why) or where
+        calibration ranges bound the accumulation."""
+        if not (self.conv_op == "Conv" and dt == np.float16 and refold_measured(cx, dt)):
+            return False
+        if cx.ranges or not (np.isfinite(scale).all() and np.isfinite(shift).all()):
+            return False
+        rows = w.reshape(w.shape[0], -1)
+        if rows.size == 0:
+            return False
+        # each row's largest magnitude on the float16 bits (ordered like the magnitudes)
+        largest = (rows.view(np.uint16) & np.uint16(0x7FFF)).max(axis=1)
+        if largest.max() >= 0x7C00:  # an infinity or a NaN
+            return False
+        peak = float((largest.view(np.float16).astype(np.float64) * np.abs(scale)).max())
+        if not (0 < peak <= float(np.finfo(np.float16).max) and rounds_within_tolerance(peak, dt)):
+            return False
+        try:
+            stored_b = require_representable(b * scale + shift, dt, "Conv bias")
+        except NoMatch:
+            return False
+        their = runtime() if runtime is not None and runtime_folds(cx.target) else None
+        fold = fold_rows(rows, scale, shift, b, stored_b, stats, their)
+        if fold.flushed and fold.flushed / fold.nonzero > FLUSH_TOLERANCE:
+            return False
+        _require_refold_kept(cx, dt, lambda: fold.ours, fold.theirs)
+        m.stash(w_new=fold.weights.reshape(w.shape), b_new=stored_b)
+        return True
 
     def compensated(self, exact: np.ndarray, stored: np.ndarray, group: int):
         """``stored`` (``exact`` rounded to nearest float16) with each output channel's row
@@ -161,6 +193,18 @@ class ConvScaleBase(Rule):
         grouped = w.reshape((group, c_in // group, c_per) + w.shape[2:])
         scale = s.reshape((group, 1, c_per) + (1,) * (w.ndim - 2))
         return (grouped * scale).reshape(w.shape)
+
+
+def _require_refold_kept(cx, dt, measure, theirs) -> None:
+    """A float16/bfloat16 refold is kept when no worse than the unfused graph
+    (``require_refold_no_worse``) or, failing that, than onnxruntime's own fold (``theirs``,
+    when it would make one)."""
+    try:
+        require_refold_no_worse(cx, dt, "Conv weights", measure)
+    except NoMatch:
+        if theirs is None:
+            raise
+        require_no_worse_than_runtime(dt, measure(), theirs)
 
 
 @register_rule
@@ -201,7 +245,7 @@ class FuseConvBatchNorm(ConvScaleBase):
             ("BN running_var", m.var),
         )
         dt = _float_weights(m)
-        w = float64(value(m.W))
+        w = value(m.W)
         group = int(m.conv.attrs.get("group", 1))
         c_out = self.out_channels(w, group)
         params = [value(t).astype(np.float64).reshape(-1) for t in (m.gamma, m.beta, m.mean, m.var)]
@@ -216,11 +260,11 @@ class FuseConvBatchNorm(ConvScaleBase):
         b = value(m.B).astype(np.float64) if m.B is not None else np.zeros(c_out)
         runtime = None
         if self.conv_op == "Conv" and dt == np.float16:
-            params = (m.W, m.B, m.gamma, m.beta, m.mean, m.var)
+            params = (m.B, m.gamma, m.beta, m.mean, m.var)
 
             def runtime() -> tuple[np.ndarray, np.ndarray]:
                 stored = [value(t) if t is not None else None for t in params]
-                return runtime_bn_fold(*stored, eps)
+                return runtime_bn_scale(*stored, eps)
 
         self.store(m, cx, w, b, s, beta - mean * s, dt, stats=(mean, var), runtime=runtime)
 
@@ -250,264 +294,6 @@ class FuseConvTransposeBatchNorm(FuseConvBatchNorm):
         "mean",
         "var",
         name="bn",
-    )
-
-
-#: values per block of rows :func:`compensated_rows` works on at once (its float64 temporaries
-#: stay in the core's cache: ~25 % faster than whole layers); blocks run on up to
-#: :data:`ROUNDING_THREADS` threads (numpy releases the GIL in its loops)
-ROUNDING_BLOCK = 65536
-ROUNDING_THREADS = max(1, min(4, os.cpu_count() or 1))
-_rounding_pool: ThreadPoolExecutor | None = None
-
-
-def compensated_rows(exact: np.ndarray, nearest: np.ndarray) -> np.ndarray:
-    """Float16 rows whose rounding errors cancel: ``nearest`` (``exact`` rounded to nearest)
-    with, in each row, the values whose other neighbour costs least (those nearest to
-    half-way) moved to that neighbour, as many as minimize the row's summed rounding error
-    plus twice what the moves add to the values' own errors (all in absolute value): a move
-    must cut the sum by at least twice what it costs, so a row whose errors already cancel
-    keeps its nearest values.  Each value stays one of the two float16 neighbours of its exact
-    value.  Rows are independent: they are re-rounded in blocks of about
-    :data:`ROUNDING_BLOCK` values, on threads when there are several blocks."""
-    return compensated_rows_started(exact, nearest)()
-
-
-def _pool() -> ThreadPoolExecutor:
-    global _rounding_pool
-    if _rounding_pool is None:
-        _rounding_pool = ThreadPoolExecutor(ROUNDING_THREADS, thread_name_prefix="graphopt-round")
-    return _rounding_pool
-
-
-def compensated_rows_started(exact: np.ndarray, nearest: np.ndarray) -> Callable[[], np.ndarray]:
-    """:func:`compensated_rows`, its blocks started on the rounding threads (when there are
-    several): returns what waits for them and gives the rows."""
-    rows, n = exact.shape
-    per = max(1, ROUNDING_BLOCK // max(n, 1))
-    if rows <= per and ROUNDING_THREADS > 1:  # one block, still beside the caller's work
-        return _pool().submit(_compensated_block, exact, nearest).result
-    if rows <= per:
-        out = _compensated_block(exact, nearest)
-        return lambda: out
-    spans = [(i, min(i + per, rows)) for i in range(0, rows, per)]
-    out = np.empty_like(nearest)
-
-    def block(span: tuple[int, int]) -> None:
-        a, b = span
-        out[a:b] = _compensated_block(exact[a:b], nearest[a:b])
-
-    if ROUNDING_THREADS == 1:
-        for span in spans:
-            block(span)
-        return lambda: out
-    futures = [_pool().submit(block, span) for span in spans]
-
-    def wait() -> np.ndarray:
-        for f in futures:
-            f.result()
-        return out
-
-    return wait
-
-
-def _compensated_block(exact: np.ndarray, nearest: np.ndarray) -> np.ndarray:
-    """:func:`compensated_rows` of a few rows, at once."""
-    other, total, cost, step, useful = rounding_moves(exact, nearest)
-    rows, cols = _cheapest_flips(total, cost, step, useful)
-    out = nearest.copy()
-    out[rows, cols] = other[rows, cols]
-    return out
-
-
-def rounding_moves(exact: np.ndarray, nearest: np.ndarray) -> tuple:
-    """Per value of float16 rows: (its other float16 neighbour, the row's summed rounding
-    error [rows, 1], what moving there adds to its own error (inf where a move does not help
-    the row's sum), the move (meaningful where it helps), whether it helps)."""
-    exact = np.asarray(exact, dtype=np.float64)
-    near64 = float64(nearest)
-    resid = near64 - exact
-    above = resid > 0  # the other neighbour lies below (toward -inf), else above
-    other = _neighbour(nearest, above)
-    step = float64(other)
-    step -= near64
-    total = resid.sum(axis=1, keepdims=True)
-    # a move goes against its value's error (toward the exact value), so it helps the row's sum
-    # where that error has the sign of the sum: sign(step) == -sign(total)
-    useful = above == (total > 0)
-    useful &= resid != 0
-    useful &= total != 0
-    finite = np.isfinite(step)
-    if not finite.all():  # a move out of the largest finite float16
-        useful &= finite
-    cost = resid + step
-    np.abs(cost, out=cost)
-    cost -= np.abs(resid)
-    _infinite_where_not(cost, useful)
-    return other, total, cost, step, useful
-
-
-_INF_BITS = np.float64(np.inf).view(np.int64)
-
-
-def _infinite_where_not(values: np.ndarray, keep: np.ndarray) -> None:
-    """``values[~keep] = inf`` (float64, in place), on the bits: a masked store branches on
-    every value and runs 3x slower on a mask as irregular as which moves help."""
-    drop = keep.view(np.int8).astype(np.int64)
-    drop -= 1  # all bits set where not kept, none where kept
-    bits = values.view(np.int64)
-    bits &= ~drop
-    drop &= _INF_BITS
-    bits |= drop
-
-
-def _neighbour(values: np.ndarray, down: np.ndarray) -> np.ndarray:
-    """``np.nextafter(values, -inf if down else +inf)`` of float16 values, on their bits: a
-    float16's neighbours are the integers beside its bits (magnitude up or down by one unit),
-    but for a zero (the smallest subnormal of the direction's sign) and an infinity moving
-    outward (itself)."""
-    bits = values.view(np.uint16)
-    outward = down == (bits >= 0x8000)  # away from zero: the magnitude's bits go up by one
-    out = outward.view(np.uint8).astype(np.uint16)
-    out <<= 1
-    out += bits
-    out -= np.uint16(1)  # bits + 1 or bits - 1, mod 2**16
-    magnitude = bits & np.uint16(0x7FFF)
-    zero = magnitude == 0
-    if zero.any():
-        out[zero] = np.where(down[zero], np.uint16(0x8001), np.uint16(0x0001))
-    infinite = magnitude == 0x7C00
-    if infinite.any():
-        stays = infinite & outward
-        out[stays] = bits[stays]
-    return out.view(np.float16)
-
-
-#: candidates per row put in order first (at least; 4·sqrt(length) for long rows): a row
-#: needs about sqrt(its length) flips (ResNet-50 fp16: median 1.0, at most 4.2·sqrt), and a row
-#: whose best count could lie beyond is sorted whole (4 instead of 8·sqrt: 20 % less time, the
-#: same flips)
-FLIP_PREFIX = 32
-
-
-def _cheapest_flips(total, cost, step, useful) -> tuple[np.ndarray, np.ndarray]:
-    """Which values :func:`compensated_rows` moves, as (rows, columns): per row, the first
-    ``count`` in the order of a stable sort by cost, ``count`` minimizing |total + their steps|
-    + 2·their costs.  Only the :data:`FLIP_PREFIX` cheapest are sorted; a row whose best count
-    could lie beyond them (costs never decrease along the order, so none can once twice the
-    prefix's costs reach the best found) is sorted whole, so the result is the whole sort's."""
-    rows, n = cost.shape
-    if n == 0:
-        return np.empty(0, np.intp), np.empty(0, np.intp)
-    k = _prefix_length(n)
-    part = (
-        np.argpartition(cost, k - 1, axis=1)[:, :k] if k < n else np.tile(np.arange(n), (rows, 1))
-    )
-    part.sort(axis=1)  # a stable sort by cost then keeps equal costs in the order of the row
-    order = np.take_along_axis(part, np.argsort(np.take_along_axis(cost, part, 1), 1, "stable"), 1)
-    sorted_cost = np.take_along_axis(cost, order, axis=1)
-    kth = sorted_cost[:, -1:]
-    # the prefix as the whole sort has it: values cheaper than the k-th (ties may differ there)
-    safe = (sorted_cost < kth).sum(axis=1) if k < n else np.full(rows, n)
-    sorted_step = _helping(sorted_cost, np.take_along_axis(step, order, 1))
-    count, best, added = _best_count(total, sorted_cost, sorted_step, safe)
-    whole = ~((2.0 * added >= best) | ~np.isfinite(kth[:, 0]) | (k == n))
-    r, c = _firsts(order, np.where(whole, 0, count))
-    if whole.any():
-        idx = np.flatnonzero(whole)
-        order = np.argsort(cost[idx], axis=1, kind="stable")
-        whole_cost = np.take_along_axis(cost[idx], order, 1)
-        whole_step = _helping(whole_cost, np.take_along_axis(step[idx], order, 1))
-        count, _, _ = _best_count(total[idx], whole_cost, whole_step, np.full(idx.size, n))
-        rw, cw = _firsts(order, count)
-        r, c = np.concatenate([r, idx[rw]]), np.concatenate([c, cw])
-    keep = useful[r, c]
-    return r[keep], c[keep]
-
-
-def _firsts(order: np.ndarray, count: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(rows, columns) of the first ``count[i]`` columns ``order[i]`` lists, per row i."""
-    r, j = np.nonzero(np.arange(order.shape[1])[None, :] < count[:, None])
-    return r, order[r, j]
-
-
-def _helping(cost: np.ndarray, step: np.ndarray) -> np.ndarray:
-    """The moves, 0 where a move does not help (infinite cost)."""
-    return np.where(np.isfinite(cost), step, 0.0)
-
-
-def _prefix_length(n: int) -> int:
-    """How many of a row's ``n`` candidates :func:`_cheapest_flips` sorts first."""
-    return min(n, max(FLIP_PREFIX, 4 * math.isqrt(n)))
-
-
-def _best_count(total, sorted_cost, sorted_step, limit):
-    """(count, its objective, the costs of the first ``limit``) per row, counts up to
-    ``limit``: the objective |total + Σ steps| + 2·Σ costs over the first ``count`` values."""
-    finite_cost = np.where(np.isfinite(sorted_cost), sorted_cost, 0.0)
-    zero = np.zeros_like(total)
-    reach = np.abs(total + np.concatenate([zero, np.cumsum(sorted_step, axis=1)], axis=1))
-    added = np.concatenate([zero, np.cumsum(finite_cost, axis=1)], axis=1)
-    objective = reach + 2.0 * added
-    beyond = np.arange(objective.shape[1])[None, :] > limit[:, None]
-    objective = np.where(beyond, np.inf, objective)
-    count = np.argmin(objective, axis=1)
-    rows = np.arange(count.size)
-    return count, objective[rows, count], added[rows, np.minimum(limit, added.shape[1] - 1)]
-
-
-def runtime_bn_fold(w, b, gamma, beta, mean, var, eps: float) -> tuple[np.ndarray, np.ndarray]:
-    """The weights and bias onnxruntime's ConvBNFusion stores for a float16 Conv+BN: each step
-    computed in float32 and rounded to float16 (scale = gamma / sqrt(var + eps); W·scale;
-    bias (B - mean)·scale + beta, or beta - mean·scale without B)."""
-
-    def r(a) -> np.ndarray:
-        with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-            return np.asarray(a, dtype=np.float32).astype(np.float16).astype(np.float32)
-
-    g, bt, mu, v = (r(np.asarray(t).reshape(-1)) for t in (gamma, beta, mean, var))
-    scale = r(g / r(np.sqrt(r(v + np.float32(eps)))))
-    # float16 weights widen exactly; the product is rounded to float16 once, as it is stored
-    w32 = widen(w) if w.dtype == np.float16 else r(w)
-    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-        weights = to_float16(w32 * scale.reshape((-1,) + (1,) * (np.ndim(w) - 1)))
-    if b is None:
-        bias = r(bt - r(mu * scale))
-    else:
-        bias = r(r(r(r(np.asarray(b).reshape(-1)) - mu) * scale) + bt)
-    return weights, bias.astype(np.float16)
-
-
-def _runtime_folds(target) -> bool:
-    """Whether ``target`` runs models with onnxruntime at level BASIC or above, where
-    ConvBNFusion folds a constant Conv+BatchNormalization itself."""
-    level = target.session.get("graph_optimization_level", "")
-    return target.runtime.startswith("onnxruntime") and level in (
-        "ORT_ENABLE_BASIC",
-        "ORT_ENABLE_EXTENDED",
-        "ORT_ENABLE_ALL",
-    )
-
-
-def require_no_worse_than_runtime(dt, ours: dict[str, float], theirs: dict[str, float]) -> None:
-    """Keep a float16 refold the unfused graph measured better than (``precision-refold``) when
-    it is no worse (within ``REFOLD_SLACK``) than the fold the runtime makes of the unfused
-    graph, in both the worst and the systematic error; else refuse with both comparisons."""
-    if ours["folded_max"] <= REFOLD_SLACK * theirs["folded_max"] and (
-        ours["folded_bias"] <= REFOLD_SLACK * theirs["folded_bias"]
-    ):
-        return
-    raise NoMatch(
-        "precision-refold",
-        f"folding into {np.dtype(dt).name} Conv weights is less accurate than the unfused graph "
-        f"against float64 (worst error {ours['folded_max']:.3g} vs {ours['unfused_max']:.3g}, "
-        f"systematic {ours['folded_bias']:.3g} vs {ours['unfused_bias']:.3g}) and than "
-        f"onnxruntime's own fold of it ({theirs['folded_max']:.3g}, systematic "
-        f"{theirs['folded_bias']:.3g}), of each channel's RMS on probe inputs; allowed at -O3",
-        dtype=np.dtype(dt).name,
-        runtime_max=theirs["folded_max"],
-        runtime_bias=theirs["folded_bias"],
-        **ours,
     )
 
 
@@ -542,7 +328,7 @@ class FuseConvElementwise(ConvScaleBase):
             "dtype-mismatch",
             f"{self.root} operand is {c.dtype}, weights are {dt}",
         )
-        w = value(m.W).astype(np.float64)
+        w = value(m.W)
         c_out = self.out_channels(w, int(m.conv.attrs.get("group", 1)))
         vec = per_channel(c, w.ndim, c_out)
         require(

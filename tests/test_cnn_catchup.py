@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from conftest import assert_optimized, codes, const, model, ops, run, vi
-from graphopt.rules.conv import compensated_rows, rounding_moves, runtime_bn_fold
+from graphopt.opt.float16_fold import compensated_rows, rounding_moves, runtime_bn_fold
 
 F16 = TensorProto.FLOAT16
 
@@ -179,7 +179,7 @@ def _sorted_whole(exact, nearest):
 def test_compensated_rows_sort_a_prefix_like_the_whole_row(rng, monkeypatch, prefix):
     """Sorting only the cheapest candidates gives what sorting every row gives: rows of every
     length and scale, few useful values, ties, and prefixes too short (rows sorted whole)."""
-    from graphopt.rules import conv
+    from graphopt.opt import float16_fold as conv
 
     if prefix:
         monkeypatch.setattr(conv, "_prefix_length", lambda n: min(n, prefix))
@@ -200,7 +200,7 @@ def test_compensated_rows_sort_a_prefix_like_the_whole_row(rng, monkeypatch, pre
 def test_float16_neighbour_is_nextafter_on_every_value(down):
     """The bit-level neighbour rounding_moves uses equals np.nextafter on all 65,536 float16
     values but NaNs: zeros of both signs, subnormals, the largest finite, infinities."""
-    from graphopt.rules.conv import _neighbour
+    from graphopt.opt.float16_fold import _neighbour
 
     values = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
     with np.errstate(over="ignore"):
@@ -208,3 +208,73 @@ def test_float16_neighbour_is_nextafter_on_every_value(down):
     got = _neighbour(values, np.full(values.shape, down))
     keep = ~np.isnan(values)
     assert np.array_equal(got[keep].view(np.uint16), expected[keep].view(np.uint16))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fold_rows_in_blocks_is_the_whole_layer_fold(rng, monkeypatch, threads):
+    """Folded and measured in blocks of channels (several here, on threads or not): the same
+    compensated weights and the same errors as the whole layer's fold and refold_probe (means
+    summed in another order: equal to rounding)."""
+    from graphopt.opt import float16_fold
+    from graphopt.opt.float16_fold import fold_rows, runtime_bn_scale
+    from graphopt.opt.precision import refold_probe
+
+    monkeypatch.setattr(float16_fold, "FOLD_BLOCK", 1000)
+    monkeypatch.setattr(float16_fold, "ROUNDING_THREADS", threads)
+    c, k = 37, 144
+    w16 = (rng.standard_normal((c, k)) * 0.2).astype(np.float16)
+    g, bt, mu, v = (
+        (rng.random(c) + 0.5).astype(np.float16),
+        (rng.standard_normal(c) * 0.1).astype(np.float16),
+        (rng.standard_normal(c) * 0.3).astype(np.float16),
+        (rng.random(c) + 0.3).astype(np.float16),
+    )
+    b16 = (rng.standard_normal(c) * 0.1).astype(np.float16)
+    gamma, beta, mean, var, b = (a.astype(np.float64) for a in (g, bt, mu, v, b16))
+    s = gamma / np.sqrt(var + 1e-5)
+    shift = beta - mean * s
+    stored_b = (b * s + shift).astype(np.float16)
+    w = w16.astype(np.float64)
+    probe = refold_probe(w, b, s, shift, np.float16, (mean, var))
+    exact = w * s[:, None]
+    whole = compensated_rows(exact, exact.astype(np.float16))
+    rw, rb = runtime_bn_fold(w16, b16, g, bt, mu, v, 1e-5)
+    ours = probe(whole.astype(np.float64), stored_b.astype(np.float64))
+    theirs = probe(rw.astype(np.float64), rb.astype(np.float64))
+
+    fold = fold_rows(
+        w16, s, shift, b, stored_b, (mean, var), runtime_bn_scale(b16, g, bt, mu, v, 1e-5)
+    )
+    assert np.array_equal(fold.weights.view(np.uint16), whole.view(np.uint16))
+    assert fold.nonzero == c * k and fold.flushed == 0
+    for got, want in ((fold.ours, ours), (fold.theirs, theirs)):
+        assert list(got) == list(want)
+        for key in want:
+            if key.endswith("_mean"):
+                assert got[key] == pytest.approx(want[key], rel=1e-12)
+            else:
+                assert got[key] == want[key], key
+
+
+@pytest.mark.parametrize("case", ["fired", "refused", "no-bias", "tensorrt"])
+def test_fp16_conv_folds_in_blocks_as_whole_layers(rng, monkeypatch, case):
+    """The blocked float16 fold (``_store_rows``) writes the model and the remarks the
+    whole-layer path writes."""
+    from graphopt.rules.conv import ConvScaleBase
+
+    if case == "refused":
+        gamma, var = np.full(8, 1.0), np.full(8, 1.0)
+        gamma[3], var[3] = 1e-3, 1e4
+        m = conv_bn16(np.random.default_rng(0), gamma=gamma, var=var, c_in=4, w_scale=1.0)
+    else:
+        m = conv_bn16(rng, c_in=64, bias=case != "no-bias")
+    target = "tensorrt" if case == "tensorrt" else "cpu"
+    blocked, blocked_report = run(m, target=target, check=False)
+    monkeypatch.setattr(ConvScaleBase, "_store_rows", lambda self, *a: False)
+    whole, whole_report = run(m, target=target, check=False)
+    assert blocked.SerializeToString() == whole.SerializeToString()
+
+    def said(report):
+        return [(r.rule, r.code, r.message) for r in report.remarks]
+
+    assert said(blocked_report) == said(whole_report)
