@@ -21,14 +21,10 @@ and page faults.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import functools
 import math
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -342,10 +338,7 @@ def fold_rows(
     their_bias = float64(runtime[1]) if runtime is not None else None
 
     def block(span: tuple[int, int]):
-        with _blas_on_this_thread():
-            return measured(*span)
-
-    def measured(a: int, b: int):
+        a, b = span
         w = float64(rows[a:b])
         exact = w * scale[a:b, None]
         with np.errstate(over="ignore", under="ignore"):
@@ -382,30 +375,3 @@ def fold_rows(
         probe_errors(unfused, [p[3] for p in parts]),
         probe_errors(unfused, [p[4] for p in parts]) if runtime is not None else None,
     )
-
-
-@contextlib.contextmanager
-def _blas_on_this_thread():
-    """This thread's BLAS products stay on this thread inside the block (OpenBLAS's per-thread
-    setting, ``openblas_set_num_threads_local``, where numpy's OpenBLAS has it; else nothing):
-    a block's products are small, and OpenBLAS's own threads would spin against the other fold
-    threads (measured on ResNet-50 fp16: 2.8 instead of 1.6 CPU seconds)."""
-    setter = _openblas_thread_setter()
-    before = setter(1) if setter is not None else None
-    try:
-        yield
-    finally:
-        if before is not None:
-            setter(before)
-
-
-@functools.lru_cache(maxsize=1)
-def _openblas_thread_setter():
-    """numpy's OpenBLAS ``openblas_set_num_threads_local``, or None."""
-    libs = Path(np.__file__).parent.parent / "numpy.libs"
-    for path in sorted(libs.glob("lib*openblas*.so*")) if libs.is_dir() else []:
-        try:
-            return ctypes.CDLL(os.fspath(path)).openblas_set_num_threads_local
-        except (OSError, AttributeError):
-            continue
-    return None

@@ -1,5 +1,5 @@
-"""The command's process settings: one malloc arena on glibc and one BLAS thread, unless the
-user chose."""
+"""The command's process settings: glibc's allocator (one arena, fixed thresholds) and one
+BLAS thread, unless the user chose."""
 
 from __future__ import annotations
 
@@ -27,23 +27,31 @@ def libc(monkeypatch):
     return fake
 
 
-def test_one_arena_on_glibc(monkeypatch, libc):
-    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+_SETTINGS = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
+
+def test_one_arena_and_fixed_thresholds_on_glibc(monkeypatch, libc):
+    for variable in _SETTINGS:
+        monkeypatch.delenv(variable, raising=False)
     monkeypatch.setattr(os, "confstr", lambda name: "glibc 2.36")
-    cli._one_malloc_arena()
-    assert libc.calls == [(-8, 1)]
+    cli._tune_malloc()
+    assert libc.calls == [(-8, 1), (-3, 32 << 20), (-1, 64 << 20)]
 
 
 def test_the_users_setting_and_other_c_libraries_are_left_alone(monkeypatch, libc):
-    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
-    cli._one_malloc_arena()
-    monkeypatch.delenv("MALLOC_ARENA_MAX")
+    monkeypatch.setattr(os, "confstr", lambda name: "glibc 2.36")
+    for variable in _SETTINGS:
+        monkeypatch.setenv(variable, "4")
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    cli._tune_malloc()
+    assert libc.calls == [(-3, 32 << 20)]  # only what the environment left to it
+    libc.calls.clear()
 
     def not_glibc(name):
         raise ValueError(name)
 
     monkeypatch.setattr(os, "confstr", not_glibc)
-    cli._one_malloc_arena()
+    cli._tune_malloc()
     assert libc.calls == []
 
 
