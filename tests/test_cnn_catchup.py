@@ -256,13 +256,29 @@ def test_fold_rows_in_blocks_is_the_whole_layer_fold(rng, monkeypatch, threads):
                 assert got[key] == want[key], key
 
 
-@pytest.mark.parametrize("case", ["fired", "refused", "no-bias", "tensorrt"])
+def conv_mul16(rng, c_in=32, c_out=8):
+    """fp16 Conv(3x3) times a per-channel constant."""
+    nodes = [
+        helper.make_node("Conv", ["x", "W", "B"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+        helper.make_node("Mul", ["c", "s"], ["y"]),
+    ]
+    inits = [
+        const("W", rng.standard_normal((c_out, c_in, 3, 3)) * 0.2, np.float16),
+        const("B", rng.standard_normal(c_out) * 0.1, np.float16),
+        const("s", (rng.random((1, c_out, 1, 1)) + 0.5), np.float16),
+    ]
+    return model(nodes, [vi("x", [1, c_in, 8, 8], F16)], [vi("y", None, F16)], inits)
+
+
+@pytest.mark.parametrize("case", ["fired", "refused", "no-bias", "tensorrt", "mul"])
 def test_fp16_conv_folds_in_blocks_as_whole_layers(rng, monkeypatch, case):
     """The blocked float16 fold (``_store_rows``) writes the model and the remarks the
     whole-layer path writes."""
     from graphopt.rules.conv import ConvScaleBase
 
-    if case == "refused":
+    if case == "mul":
+        m = conv_mul16(rng)
+    elif case == "refused":
         gamma, var = np.full(8, 1.0), np.full(8, 1.0)
         gamma[3], var[3] = 1e-3, 1e4
         m = conv_bn16(np.random.default_rng(0), gamma=gamma, var=var, c_in=4, w_scale=1.0)
