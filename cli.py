@@ -733,8 +733,8 @@ def console() -> None:
 #: variable that, when set, keeps glibc's own)
 _MALLOC_SETTINGS = (
     (-8, 1, "MALLOC_ARENA_MAX"),  # M_ARENA_MAX
-    (-3, 32 << 20, "MALLOC_MMAP_THRESHOLD_"),  # M_MMAP_THRESHOLD
-    (-1, 64 << 20, "MALLOC_TRIM_THRESHOLD_"),  # M_TRIM_THRESHOLD
+    (-3, 8 << 20, "MALLOC_MMAP_THRESHOLD_"),  # M_MMAP_THRESHOLD
+    (-1, 32 << 20, "MALLOC_TRIM_THRESHOLD_"),  # M_TRIM_THRESHOLD
 )
 
 
@@ -744,12 +744,13 @@ def _tune_malloc() -> None:
     own and keeps what is freed there for that arena, so the threads that round fp16 weights,
     hash the output and run onnxruntime's sessions raised the peak with memory the main thread
     never reused (ResNet-50 fp16 ``--no-check``: 254 -> 221-234 MB peak, no slower).  Blocks
-    below 32 MiB from the heap, which keeps up to 64 MiB free at its top: by default glibc maps
+    below 8 MiB from the heap, which keeps up to 32 MiB free at its top: by default glibc maps
     each block above a threshold that only grows as such blocks are freed, and gives the heap's
-    top back beyond twice that, so the passes' and the folds' temporaries of a few MB were
-    mapped, faulted in page by page and unmapped again, over and over (ResNet-50 fp16
-    ``--no-check``: 190,000 page faults, 0.55 s of system time; now 37,000 and 0.2 s: 1.57 ->
-    1.35 s; GPT-2 1.94 -> 1.51 s; peak memory within 3 MB)."""
+    top back beyond twice that, so the folds' temporaries of a few MB were mapped, faulted in
+    page by page and unmapped again, over and over (ResNet-50 fp16 ``--no-check``: 190,000 page
+    faults, 0.55 s of system time, 1.58 s; now 0.2 s and 1.35 s), while blocks above 8 MiB (a
+    whole layer's float64 temporaries, large weights) are still mapped and given back when
+    freed (ResNet-50 ``--no-check`` peak 277 -> 243 MB; with 32 MiB, 273 MB)."""
     import ctypes
     import os
 

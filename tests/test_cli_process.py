@@ -35,7 +35,7 @@ def test_one_arena_and_fixed_thresholds_on_glibc(monkeypatch, libc):
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setattr(os, "confstr", lambda name: "glibc 2.36")
     cli._tune_malloc()
-    assert libc.calls == [(-8, 1), (-3, 32 << 20), (-1, 64 << 20)]
+    assert libc.calls == [(-8, 1), (-3, 8 << 20), (-1, 32 << 20)]
 
 
 def test_the_users_setting_and_other_c_libraries_are_left_alone(monkeypatch, libc):
@@ -44,7 +44,7 @@ def test_the_users_setting_and_other_c_libraries_are_left_alone(monkeypatch, lib
         monkeypatch.setenv(variable, "4")
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
     cli._tune_malloc()
-    assert libc.calls == [(-3, 32 << 20)]  # only what the environment left to it
+    assert libc.calls == [(-3, 8 << 20)]  # only what the environment left to it
     libc.calls.clear()
 
     def not_glibc(name):
