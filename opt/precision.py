@@ -83,16 +83,15 @@ def require_representable(exact: np.ndarray, dtype: np.dtype, what: str) -> np.n
     # non-zeros on each side finds the flushed ones without comparing element by element
     nonzero = int(np.count_nonzero(exact))
     flushed = nonzero - _count_nonzero(stored)
-    if flushed:
-        if flushed / nonzero > FLUSH_TOLERANCE:
-            smallest = float(np.min(np.abs(exact[exact != 0])))
-            raise NoMatch(
-                "precision-underflow",
-                f"{flushed} non-zero values of folded {what} flush to zero in {dtype.name} "
-                f"(smallest {smallest:.3g})",
-                flushed=flushed,
-                worst=smallest,
-            )
+    if flushes_too_many(flushed, nonzero):
+        smallest = float(np.min(np.abs(exact[exact != 0])))
+        raise NoMatch(
+            "precision-underflow",
+            f"{flushed} non-zero values of folded {what} flush to zero in {dtype.name} "
+            f"(smallest {smallest:.3g})",
+            flushed=flushed,
+            worst=smallest,
+        )
     if not rounds_within_tolerance(peak, dtype):
         tol = STORE_TOLERANCE.get(dtype.name, 1e-6)
         err = np.abs(stored.astype(np.float64) - exact) / peak
@@ -106,6 +105,12 @@ def require_representable(exact: np.ndarray, dtype: np.dtype, what: str) -> np.n
                 tolerance=tol,
             )
     return stored
+
+
+def flushes_too_many(flushed: int, nonzero: int) -> bool:
+    """Whether ``flushed`` of ``nonzero`` folded values rounding to zero is beyond
+    :data:`FLUSH_TOLERANCE`."""
+    return bool(flushed) and flushed / nonzero > FLUSH_TOLERANCE
 
 
 def rounds_within_tolerance(peak: float, dtype: np.dtype) -> bool:

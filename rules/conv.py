@@ -47,7 +47,7 @@ from graphopt.opt.halfcast import float64
 from graphopt.opt.ir import Constant, constant_value, dtype_of
 from graphopt.opt.manager import register_rule
 from graphopt.opt.precision import (
-    FLUSH_TOLERANCE,
+    flushes_too_many,
     refold_measured,
     refold_probe,
     require_accumulation_in_range,
@@ -153,7 +153,7 @@ class ConvScaleBase(Rule):
             return False
         their = runtime() if runtime is not None and runtime_folds(cx.target) else None
         fold = fold_rows(rows, scale, shift, b, stored_b, stats, their)
-        if fold.flushed and fold.flushed / fold.nonzero > FLUSH_TOLERANCE:
+        if flushes_too_many(fold.flushed, fold.nonzero):
             return False
         _require_refold_kept(cx, dt, lambda: fold.ours, fold.theirs)
         m.stash(w_new=fold.weights.reshape(w.shape), b_new=stored_b)
