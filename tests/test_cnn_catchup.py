@@ -210,17 +210,20 @@ def test_float16_neighbour_is_nextafter_on_every_value(down):
     assert np.array_equal(got[keep].view(np.uint16), expected[keep].view(np.uint16))
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_fold_rows_in_blocks_is_the_whole_layer_fold(rng, monkeypatch, threads):
-    """Folded and measured in blocks of channels (several here, on threads or not): the same
-    compensated weights and the same errors as the whole layer's fold and refold_probe (means
-    summed in another order: equal to rounding)."""
+@pytest.mark.parametrize("threads,mapped", [(1, False), (2, False), (2, True)])
+def test_fold_rows_in_blocks_is_the_whole_layer_fold(rng, monkeypatch, threads, mapped):
+    """Folded and measured in blocks of channels (several here, on threads or not, into the
+    heap or a mapping of their own): the same compensated weights and the same errors as the
+    whole layer's fold and refold_probe (means summed in another order: equal to rounding)."""
+    import mmap
+
     from graphopt.opt import float16_fold
     from graphopt.opt.float16_fold import fold_rows, runtime_bn_scale
     from graphopt.opt.precision import refold_probe
 
     monkeypatch.setattr(float16_fold, "FOLD_BLOCK", 1000)
     monkeypatch.setattr(float16_fold, "ROUNDING_THREADS", threads)
+    monkeypatch.setattr(float16_fold, "MAPPED_ABOVE", 0 if mapped else 1 << 30)
     c, k = 37, 144
     w16 = (rng.standard_normal((c, k)) * 0.2).astype(np.float16)
     g, bt, mu, v = (
@@ -246,6 +249,11 @@ def test_fold_rows_in_blocks_is_the_whole_layer_fold(rng, monkeypatch, threads):
         w16, s, shift, b, stored_b, (mean, var), runtime_bn_scale(b16, g, bt, mu, v, 1e-5)
     )
     assert np.array_equal(fold.weights.view(np.uint16), whole.view(np.uint16))
+    owner = fold.weights
+    while isinstance(owner, np.ndarray) and owner.base is not None:
+        owner = owner.base
+    owner = owner.obj if isinstance(owner, memoryview) else owner
+    assert isinstance(owner, mmap.mmap) == mapped
     assert fold.nonzero == c * k and fold.flushed == 0
     for got, want in ((fold.ours, ours), (fold.theirs, theirs)):
         assert list(got) == list(want)
