@@ -31,7 +31,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .halfcast import float64, to_float16, widen
-from .precision import REFOLD_SLACK, ProbedRows, _count_nonzero, probe_errors
+from .precision import REFOLD_SLACK, ProbedRows, nonzero_values, probe_errors
 from .rewrite import NoMatch
 
 #: values per block of rows :func:`compensated_rows` works on at once (its float64 temporaries
@@ -345,7 +345,7 @@ def fold_rows(
         with np.errstate(over="ignore", under="ignore"):
             nearest = exact.astype(np.float16)
         nonzero = int(np.count_nonzero(exact))
-        flushed = nonzero - _count_nonzero(nearest)
+        flushed = nonzero - nonzero_values(nearest)
         out[a:b] = compensated = _compensated_block(exact, nearest)
         probed = ProbedRows(
             w,

@@ -82,7 +82,7 @@ def require_representable(exact: np.ndarray, dtype: np.dtype, what: str) -> np.n
     # a value stored as zero is zero or flushed (nothing else rounds to zero): counting the
     # non-zeros on each side finds the flushed ones without comparing element by element
     nonzero = int(np.count_nonzero(exact))
-    flushed = nonzero - _count_nonzero(stored)
+    flushed = nonzero - nonzero_values(stored)
     if flushes_too_many(flushed, nonzero):
         smallest = float(np.min(np.abs(exact[exact != 0])))
         raise NoMatch(
@@ -124,7 +124,7 @@ def rounds_within_tolerance(peak: float, dtype: np.dtype) -> bool:
     return bound <= STORE_TOLERANCE.get(np.dtype(dtype).name, 1e-6)
 
 
-def _count_nonzero(a: np.ndarray) -> int:
+def nonzero_values(a: np.ndarray) -> int:
     """Non-zero values of a float array; float16 on its bits without the sign (numpy counts
     float16 one value at a time: 40x slower)."""
     if a.dtype == np.float16:
