@@ -17,6 +17,9 @@ the same weights and bias bit for bit (onnxruntime 1.32).
 every step of the fold is per channel, so a block's float64 temporaries stay in the core's cache
 and both cores work, where the same steps over whole layers spend most of their time in memory
 and page faults.
+
+The compensated rounding itself runs natively where the optional C extension
+(``opt/_rounding.c``) was built at install, and in numpy otherwise: the same rows bit for bit.
 """
 
 from __future__ import annotations
@@ -33,6 +36,11 @@ import numpy as np
 from .halfcast import float64, to_float16, widen
 from .precision import REFOLD_SLACK, ProbedRows, nonzero_values, probe_errors
 from .rewrite import NoMatch
+
+try:  # built at install where a C compiler is present (setup.py)
+    from . import _rounding as native
+except ImportError:  # numpy computes the same rows
+    native = None
 
 #: values per block of rows :func:`compensated_rows` works on at once (its float64 temporaries
 #: stay in the core's cache: ~25 % faster than whole layers); blocks run on up to
@@ -98,7 +106,15 @@ def compensated_rows_started(exact: np.ndarray, nearest: np.ndarray) -> Callable
 
 
 def _compensated_block(exact: np.ndarray, nearest: np.ndarray) -> np.ndarray:
-    """:func:`compensated_rows` of a few rows, at once."""
+    """:func:`compensated_rows` of a few rows, at once: natively (``opt/_rounding.c``, the same
+    values bit for bit, without the interpreter lock; ResNet-50 fp16's folds: 0.16 s of CPU
+    against 0.46 s) where it was built, but for rows whose summed error is not finite."""
+    if native is not None and exact.size and nearest.dtype == np.float16:
+        out = np.empty_like(nearest)
+        exact64 = np.ascontiguousarray(exact, dtype=np.float64)
+        bits = np.ascontiguousarray(nearest).view(np.uint16)
+        if native.compensate(exact64, bits, out.view(np.uint16), exact.shape[1]):
+            return out
     other, total, cost, step, useful = rounding_moves(exact, nearest)
     rows, cols = _cheapest_flips(total, cost, step, useful)
     out = nearest.copy()

@@ -175,12 +175,18 @@ def _sorted_whole(exact, nearest):
     return np.where(useful & (rank < count[:, None]), other, nearest)
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("prefix", [None, 64, 4, 1])
-def test_compensated_rows_sort_a_prefix_like_the_whole_row(rng, monkeypatch, prefix):
+def test_compensated_rows_sort_a_prefix_like_the_whole_row(rng, monkeypatch, prefix, native):
     """Sorting only the cheapest candidates gives what sorting every row gives: rows of every
-    length and scale, few useful values, ties, and prefixes too short (rows sorted whole)."""
+    length and scale, few useful values, ties, and prefixes too short (rows sorted whole);
+    natively and in numpy."""
     from graphopt.opt import float16_fold as conv
 
+    if native and conv.native is None:
+        pytest.skip("the native extension was not built here")
+    if not native:
+        monkeypatch.setattr(conv, "native", None)
     if prefix:
         monkeypatch.setattr(conv, "_prefix_length", lambda n: min(n, prefix))
     rows = [
@@ -194,6 +200,73 @@ def test_compensated_rows_sort_a_prefix_like_the_whole_row(rng, monkeypatch, pre
     for exact in rows:
         nearest = exact.astype(np.float16)
         assert np.array_equal(compensated_rows(exact, nearest), _sorted_whole(exact, nearest))
+
+
+def _compensated_both_ways(exact, monkeypatch):
+    from graphopt.opt import float16_fold
+
+    with np.errstate(over="ignore"):
+        nearest = exact.astype(np.float16)
+    got = float16_fold._compensated_block(exact, nearest)
+    with monkeypatch.context() as patch:
+        patch.setattr(float16_fold, "native", None)
+        want = float16_fold._compensated_block(exact, nearest)
+    return got, want
+
+
+def test_native_compensated_rounding_is_numpy_bit_for_bit(rng, monkeypatch):
+    """The C extension's rows are numpy's, bit for bit: every length (1 to 100,000 values),
+    magnitudes from float16 subnormals to near its largest value, both signs, zeros, values
+    exactly half-way between two float16s (moves that cost nothing), many equal costs, powers
+    of two (a move toward zero lands in the binade below); rows with a value beyond float16's
+    range fall back to numpy (their summed error is infinite) and still agree."""
+    from graphopt.opt import float16_fold
+
+    if float16_fold.native is None:
+        pytest.skip("the native extension was not built here")
+    halves = rng.integers(-30000, 30000, (40, 300)).astype(np.int16).view(np.float16)
+    halves = halves[np.isfinite(halves).all(axis=1)].astype(np.float64)
+    halfway = (halves[:, :-1] + halves[:, 1:]) / 2  # ties when neighbours are adjacent
+    adjacent = np.arange(0x3C00, 0x3C00 + 257, dtype=np.uint16).view(np.float16).astype(float)
+    cases = [
+        rng.standard_normal((64, 576)) * 0.05,
+        rng.standard_normal((7, 1)),
+        rng.standard_normal((3, 100_000)) * 0.01,
+        rng.standard_normal((20, 300)) * 1e-6,  # subnormal float16s
+        rng.standard_normal((20, 300)) * 3e-8,  # around the smallest subnormal and zero
+        rng.standard_normal((10, 200)) * 2e4,  # near the largest float16
+        np.round(rng.standard_normal((32, 40)) * 512) / 1024 + 1 / 4096,
+        halfway,
+        ((adjacent[:-1] + adjacent[1:]) / 2)[None, :].repeat(3, 0),
+        2.0 ** rng.integers(-20, 10, (16, 64)) * (1 + rng.standard_normal((16, 64)) * 1e-4),
+        np.where(rng.random((16, 64)) < 0.5, 0.0, rng.standard_normal((16, 64))),
+        np.zeros((3, 7)),
+    ]
+    for exact in cases:
+        got, want = _compensated_both_ways(exact, monkeypatch)
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16)), exact.shape
+    beyond = rng.standard_normal((4, 50))
+    beyond[1, 3] = 7e4  # rounds to infinity
+    with np.errstate(over="ignore"):
+        bits = beyond.astype(np.float16).view(np.uint16)
+    assert not float16_fold.native.compensate(beyond, bits, np.empty_like(bits), 50)
+    got, want = _compensated_both_ways(beyond, monkeypatch)
+    assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+def test_native_compensated_rounding_refuses_mismatched_buffers():
+    from graphopt.opt import float16_fold
+
+    if float16_fold.native is None:
+        pytest.skip("the native extension was not built here")
+    exact = np.zeros((2, 5))
+    bits = np.zeros((2, 5), np.uint16)
+    with pytest.raises(ValueError):
+        float16_fold.native.compensate(exact, bits, np.zeros(9, np.uint16), 5)
+    with pytest.raises(ValueError):
+        float16_fold.native.compensate(exact, bits, np.zeros(10, np.uint16), 3)
+    with pytest.raises(ValueError):
+        float16_fold.native.compensate(exact.astype(np.float32), bits, bits.copy(), 5)
 
 
 @pytest.mark.parametrize("down", [False, True])
