@@ -1,6 +1,9 @@
-/* Compensated rounding of float16 rows, without the interpreter lock.
+/* float16 Conv folds, natively and without the interpreter lock: compensated rounding of
+ * float16 rows (compensate), the steps of a fold but its probes (fold_block: widen, scale,
+ * round to nearest, count flushes, compensate, onnxruntime's own fold), and float16 -> float64
+ * (widen).  Each gives numpy's values bit for bit (graphopt.opt.float16_fold, opt/halfcast).
  *
- * The same result, bit for bit, as graphopt.opt.float16_fold's numpy implementation
+ * Compensated rounding: the same result as graphopt.opt.float16_fold's numpy implementation
  * (rounding_moves + _cheapest_flips, rows sorted whole): per row, the values whose move to their
  * other float16 neighbour helps the row's summed rounding error are ordered by what the move
  * adds to their own error (ties by column), and the first `count` move, `count` minimizing
@@ -44,6 +47,34 @@ static inline double half_to_double(uint16_t h)
     double v;
     memcpy(&v, &bits, sizeof v);
     return v;
+}
+
+/* `x` rounded to the nearest float16 (ties to even), overflowing to infinity, as numpy's cast;
+ * any NaN gives a NaN.  Without branches: a normal float16 is `x` rounded to a multiple of
+ * its spacing s by adding and taking away 2^52 * s (whose own spacing is s); a subnormal one
+ * is x * 2^24 rounded to an integer the same way. */
+static inline uint16_t double_to_half(double x)
+{
+    uint64_t bits, abs_bits, big_bits, near_bits, tiny_bits;
+    memcpy(&bits, &x, sizeof bits);
+    abs_bits = bits & 0x7FFFFFFFFFFFFFFFULL;
+    double a, big;
+    memcpy(&a, &abs_bits, sizeof a);
+    big_bits = ((abs_bits >> 52) + 42) << 52; /* 2^52 spacings of a float16 of a's binade */
+    memcpy(&big, &big_bits, sizeof big);
+    double near = (a + big) - big;
+    memcpy(&near_bits, &near, sizeof near_bits);
+    uint64_t normal = ((((near_bits >> 52) - (1023 - 15)) << 10) | ((near_bits >> 42) & 0x03FF));
+    double tiny = a * 0x1p24 + 0x1p52; /* its last bits: x / 2^-24 rounded to an integer */
+    memcpy(&tiny_bits, &tiny, sizeof tiny_bits);
+    uint64_t subnormal = tiny_bits & 0x07FF;
+    uint64_t is_subnormal = mask_of(abs_bits < 0x3F10000000000000ULL); /* below 2^-14 */
+    uint64_t is_infinite = mask_of(abs_bits >= 0x40EFFE0000000000ULL); /* 65520 or more */
+    uint64_t is_nan = mask_of(abs_bits > 0x7FF0000000000000ULL);
+    uint64_t h = (subnormal & is_subnormal) | (normal & ~is_subnormal);
+    h = (0x7C00 & is_infinite) | (h & ~is_infinite);
+    h = (0x7E00 & is_nan) | (h & ~is_nan);
+    return (uint16_t)(h | ((bits >> 48) & 0x8000));
 }
 
 /* the float16 beside `bits` toward -inf (down) or +inf, as numpy.nextafter (not NaN) */
@@ -310,6 +341,13 @@ static int compensate_row(const double *exact, const uint16_t *nearest, uint16_t
     return 1;
 }
 
+VECTOR_CLONES
+static void widen_values(const uint16_t *h, double *out, Py_ssize_t n)
+{
+    for (Py_ssize_t j = 0; j < n; j++)
+        out[j] = half_to_double(h[j]);
+}
+
 static int get_buffer(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t itemsize,
                       const char *what)
 {
@@ -384,13 +422,167 @@ static PyObject *compensate(PyObject *self, PyObject *args)
     return PyBool_FromLong(ok);
 }
 
+/* one row of a float16 Conv fold (fold_block): the weights widened, scaled by `s`, rounded to
+ * nearest and compensated; onnxruntime's fold of them with `their_s` (float32 product, rounded
+ * once) when `theirs` is given; the non-zero products and those that round to zero counted */
+VECTOR_CLONES
+static int fold_row(const uint16_t *w, double s, int has_theirs, float their_s, Py_ssize_t n,
+                    double *wide, uint16_t *out, double *folded, double *theirs, double *exact,
+                    uint16_t *nearest, double *resid, uint64_t *keys, Move *moves,
+                    Py_ssize_t *ends, Py_ssize_t *nonzero, Py_ssize_t *flushed)
+{
+    Py_ssize_t nz = 0, fl = 0;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        wide[j] = half_to_double(w[j]);
+        exact[j] = wide[j] * s;
+        nearest[j] = double_to_half(exact[j]);
+        uint64_t product_nonzero = exact[j] != 0;
+        nz += product_nonzero;
+        fl += product_nonzero & ((nearest[j] & 0x7FFF) == 0);
+    }
+    *nonzero += nz;
+    *flushed += fl;
+    if (!compensate_row(exact, nearest, out, n, resid, keys, moves, ends))
+        return 0;
+    for (Py_ssize_t j = 0; j < n; j++)
+        folded[j] = half_to_double(out[j]);
+    if (has_theirs)
+        for (Py_ssize_t j = 0; j < n; j++) {
+            float product = (float)wide[j] * their_s;
+            theirs[j] = half_to_double(double_to_half((double)product));
+        }
+    return 1;
+}
+
+PyDoc_STRVAR(fold_block_doc,
+             "fold_block(weights, scale, their_scale, out, wide, folded, theirs, length)\n"
+             "    -> (ok, nonzero, flushed)\n\n"
+             "Rows of `length` float16 weights (uint16 bits) folded by a float64 scale per row:\n"
+             "`wide` gets them as float64, `out` (uint16) their compensated rounding and `folded`\n"
+             "that as float64; with a float32 `their_scale` (else None), `theirs` gets\n"
+             "onnxruntime's own fold as float64.  ok is False (outputs unspecified) when a row's\n"
+             "summed rounding error is not finite.");
+
+static PyObject *fold_block(PyObject *self, PyObject *args)
+{
+    PyObject *objs[7];
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "OOOOOOOn", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4],
+                          &objs[5], &objs[6], &n))
+        return NULL;
+    int has_theirs = objs[2] != Py_None;
+    /* weights, scale, their scale, out, wide, folded, theirs */
+    static const Py_ssize_t sizes[7] = {2, 8, 4, 2, 8, 8, 8};
+    static const int writable[7] = {0, 0, 0, 1, 1, 1, 1};
+    static const char *names[7] = {"weights", "scale", "their_scale", "out", "wide", "folded",
+                                   "theirs"};
+    Py_buffer views[7];
+    int got = 0, ok = 1;
+    for (; got < 7; got++) {
+        if ((got == 2 || got == 6) && !has_theirs)
+            continue;
+        if (get_buffer(objs[got], &views[got], writable[got], sizes[got], names[got]) < 0) {
+            ok = -1;
+            break;
+        }
+    }
+    Py_ssize_t values = 0, rows = 0;
+    if (ok == 1) {
+        values = views[0].len / 2;
+        rows = n > 0 ? values / n : 0;
+        int fits = n > 0 && values % n == 0 && views[1].len / 8 == rows;
+        for (int i = 3; i < 7; i++)
+            if (i != 6 || has_theirs)
+                fits &= views[i].len / views[i].itemsize == values;
+        if (has_theirs)
+            fits &= views[2].len / 4 == rows;
+        if (!fits) {
+            PyErr_SetString(PyExc_ValueError, "fold_block: buffers of whole rows of equal size");
+            ok = -1;
+        }
+    }
+    double *scratch = NULL;
+    Move *moves = NULL;
+    Py_ssize_t nonzero = 0, flushed = 0;
+    if (ok == 1) {
+        /* per row: exact, resid, keys (8 bytes each), nearest (2 bytes) */
+        scratch = malloc(n * (3 * sizeof(double) + sizeof(uint16_t)));
+        moves = malloc(n * sizeof(Move) + (2 * n + 2) * sizeof(Py_ssize_t));
+        if (!scratch || !moves) {
+            PyErr_NoMemory();
+            ok = -1;
+        }
+    }
+    if (ok == 1) {
+        const uint16_t *w = views[0].buf;
+        const double *scale = views[1].buf;
+        const float *their_scale = has_theirs ? views[2].buf : NULL;
+        uint16_t *out = views[3].buf;
+        double *wide = views[4].buf, *folded = views[5].buf;
+        double *theirs = has_theirs ? views[6].buf : NULL;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t r = 0; r < rows && ok == 1; r++) {
+            Py_ssize_t at = r * n;
+            ok = fold_row(w + at, scale[r], has_theirs, has_theirs ? their_scale[r] : 0.0f, n,
+                          wide + at, out + at, folded + at, has_theirs ? theirs + at : NULL,
+                          scratch, (uint16_t *)(scratch + 3 * n), scratch + n,
+                          (uint64_t *)(scratch + 2 * n), moves, (Py_ssize_t *)(moves + n),
+                          &nonzero, &flushed);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    free(scratch);
+    free(moves);
+    for (int i = 0; i < got; i++)
+        if (!((i == 2 || i == 6) && !has_theirs))
+            PyBuffer_Release(&views[i]);
+    if (ok < 0)
+        return NULL;
+    return Py_BuildValue("Onn", ok ? Py_True : Py_False, nonzero, flushed);
+}
+
+PyDoc_STRVAR(widen_doc,
+             "widen(bits, out) -> None\n\n"
+             "float16 values (uint16 bits) as float64 into `out`, exactly.");
+
+static PyObject *widen(PyObject *self, PyObject *args)
+{
+    PyObject *bits_obj, *out_obj;
+    if (!PyArg_ParseTuple(args, "OO", &bits_obj, &out_obj))
+        return NULL;
+    Py_buffer bits, out;
+    if (get_buffer(bits_obj, &bits, 0, 2, "bits") < 0)
+        return NULL;
+    if (get_buffer(out_obj, &out, 1, 8, "out") < 0) {
+        PyBuffer_Release(&bits);
+        return NULL;
+    }
+    Py_ssize_t values = bits.len / 2;
+    int fits = out.len / 8 == values;
+    if (fits) {
+        const uint16_t *h = bits.buf;
+        double *o = out.buf;
+        Py_BEGIN_ALLOW_THREADS
+        widen_values(h, o, values);
+        Py_END_ALLOW_THREADS
+    } else
+        PyErr_SetString(PyExc_ValueError, "widen: as many values out as in");
+    PyBuffer_Release(&bits);
+    PyBuffer_Release(&out);
+    if (!fits)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"compensate", compensate, METH_VARARGS, compensate_doc},
+    {"fold_block", fold_block, METH_VARARGS, fold_block_doc},
+    {"widen", widen, METH_VARARGS, widen_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_rounding", "Compensated float16 rounding (native).", -1, methods,
+    PyModuleDef_HEAD_INIT, "_rounding", "float16 Conv folds: compensated rounding, natively.", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__rounding(void)

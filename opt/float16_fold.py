@@ -356,13 +356,21 @@ def fold_rows(
 
     def block(span: tuple[int, int]):
         a, b = span
-        w = float64(rows[a:b])
-        exact = w * scale[a:b, None]
-        with np.errstate(over="ignore", under="ignore"):
-            nearest = exact.astype(np.float16)
-        nonzero = int(np.count_nonzero(exact))
-        flushed = nonzero - nonzero_values(nearest)
-        out[a:b] = compensated = _compensated_block(exact, nearest)
+        made = _native_block(rows[a:b], scale[a:b], runtime, a, b, out[a:b])
+        if made is not None:
+            w, compensated, theirs_rows, nonzero, flushed = made
+        else:
+            w = float64(rows[a:b])
+            exact = w * scale[a:b, None]
+            with np.errstate(over="ignore", under="ignore"):
+                nearest = exact.astype(np.float16)
+            nonzero = int(np.count_nonzero(exact))
+            flushed = nonzero - nonzero_values(nearest)
+            out[a:b] = _compensated_block(exact, nearest)
+            compensated = float64(out[a:b])
+            theirs_rows = None
+            if runtime is not None:
+                theirs_rows = float64(runtime_scaled(rows[a:b], runtime[0][a:b]))
         probed = ProbedRows(
             w,
             bias[a:b],
@@ -371,10 +379,9 @@ def fold_rows(
             np.float16,
             None if stats is None else (stats[0][a:b], stats[1][a:b]),
         )
-        ours = probed.folded(float64(compensated), folded_bias[a:b])
+        ours = probed.folded(compensated, folded_bias[a:b])
         theirs = None
         if runtime is not None:
-            theirs_rows = float64(runtime_scaled(rows[a:b], runtime[0][a:b]))
             theirs = probed.folded(theirs_rows, their_bias[a:b])
         return nonzero, flushed, probed.unfused, ours, theirs
 
@@ -392,6 +399,34 @@ def fold_rows(
         probe_errors(unfused, [p[3] for p in parts]),
         probe_errors(unfused, [p[4] for p in parts]) if runtime is not None else None,
     )
+
+
+def _native_block(rows, scale, runtime, a: int, b: int, out: np.ndarray):
+    """:func:`fold_rows`'s steps for rows ``a:b`` but the probes, natively (``opt/_rounding.c``:
+    the same values bit for bit, in one pass per row, without the interpreter lock): writes
+    the compensated weights into ``out``; returns (the weights, the compensated weights, and
+    onnxruntime's fold of them when ``runtime``, each as float64; the non-zero products; those
+    that round to zero), or None where the extension is not built or a row's summed rounding
+    error is not finite (numpy makes the block then)."""
+    if native is None or rows.size == 0 or rows.dtype != np.float16:
+        return None
+    shape = rows.shape
+    wide, folded = np.empty(shape), np.empty(shape)
+    theirs = np.empty(shape) if runtime is not None else None
+    their_scale = None
+    if runtime is not None:
+        their_scale = np.ascontiguousarray(runtime[0][a:b], dtype=np.float32)
+    ok, nonzero, flushed = native.fold_block(
+        np.ascontiguousarray(rows).view(np.uint16),
+        np.ascontiguousarray(scale, dtype=np.float64),
+        their_scale,
+        out.view(np.uint16),
+        wide,
+        folded,
+        theirs,
+        shape[1],
+    )
+    return (wide, folded, theirs, nonzero, flushed) if ok else None
 
 
 #: folded weights of at least this many bytes get a mapping of their own (:func:`_empty_mapped`)

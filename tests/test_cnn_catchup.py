@@ -254,6 +254,68 @@ def test_native_compensated_rounding_is_numpy_bit_for_bit(rng, monkeypatch):
     assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
 
 
+def _native_fold_of_ones(x, their_scale=None):
+    """``fold_block`` of one-value rows of 1.0 scaled by ``x``: a row of one value keeps its
+    nearest float16 (no move helps it), so ``out`` is ``x`` rounded to float16."""
+    from graphopt.opt.float16_fold import native
+
+    n = x.size
+    w = np.full((n, 1), 0x3C00, np.uint16)
+    out = np.empty((n, 1), np.uint16)
+    theirs = np.empty((n, 1)) if their_scale is not None else None
+    done = native.fold_block(w, x, their_scale, out, np.empty((n, 1)), np.empty((n, 1)), theirs, 1)
+    return done, out.reshape(-1), theirs
+
+
+def test_native_fold_rounds_to_float16_as_numpy(rng):
+    """The extension's float64 -> float16 and float32 -> float16 roundings are numpy's casts bit
+    for bit: every float16 value, every tie between two neighbours (to even) and the doubles
+    beside each tie, random magnitudes from 2^-40 to 65519 of both signs, signed zeros, double
+    subnormals; its flush count is the values that round to zero; a product beyond float16's
+    range (infinite error) is left to numpy."""
+    from graphopt.opt import float16_fold
+
+    if float16_fold.native is None:
+        pytest.skip("the native extension was not built here")
+    halves = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    values = np.unique(halves[np.isfinite(halves)].astype(np.float64))
+    ties = (values[:-1] + values[1:]) / 2
+    random = np.exp2(rng.uniform(-40, 15.99, 100_000)) * rng.choice([-1.0, 1.0], 100_000)
+    x = np.concatenate(
+        [values, ties, np.nextafter(ties, np.inf), np.nextafter(ties, -np.inf), random]
+        + [np.array([0.0, -0.0, 65519.99, 2.0**-25, 3 * 2.0**-26, 1e-300, 5e-324])]
+    )
+    x = x[np.abs(x) < 65520]
+    (ok, nonzero, flushed), got, _ = _native_fold_of_ones(x)
+    with np.errstate(over="ignore", under="ignore"):
+        want = x.astype(np.float16).view(np.uint16)
+    assert ok and np.array_equal(got, want)
+    assert nonzero == np.count_nonzero(x)
+    assert flushed == nonzero - np.count_nonzero(want & 0x7FFF)
+    f32 = x.astype(np.float32)
+    f32 = f32[np.abs(f32) < 65504]
+    (ok, _, _), _, theirs = _native_fold_of_ones(np.ones(f32.size), f32)
+    with np.errstate(over="ignore", under="ignore"):
+        want = f32.astype(np.float16).astype(np.float64)
+    assert ok and np.array_equal(theirs.reshape(-1).view(np.uint64), want.view(np.uint64))
+    (ok, _, _), _, _ = _native_fold_of_ones(np.array([1.0, 7e4]))
+    assert not ok
+
+
+def test_native_widen_is_exact_on_every_float16():
+    from graphopt.opt import float16_fold
+
+    if float16_fold.native is None:
+        pytest.skip("the native extension was not built here")
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    out = np.empty(bits.size)
+    float16_fold.native.widen(bits, out)
+    want = bits.view(np.float16).astype(np.float64)
+    nan = np.isnan(want)
+    assert np.isnan(out[nan]).all()
+    assert np.array_equal(out[~nan].view(np.uint64), want[~nan].view(np.uint64))
+
+
 def test_native_compensated_rounding_refuses_mismatched_buffers():
     from graphopt.opt import float16_fold
 
@@ -283,15 +345,23 @@ def test_float16_neighbour_is_nextafter_on_every_value(down):
     assert np.array_equal(got[keep].view(np.uint16), expected[keep].view(np.uint16))
 
 
-@pytest.mark.parametrize("threads,mapped", [(1, False), (2, False), (2, True)])
-def test_fold_rows_in_blocks_is_the_whole_layer_fold(rng, monkeypatch, threads, mapped):
+@pytest.mark.parametrize(
+    "threads,mapped,native", [(1, False, True), (2, False, True), (2, True, True), (2, True, False)]
+)
+def test_fold_rows_in_blocks_is_the_whole_layer_fold(rng, monkeypatch, threads, mapped, native):
     """Folded and measured in blocks of channels (several here, on threads or not, into the
-    heap or a mapping of their own): the same compensated weights and the same errors as the
-    whole layer's fold and refold_probe (means summed in another order: equal to rounding)."""
+    heap or a mapping of their own, natively or in numpy): the same compensated weights and the
+    same errors as the whole layer's fold and refold_probe (means summed in another order:
+    equal to rounding)."""
     import mmap
 
     from graphopt.opt import float16_fold
     from graphopt.opt.float16_fold import fold_rows, runtime_bn_scale
+
+    if not native:
+        monkeypatch.setattr(float16_fold, "native", None)
+    elif float16_fold.native is None:
+        pytest.skip("the native extension was not built here")
     from graphopt.opt.precision import refold_probe
 
     monkeypatch.setattr(float16_fold, "FOLD_BLOCK", 1000)
