@@ -55,6 +55,24 @@ def test_the_users_setting_and_other_c_libraries_are_left_alone(monkeypatch, lib
     assert libc.calls == []
 
 
+def test_small_models_get_small_heap_thresholds(monkeypatch, libc):
+    """A model file of 1 to 32 MiB maps blocks from 256 KiB (its weight-sized blocks would
+    otherwise fragment the heap); a larger one, or one under 1 MiB (its weights may lie in
+    other files), keeps the large thresholds; the user's variables still win."""
+    for variable in _SETTINGS:
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(os, "confstr", lambda name: "glibc 2.36")
+    cli._fit_malloc(21 << 20)
+    assert libc.calls == [(-3, 256 << 10), (-1, 1 << 20)]
+    libc.calls.clear()
+    for size in (100 << 10, 32 << 20, 600 << 20):
+        cli._fit_malloc(size)
+    assert libc.calls == []
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "4")
+    cli._fit_malloc(21 << 20)
+    assert libc.calls == [(-3, 256 << 10)]
+
+
 _BLAS_PROBE = """
 import ctypes, sys
 import numpy
