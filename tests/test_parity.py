@@ -149,3 +149,23 @@ def test_runtime_floor_measures_the_original_at_ort_enable_all():
     feeds = {"x": np.ones((4, 16), np.float32)}
     ref = [np.ones((4, 16), np.float32) + 0.25]  # as if the graph as written gave this
     assert _runtime_floor(m, None, feeds, ["y"], ref) == {"y": 0.25}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_compare_outputs_of_finite_values_as_through_the_masks(monkeypatch, dtype):
+    """Outputs without NaN or infinity skip the masks: the same numbers as the masked path,
+    for every dtype, shape (a scalar too) and tolerance outcome."""
+    from graphopt.opt import parity
+
+    rng = np.random.default_rng(3)
+    cases = []
+    for shape in [(2, 7, 33), (5,), ()]:
+        ref = rng.standard_normal(shape).astype(dtype)
+        for noise in (0.0, 1e-5, 1e-1):
+            got = (ref + noise * rng.standard_normal(shape)).astype(dtype)
+            cases.append((ref, got))
+    fast = [parity.compare_outputs(["y"], [r], [g]) for r, g in cases]
+    monkeypatch.setattr(parity, "_finite", lambda a: False)
+    masked = [parity.compare_outputs(["y"], [r], [g]) for r, g in cases]
+    assert fast == masked
+    assert {d.ok for diffs in fast for d in diffs} == {True, False}
