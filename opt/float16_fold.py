@@ -18,8 +18,9 @@ every step of the fold is per channel, so a block's float64 temporaries stay in 
 and both cores work, where the same steps over whole layers spend most of their time in memory
 and page faults.
 
-The compensated rounding itself runs natively where the optional C extension
-(``opt/_rounding.c``) was built at install, and in numpy otherwise: the same rows bit for bit.
+A block's steps but its probes (widening, scaling, rounding, the compensated rounding,
+onnxruntime's own fold) run natively where the optional C extension (``opt/_rounding.c``) was
+built at install, and in numpy otherwise: the same values bit for bit.
 """
 
 from __future__ import annotations
@@ -356,7 +357,8 @@ def fold_rows(
 
     def block(span: tuple[int, int]):
         a, b = span
-        made = _native_block(rows[a:b], scale[a:b], runtime, a, b, out[a:b])
+        their_scale = runtime[0][a:b] if runtime is not None else None
+        made = _native_block(rows[a:b], scale[a:b], their_scale, out[a:b])
         if made is not None:
             w, compensated, theirs_rows, nonzero, flushed = made
         else:
@@ -401,21 +403,20 @@ def fold_rows(
     )
 
 
-def _native_block(rows, scale, runtime, a: int, b: int, out: np.ndarray):
-    """:func:`fold_rows`'s steps for rows ``a:b`` but the probes, natively (``opt/_rounding.c``:
+def _native_block(rows, scale, their_scale, out: np.ndarray):
+    """:func:`fold_rows`'s steps for some rows but the probes, natively (``opt/_rounding.c``:
     the same values bit for bit, in one pass per row, without the interpreter lock): writes
     the compensated weights into ``out``; returns (the weights, the compensated weights, and
-    onnxruntime's fold of them when ``runtime``, each as float64; the non-zero products; those
-    that round to zero), or None where the extension is not built or a row's summed rounding
-    error is not finite (numpy makes the block then)."""
+    onnxruntime's fold of them with ``their_scale``, when given, each as float64; the non-zero
+    products; those that round to zero), or None where the extension is not built or a row's
+    summed rounding error is not finite (numpy makes the block then)."""
     if native is None or rows.size == 0 or rows.dtype != np.float16:
         return None
     shape = rows.shape
     wide, folded = np.empty(shape), np.empty(shape)
-    theirs = np.empty(shape) if runtime is not None else None
-    their_scale = None
-    if runtime is not None:
-        their_scale = np.ascontiguousarray(runtime[0][a:b], dtype=np.float32)
+    theirs = np.empty(shape) if their_scale is not None else None
+    if their_scale is not None:
+        their_scale = np.ascontiguousarray(their_scale, dtype=np.float32)
     ok, nonzero, flushed = native.fold_block(
         np.ascontiguousarray(rows).view(np.uint16),
         np.ascontiguousarray(scale, dtype=np.float64),
