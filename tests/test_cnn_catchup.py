@@ -316,6 +316,21 @@ def test_native_widen_is_exact_on_every_float16():
     assert np.array_equal(out[~nan].view(np.uint64), want[~nan].view(np.uint64))
 
 
+def test_native_extension_is_built_where_a_compiler_is_present():
+    """The install builds ``opt/_rounding.c`` when the C compiler Python was built with is
+    here: a change that breaks its build fails here, not silently (``optional=True`` lets the
+    install go on without it, and numpy computes the same values, ~3x slower)."""
+    import shutil
+    import sysconfig
+
+    from graphopt.opt import float16_fold
+
+    compiler = (sysconfig.get_config_var("CC") or "").split()
+    if not compiler or shutil.which(compiler[0]) is None:
+        pytest.skip("no C compiler here: the extension is optional")
+    assert float16_fold.native is not None, "opt/_rounding.c did not build: see pip's output"
+
+
 def test_native_compensated_rounding_refuses_mismatched_buffers():
     from graphopt.opt import float16_fold
 
