@@ -300,6 +300,28 @@ def test_native_fold_rounds_to_float16_as_numpy(rng):
     assert ok and np.array_equal(theirs.reshape(-1).view(np.uint64), want.view(np.uint64))
     (ok, _, _), _, _ = _native_fold_of_ones(np.array([1.0, 7e4]))
     assert not ok
+    # onnxruntime's fold of long rows (eight values at a time where the processor converts
+    # float16 itself, the rest one by one): float32 products rounded once, as numpy does
+    rows, n = 64, 1003
+    w = (rng.standard_normal((rows, n)) * np.exp2(rng.integers(-16, 4, (rows, 1)))).astype(
+        np.float16
+    )
+    scale = np.exp2(rng.uniform(-12, 12, rows)).astype(np.float32)
+    theirs = np.empty((rows, n))
+    shape = (rows, n)
+    float16_fold.native.fold_block(
+        w.view(np.uint16),
+        np.ones(rows),
+        scale,
+        np.empty(shape, np.uint16),
+        np.empty(shape),
+        np.empty(shape),
+        theirs,
+        n,
+    )
+    with np.errstate(over="ignore", under="ignore"):
+        want = (w.astype(np.float32) * scale[:, None]).astype(np.float16).astype(np.float64)
+    assert np.array_equal(theirs.view(np.uint64), want.view(np.uint64))
 
 
 def test_native_widen_is_exact_on_every_float16():
