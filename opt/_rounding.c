@@ -1,7 +1,8 @@
 /* float16 Conv folds, natively and without the interpreter lock: compensated rounding of
  * float16 rows (compensate), the steps of a fold but its probes (fold_block: widen, scale,
- * round to nearest, count flushes, compensate, onnxruntime's own fold), and float16 -> float64
- * (widen).  Each gives numpy's values bit for bit (graphopt.opt.float16_fold, opt/halfcast).
+ * round to nearest, count flushes, compensate, onnxruntime's own fold), float16 -> float64
+ * (widen) and each row's largest magnitude (largest).  Each gives numpy's values bit for bit
+ * (graphopt.opt.float16_fold, opt/halfcast).
  *
  * Compensated rounding: the same result as graphopt.opt.float16_fold's numpy implementation
  * (rounding_moves + _cheapest_flips, rows sorted whole): per row, the values whose move to their
@@ -578,6 +579,54 @@ static PyObject *fold_block(PyObject *self, PyObject *args)
     return Py_BuildValue("Onn", ok ? Py_True : Py_False, nonzero, flushed);
 }
 
+VECTOR_CLONES
+static void largest_magnitudes(const uint16_t *h, Py_ssize_t rows, Py_ssize_t n, uint16_t *out)
+{
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        uint16_t top = 0;
+        for (Py_ssize_t j = 0; j < n; j++) {
+            uint16_t mag = h[r * n + j] & 0x7FFF;
+            top = mag > top ? mag : top;
+        }
+        out[r] = top;
+    }
+}
+
+PyDoc_STRVAR(largest_doc,
+             "largest(bits, out, length) -> None\n\n"
+             "Each row's largest float16 magnitude (the bits without the sign, ordered like the\n"
+             "magnitudes; NaNs above infinity) of rows of `length` uint16 bits, into `out`.");
+
+static PyObject *largest(PyObject *self, PyObject *args)
+{
+    PyObject *bits_obj, *out_obj;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "OOn", &bits_obj, &out_obj, &n))
+        return NULL;
+    Py_buffer bits, out;
+    if (get_buffer(bits_obj, &bits, 0, 2, "bits") < 0)
+        return NULL;
+    if (get_buffer(out_obj, &out, 1, 2, "out") < 0) {
+        PyBuffer_Release(&bits);
+        return NULL;
+    }
+    Py_ssize_t values = bits.len / 2;
+    int fits = n > 0 && values % n == 0 && out.len / 2 == values / n;
+    if (fits) {
+        const uint16_t *h = bits.buf;
+        uint16_t *o = out.buf;
+        Py_BEGIN_ALLOW_THREADS
+        largest_magnitudes(h, values / n, n, o);
+        Py_END_ALLOW_THREADS
+    } else
+        PyErr_SetString(PyExc_ValueError, "largest: whole rows in, one value per row out");
+    PyBuffer_Release(&bits);
+    PyBuffer_Release(&out);
+    if (!fits)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(widen_doc,
              "widen(bits, out) -> None\n\n"
              "float16 values (uint16 bits) as float64 into `out`, exactly.");
@@ -615,6 +664,7 @@ static PyMethodDef methods[] = {
     {"compensate", compensate, METH_VARARGS, compensate_doc},
     {"fold_block", fold_block, METH_VARARGS, fold_block_doc},
     {"widen", widen, METH_VARARGS, widen_doc},
+    {"largest", largest, METH_VARARGS, largest_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -430,6 +430,18 @@ def _native_block(rows, scale, their_scale, out: np.ndarray):
     return (wide, folded, theirs, nonzero, flushed) if ok else None
 
 
+def largest_magnitude_bits(rows: np.ndarray) -> np.ndarray:
+    """Each row's largest magnitude of float16 ``rows`` as uint16 bits without the sign
+    (ordered like the magnitudes; an infinity is 0x7C00, a NaN above it): in one pass,
+    natively where the extension was built."""
+    bits = np.ascontiguousarray(rows).view(np.uint16)
+    if native is None or bits.size == 0:
+        return (bits & np.uint16(0x7FFF)).max(axis=1)
+    out = np.empty(bits.shape[0], np.uint16)
+    native.largest(bits, out, bits.shape[1])
+    return out
+
+
 #: folded weights of at least this many bytes get a mapping of their own (:func:`_empty_mapped`)
 MAPPED_ABOVE = 256 << 10
 

@@ -38,6 +38,7 @@ from graphopt.opt.dims import same_dim
 from graphopt.opt.float16_fold import (
     compensated_rows_started,
     fold_rows,
+    largest_magnitude_bits,
     require_no_worse_than_runtime,
     runtime_bn_scale,
     runtime_folds,
@@ -140,8 +141,7 @@ class ConvScaleBase(Rule):
         rows = w.reshape(w.shape[0], -1)
         if rows.size == 0:
             return False
-        # each row's largest magnitude on the float16 bits (ordered like the magnitudes)
-        largest = (rows.view(np.uint16) & np.uint16(0x7FFF)).max(axis=1)
+        largest = largest_magnitude_bits(rows)
         if largest.max() >= 0x7C00:  # an infinity or a NaN
             return False
         peak = float((largest.view(np.float16).astype(np.float64) * np.abs(scale)).max())

@@ -324,6 +324,25 @@ def test_native_fold_rounds_to_float16_as_numpy(rng):
     assert np.array_equal(theirs.view(np.uint64), want.view(np.uint64))
 
 
+def test_largest_magnitude_bits_natively_and_in_numpy(rng, monkeypatch):
+    """Each row's largest float16 magnitude (bits without the sign): both signs, zeros of both
+    signs, subnormals, infinities and NaNs, rows of one value; natively as in numpy."""
+    from graphopt.opt import float16_fold
+
+    rows = rng.integers(0, 1 << 16, (50, 37)).astype(np.uint16)
+    rows[3] = 0x8000  # negative zeros
+    rows[4, 5] = 0xFC00  # -inf
+    rows[5, 0] = 0x7E00  # a NaN
+    cases = [rows.view(np.float16), rows[:, :1].view(np.float16), rows[:, :3] & 0x83FF]
+    for case in cases:
+        case = np.ascontiguousarray(case).view(np.float16)
+        want = (case.view(np.uint16) & 0x7FFF).max(axis=1)
+        assert np.array_equal(float16_fold.largest_magnitude_bits(case), want)
+        with monkeypatch.context() as patch:
+            patch.setattr(float16_fold, "native", None)
+            assert np.array_equal(float16_fold.largest_magnitude_bits(case), want)
+
+
 def test_native_widen_is_exact_on_every_float16():
     from graphopt.opt import float16_fold
 
@@ -366,6 +385,10 @@ def test_native_compensated_rounding_refuses_mismatched_buffers():
         float16_fold.native.compensate(exact, bits, np.zeros(10, np.uint16), 3)
     with pytest.raises(ValueError):
         float16_fold.native.compensate(exact.astype(np.float32), bits, bits.copy(), 5)
+    with pytest.raises(ValueError):
+        float16_fold.native.largest(bits, np.zeros(3, np.uint16), 5)
+    with pytest.raises(ValueError):
+        float16_fold.native.widen(bits, np.zeros(9))
 
 
 @pytest.mark.parametrize("down", [False, True])
