@@ -90,7 +90,9 @@ static inline uint16_t neighbour(uint16_t bits, int down)
     return (uint16_t)((bits & stays) | (next & ~stays));
 }
 
-/* numpy's pairwise summation of contiguous float64 (numpy/_core/src/umath/loops_utils.h) */
+/* the sum of contiguous float64 values in the order numpy.sum adds them (pairwise: runs of up
+ * to 128 values in eight interleaved partial sums, longer runs halved at a multiple of 8), so
+ * that the row's summed error is numpy's to the last bit */
 static double pairwise_sum(const double *a, Py_ssize_t n)
 {
     if (n < 8) {
