@@ -297,8 +297,8 @@ static Py_ssize_t moves_between(const uint64_t *keys, Py_ssize_t n, uint64_t lo,
 }
 
 /* its loops over the row's values vectorize with AVX2 (twice as fast): a clone for processors
- * that have it, chosen when the module loads */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+ * that have it, chosen when the module loads (GCC's target_clones, which needs glibc's ifunc) */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__GLIBC__)
 #define VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define VECTOR_CLONES
