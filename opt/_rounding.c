@@ -1,7 +1,8 @@
-/* float16 Conv folds, natively and without the interpreter lock: compensated rounding of
+/* Conv weight folds, natively and without the interpreter lock: compensated rounding of
  * float16 rows (compensate), the steps of a fold but its probes (fold_block: widen, scale,
  * round to nearest, count flushes, compensate, onnxruntime's own fold), float16 -> float64
- * (widen) and each row's largest magnitude (largest).  Each gives numpy's values bit for bit
+ * (widen), each row's largest magnitude (largest), and float32 weights scaled per row
+ * (scale_rows, the float32 Conv fold).  Each gives numpy's values bit for bit
  * (graphopt.opt.float16_fold, opt/halfcast).
  *
  * Compensated rounding: the same result as graphopt.opt.float16_fold's numpy implementation
@@ -629,6 +630,80 @@ static PyObject *largest(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* rows of float32 weights times a float64 scale per row, rounded to float32 (numpy's
+ * w.astype(float64) * scale, then .astype(float32)); stats[0..1]: the products' largest and
+ * smallest (NaN if any is NaN), counts[0..1]: the non-zero products and those stored as zero */
+VECTOR_CLONES
+static void scale_float32_rows(const float *w, const double *scale, Py_ssize_t rows,
+                               Py_ssize_t n, float *out, double *stats, Py_ssize_t *counts)
+{
+    double hi = -INFINITY, lo = INFINITY;
+    Py_ssize_t nonzero = 0, flushed = 0, nan = 0;
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        double s = scale[r];
+        for (Py_ssize_t j = r * n; j < (r + 1) * n; j++) {
+            double exact = (double)w[j] * s;
+            float stored = (float)exact;
+            hi = exact > hi ? exact : hi;
+            lo = exact < lo ? exact : lo;
+            nan += exact != exact;
+            Py_ssize_t product_nonzero = exact != 0;
+            nonzero += product_nonzero;
+            flushed += product_nonzero & (stored == 0);
+            out[j] = stored;
+        }
+    }
+    stats[0] = nan ? NAN : hi;
+    stats[1] = nan ? NAN : lo;
+    counts[0] = nonzero;
+    counts[1] = flushed;
+}
+
+PyDoc_STRVAR(scale_rows_doc,
+             "scale_rows(weights, scale, out, length) -> (largest, smallest, nonzero, flushed)\n\n"
+             "Rows of `length` float32 weights times a float64 scale per row, rounded to float32\n"
+             "into `out`: the products' largest and smallest value (NaN if any is NaN), how many\n"
+             "are not zero and how many of those round to zero.");
+
+static PyObject *scale_rows(PyObject *self, PyObject *args)
+{
+    PyObject *w_obj, *scale_obj, *out_obj;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "OOOn", &w_obj, &scale_obj, &out_obj, &n))
+        return NULL;
+    Py_buffer w, scale, out;
+    if (get_buffer(w_obj, &w, 0, 4, "weights") < 0)
+        return NULL;
+    if (get_buffer(scale_obj, &scale, 0, 8, "scale") < 0) {
+        PyBuffer_Release(&w);
+        return NULL;
+    }
+    if (get_buffer(out_obj, &out, 1, 4, "out") < 0) {
+        PyBuffer_Release(&w);
+        PyBuffer_Release(&scale);
+        return NULL;
+    }
+    Py_ssize_t values = w.len / 4;
+    int fits = n > 0 && values % n == 0 && scale.len / 8 == values / n && out.len == w.len;
+    double stats[2] = {0, 0};
+    Py_ssize_t counts[2] = {0, 0};
+    if (fits) {
+        const float *weights = w.buf;
+        const double *s = scale.buf;
+        float *o = out.buf;
+        Py_BEGIN_ALLOW_THREADS
+        scale_float32_rows(weights, s, values / n, n, o, stats, counts);
+        Py_END_ALLOW_THREADS
+    } else
+        PyErr_SetString(PyExc_ValueError, "scale_rows: whole rows, a scale per row");
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&scale);
+    PyBuffer_Release(&out);
+    if (!fits)
+        return NULL;
+    return Py_BuildValue("ddnn", stats[0], stats[1], counts[0], counts[1]);
+}
+
 PyDoc_STRVAR(widen_doc,
              "widen(bits, out) -> None\n\n"
              "float16 values (uint16 bits) as float64 into `out`, exactly.");
@@ -667,6 +742,7 @@ static PyMethodDef methods[] = {
     {"fold_block", fold_block, METH_VARARGS, fold_block_doc},
     {"widen", widen, METH_VARARGS, widen_doc},
     {"largest", largest, METH_VARARGS, largest_doc},
+    {"scale_rows", scale_rows, METH_VARARGS, scale_rows_doc},
     {NULL, NULL, 0, NULL},
 };
 

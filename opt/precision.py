@@ -29,6 +29,11 @@ import numpy as np
 
 from .rewrite import NoMatch
 
+try:  # the optional C extension (setup.py)
+    from . import _rounding as native
+except ImportError:
+    native = None
+
 #: max relative error (vs the tensor's largest magnitude) tolerated when storing folded values
 STORE_TOLERANCE = {"float16": 1e-3, "bfloat16": 1e-2, "float32": 1e-6, "float64": 1e-12}
 #: fraction of non-zero values allowed to flush to zero
@@ -105,6 +110,30 @@ def require_representable(exact: np.ndarray, dtype: np.dtype, what: str) -> np.n
                 tolerance=tol,
             )
     return stored
+
+
+def representable_scaled_rows(
+    rows: np.ndarray, scale: np.ndarray, dtype: np.dtype
+) -> np.ndarray | None:
+    """:func:`require_representable` of float32 ``rows`` times ``scale`` (one per row) in one
+    pass without float64 temporaries, natively (``opt/_rounding.c``; the same values), when
+    the extension is built and every guard passes; else None, and the float64 path checks
+    the fold and says what fails."""
+    if native is None or np.dtype(dtype) != np.float32 or rows.dtype != np.float32:
+        return None
+    if rows.ndim != 2 or rows.size == 0 or scale.shape != (rows.shape[0],):
+        return None
+    rows = np.ascontiguousarray(rows)
+    out = np.empty_like(rows)
+    hi, lo, nonzero, flushed = native.scale_rows(
+        rows, np.ascontiguousarray(scale, dtype=np.float64), out, rows.shape[1]
+    )
+    peak = max(hi, -lo)
+    if not (math.isfinite(hi) and math.isfinite(lo)) or peak > float(np.finfo(np.float32).max):
+        return None
+    if flushes_too_many(flushed, nonzero) or not rounds_within_tolerance(peak, np.float32):
+        return None
+    return out
 
 
 def flushes_too_many(flushed: int, nonzero: int) -> bool:

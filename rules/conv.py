@@ -51,6 +51,7 @@ from graphopt.opt.precision import (
     flushes_too_many,
     refold_measured,
     refold_probe,
+    representable_scaled_rows,
     require_accumulation_in_range,
     require_refold_no_worse,
     require_representable,
@@ -91,15 +92,22 @@ class ConvScaleBase(Rule):
     def store(self, m, cx, w, b, scale, shift, dt, stats=None, runtime=None) -> None:
         """Fold ``z = scale·Conv(x) + shift`` (per output channel) into the weights ``w`` (as
         stored) in float64, check it with the precision guards, then stash it in the weight
-        dtype.  ``runtime``: returns onnxruntime's per-channel scale and bias of its own fold of
+        dtype (float32 Conv weights: in one native pass where every guard passes, the same
+        values).  ``runtime``: returns onnxruntime's per-channel scale and bias of its own fold of
         this pattern (``runtime_bn_scale``), when it has one."""
         if self._store_rows(m, cx, w, b, scale, shift, dt, stats, runtime):
             return
         group = int(m.conv.attrs.get("group", 1))
-        w64 = float64(w)
-        w_new = self.scale_weights(w64, scale, group)
         b_new = b * scale + shift
-        stored_w = require_representable(w_new, dt, "Conv weights")
+        stored_w = w_new = None
+        if self.conv_op == "Conv":
+            stored_w = representable_scaled_rows(w.reshape(w.shape[0], -1), scale, dt)
+        if stored_w is not None:
+            stored_w = stored_w.reshape(w.shape)
+        else:
+            w64 = float64(w)
+            w_new = self.scale_weights(w64, scale, group)
+            stored_w = require_representable(w_new, dt, "Conv weights")
         # float16: the re-rounding runs on the rounding threads while this one checks the bias
         # and the range and measures the unfused layer (and onnxruntime's own fold, where it
         # would be the yardstick): the same checks, in the same order, on both cores

@@ -207,10 +207,11 @@ def _compensated_both_ways(exact, monkeypatch):
 
     with np.errstate(over="ignore"):
         nearest = exact.astype(np.float16)
-    got = float16_fold._compensated_block(exact, nearest)
-    with monkeypatch.context() as patch:
-        patch.setattr(float16_fold, "native", None)
-        want = float16_fold._compensated_block(exact, nearest)
+    with np.errstate(invalid="ignore"):  # numpy's moves out of an infinity (beyond float16)
+        got = float16_fold._compensated_block(exact, nearest)
+        with monkeypatch.context() as patch:
+            patch.setattr(float16_fold, "native", None)
+            want = float16_fold._compensated_block(exact, nearest)
     return got, want
 
 
@@ -341,6 +342,34 @@ def test_largest_magnitude_bits_natively_and_in_numpy(rng, monkeypatch):
         with monkeypatch.context() as patch:
             patch.setattr(float16_fold, "native", None)
             assert np.array_equal(float16_fold.largest_magnitude_bits(case), want)
+
+
+def test_float32_rows_scaled_in_one_pass_as_through_float64(rng):
+    """float32 Conv weights scaled per output channel natively: the float64 path's stored
+    weights bit for bit (magnitudes across the range, zeros, signs); None, leaving the float64
+    path to say why, where a guard would refuse: a product beyond float32, a NaN, too many
+    products flushed to zero; and for other dtypes."""
+    from graphopt.opt import float16_fold
+    from graphopt.opt.precision import representable_scaled_rows, require_representable
+
+    if float16_fold.native is None:
+        pytest.skip("the native extension was not built here")
+    w = (rng.standard_normal((96, 147)) * np.exp2(rng.integers(-60, 60, (96, 1)))).astype(
+        np.float32
+    )
+    w[3, :5] = 0.0
+    scale = np.exp2(rng.uniform(-20, 20, 96)) * rng.choice([-1.0, 1.0], 96)
+    got = representable_scaled_rows(w, scale, np.float32)
+    want = require_representable(w.astype(np.float64) * scale[:, None], np.float32, "w")
+    assert got is not None and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert representable_scaled_rows(w, scale * 1e200, np.float32) is None  # overflow
+    nan = w.copy()
+    nan[5, 7] = np.nan
+    assert representable_scaled_rows(nan, scale, np.float32) is None
+    tiny = np.full((4, 8), 1e-30, np.float32)
+    assert representable_scaled_rows(tiny, np.full(4, 1e-20), np.float32) is None  # flushed
+    half = (w[:, :4] * 0).astype(np.float16)
+    assert representable_scaled_rows(half, scale, np.float16) is None
 
 
 def test_native_widen_is_exact_on_every_float16():
