@@ -305,12 +305,48 @@ static Py_ssize_t moves_between(const uint64_t *keys, Py_ssize_t n, uint64_t lo,
 #define VECTOR_CLONES
 #endif
 
+/* what the compensation of one row of `n` values works in (one allocation, reused row after
+ * row); `exact` and `nearest` hold a fold's products and their rounding */
+typedef struct {
+    double *resid, *exact;
+    uint64_t *keys;
+    Move *moves;
+    Py_ssize_t *ends; /* 2 * n + 2 segment ends (take_in_order) */
+    uint16_t *nearest;
+} Workspace;
+
+static int workspace_alloc(Workspace *ws, Py_ssize_t n)
+{
+    size_t count = (size_t)n;
+    char *at = malloc(count * (3 * sizeof(double) + sizeof(Move) + sizeof(uint16_t)) +
+                      (2 * count + 2) * sizeof(Py_ssize_t));
+    if (at == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    ws->resid = (double *)at;
+    ws->exact = ws->resid + n;
+    ws->keys = (uint64_t *)(ws->exact + n);
+    ws->moves = (Move *)(ws->keys + n);
+    ws->ends = (Py_ssize_t *)(ws->moves + n);
+    ws->nearest = (uint16_t *)(ws->ends + 2 * n + 2);
+    return 0;
+}
+
+static void workspace_free(Workspace *ws)
+{
+    free(ws->resid);
+}
+
 /* one row; 0 when its summed error is not finite (the caller falls back) */
 VECTOR_CLONES
 static int compensate_row(const double *exact, const uint16_t *nearest, uint16_t *out,
-                          Py_ssize_t n, double *resid, uint64_t *keys, Move *moves,
-                          Py_ssize_t *ends)
+                          Py_ssize_t n, const Workspace *ws)
 {
+    double *resid = ws->resid;
+    uint64_t *keys = ws->keys;
+    Move *moves = ws->moves;
+    Py_ssize_t *ends = ws->ends;
     for (Py_ssize_t j = 0; j < n; j++)
         resid[j] = half_to_double(nearest[j]) - exact[j];
     double total = pairwise_sum(resid, n);
@@ -352,18 +388,57 @@ static void widen_values(const uint16_t *h, double *out, Py_ssize_t n)
         out[j] = half_to_double(h[j]);
 }
 
-static int get_buffer(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t itemsize,
-                      const char *what)
+/* an argument that is a buffer: its name, item size, whether it is written, whether None is
+ * allowed in its place */
+typedef struct {
+    const char *name;
+    Py_ssize_t itemsize;
+    int writable, optional;
+} BufferArg;
+
+static void release_buffers(Py_buffer *views, int count)
 {
-    int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
-    if (PyObject_GetBuffer(obj, view, flags) < 0)
-        return -1;
-    if (view->itemsize != itemsize) {
-        PyErr_Format(PyExc_ValueError, "%s: items of %zd bytes expected", what, itemsize);
-        PyBuffer_Release(view);
-        return -1;
+    for (int i = 0; i < count; i++)
+        if (views[i].obj != NULL)
+            PyBuffer_Release(&views[i]);
+}
+
+/* the C-contiguous views of `objs` as `args` describe them (an optional one given as None: no
+ * view, obj NULL); -1 with those taken released when one cannot be taken */
+static int get_buffers(PyObject *const *objs, const BufferArg *args, int count, Py_buffer *views)
+{
+    for (int i = 0; i < count; i++) {
+        views[i].obj = NULL;
+        if (args[i].optional && objs[i] == Py_None)
+            continue;
+        int flags = PyBUF_C_CONTIGUOUS | (args[i].writable ? PyBUF_WRITABLE : 0);
+        if (PyObject_GetBuffer(objs[i], &views[i], flags) < 0) {
+            views[i].obj = NULL;
+            release_buffers(views, i);
+            return -1;
+        }
+        if (views[i].itemsize != args[i].itemsize) {
+            PyErr_Format(PyExc_ValueError, "%s: items of %zd bytes expected", args[i].name,
+                         args[i].itemsize);
+            release_buffers(views, i + 1);
+            return -1;
+        }
     }
     return 0;
+}
+
+/* the number of items of a view */
+static Py_ssize_t items(const Py_buffer *view)
+{
+    return view->len / view->itemsize;
+}
+
+/* 0 with a ValueError `message` unless `fits` */
+static int require_fit(int fits, const char *message)
+{
+    if (!fits)
+        PyErr_SetString(PyExc_ValueError, message);
+    return fits;
 }
 
 PyDoc_STRVAR(compensate_doc,
@@ -374,56 +449,36 @@ PyDoc_STRVAR(compensate_doc,
 
 static PyObject *compensate(PyObject *self, PyObject *args)
 {
-    PyObject *exact_obj, *nearest_obj, *out_obj;
+    static const BufferArg spec[3] = {{"exact", 8, 0, 0}, {"nearest", 2, 0, 0}, {"out", 2, 1, 0}};
+    PyObject *objs[3];
+    Py_buffer v[3];
     Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "OOOn", &exact_obj, &nearest_obj, &out_obj, &n))
+    if (!PyArg_ParseTuple(args, "OOOn", &objs[0], &objs[1], &objs[2], &n))
         return NULL;
-    Py_buffer exact, nearest, out;
-    if (get_buffer(exact_obj, &exact, 0, 8, "exact") < 0)
+    if (get_buffers(objs, spec, 3, v) < 0)
         return NULL;
-    if (get_buffer(nearest_obj, &nearest, 0, 2, "nearest") < 0) {
-        PyBuffer_Release(&exact);
-        return NULL;
-    }
-    if (get_buffer(out_obj, &out, 1, 2, "out") < 0) {
-        PyBuffer_Release(&exact);
-        PyBuffer_Release(&nearest);
-        return NULL;
-    }
-    Py_ssize_t values = exact.len / 8;
-    int ok = 1;
-    if (n <= 0 || values % n || nearest.len / 2 != values || out.len / 2 != values) {
-        PyErr_SetString(PyExc_ValueError, "compensate: buffers of whole rows of equal size");
-        ok = -1;
-    }
-    double *resid = NULL;
-    Move *moves = NULL;
-    if (ok == 1) {
-        resid = malloc(n * (sizeof(double) + sizeof(uint64_t)));
-        moves = malloc(n * sizeof(Move) + (2 * n + 2) * sizeof(Py_ssize_t));
-        if (!resid || !moves) {
-            PyErr_NoMemory();
-            ok = -1;
-        }
-    }
-    if (ok == 1) {
-        const double *e = exact.buf;
-        const uint16_t *h = nearest.buf;
-        uint16_t *o = out.buf;
+    Py_ssize_t values = items(&v[0]);
+    int ok = require_fit(n > 0 && values % n == 0 && items(&v[1]) == values &&
+                             items(&v[2]) == values,
+                         "compensate: buffers of whole rows of equal size");
+    Workspace ws;
+    if (ok && workspace_alloc(&ws, n) < 0)
+        ok = 0;
+    PyObject *result = NULL;
+    if (ok) {
+        const double *e = v[0].buf;
+        const uint16_t *h = v[1].buf;
+        uint16_t *o = v[2].buf;
+        int done = 1;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < values && ok == 1; i += n)
-            ok = compensate_row(e + i, h + i, o + i, n, resid, (uint64_t *)(resid + n), moves,
-                                (Py_ssize_t *)(moves + n));
+        for (Py_ssize_t i = 0; i < values && done; i += n)
+            done = compensate_row(e + i, h + i, o + i, n, &ws);
         Py_END_ALLOW_THREADS
+        workspace_free(&ws);
+        result = PyBool_FromLong(done);
     }
-    free(resid);
-    free(moves);
-    PyBuffer_Release(&exact);
-    PyBuffer_Release(&nearest);
-    PyBuffer_Release(&out);
-    if (ok < 0)
-        return NULL;
-    return PyBool_FromLong(ok);
+    release_buffers(v, 3);
+    return result;
 }
 
 /* onnxruntime's fold of a row: each float16 weight times the float32 scale, rounded once to
@@ -465,10 +520,11 @@ static int has_f16c = 0;
  * once) when `theirs` is given; the non-zero products and those that round to zero counted */
 VECTOR_CLONES
 static int fold_row(const uint16_t *w, double s, int has_theirs, float their_s, Py_ssize_t n,
-                    double *wide, uint16_t *out, double *folded, double *theirs, double *exact,
-                    uint16_t *nearest, double *resid, uint64_t *keys, Move *moves,
-                    Py_ssize_t *ends, Py_ssize_t *nonzero, Py_ssize_t *flushed)
+                    double *wide, uint16_t *out, double *folded, double *theirs,
+                    const Workspace *ws, Py_ssize_t *nonzero, Py_ssize_t *flushed)
 {
+    double *exact = ws->exact;
+    uint16_t *nearest = ws->nearest;
     Py_ssize_t nz = 0, fl = 0;
     for (Py_ssize_t j = 0; j < n; j++) {
         wide[j] = half_to_double(w[j]);
@@ -480,7 +536,7 @@ static int fold_row(const uint16_t *w, double s, int has_theirs, float their_s, 
     }
     *nonzero += nz;
     *flushed += fl;
-    if (!compensate_row(exact, nearest, out, n, resid, keys, moves, ends))
+    if (!compensate_row(exact, nearest, out, n, ws))
         return 0;
     for (Py_ssize_t j = 0; j < n; j++)
         folded[j] = half_to_double(out[j]);
@@ -506,80 +562,54 @@ PyDoc_STRVAR(fold_block_doc,
 
 static PyObject *fold_block(PyObject *self, PyObject *args)
 {
+    static const BufferArg spec[7] = {
+        {"weights", 2, 0, 0}, {"scale", 8, 0, 0},  {"their_scale", 4, 0, 1}, {"out", 2, 1, 0},
+        {"wide", 8, 1, 0},    {"folded", 8, 1, 0}, {"theirs", 8, 1, 1},
+    };
     PyObject *objs[7];
+    Py_buffer v[7];
     Py_ssize_t n;
     if (!PyArg_ParseTuple(args, "OOOOOOOn", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4],
                           &objs[5], &objs[6], &n))
         return NULL;
+    if (!require_fit((objs[2] == Py_None) == (objs[6] == Py_None),
+                     "fold_block: their_scale and theirs both or neither"))
+        return NULL;
+    if (get_buffers(objs, spec, 7, v) < 0)
+        return NULL;
     int has_theirs = objs[2] != Py_None;
-    /* weights, scale, their scale, out, wide, folded, theirs */
-    static const Py_ssize_t sizes[7] = {2, 8, 4, 2, 8, 8, 8};
-    static const int writable[7] = {0, 0, 0, 1, 1, 1, 1};
-    static const char *names[7] = {"weights", "scale", "their_scale", "out", "wide", "folded",
-                                   "theirs"};
-    Py_buffer views[7];
-    int got = 0, ok = 1;
-    for (; got < 7; got++) {
-        if ((got == 2 || got == 6) && !has_theirs)
-            continue;
-        if (get_buffer(objs[got], &views[got], writable[got], sizes[got], names[got]) < 0) {
-            ok = -1;
-            break;
-        }
-    }
-    Py_ssize_t values = 0, rows = 0;
-    if (ok == 1) {
-        values = views[0].len / 2;
-        rows = n > 0 ? values / n : 0;
-        int fits = n > 0 && values % n == 0 && views[1].len / 8 == rows;
-        for (int i = 3; i < 7; i++)
-            if (i != 6 || has_theirs)
-                fits &= views[i].len / views[i].itemsize == values;
-        if (has_theirs)
-            fits &= views[2].len / 4 == rows;
-        if (!fits) {
-            PyErr_SetString(PyExc_ValueError, "fold_block: buffers of whole rows of equal size");
-            ok = -1;
-        }
-    }
-    double *scratch = NULL;
-    Move *moves = NULL;
-    Py_ssize_t nonzero = 0, flushed = 0;
-    if (ok == 1) {
-        /* per row: exact, resid, keys (8 bytes each), nearest (2 bytes) */
-        scratch = malloc(n * (3 * sizeof(double) + sizeof(uint16_t)));
-        moves = malloc(n * sizeof(Move) + (2 * n + 2) * sizeof(Py_ssize_t));
-        if (!scratch || !moves) {
-            PyErr_NoMemory();
-            ok = -1;
-        }
-    }
-    if (ok == 1) {
-        const uint16_t *w = views[0].buf;
-        const double *scale = views[1].buf;
-        const float *their_scale = has_theirs ? views[2].buf : NULL;
-        uint16_t *out = views[3].buf;
-        double *wide = views[4].buf, *folded = views[5].buf;
-        double *theirs = has_theirs ? views[6].buf : NULL;
+    Py_ssize_t values = items(&v[0]), rows = n > 0 ? values / n : 0;
+    int fits = n > 0 && values % n == 0 && items(&v[1]) == rows;
+    for (int i = 3; i < 7; i++)
+        fits &= v[i].obj == NULL || items(&v[i]) == values;
+    fits &= !has_theirs || items(&v[2]) == rows;
+    int ok = require_fit(fits, "fold_block: buffers of whole rows of equal size");
+    Workspace ws;
+    if (ok && workspace_alloc(&ws, n) < 0)
+        ok = 0;
+    PyObject *result = NULL;
+    if (ok) {
+        const uint16_t *w = v[0].buf;
+        const double *scale = v[1].buf;
+        const float *their_scale = has_theirs ? v[2].buf : NULL;
+        uint16_t *out = v[3].buf;
+        double *wide = v[4].buf, *folded = v[5].buf;
+        double *theirs = has_theirs ? v[6].buf : NULL;
+        Py_ssize_t nonzero = 0, flushed = 0;
+        int done = 1;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t r = 0; r < rows && ok == 1; r++) {
+        for (Py_ssize_t r = 0; r < rows && done; r++) {
             Py_ssize_t at = r * n;
-            ok = fold_row(w + at, scale[r], has_theirs, has_theirs ? their_scale[r] : 0.0f, n,
-                          wide + at, out + at, folded + at, has_theirs ? theirs + at : NULL,
-                          scratch, (uint16_t *)(scratch + 3 * n), scratch + n,
-                          (uint64_t *)(scratch + 2 * n), moves, (Py_ssize_t *)(moves + n),
-                          &nonzero, &flushed);
+            done = fold_row(w + at, scale[r], has_theirs, has_theirs ? their_scale[r] : 0.0f, n,
+                            wide + at, out + at, folded + at, has_theirs ? theirs + at : NULL,
+                            &ws, &nonzero, &flushed);
         }
         Py_END_ALLOW_THREADS
+        workspace_free(&ws);
+        result = Py_BuildValue("Onn", done ? Py_True : Py_False, nonzero, flushed);
     }
-    free(scratch);
-    free(moves);
-    for (int i = 0; i < got; i++)
-        if (!((i == 2 || i == 6) && !has_theirs))
-            PyBuffer_Release(&views[i]);
-    if (ok < 0)
-        return NULL;
-    return Py_BuildValue("Onn", ok ? Py_True : Py_False, nonzero, flushed);
+    release_buffers(v, 7);
+    return result;
 }
 
 VECTOR_CLONES
@@ -602,30 +632,26 @@ PyDoc_STRVAR(largest_doc,
 
 static PyObject *largest(PyObject *self, PyObject *args)
 {
-    PyObject *bits_obj, *out_obj;
+    static const BufferArg spec[2] = {{"bits", 2, 0, 0}, {"out", 2, 1, 0}};
+    PyObject *objs[2];
+    Py_buffer v[2];
     Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "OOn", &bits_obj, &out_obj, &n))
+    if (!PyArg_ParseTuple(args, "OOn", &objs[0], &objs[1], &n))
         return NULL;
-    Py_buffer bits, out;
-    if (get_buffer(bits_obj, &bits, 0, 2, "bits") < 0)
+    if (get_buffers(objs, spec, 2, v) < 0)
         return NULL;
-    if (get_buffer(out_obj, &out, 1, 2, "out") < 0) {
-        PyBuffer_Release(&bits);
-        return NULL;
-    }
-    Py_ssize_t values = bits.len / 2;
-    int fits = n > 0 && values % n == 0 && out.len / 2 == values / n;
-    if (fits) {
-        const uint16_t *h = bits.buf;
-        uint16_t *o = out.buf;
+    Py_ssize_t values = items(&v[0]);
+    int ok = require_fit(n > 0 && values % n == 0 && items(&v[1]) == values / n,
+                         "largest: whole rows in, one value per row out");
+    if (ok) {
+        const uint16_t *h = v[0].buf;
+        uint16_t *o = v[1].buf;
         Py_BEGIN_ALLOW_THREADS
         largest_magnitudes(h, values / n, n, o);
         Py_END_ALLOW_THREADS
-    } else
-        PyErr_SetString(PyExc_ValueError, "largest: whole rows in, one value per row out");
-    PyBuffer_Release(&bits);
-    PyBuffer_Release(&out);
-    if (!fits)
+    }
+    release_buffers(v, 2);
+    if (!ok)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -667,39 +693,30 @@ PyDoc_STRVAR(scale_rows_doc,
 
 static PyObject *scale_rows(PyObject *self, PyObject *args)
 {
-    PyObject *w_obj, *scale_obj, *out_obj;
+    static const BufferArg spec[3] = {{"weights", 4, 0, 0}, {"scale", 8, 0, 0}, {"out", 4, 1, 0}};
+    PyObject *objs[3];
+    Py_buffer v[3];
     Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "OOOn", &w_obj, &scale_obj, &out_obj, &n))
+    if (!PyArg_ParseTuple(args, "OOOn", &objs[0], &objs[1], &objs[2], &n))
         return NULL;
-    Py_buffer w, scale, out;
-    if (get_buffer(w_obj, &w, 0, 4, "weights") < 0)
+    if (get_buffers(objs, spec, 3, v) < 0)
         return NULL;
-    if (get_buffer(scale_obj, &scale, 0, 8, "scale") < 0) {
-        PyBuffer_Release(&w);
-        return NULL;
-    }
-    if (get_buffer(out_obj, &out, 1, 4, "out") < 0) {
-        PyBuffer_Release(&w);
-        PyBuffer_Release(&scale);
-        return NULL;
-    }
-    Py_ssize_t values = w.len / 4;
-    int fits = n > 0 && values % n == 0 && scale.len / 8 == values / n && out.len == w.len;
+    Py_ssize_t values = items(&v[0]);
+    int ok = require_fit(n > 0 && values % n == 0 && items(&v[1]) == values / n &&
+                             items(&v[2]) == values,
+                         "scale_rows: whole rows, a scale per row");
     double stats[2] = {0, 0};
     Py_ssize_t counts[2] = {0, 0};
-    if (fits) {
-        const float *weights = w.buf;
-        const double *s = scale.buf;
-        float *o = out.buf;
+    if (ok) {
+        const float *weights = v[0].buf;
+        const double *scale = v[1].buf;
+        float *out = v[2].buf;
         Py_BEGIN_ALLOW_THREADS
-        scale_float32_rows(weights, s, values / n, n, o, stats, counts);
+        scale_float32_rows(weights, scale, values / n, n, out, stats, counts);
         Py_END_ALLOW_THREADS
-    } else
-        PyErr_SetString(PyExc_ValueError, "scale_rows: whole rows, a scale per row");
-    PyBuffer_Release(&w);
-    PyBuffer_Release(&scale);
-    PyBuffer_Release(&out);
-    if (!fits)
+    }
+    release_buffers(v, 3);
+    if (!ok)
         return NULL;
     return Py_BuildValue("ddnn", stats[0], stats[1], counts[0], counts[1]);
 }
@@ -710,29 +727,24 @@ PyDoc_STRVAR(widen_doc,
 
 static PyObject *widen(PyObject *self, PyObject *args)
 {
-    PyObject *bits_obj, *out_obj;
-    if (!PyArg_ParseTuple(args, "OO", &bits_obj, &out_obj))
+    static const BufferArg spec[2] = {{"bits", 2, 0, 0}, {"out", 8, 1, 0}};
+    PyObject *objs[2];
+    Py_buffer v[2];
+    if (!PyArg_ParseTuple(args, "OO", &objs[0], &objs[1]))
         return NULL;
-    Py_buffer bits, out;
-    if (get_buffer(bits_obj, &bits, 0, 2, "bits") < 0)
+    if (get_buffers(objs, spec, 2, v) < 0)
         return NULL;
-    if (get_buffer(out_obj, &out, 1, 8, "out") < 0) {
-        PyBuffer_Release(&bits);
-        return NULL;
-    }
-    Py_ssize_t values = bits.len / 2;
-    int fits = out.len / 8 == values;
-    if (fits) {
-        const uint16_t *h = bits.buf;
-        double *o = out.buf;
+    Py_ssize_t values = items(&v[0]);
+    int ok = require_fit(items(&v[1]) == values, "widen: as many values out as in");
+    if (ok) {
+        const uint16_t *h = v[0].buf;
+        double *o = v[1].buf;
         Py_BEGIN_ALLOW_THREADS
         widen_values(h, o, values);
         Py_END_ALLOW_THREADS
-    } else
-        PyErr_SetString(PyExc_ValueError, "widen: as many values out as in");
-    PyBuffer_Release(&bits);
-    PyBuffer_Release(&out);
-    if (!fits)
+    }
+    release_buffers(v, 2);
+    if (!ok)
         return NULL;
     Py_RETURN_NONE;
 }

@@ -418,6 +418,15 @@ def test_native_compensated_rounding_refuses_mismatched_buffers():
         float16_fold.native.largest(bits, np.zeros(3, np.uint16), 5)
     with pytest.raises(ValueError):
         float16_fold.native.widen(bits, np.zeros(9))
+    scale, wide = np.ones(2), np.zeros((2, 5))
+    with pytest.raises(ValueError):  # onnxruntime's scale without a place for its fold
+        float16_fold.native.fold_block(
+            bits, scale, np.ones(2, np.float32), bits.copy(), wide, wide.copy(), None, 5
+        )
+    with pytest.raises(ValueError):
+        float16_fold.native.scale_rows(
+            np.zeros((2, 5), np.float32), scale, np.zeros(9, np.float32), 5
+        )
 
 
 @pytest.mark.parametrize("down", [False, True])
