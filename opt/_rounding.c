@@ -427,6 +427,27 @@ static int get_buffers(PyObject *const *objs, const BufferArg *args, int count, 
     return 0;
 }
 
+/* a call's arguments: `count` buffers as `spec` describes them, then (when `length` is not
+ * NULL) a row length; the views taken into `views` (release_buffers), or -1 with the error */
+static int take_args(PyObject *args, const BufferArg *spec, int count, Py_buffer *views,
+                     Py_ssize_t *length)
+{
+    PyObject *objs[8];
+    Py_ssize_t given = PyTuple_GET_SIZE(args), expected = count + (length != NULL);
+    if (given != expected) {
+        PyErr_Format(PyExc_TypeError, "%zd arguments expected, %zd given", expected, given);
+        return -1;
+    }
+    for (int i = 0; i < count; i++)
+        objs[i] = PyTuple_GET_ITEM(args, i);
+    if (length != NULL) {
+        *length = PyLong_AsSsize_t(PyTuple_GET_ITEM(args, count));
+        if (*length == -1 && PyErr_Occurred())
+            return -1;
+    }
+    return get_buffers(objs, spec, count, views);
+}
+
 /* the number of items of a view */
 static Py_ssize_t items(const Py_buffer *view)
 {
@@ -450,12 +471,9 @@ PyDoc_STRVAR(compensate_doc,
 static PyObject *compensate(PyObject *self, PyObject *args)
 {
     static const BufferArg spec[3] = {{"exact", 8, 0, 0}, {"nearest", 2, 0, 0}, {"out", 2, 1, 0}};
-    PyObject *objs[3];
     Py_buffer v[3];
     Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "OOOn", &objs[0], &objs[1], &objs[2], &n))
-        return NULL;
-    if (get_buffers(objs, spec, 3, v) < 0)
+    if (take_args(args, spec, 3, v, &n) < 0)
         return NULL;
     Py_ssize_t values = items(&v[0]);
     int ok = require_fit(n > 0 && values % n == 0 && items(&v[1]) == values &&
@@ -566,18 +584,16 @@ static PyObject *fold_block(PyObject *self, PyObject *args)
         {"weights", 2, 0, 0}, {"scale", 8, 0, 0},  {"their_scale", 4, 0, 1}, {"out", 2, 1, 0},
         {"wide", 8, 1, 0},    {"folded", 8, 1, 0}, {"theirs", 8, 1, 1},
     };
-    PyObject *objs[7];
     Py_buffer v[7];
     Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "OOOOOOOn", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4],
-                          &objs[5], &objs[6], &n))
+    if (take_args(args, spec, 7, v, &n) < 0)
         return NULL;
-    if (!require_fit((objs[2] == Py_None) == (objs[6] == Py_None),
-                     "fold_block: their_scale and theirs both or neither"))
+    int has_theirs = v[2].obj != NULL;
+    if (!require_fit(has_theirs == (v[6].obj != NULL),
+                     "fold_block: their_scale and theirs both or neither")) {
+        release_buffers(v, 7);
         return NULL;
-    if (get_buffers(objs, spec, 7, v) < 0)
-        return NULL;
-    int has_theirs = objs[2] != Py_None;
+    }
     Py_ssize_t values = items(&v[0]), rows = n > 0 ? values / n : 0;
     int fits = n > 0 && values % n == 0 && items(&v[1]) == rows;
     for (int i = 3; i < 7; i++)
@@ -633,12 +649,9 @@ PyDoc_STRVAR(largest_doc,
 static PyObject *largest(PyObject *self, PyObject *args)
 {
     static const BufferArg spec[2] = {{"bits", 2, 0, 0}, {"out", 2, 1, 0}};
-    PyObject *objs[2];
     Py_buffer v[2];
     Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "OOn", &objs[0], &objs[1], &n))
-        return NULL;
-    if (get_buffers(objs, spec, 2, v) < 0)
+    if (take_args(args, spec, 2, v, &n) < 0)
         return NULL;
     Py_ssize_t values = items(&v[0]);
     int ok = require_fit(n > 0 && values % n == 0 && items(&v[1]) == values / n,
@@ -694,12 +707,9 @@ PyDoc_STRVAR(scale_rows_doc,
 static PyObject *scale_rows(PyObject *self, PyObject *args)
 {
     static const BufferArg spec[3] = {{"weights", 4, 0, 0}, {"scale", 8, 0, 0}, {"out", 4, 1, 0}};
-    PyObject *objs[3];
     Py_buffer v[3];
     Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "OOOn", &objs[0], &objs[1], &objs[2], &n))
-        return NULL;
-    if (get_buffers(objs, spec, 3, v) < 0)
+    if (take_args(args, spec, 3, v, &n) < 0)
         return NULL;
     Py_ssize_t values = items(&v[0]);
     int ok = require_fit(n > 0 && values % n == 0 && items(&v[1]) == values / n &&
@@ -728,11 +738,8 @@ PyDoc_STRVAR(widen_doc,
 static PyObject *widen(PyObject *self, PyObject *args)
 {
     static const BufferArg spec[2] = {{"bits", 2, 0, 0}, {"out", 8, 1, 0}};
-    PyObject *objs[2];
     Py_buffer v[2];
-    if (!PyArg_ParseTuple(args, "OO", &objs[0], &objs[1]))
-        return NULL;
-    if (get_buffers(objs, spec, 2, v) < 0)
+    if (take_args(args, spec, 2, v, NULL) < 0)
         return NULL;
     Py_ssize_t values = items(&v[0]);
     int ok = require_fit(items(&v[1]) == values, "widen: as many values out as in");

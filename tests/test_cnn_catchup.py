@@ -418,6 +418,8 @@ def test_native_compensated_rounding_refuses_mismatched_buffers():
         float16_fold.native.largest(bits, np.zeros(3, np.uint16), 5)
     with pytest.raises(ValueError):
         float16_fold.native.widen(bits, np.zeros(9))
+    with pytest.raises(TypeError):  # a length missing
+        float16_fold.native.largest(bits, np.zeros(2, np.uint16))
     scale, wide = np.ones(2), np.zeros((2, 5))
     with pytest.raises(ValueError):  # onnxruntime's scale without a place for its fold
         float16_fold.native.fold_block(
