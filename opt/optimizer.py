@@ -388,8 +388,8 @@ def optimize(
         if why is None:
             with clock.phase("measure"):
                 net = _PerfNet(model, optimized, cx, execute, bisect_limit, base_dir, say)
-                # the final model's timing session loads it as written and saves the bundle's
-                # fast path beside it (one session of it, not two)
+                # the final model is loaded as written to save the bundle's fast path beside
+                # it, which is timed as it loads back (its outputs there: the bundle's check)
                 optimized, cx, performance = net.run(tgt, parity.feeds, optimize_s, serialized)
                 original_outputs, fast_path = net.original_outputs, net.fast_path
             if performance.get("reverted"):
@@ -448,8 +448,8 @@ def optimize(
             "reference_outputs": parity.reference_outputs if parity.ran else None,
             # the original's outputs on those inputs by session level (the performance net's)
             "original_outputs": original_outputs,
-            # onnxruntime's optimized form of the returned model, saved by the performance
-            # net's session of it (perf.Saved; the net keeps it for the model it returns only)
+            # onnxruntime's optimized form of the returned model, saved and timed by the
+            # performance net (perf.Saved; the net keeps it for the model it returns only)
             "fast_path": fast_path,
         },
     )
@@ -765,8 +765,8 @@ class _PerfNet:
         self.built: dict[frozenset, tuple] = {frozenset(): (optimized, cx)}
         #: the original's outputs on the parity inputs by session level, as the net ran it
         self.original_outputs: dict[str, dict] = {}
-        #: onnxruntime's optimized form of the returned model, written by the session that
-        #: timed it (:class:`~graphopt.opt.perf.Saved`): the bundle's fast path
+        #: onnxruntime's optimized form of the returned model, saved and timed by the net
+        #: (:class:`~graphopt.opt.perf.Saved`): the bundle's fast path
         self.fast_path = None
 
     def skip_for(self, rules: frozenset) -> frozenset:
@@ -792,9 +792,9 @@ class _PerfNet:
     ) -> tuple[onnx.ModelProto, Any, dict]:
         """Time the optimized model against the original and revert the rules that made it
         slower.  With ``held`` (the validity check's written form of the model), a candidate
-        that is the model it holds is loaded from that (not serialized again), and the session
-        timing the final model also saves onnxruntime's optimized form of it in its folder
-        (:attr:`fast_path`)."""
+        that is the model it holds is loaded from that (not serialized again) to save
+        onnxruntime's optimized form of it in its folder (:attr:`fast_path`), which is what is
+        timed, loaded back as the bundle loads it."""
         from ..targets.bundle import FAST_MODEL, session_config
         from . import perf
 

@@ -1,9 +1,10 @@
 """The performance safety net: the bundle, loaded as it deploys, is never slower than the original.
 
-After the pipeline, :func:`measure_and_revert` times the optimized model under the bundle's own
-session settings (``targets.bundle.session_config``: level, disabled onnxruntime optimizers; one
-intra-op thread) against the original under ``ORT_ENABLE_ALL`` (what users get without
-graphopt), on the parity feeds, in paired rounds on this machine:
+After the pipeline, :class:`Duel` times the optimized model under the bundle's own session
+settings (``targets.bundle.session_config``: level, disabled onnxruntime optimizers; one intra-op
+thread; on cpu its fast path, onnxruntime's saved form of it loaded back as the bundle loads it)
+against the original under ``ORT_ENABLE_ALL`` (what users get without graphopt), on the parity
+feeds, in paired rounds on this machine:
 
 * each round runs both models back to back, the order flipping every round, each run repeated
   so that a round lasts at least :data:`ROUND_S` (small models need many rounds); the round's
@@ -250,18 +251,26 @@ def save_optimized(so: ort.SessionOptions, path: Path) -> None:
 @dataclass
 class Saved:
     """onnxruntime's optimized form of ``model`` (its graph at ``config``'s settings), written
-    by the session that timed it: ``path`` and ``<path>.data``."""
+    by a session made only to save it: ``path`` and ``<path>.data``.  The candidate timed is
+    that file loaded back as the bundle loads its fast path (optimizations off, weights
+    pre-packed, 1 thread); ``outputs`` (name → array): its outputs on ``feeds``, the inputs it
+    was timed on, once it has run."""
 
     model: onnx.ModelProto
     path: Path
     config: dict[str, Any]
+    feeds: dict[str, np.ndarray] | None = None
+    outputs: dict[str, Any] | None = None
 
 
 class _Loaded:
     """An onnxruntime session at given settings (spilled to a temp dir when over 2 GB);
-    ``save_to``: where onnxruntime writes the graph it optimized (:func:`save_optimized`);
-    ``written``: the model as it was written already, (bytes or a model whose weights are
-    external data, the folder they resolve in), loaded instead of serializing it again."""
+    ``save_to``: where onnxruntime writes the graph it optimized (:func:`save_optimized`; the
+    session only saves it, so its kernels do not pre-pack weights); ``written``: the model as it
+    was written already, (bytes or a model whose weights are external data, the folder they
+    resolve in), loaded instead of serializing it again; ``fast``: onnxruntime's saved form of
+    ``model`` to load instead, as the bundle loads its fast path (optimizations off: they ran
+    when it was saved)."""
 
     def __init__(
         self,
@@ -270,18 +279,26 @@ class _Loaded:
         base_dir,
         save_to: Path | None = None,
         written: tuple[Any, Path | None] | None = None,
+        fast: Path | None = None,
     ) -> None:
         level = config.get("graph_optimization_level", BASELINE)
-        if written is not None and written[1] is not None:  # a skeleton: its weights' folder
+        if fast is not None:
+            level, base_dir = "ORT_DISABLE_ALL", None  # its weights lie beside it
+        elif written is not None and written[1] is not None:  # a skeleton: its weights' folder
             base_dir = written[1]
-        so = _options(level, config.get("session_config_entries") or {}, base_dir)
+        entries = dict(config.get("session_config_entries") or {})
+        if save_to is not None:
+            entries.setdefault("session.disable_prepacking", "1")
+        so = _options(level, entries, base_dir)
         if save_to is not None:
             save_optimized(so, save_to)
         disabled = list(config.get("disabled_optimizers") or [])
         self._tmp = None
         try:
             kernels = register_libraries(so, model)
-            src: Any = written[0] if written is not None else serialize(model)
+            src: Any = str(fast) if fast is not None else None
+            if src is None:
+                src = written[0] if written is not None else serialize(model)
             if src is None:
                 self._tmp = tempfile.TemporaryDirectory(prefix="graphopt-perf-")
                 src = str(Path(self._tmp.name) / "model.onnx")
@@ -292,12 +309,14 @@ class _Loaded:
                 )
         except Exception as e:  # noqa: BLE001 - onnxruntime raises several unrelated types
             text = str(e).strip()
+            what = "its saved optimized form" if fast is not None else "the model"
             raise GraphoptError(
-                f"onnxruntime cannot load the model at {level}: "
+                f"onnxruntime cannot load {what} at {level}: "
                 + (text.splitlines()[0] if text else type(e).__name__)
             ) from None
+        self.names = [o.name for o in self.sess.get_outputs()]
 
-    def runner(self, feeds: dict[str, np.ndarray]) -> Callable[[], object]:
+    def runner(self, feeds: dict[str, np.ndarray]) -> Callable[[], list]:
         wanted = {i.name for i in self.sess.get_inputs()}
         f = {k: v for k, v in feeds.items() if k in wanted}
         return lambda: self.sess.run(None, f)
@@ -329,10 +348,14 @@ def _time(run: Callable[[], object], k: int) -> float:
 class Duel:
     """The original at ORT_ENABLE_ALL (loaded once) against candidates at their bundle settings.
 
-    With ``save_into`` (a folder), each candidate's session also writes onnxruntime's optimized
-    form of it there (``<save_into>/fast-*/<save_as>``; :attr:`saved`, the latest candidate's
-    only): the bundle's fast path when that candidate is the final model, so that the bundle
-    does not build the same session again to save it."""
+    With ``save_into`` (a folder), a session made for each candidate writes onnxruntime's
+    optimized form of it there (``<save_into>/fast-*/<save_as>``; :attr:`saved`, the latest
+    candidate's only), and the candidate timed is that file loaded back as the bundle loads its
+    fast path: the bundle as it deploys.  When that candidate is the final model, the bundle
+    moves the file in and checks the outputs this session gave on the parity inputs
+    (:attr:`Saved.outputs`) instead of building and running the same session again.  A
+    candidate whose saved form cannot be saved or loaded back is timed as the model itself at
+    its bundle settings."""
 
     def __init__(
         self,
@@ -352,19 +375,23 @@ class Duel:
         self.saved: Saved | None = None
         loaded = _Loaded(original, {"graph_optimization_level": BASELINE}, base_dir)
         self.base = loaded.runner(feeds)
-        names = [o.name for o in loaded.sess.get_outputs()]
         #: the original's outputs on ``feeds`` by level (name → array): what a later check of
         #: the bundle at that level compares with, without loading the original once more
-        self.outputs = {BASELINE: dict(zip(names, self.base()))}
+        self.outputs = {BASELINE: dict(zip(loaded.names, self.base()))}
 
     def measure(self, model: onnx.ModelProto, seconds: float) -> Timing:
         start = time.perf_counter()
-        saved = self.saved
-        cand = self._load(model).runner(self.feeds)
-        # None when that session also wrote the fast path: its creation time says nothing
-        created = time.perf_counter() - start if self.saved is saved else None
+        loaded, fast, created = self._load(model)
+        cand = loaded.runner(self.feeds)
+        first: list = []  # the candidate's outputs, from its warm-up run
+
+        def warm_up() -> None:
+            first.append(cand())
+
         runs = (cand, self.base)
-        warm = min(_time(r, 1) for r in runs)  # warm-up; the first run allocates
+        warm = min(_time(warm_up, 1), _time(self.base, 1))  # the first run allocates
+        if fast and first and self.saved is not None:
+            self.saved.feeds, self.saved.outputs = self.feeds, dict(zip(loaded.names, first[0]))
         if warm >= ONE_RUN_S:  # a run alone is a round: no estimate needed
             k = 1
         else:
@@ -391,24 +418,33 @@ class Duel:
         seconds = time.perf_counter() - start
         return Timing(ratio, low, high, len(ratios), seconds, tuple(ratios), tuple(own), created)
 
-    def _load(self, model: onnx.ModelProto) -> _Loaded:
-        """The candidate's session; it saves its optimized graph when asked to and this model
-        has none saved yet (a session that cannot save is made again without)."""
+    def _load(self, model: onnx.ModelProto) -> tuple[_Loaded, bool, float]:
+        """(the candidate's session, whether it is of its saved form, seconds to create it).
+        With ``save_into``: a fresh session of this model's saved form (saved first when it has
+        none)."""
         config, written = self.config(model), self.written(model)
-        if self.save_into is None or (self.saved is not None and self.saved.model is model):
-            return _Loaded(model, config, self.base_dir, written=written)
-        folder = Path(tempfile.mkdtemp(prefix="fast-", dir=self.save_into))
-        path = folder / self.save_as
-        try:
-            loaded = _Loaded(model, config, self.base_dir, path, written)
-        except GraphoptError:
-            loaded = None
-        if loaded is None or not path.is_file():
-            discard(folder)
-            return loaded or _Loaded(model, config, self.base_dir, written=written)
-        self.discard_saved()
-        self.saved = Saved(model, path, config)
-        return loaded
+        if self.save_into is not None and (self.saved is None or self.saved.model is not model):
+            folder = Path(tempfile.mkdtemp(prefix="fast-", dir=self.save_into))
+            path = folder / self.save_as
+            try:
+                _Loaded(model, config, self.base_dir, path, written)  # saves it; never run
+            except GraphoptError:
+                pass
+            if path.is_file():
+                self.discard_saved()
+                self.saved = Saved(model, path, config)
+            else:
+                discard(folder)
+        t0 = time.perf_counter()
+        if self.save_into is not None and self.saved is not None and self.saved.model is model:
+            try:
+                fast = _Loaded(model, config, self.base_dir, fast=self.saved.path)
+                return fast, True, time.perf_counter() - t0
+            except GraphoptError:  # saved, but not loaded back: no fast path to time or keep
+                self.discard_saved()
+                t0 = time.perf_counter()
+        loaded = _Loaded(model, config, self.base_dir, written=written)
+        return loaded, False, time.perf_counter() - t0
 
     def discard_saved(self) -> None:
         """Remove the optimized graph saved last (when it will not be used)."""

@@ -45,8 +45,10 @@ directory (so the whole bundle appears in one rename):
   written by the very session that verifies the bundle (the portable model at the session
   config's level, which ``optimized_model_filepath`` makes onnxruntime save), and checked
   against that session's outputs: one session of the portable model, not two.  Where the
-  performance safety net timed the final model, its session (the same model at the same
-  settings) saved it already and the bundle moves that in (``fast_path.saved_by``).
+  performance safety net timed the final model, it saved the fast path (the same model at the
+  same settings) and timed it loaded back as load_session loads it: the bundle moves it in
+  (``fast_path.saved_by``) and checks the outputs that session gave on the golden inputs
+  instead of loading and running it once more.
 * the manifest's ``integrity``: per model file its size, the sha256 of every byte (taken once,
   while model.onnx is written) and a fingerprint (sha256 of the size and sampled blocks,
   :func:`fingerprint`); the fast path's files, a copy onnxruntime derives here, record the size
@@ -921,22 +923,32 @@ def _verify(
     fast: dict[str, Any] = {}
     saved_by = None
     try:
-        if save_to is not None and presaved is not None and _moved_in(presaved, save_to):
+        if save_to is not None and presaved is not None and _moved_in(presaved.path, save_to):
             sess, created, save_error = None, None, None
             saved_by = PRESAVED_BY
         else:
+            presaved = None
             sess, created, save_error = _bundle_session(out_dir, providers, save_to)
             saved_by = SAVED_BY if save_to is not None and save_error is None else None
         feeds, expected = _golden(out_dir)
         if save_to is not None and save_error is None:
             sess = None  # its graph is the fast path's: that runs in its stead, as load_session
-            fast = _fast_run(out_dir, providers, feeds, expected, target, per_output, dtype)
+            if (
+                presaved is not None
+                and presaved.outputs is not None
+                and (
+                    presaved.feeds is ctx.get("feeds")  # the golden inputs
+                )
+            ):
+                fast = _fast_ran(presaved.outputs, expected, target, per_output, dtype)
+            else:
+                fast = _fast_run(out_dir, providers, feeds, expected, target, per_output, dtype)
             if not fast.get("ok"):
                 sess, created, fast = _portable_instead(out_dir, providers, feeds, fast, target)
             else:
                 sess, created = fast["session"], fast["created"]
-        every = [o.name for o in sess.get_outputs()]
-        outs = fast["outputs"] if "session" in fast else sess.run(every, _feeds_for(sess, feeds))
+        every = fast["names"] if "names" in fast else [o.name for o in sess.get_outputs()]
+        outs = fast["outputs"] if "names" in fast else sess.run(every, _feeds_for(sess, feeds))
     except Exception as e:  # noqa: BLE001 - reported in the manifest, never a crash
         _remove(out_dir, FAST_FILES)
         verified["bundle_session"] = (
@@ -945,10 +957,15 @@ def _verify(
         return verified, latency, None
     names = [n for n in every if n in expected]
     got = [o for n, o in zip(every, outs) if n in expected]
-    expect = [expected[n] for n in names]
-    diffs = compare_outputs(names, expect, got, target.tolerances, per_output, dtype)
+    if "diffs" in fast:  # the fast path's outputs, compared with the golden ones already
+        diffs = fast["diffs"]
+    else:
+        expect = [expected[n] for n in names]
+        diffs = compare_outputs(names, expect, got, target.tolerances, per_output, dtype)
     ok = all(d.ok for d in diffs)
-    verified["deploy_parity"] = _deploy_parity(sess, session, feeds, names, got, target, report)
+    inputs = fast["inputs"] if "names" in fast else [i.name for i in sess.get_inputs()]
+    deployed = _deploy_parity(inputs, session, feeds, names, got, target, report)
+    verified["deploy_parity"] = deployed
     verified["bundle_session"] = {
         "providers": providers,
         "graph_optimization_level": session.get("graph_optimization_level"),
@@ -956,11 +973,8 @@ def _verify(
         "max_abs": {d.name: d.max_abs for d in diffs},
         "what": "the bundle loaded with load_session (its session config) on "
         + ("the target's device" if on_device else "this machine's CPU (semantics only)")
-        + (
-            ": its fast path, onnxruntime's optimized form of model.onnx"
-            if "session" in fast
-            else ""
-        ),
+        + (": its fast path, onnxruntime's optimized form of model.onnx" if "names" in fast else "")
+        + (f" ({NET_RUN})" if fast.get("session", True) is None else ""),
     }
     if on_device:
         verified["device"] = "pass" if ok else "fail"
@@ -974,12 +988,14 @@ def _verify(
 #: the manifest's ``fast_path.saved_by``: which onnxruntime session wrote the fast path
 SAVED_BY = "the bundle's verification session (model.onnx at the session config's settings)"
 PRESAVED_BY = (
-    "the performance safety net's session of the final model (the session config's settings, "
-    "1 thread), the one that timed it: the same graph, not built twice"
+    "the performance safety net's session of the final model (the session config's settings), "
+    "which saved it for the net to time it as it deploys: the same graph, not built twice"
 )
+#: the bundle's verification when the performance net's session of the fast path ran it
+NET_RUN = "run by the performance safety net's session that timed it, 1 intra-op thread"
 
 
-def _presaved_fast_path(saved, model: onnx.ModelProto, session: dict) -> Path | None:
+def _presaved_fast_path(saved, model: onnx.ModelProto, session: dict):
     """The fast path the performance net's session saved (``saved``: perf.Saved) when it is of
     this very ``model`` at the session config's settings and providers, else None."""
     if saved is None or saved.model is not model or not saved.path.is_file():
@@ -990,7 +1006,7 @@ def _presaved_fast_path(saved, model: onnx.ModelProto, session: dict) -> Path | 
     theirs = saved.config.get("graph_optimization_level", "ORT_ENABLE_EXTENDED")
     if _settings(saved.config, theirs) != _settings(session, level):
         return None
-    return saved.path
+    return saved
 
 
 def _moved_in(presaved: Path, save_to: Path) -> bool:
@@ -1024,18 +1040,35 @@ def _fast_run(
     except Exception as e:  # noqa: BLE001 - not reloaded or not run: no fast path
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return {"why": f"onnxruntime could not reload or run it: {text}"}
+    inputs = [i.name for i in sess.get_inputs()]
+    return {"session": sess, "created": created, "inputs": inputs} | _checked(
+        every, outs, expected, target, per_output, dtype
+    )
+
+
+def _fast_ran(outputs: dict, expected, target, per_output, dtype=None) -> dict[str, Any]:
+    """:func:`_fast_run`'s verdict from the outputs the performance net's session of the fast
+    path gave on the golden inputs (loaded as load_session loads it, 1 thread: the session that
+    timed it): {session (None: not kept), created (None), inputs, names, outputs, ok, ...}."""
+    names = list(outputs)
+    return {"session": None, "created": None, "inputs": None} | _checked(
+        names, [outputs[n] for n in names], expected, target, per_output, dtype
+    )
+
+
+def _checked(every, outs, expected, target, per_output, dtype) -> dict[str, Any]:
+    """The fast path's outputs (``every``: their names) against the golden ones."""
     names = [n for n in every if n in expected]
     got = [o for n, o in zip(every, outs) if n in expected]
     expect = [expected[n] for n in names]
     diffs = compare_outputs(names, expect, got, target.tolerances, per_output, dtype)
     return {
-        "session": sess,
-        "created": created,
         "names": every,
         "outputs": outs,
         "ok": all(d.ok for d in diffs),
         "max_abs": {d.name: d.max_abs for d in diffs},
         "off": [d.name for d in diffs if not d.ok],
+        "diffs": diffs,
     }
 
 
@@ -1093,13 +1126,14 @@ def _bundle_latency(sess, feeds, created: float | None, report) -> dict[str, Any
     if performance.get("latency"):
         where = "this machine: the performance safety net's rounds (the bundle's settings)"
         return dict(performance["latency"]) | {"where": where}
-    if performance.get("why") == NOT_MEASURED:
+    if performance.get("why") == NOT_MEASURED or sess is None:
         return None
     return _latency(sess, feeds, created)
 
 
-def _deploy_parity(sess, session: dict, feeds, names, got, target: Target, report) -> dict:
-    """The bundle as it will be loaded against the original under the same settings.
+def _deploy_parity(inputs, session: dict, feeds, names, got, target: Target, report) -> dict:
+    """The bundle as it will be loaded (``got``: its outputs ``names``; ``inputs``: its input
+    names, None when they are the golden inputs') against the original under the same settings.
 
     Parity proper runs both graphs as written (optimizations off); what deploys runs at the
     session config's level, where onnxruntime's own transformers may treat the two graphs
@@ -1110,7 +1144,8 @@ def _deploy_parity(sess, session: dict, feeds, names, got, target: Target, repor
     setting = f"graph_optimization_level={level}"
     if session.get("disabled_optimizers"):
         setting += f", disabled_optimizers={','.join(session['disabled_optimizers'])}"
-    feeds = {k: v for k, v in feeds.items() if k in {i.name for i in sess.get_inputs()}}
+    if inputs is not None:
+        feeds = {k: v for k, v in feeds.items() if k in set(inputs)}
     try:
         ran = (ctx.get("original_outputs") or {}).get(level) or {}
         if names and all(n in ran for n in names):  # the performance net ran it at this level
@@ -1488,13 +1523,14 @@ def _write_fast_path(
             "own numerics at that level)"
         )
         return _fast_path_written(providers, config, level, against, fast["against_portable"])
-    if "max_abs" in fast:  # it ran for the bundle's verification (_fast_run)
+    if "max_abs" in fast:  # it ran for the bundle's verification (_fast_run, _fast_ran)
+        by = NET_RUN if fast.get("session", True) is None else "the run verifying the bundle"
         return _fast_path_written(
             providers,
             config,
             level,
             "the golden outputs (the original's) on the golden inputs, loaded as load_session "
-            "loads it (the run verifying the bundle)",
+            f"loads it ({by})",
             fast["max_abs"],
         )
     try:

@@ -348,6 +348,47 @@ def test_the_session_that_timed_the_final_model_saved_its_fast_path(
     assert how["fast_path"] and how["model"] == bundle.FAST_MODEL
 
 
+def test_the_bundle_checks_the_fast_path_on_the_outputs_the_net_timed(
+    measuring, monkeypatch, tmp_path
+):
+    """The net timed the fast path loaded back as it deploys: the bundle checks that session's
+    outputs on the golden inputs and loads no session of its own (none of model.onnx either)."""
+    from graphopt.targets import bundle
+
+    out, report = graphopt.optimize(slow_model(), pipeline="dce")
+    presaved = report.bundle_context["fast_path"]
+    assert presaved.outputs is not None and presaved.feeds is report.parity.feeds
+    sessions = []
+    monkeypatch.setattr(bundle, "_session", lambda *a, **k: sessions.append(a) or None)
+    written = graphopt.write_bundle(out, report, tmp_path / "b")
+    manifest = json.loads((written / "manifest.json").read_text())
+    assert sessions == []
+    fast, seen = manifest["fast_path"], manifest["verified"]["bundle_session"]
+    assert fast["written"] and fast["verified"]["ok"]
+    assert bundle.NET_RUN in fast["verified"]["against"]
+    assert seen["golden_ok"] and bundle.NET_RUN in seen["what"]
+    assert manifest["verified"]["deploy_parity"]["ok"]
+    assert manifest["latency"]["session_create_ms"] > 0  # the fast path's load, as deployed
+    monkeypatch.undo()
+    sess, how = graphopt.open_session(written)
+    assert how["fast_path"]
+
+
+def test_fast_path_outputs_off_the_golden_ones_fall_back_to_the_portable_model(
+    measuring, monkeypatch, tmp_path
+):
+    out, report = graphopt.optimize(slow_model(), pipeline="dce")
+    presaved = report.bundle_context["fast_path"]
+    presaved.outputs = {k: v + 1.0 for k, v in presaved.outputs.items()}  # a wrong fast path
+    written = graphopt.write_bundle(out, report, tmp_path / "b")
+    manifest = json.loads((written / "manifest.json").read_text())
+    assert not manifest["fast_path"]["written"]
+    assert "differ from the portable model's" in manifest["fast_path"]["why"]
+    assert manifest["verified"]["bundle_session"]["golden_ok"]  # the portable model ran instead
+    sess, how = graphopt.open_session(written)
+    assert not how["fast_path"]
+
+
 def test_a_fast_path_saved_for_another_model_is_not_used(measuring, monkeypatch, tmp_path):
     from graphopt.targets import bundle
 
