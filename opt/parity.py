@@ -895,15 +895,18 @@ def _finite(a: np.ndarray) -> bool:
 def _finite_diff(
     name, shape, size: int, rv, gv, dtype: str, rtol, atol, nonfinite_mismatch=0, counts=None
 ) -> OutputDiff:
-    """:func:`_diff` of the finite values ``rv`` (reference) and ``gv`` (1-D, float64) of
-    outputs of ``size`` values."""
-    d = np.abs(rv - gv)
-    scale = float(np.max(np.abs(rv)))
+    """:func:`_diff` of the finite values ``rv`` (reference) and ``gv`` (1-D, float64 copies
+    of outputs of ``size`` values; ``rv`` is overwritten).  No array beside the two: a large
+    output's temporaries were mapped and faulted in afresh by every comparison (GPT-2's
+    logits, 6.4 M values: 0.095 -> 0.055 s)."""
+    scale = float(max(abs(rv.max()), abs(rv.min())))  # the largest |value|
+    norms = float(np.linalg.norm(rv) * np.linalg.norm(gv))
+    dot = np.dot(rv, gv)
+    d = np.abs(np.subtract(rv, gv, out=rv), out=rv)
     bound = atol + rtol * scale
     max_abs = float(d.max())
     bad = int(np.count_nonzero(d > bound)) + nonfinite_mismatch
-    norms = float(np.linalg.norm(rv) * np.linalg.norm(gv))
-    cosine = float(np.dot(rv, gv) / norms) if norms > 0 else (1.0 if max_abs == 0 else 0.0)
+    cosine = float(dot / norms) if norms > 0 else (1.0 if max_abs == 0 else 0.0)
     return OutputDiff(
         name,
         dtype,

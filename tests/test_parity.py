@@ -152,6 +152,32 @@ def test_runtime_floor_measures_the_original_at_ort_enable_all():
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_compare_outputs_in_place_gives_the_textbook_numbers(dtype):
+    """The comparison computes in its float64 copies, without temporaries: bit for bit the
+    numbers of the plain formulas (the largest |reference| of all-negative and signed-zero
+    outputs too)."""
+    from graphopt.opt import parity
+
+    rng = np.random.default_rng(5)
+    r = rng.standard_normal(1001).astype(dtype)
+    cases = [
+        (r, (r + 1e-3 * rng.standard_normal(1001)).astype(dtype)),
+        (np.full(9, -3, dtype), np.full(9, -2.5, dtype)),
+        (-np.zeros(4, dtype), np.zeros(4, dtype)),
+        (r, r.copy()),
+    ]
+    for ref, got in cases:
+        (d,) = parity.compare_outputs(["y"], [ref], [got], per_output={"y": (1e-3, 1e-4)})
+        a, b = ref.astype(np.float64), got.astype(np.float64)
+        diff, scale = np.abs(a - b), float(np.max(np.abs(a)))
+        norms = float(np.linalg.norm(a) * np.linalg.norm(b))
+        assert d.max_abs == float(diff.max()) and d.mean_abs == float(diff.mean())
+        assert d.max_rel == (d.max_abs / scale if scale else d.max_abs)
+        assert d.mismatch == np.count_nonzero(diff > 1e-4 + 1e-3 * scale) / ref.size
+        assert d.cosine == (float(np.dot(a, b) / norms) if norms else float(d.max_abs == 0))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
 def test_compare_outputs_of_finite_values_as_through_the_masks(monkeypatch, dtype):
     """Outputs without NaN or infinity skip the masks: the same numbers as the masked path,
     for every dtype, shape (a scalar too) and tolerance outcome."""
