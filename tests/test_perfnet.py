@@ -352,17 +352,27 @@ def test_the_bundle_checks_the_fast_path_on_the_outputs_the_net_timed(
     measuring, monkeypatch, tmp_path
 ):
     """The net timed the fast path loaded back as it deploys: the bundle checks that session's
-    outputs on the golden inputs and loads no session of its own (none of model.onnx either)."""
+    outputs on the golden inputs; its one session loads the fast path from the bundle's own
+    files, not run (none of model.onnx)."""
     from graphopt.targets import bundle
 
     out, report = graphopt.optimize(slow_model(), pipeline="dce")
     presaved = report.bundle_context["fast_path"]
     assert presaved.outputs is not None and presaved.feeds is report.parity.feeds
-    sessions = []
-    monkeypatch.setattr(bundle, "_session", lambda *a, **k: sessions.append(a) or None)
+    sessions, session = [], bundle._session
+
+    class NotRun:
+        def __init__(self, sess):
+            self.sess = sess
+
+    def traced(*a, **k):
+        sessions.append((a[3], k.get("once")))
+        return NotRun(session(*a, **k))  # running it fails: nothing runs it
+
+    monkeypatch.setattr(bundle, "_session", traced)
     written = graphopt.write_bundle(out, report, tmp_path / "b")
     manifest = json.loads((written / "manifest.json").read_text())
-    assert sessions == []
+    assert sessions == [(bundle.FAST_MODEL, True)]
     fast, seen = manifest["fast_path"], manifest["verified"]["bundle_session"]
     assert fast["written"] and fast["verified"]["ok"]
     assert bundle.NET_RUN in fast["verified"]["against"]
@@ -372,6 +382,27 @@ def test_the_bundle_checks_the_fast_path_on_the_outputs_the_net_timed(
     monkeypatch.undo()
     sess, how = graphopt.open_session(written)
     assert how["fast_path"]
+
+
+def test_a_fast_path_that_does_not_reload_from_the_bundle_goes(measuring, monkeypatch, tmp_path):
+    from graphopt.opt.errors import GraphoptError
+    from graphopt.targets import bundle
+
+    out, report = graphopt.optimize(slow_model(), pipeline="dce")
+    session = bundle._session
+
+    def refuse(*a, **k):
+        if a[3] == bundle.FAST_MODEL:
+            raise GraphoptError("onnxruntime cannot load the bundle: no")
+        return session(*a, **k)
+
+    monkeypatch.setattr(bundle, "_session", refuse)
+    written = graphopt.write_bundle(out, report, tmp_path / "b")
+    manifest = json.loads((written / "manifest.json").read_text())
+    assert not manifest["fast_path"]["written"]
+    assert "could not reload it from the bundle" in manifest["fast_path"]["why"]
+    assert manifest["verified"]["bundle_session"]["golden_ok"]  # the portable model ran instead
+    assert not (written / bundle.FAST_MODEL).exists()
 
 
 def test_fast_path_outputs_off_the_golden_ones_fall_back_to_the_portable_model(
