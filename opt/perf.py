@@ -296,10 +296,11 @@ class _Loaded:
         self._tmp = None
         try:
             kernels = register_libraries(so, model)
-            src: Any = str(fast) if fast is not None else None
-            if src is None:
+            if fast is not None:
+                src: Any = str(fast)
+            else:
                 src = written[0] if written is not None else serialize(model)
-            if src is None:
+            if src is None:  # over 2 GB: a file with its weights beside it
                 self._tmp = tempfile.TemporaryDirectory(prefix="graphopt-perf-")
                 src = str(Path(self._tmp.name) / "model.onnx")
                 write_model_files(model, Path(src), external=True, base_dir=base_dir)
