@@ -169,9 +169,14 @@ def inline_functions(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Note
     """``model`` with every call to a model-local function inlined (a new model; the input is
     not modified).  Functions the graph does not call are kept.  When the inliner refuses the
     model, it is returned unchanged with a note saying why."""
-    calls = called_functions(model)
+    opaque = [f for f in model.functions if f.domain in OPAQUE_FUNCTION_DOMAINS]
+    calls = {
+        k: v for k, v in called_functions(model).items() if k[0] not in OPAQUE_FUNCTION_DOMAINS
+    }
     if not calls:
         return model, []
+    if opaque:  # graphopt's own kernels stay calls: their bodies are for other runtimes
+        model = _without_functions(model, opaque)
     try:
         inlined = onnx.inliner.inline_local_functions(model, convert_version=True)
     except Exception as e:  # noqa: BLE001 - the C++ inliner raises several unrelated types
@@ -185,11 +190,40 @@ def inline_functions(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[Note
         ]
     del inlined.functions[:]
     inlined.functions.extend(f for f in model.functions if function_id(f) not in calls)
+    inlined.functions.extend(opaque)
     return inlined, []
 
 
+#: domains of model-local functions that are never inlined on import: the portable bodies of
+#: graphopt's generated kernels (``graphopt.fused``), whose calls are the kernels' nodes
+OPAQUE_FUNCTION_DOMAINS = frozenset({"graphopt.fused"})
+
+
+def _without_functions(model: onnx.ModelProto, drop: list) -> onnx.ModelProto:
+    """A shallow copy of ``model`` without the functions ``drop`` (the graph is shared)."""
+    out = onnx.ModelProto()
+    for fd, value in model.ListFields():
+        if fd.name == "functions":
+            continue
+        if fd.name == "graph":
+            out.graph.CopyFrom(value)
+        elif fd.is_repeated:
+            getattr(out, fd.name).extend(value)
+        elif fd.message_type:
+            getattr(out, fd.name).CopyFrom(value)
+        else:
+            setattr(out, fd.name, value)
+    ids = {function_id(f) for f in drop}
+    out.functions.extend(f for f in model.functions if function_id(f) not in ids)
+    return out
+
+
 def _inlined_note(model: onnx.ModelProto, kept: Iterable[FunctionId]) -> list[Note]:
-    calls = {k: v for k, v in called_functions(model).items() if k not in set(kept)}
+    calls = {
+        k: v
+        for k, v in called_functions(model).items()
+        if k not in set(kept) and k[0] not in OPAQUE_FUNCTION_DOMAINS
+    }
     if not calls:
         return []
     names = sorted(f"{d}.{n}" if d else n for d, n in calls)

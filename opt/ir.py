@@ -125,6 +125,9 @@ class ModelIR:
         self.annotated = {vi.name for g in all_graphs(model.graph) for vi in g.value_info}
         #: model-local functions still in the model (kept verbatim): (domain, name) -> proto
         self.functions = {function_id(f): f for f in model.functions}
+        #: the lowest IR version the output may be written at (a pass that adds a model-local
+        #: function raises it to 8: :meth:`add_function`)
+        self.min_ir_version = 4
         #: graph inputs and outputs as the model declared them (doc_string, dim_params)
         self.declared = {
             vi.name: _declared(vi) for vi in list(model.graph.input) + list(model.graph.output)
@@ -201,7 +204,7 @@ class ModelIR:
         model.graph.doc_string = self.template.graph.doc_string
         self._restore_interface(model.graph)
         self._prune_value_info(model.graph)
-        model.ir_version = max(self.original_ir_version, 4)
+        model.ir_version = max(self.original_ir_version, self.min_ir_version)
         # Opsets: keep the original imports, add any domain a rule introduced, by name (the
         # exporter gathers them in a set: their order changed from one process to the next)
         have = {o.domain for o in model.opset_import}
@@ -247,6 +250,15 @@ class ModelIR:
         change of a declared input shape; the optimized model then declares ``shape``."""
         tensor.shape = list(shape)
         self.pinned.add(tensor.name)
+
+    def add_function(self, proto: onnx.FunctionProto) -> None:
+        """Add a model-local function that new nodes call (once per domain and name); the
+        output is then written at IR version 8 or later, where such functions exist."""
+        key = function_id(proto)
+        if key not in self.functions:
+            self.functions[key] = proto
+            self.template.functions.append(proto)
+        self.min_ir_version = max(self.min_ir_version, 8)
 
     # ------------------------------------------------------------ inspection
     @property

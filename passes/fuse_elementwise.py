@@ -27,7 +27,9 @@ What is fused (the top-level graph; subgraph bodies are left alone in this versi
   Add/Clip/Mul/Div in an opset-11 Paddle export has no single kernel there and is fused).
 
 Each candidate becomes a ``graphopt.fused`` node ``Elementwise_<id>`` carrying ``expr`` (see
-``targets/codegen/expr.py``), ``dtype`` and ``channel_axis``, but only after its kernel passed the
+``targets/codegen/expr.py``), ``dtype`` and ``channel_axis`` -- a call of a model-local function
+whose body is the chain in standard ops (``targets/codegen/portable.py``), so a bare onnxruntime
+session runs the model without the kernel library --, but only after its kernel passed the
 gates of ``targets/codegen/gates.py`` at the chain's shape (numerics vs onnxruntime and vs
 float64, loop vectorized, faster than onnxruntime's run of the chain at ORT_ENABLE_ALL with one
 thread).  The benchmark that decides runs the chain *with its direct neighbours* (producers of
@@ -66,6 +68,7 @@ from graphopt.targets.codegen import cuda as cuda_gen
 from graphopt.targets.codegen import gates
 from graphopt.targets.codegen.expr import POW_EXPONENTS, Expr, ExprError, evaluate, f32
 from graphopt.targets.codegen.library import NoCompiler, cpu_library, cuda_library
+from graphopt.targets.codegen.portable import function_for
 from graphopt.targets.codegen.spec import DOMAIN, KernelSpec
 from graphopt.targets.codegen.toolchain import BuildError
 
@@ -845,6 +848,7 @@ class FuseElementwise(Pass):
             like=r.out,
             name=f"{r.root.name or r.root.op}/fused",
         )
+        ir.add_function(function_for(r.spec, ir.opset))  # what a bare session runs instead
         old = r.out
         if not ir.is_graph_output(old):  # a graph output keeps its tensor, produced anew
             self._moved[id(old)] = new

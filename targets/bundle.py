@@ -426,8 +426,10 @@ def write_bundle_files(
             provider: lib["path"] for provider, lib in sorted(kernels["libraries"].items())
         }
         session["reasons"]["custom_op_libraries"] = (
-            "the model has graphopt.fused nodes: load_session registers the library of the "
-            "provider it runs on (register_custom_ops_library)"
+            "the machine tier: load_session registers the library of the provider it runs on "
+            "(register_custom_ops_library) where it can run (its sha256 matches, this CPU has "
+            "the features it was built for); elsewhere, and in any bare onnxruntime session, "
+            "each graphopt.fused node runs its model-local function of standard ops"
         )
         session["kernel_threads"] = 1
         session["reasons"]["kernel_threads"] = (
@@ -493,6 +495,9 @@ def write_bundle_files(
     )
     presaved = _presaved_fast_path(ctx.get("fast_path"), model, session) if save_to else None
     verified, latency, ran = _verify(out_dir, manifest, session, target, report, save_to, presaved)
+    if kernels and manifest["golden"].get("written"):
+        say("bundle: running model.onnx in a bare onnxruntime session (no kernel library)")
+        verified["bare_session"] = _bare_session_check(out_dir, target, ctx)
     manifest["verified"], manifest["latency"] = verified, latency
     if refusal:
         manifest["fast_path"] = {"written": False, "why": refusal}
@@ -511,6 +516,39 @@ def write_bundle_files(
     manifest["source_model_sha256"] = source_sha256.result()
     (out_dir / MANIFEST).write_text(dumps_json(manifest))
     return files
+
+
+def _bare_session_check(out_dir: Path, target: Target, ctx: dict) -> dict[str, Any]:
+    """model.onnx as anyone may run it: a bare onnxruntime session (default settings, no
+    kernel library: each fused node runs its function body of standard ops) on the golden
+    inputs, against the golden outputs.  A model.onnx that does not load or agree there is an
+    error: it is what users ship."""
+    feeds, expected = _golden(out_dir)
+    try:
+        sess = ort.InferenceSession(str(out_dir / "model.onnx"), providers=["CPUExecutionProvider"])
+        names = [o.name for o in sess.get_outputs() if o.name in expected]
+        got = sess.run(names, _feeds_for(sess, feeds))
+    except Exception as e:  # noqa: BLE001 - onnxruntime raises several unrelated types
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise GraphoptError(
+            f"model.onnx does not run in a bare onnxruntime session: {text}"
+        ) from None
+    original = ctx.get("original")
+    dtype = compute_dtype(original) if original is not None else None
+    expect = [expected[n] for n in names]
+    diffs = compare_outputs(names, expect, got, target.tolerances, ctx.get("per_output"), dtype)
+    if not all(d.ok for d in diffs):
+        bad = ", ".join(d.name for d in diffs if not d.ok)
+        raise GraphoptError(
+            f"model.onnx in a bare onnxruntime session (the kernels' function bodies) misses "
+            f"the golden outputs ({bad}); nothing was written"
+        )
+    return {
+        "ok": True,
+        "max_abs": {d.name: d.max_abs for d in diffs},
+        "what": "model.onnx in onnxruntime.InferenceSession with default settings and no kernel "
+        "library (each generated kernel's node runs its model-local function of standard ops)",
+    }
 
 
 def _in_background(fn: Callable[..., Any], *args: Any) -> Future:
@@ -1353,13 +1391,31 @@ def open_session(
     if why is None and verify == "full" and not _hashed(manifest, fast_files):
         why = info["why"] = FULL_VERIFY_WHY
     check_integrity(path, manifest, files + (fast_files if why is None else []), verify)
+    kernels: dict = {}
     if why is None:
         try:
-            sess = _session(path, manifest, config, FAST_MODEL, wanted, "ORT_DISABLE_ALL", verify)
-            return sess, info | {"model": FAST_MODEL, "fast_path": True}
+            sess = _session(
+                path,
+                manifest,
+                config,
+                FAST_MODEL,
+                wanted,
+                "ORT_DISABLE_ALL",
+                verify,
+                None,
+                kernels=kernels,
+            )
+            return sess, info | {"model": FAST_MODEL, "fast_path": True, **_said(kernels)}
         except GraphoptError as e:  # never worse than the portable model
             info["why"] = f"onnxruntime refused it ({e})"
-    return _session(path, manifest, config, portable, wanted, level, verify), info
+    sess = _session(path, manifest, config, portable, wanted, level, verify, kernels=kernels)
+    return sess, info | _said(kernels)
+
+
+def _said(kernels: dict) -> dict:
+    """open_session's account of the generated kernels: ``{"kernels": {"used", "why"}}`` for a
+    bundle that has them, else nothing."""
+    return {"kernels": kernels} if kernels else {}
 
 
 def _hashed(manifest: dict, names: list[str]) -> bool:
@@ -1404,10 +1460,12 @@ def _session(
     verify: str,
     save_to: Path | None = None,
     once: bool = False,
+    kernels: dict | None = None,
 ) -> ort.InferenceSession:
     """The session of ``model`` (a file of the bundle) at ``level`` with the config's settings;
     ``save_to``: where onnxruntime writes the graph it optimized; ``once``: a session not run as
-    deployed (it only saves that graph): its kernels do not pre-pack their weights."""
+    deployed (it only saves that graph): its kernels do not pre-pack their weights;
+    ``kernels``: filled with whether the generated-kernel library was registered, and why not."""
     so = ort.SessionOptions()
     so.log_severity_level = 3
     so.graph_optimization_level = _level(level)
@@ -1420,7 +1478,9 @@ def _session(
         so.add_session_config_entry(key, str(value))
     if save_to is not None:  # weights beside it, mapped at load rather than parsed
         save_optimized(so, save_to)
-    _register_kernels(path, manifest, config, so, wanted, verify != "none")
+    why_not = _register_kernels(path, manifest, config, so, wanted, verify != "none")
+    if kernels is not None and config.get("custom_op_libraries"):
+        kernels.update(used=why_not is None, why=why_not)
     try:
         with _kernel_threads(config.get("kernel_threads")):
             return ort.InferenceSession(
@@ -1634,23 +1694,38 @@ def _kernel_threads(n):
     return nullcontext() if n is None else kernel_threads(int(n))
 
 
-def _register_kernels(path: Path, manifest: dict, config: dict, so, wanted, verify_hash) -> None:
+def _register_kernels(
+    path: Path, manifest: dict, config: dict, so, wanted, verify_hash
+) -> str | None:
     """Register the bundle's generated-kernel library for the provider the session runs on
-    (the CUDA one when CUDAExecutionProvider is used, else the CPU one)."""
+    (the CUDA one when CUDAExecutionProvider is used, else the CPU one); returns why it was
+    not registered (None when it was, or when the bundle has none).
+
+    The library is the machine tier: every fused node is also a model-local function of
+    standard ops, so where the library is absent or cannot run on this CPU the session runs
+    those instead.  A library that is there but does not match the manifest's sha256 is
+    refused (an error), whatever the reason."""
+    from graphopt.targets.codegen.toolchain import march_missing
+
     libs = config.get("custom_op_libraries") or {}
     if not libs:
-        return
+        return None
     provider = next((p for p in wanted if p in libs), "CPUExecutionProvider")
     rel = libs.get(provider)
     if rel is None:
-        raise GraphoptError(f"the bundle has no generated-kernel library for {provider}")
+        return f"the bundle has no generated-kernel library for {provider}"
     lib = path / rel
     if not lib.is_file():
-        raise GraphoptError(f"the bundle's kernel library {rel} is missing (run its build.sh)")
+        return f"the kernel library {rel} is missing (its build.sh rebuilds it)"
     info = ((manifest.get("kernels") or {}).get("libraries") or {}).get(provider) or {}
     if verify_hash and info.get("sha256") and file_sha256(lib) != info["sha256"]:
         raise GraphoptError(f"{rel} does not match the manifest's sha256 (rebuilt elsewhere?)")
+    if provider == "CPUExecutionProvider":
+        why = march_missing(info.get("march"))
+        if why is not None:
+            return f"the kernel library {rel} cannot run here: {why}"
     so.register_custom_ops_library(str(lib))
+    return None
 
 
 def run_bundle(

@@ -359,9 +359,12 @@ def resolve_node(
     domain = norm_domain(node.domain)
     opset = opsets.get(domain)
     dtype = primary_dtype(node, opset)
-    if functions and (node.domain or "", node.op) in functions:
+    direct = resolve(target, node.op, domain, opset, dtype)
+    if functions and (node.domain or "", node.op) in functions and direct.status != OK:
+        # a kernel the provider claims (a generated kernel) runs instead of the body, as in
+        # onnxruntime; without one the call runs its body
         return resolve_call(target, (node.domain or "", node.op), functions, opsets, dtype)
-    return resolve(target, node.op, domain, opset, dtype)
+    return direct
 
 
 def resolve_call(

@@ -96,7 +96,9 @@ def _fold_inputs(model: onnx.ModelProto, feeds: dict) -> onnx.ModelProto | None:
     return m
 
 
-def run_case(case, mode: str, level: int = 2) -> Outcome:
+def run_case(case, mode: str, level: int = 2, pipeline: str | None = None) -> Outcome:
+    """The case through ``graphopt.optimize`` (``pipeline``: instead of the level's preset), its
+    output run in a bare onnxruntime session against the case's expected outputs."""
     if not case.data_sets:
         return Outcome(case.name, mode, "skip", "no data")
     inputs, expected = case.data_sets[0]
@@ -113,7 +115,7 @@ def run_case(case, mode: str, level: int = 2) -> Outcome:
     if not _close(list(expected), ref, case.rtol, case.atol):
         return Outcome(case.name, mode, "skip", "onnxruntime output differs from expected")
     try:
-        optimized, _ = graphopt.optimize(model, level=level, check=False)
+        optimized, _ = graphopt.optimize(model, level=level, pipeline=pipeline, check=False)
     except graphopt.GraphoptError as e:
         return Outcome(case.name, mode, "fail", f"graphopt error: {e}")
     try:

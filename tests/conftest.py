@@ -117,3 +117,20 @@ def cpu_without_fp16_casts(monkeypatch):
 
 
 __all__ = ["assert_optimized", "check_parity", "codes", "const", "model", "ops", "run", "vi"]
+
+
+@pytest.fixture
+def default_on(monkeypatch):
+    """Generated kernels as users get them (the test suite turns them off above)."""
+    monkeypatch.delenv("GRAPHOPT_NO_KERNELS", raising=False)
+
+
+@pytest.fixture
+def faster(monkeypatch):
+    """Structure, not timing: the generated kernels' benchmark gate passes."""
+    from graphopt.targets.codegen import gates
+
+    def fake(unfused, fused, feeds, library, **kw):
+        return gates.GateResult(True, numbers={"fused_us": 1.0, "unfused_us": 2.0, "speedup": 2.0})
+
+    monkeypatch.setattr(gates, "benchmark", fake)

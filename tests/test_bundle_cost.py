@@ -31,9 +31,9 @@ def sessions(monkeypatch):
     calls: list[tuple[str, str, bool, bool]] = []
     real = bundle._session
 
-    def spy(path, manifest, config, name, wanted, level, verify, save_to=None, once=False):
+    def spy(path, manifest, config, name, wanted, level, verify, save_to=None, once=False, **kw):
         calls.append((name, level, save_to is not None, once))
-        return real(path, manifest, config, name, wanted, level, verify, save_to, once)
+        return real(path, manifest, config, name, wanted, level, verify, save_to, once, **kw)
 
     monkeypatch.setattr(bundle, "_session", spy)
     return calls

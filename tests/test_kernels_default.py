@@ -15,7 +15,7 @@ from cli_runner import CliRunner
 from conftest import EXAMPLES, const, model, vi
 from graphopt.cli import app
 from graphopt.opt.pipeline import preset, with_kernels
-from graphopt.targets.codegen import NO_KERNELS_ENV, gates, kernel_pipeline, kernels_by_default
+from graphopt.targets.codegen import NO_KERNELS_ENV, kernel_pipeline, kernels_by_default
 
 runner = CliRunner()
 
@@ -38,22 +38,6 @@ def gated(tmp_path):
     p = tmp_path / "gated.onnx"
     onnx.save(model(nodes, [vi("x", [1, 8, 8, 8])], [vi("y", [1, 8, 8, 8])], inits), p)
     return p
-
-
-@pytest.fixture
-def default_on(monkeypatch):
-    """The default as users get it (the test suite turns it off in conftest)."""
-    monkeypatch.delenv(NO_KERNELS_ENV, raising=False)
-
-
-@pytest.fixture
-def faster(monkeypatch):
-    """Structure, not timing: the benchmark gate passes."""
-
-    def fake(unfused, fused, feeds, library, **kw):
-        return gates.GateResult(True, numbers={"fused_us": 1.0, "unfused_us": 2.0, "speedup": 2.0})
-
-    monkeypatch.setattr(gates, "benchmark", fake)
 
 
 def optimize(src, out, *flags):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -74,18 +75,38 @@ def _version(path: str) -> str:
     return lines[0] if lines else "unknown"
 
 
+#: the /proc/cpuinfo flags each -march level the cpu kernels are built for needs
+MARCH_FEATURES = {
+    "x86-64-v3": frozenset({"avx2", "fma", "f16c", "bmi2"}),
+    "x86-64-v2": frozenset({"sse4_2", "popcnt", "ssse3"}),
+}
+
+
 @lru_cache(maxsize=1)
-def cpu_march() -> str:
+def cpu_flags() -> frozenset[str]:
+    """This CPU's /proc/cpuinfo flags (empty where there is none)."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return "x86-64-v2"
-    have = set()
-    for line in flags.splitlines():
+        return frozenset()
+    for line in text.splitlines():
         if line.startswith("flags"):
-            have = set(line.split(":", 1)[1].split())
-            break
-    return "x86-64-v3" if {"avx2", "fma", "f16c", "bmi2"} <= have else "x86-64-v2"
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def cpu_march() -> str:
+    return "x86-64-v3" if MARCH_FEATURES["x86-64-v3"] <= cpu_flags() else "x86-64-v2"
+
+
+def march_missing(march: str | None) -> str | None:
+    """Why a library built with ``-march=march`` cannot run on this CPU, or None when it can."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"it is built for x86-64 and this machine is {platform.machine()}"
+    lacking = sorted(MARCH_FEATURES.get(march or "", frozenset()) - cpu_flags())
+    if lacking:
+        return f"it is built for {march} and this CPU lacks {', '.join(lacking)}"
+    return None
 
 
 def cache_root() -> Path:
