@@ -180,6 +180,24 @@ def render_performance(perf: dict) -> None:
     )
 
 
+def own_noise_line(d) -> str:
+    """Why an output that missed its tolerance passed: the original's own drift."""
+    from .opt.parity import NOISE_FACTOR
+
+    if d.judged == "own-noise":
+        return (
+            f"past its tolerance, within the model's own noise: onnxruntime's own optimizations "
+            f"move the original by {d.own_noise:.3g} there (max abs {d.max_abs:.3g} allowed up to "
+            f"{NOISE_FACTOR:g}x that)"
+        )
+    if d.own_noise is not None:
+        return (
+            f"selection changed on near-ties: {d.mismatch:.2%} of its elements differ, the "
+            f"original itself changes {d.own_noise:.2%} between session levels"
+        )
+    return "selection changed on near-ties: its count differs, as the original's own does"
+
+
 def render_parity(parity, note: str = "") -> None:
     if not parity.ran:
         out.print(f"parity: [yellow]not run[/] ({parity.error})")
@@ -197,9 +215,12 @@ def render_parity(parity, note: str = "") -> None:
             f"{d.mean_abs:.3g}",
             f"{d.mismatch:.2%}",
             f"{d.cosine:.6f}",
-            "yes" if d.ok else "[red]NO[/]",
+            ("yes" if d.judged == "tolerance" else "yes*") if d.ok else "[red]NO[/]",
         )
     out.print(t)
+    for d in parity.outputs:
+        if d.ok and d.judged != "tolerance":
+            out.print(f"* {d.name}: {own_noise_line(d)}", soft_wrap=True)
     if note:
         out.print(note, soft_wrap=True)
     if parity.error:
