@@ -163,6 +163,7 @@ def optimize(
     opset: flags.Opset = None,
     weights: flags.Weights = None,
     decoder_steps: flags.DecoderStepsFlag = None,
+    machine_tier: flags.MachineTier = True,
 ) -> None:
     """Optimize MODEL for a target; write OUT_DIR/model.onnx and OUT_DIR/report.json."""
     with handled(), sparse_collection():  # writing the bundle of a large graph too
@@ -182,7 +183,12 @@ def optimize(
         shapes = parse_shapes(shape)
         feeds = _feeds(inputs, src)
         custom = pipeline is not None
-        pipeline = kernel_pipeline(target, level, pipeline, kernels)
+        if not machine_tier and kernels:
+            raise errors.UsageError(
+                "--kernels builds generated kernels, part of the machine tier that "
+                "--no-machine-tier leaves out: give one of the two"
+            )
+        pipeline = kernel_pipeline(target, level, pipeline, kernels if machine_tier else False)
         with progress(quiet) as say, SpoolDir.beside(dest) as spool:
             optimized, report = run_optimize(
                 src,
@@ -211,7 +217,14 @@ def optimize(
             expectations = verdicts.resolve_report_expectations(expectations, report, target)
             say("writing the bundle")
             protected = protected_paths(src)  # the input and its data files, as read
-            write_bundle(optimized, report, dest, protected=protected, progress=say)
+            write_bundle(
+                optimized,
+                report,
+                dest,
+                protected=protected,
+                progress=say,
+                fast_path=None if machine_tier else False,
+            )
         if remarks:
             _write_remarks(remarks, report.remarks)
         results = ci.evaluate_expectations(expectations, report.ops_after)

@@ -147,6 +147,16 @@ Kernels = Annotated[
         "turns the default off); --kernels also adds it to a --pipeline.",
     ),
 ]
+MachineTier = Annotated[
+    bool,
+    Option(
+        "--machine-tier/--no-machine-tier",
+        help="Write the bundle's machine tier beside the portable model.onnx: onnxruntime's "
+        "optimized form for this machine (model.machine.onnx, cpu) and generated kernels. "
+        "It holds its own copy of the weights (manifest.json -> tiers); --no-machine-tier "
+        "writes the portable model alone.",
+    ),
+]
 Weights = Annotated[
     WeightFormat | None,
     Option(

@@ -516,8 +516,39 @@ def write_bundle_files(
         manifest["integrity"]["files"].update(_integrity(out_dir, kept, full=False)["files"])
         manifest["fast_path"]["files"] = kept
     manifest["source_model_sha256"] = source_sha256.result()
+    manifest["tiers"] = _tiers(out_dir, manifest)
     (out_dir / MANIFEST).write_text(dumps_json(manifest))
     return files
+
+
+def _tiers(out_dir: Path, manifest: dict) -> dict[str, Any]:
+    """The bundle's bytes per tier: the portable model (what ships and runs anywhere) and the
+    machine tier (onnxruntime's optimized form for this machine, the generated kernels'
+    library), and whether the machine tier holds a second copy of the weights."""
+
+    def size(names: list[str]) -> int:
+        return sum((out_dir / n).stat().st_size for n in names if (out_dir / n).is_file())
+
+    portable = ["model.onnx", *manifest.get("external_data", [])]
+    fast = list((manifest.get("fast_path") or {}).get("files") or [])
+    libs = ((manifest.get("kernels") or {}).get("libraries")) or {}
+    machine = fast + sorted(lib["path"] for lib in libs.values() if lib.get("path"))
+    return {
+        "portable": {"files": portable, "bytes": size(portable)},
+        "machine": {
+            "files": machine,
+            "bytes": size(machine),
+            "weights_copied": bool(fast),
+            "why": (
+                "the fast path is onnxruntime's own save of the optimized graph: it writes "
+                "every weight into the fast path's own data file (some re-laid-out for its "
+                "kernels), none shared with model.onnx; --no-machine-tier leaves it out, and "
+                "model.onnx then runs at the session config's level everywhere"
+            )
+            if fast
+            else None,
+        },
+    }
 
 
 def _bare_session_check(out_dir: Path, target: Target, ctx: dict) -> dict[str, Any]:
@@ -1590,7 +1621,7 @@ def _fast_path_refusal(
     """Why no fast path is built for this bundle (None: build one).  By default (``asked`` None)
     cpu bundles with golden inputs get one; ``asked`` True builds one whenever it can."""
     if asked is False:
-        return "not asked for (write_bundle fast_path=False)"
+        return "the machine tier was left out (--no-machine-tier; write_bundle fast_path=False)"
     if asked is None and target.name != "cpu":
         return f"not built for {target.name} bundles by default"
     if asked is None and not manifest["golden"].get("written"):

@@ -200,3 +200,31 @@ def test_backend_cases_with_kernels_run_in_a_bare_session(case, mode, faster):
     if outcome.status == "skip":
         pytest.skip(outcome.detail)
     assert outcome.status == "pass", outcome.detail
+
+
+def test_the_manifest_states_bytes_per_tier_and_the_machine_tier_can_stay_out(tmp_path):
+    from cli_runner import CliRunner
+    from conftest import EXAMPLES
+    from graphopt.cli import app
+
+    runner = CliRunner()
+    src = EXAMPLES / "mobilenet_bn.onnx"
+    for name, flags in (("with", []), ("without", ["--no-machine-tier"])):
+        res = runner.invoke(app, ["optimize", str(src), "-o", str(tmp_path / name), "-q", *flags])
+        assert res.exit_code == 0, res.output
+    with_tier = json.loads((tmp_path / "with" / "manifest.json").read_text())["tiers"]
+    without = json.loads((tmp_path / "without" / "manifest.json").read_text())
+    assert with_tier["portable"]["bytes"] == (tmp_path / "with" / "model.onnx").stat().st_size
+    assert with_tier["machine"]["weights_copied"] and with_tier["machine"]["bytes"] > 0
+    assert without["tiers"]["machine"] == {
+        "files": [],
+        "bytes": 0,
+        "weights_copied": False,
+        "why": None,
+    }
+    assert "--no-machine-tier" in without["fast_path"]["why"]
+    assert not (tmp_path / "without" / "model.machine.onnx").exists()
+    res = runner.invoke(
+        app, ["optimize", str(src), "-o", str(tmp_path / "x"), "--kernels", "--no-machine-tier"]
+    )
+    assert res.exit_code == 2 and "--no-machine-tier" in res.output
