@@ -1527,7 +1527,7 @@ def _session(
         so.add_session_config_entry(key, str(value))
     if save_to is not None:  # weights beside it, mapped at load rather than parsed
         save_optimized(so, save_to)
-    why_not = _register_kernels(path, manifest, config, so, wanted, verify != "none")
+    why_not = _register_kernels(path, manifest, config, so, wanted)
     if kernels is not None and config.get("custom_op_libraries"):
         kernels.update(used=why_not is None, why=why_not)
     try:
@@ -1743,9 +1743,7 @@ def _kernel_threads(n):
     return nullcontext() if n is None else kernel_threads(int(n))
 
 
-def _register_kernels(
-    path: Path, manifest: dict, config: dict, so, wanted, verify_hash
-) -> str | None:
+def _register_kernels(path: Path, manifest: dict, config: dict, so, wanted) -> str | None:
     """Register the bundle's generated-kernel library for the provider the session runs on
     (the CUDA one when CUDAExecutionProvider is used, else the CPU one); returns why it was
     not registered (None when it was, or when the bundle has none).
@@ -1763,18 +1761,38 @@ def _register_kernels(
     rel = libs.get(provider)
     if rel is None:
         return f"the bundle has no generated-kernel library for {provider}"
-    lib = path / rel
+    lib = _vouched_library(path, manifest, provider, rel)
     if not lib.is_file():
         return f"the kernel library {rel} is missing (its build.sh rebuilds it)"
-    info = ((manifest.get("kernels") or {}).get("libraries") or {}).get(provider) or {}
-    if verify_hash and info.get("sha256") and file_sha256(lib) != info["sha256"]:
-        raise GraphoptError(f"{rel} does not match the manifest's sha256 (rebuilt elsewhere?)")
+    info = manifest["kernels"]["libraries"][provider]
+    # a library is code, not data: its sha256 is checked whatever ``verify`` says
+    if file_sha256(lib) != info["sha256"]:
+        raise GraphoptError(
+            f"refused to load {rel}: it does not match the sha256 manifest.json records for it"
+        )
     if provider == "CPUExecutionProvider":
         why = march_missing(info.get("march"))
         if why is not None:
             return f"the kernel library {rel} cannot run here: {why}"
     so.register_custom_ops_library(str(lib))
     return None
+
+
+def _vouched_library(path: Path, manifest: dict, provider: str, rel) -> Path:
+    """The bundle file ``rel`` that session_config.json names as ``provider``'s kernel library,
+    when manifest.json lists that very file with a sha256 and it lies inside the bundle (no
+    absolute path, no ``..``, no link out of it); anything else is refused (GraphoptError)."""
+    info = ((manifest.get("kernels") or {}).get("libraries") or {}).get(provider) or {}
+    if not isinstance(rel, str) or not info.get("sha256") or info.get("path") != rel:
+        raise GraphoptError(
+            f"refused to load the library {rel!r} that session_config.json names: manifest.json "
+            "does not list it with a sha256"
+        )
+    root = path.resolve()
+    lib = path / rel
+    if Path(rel).is_absolute() or ".." in Path(rel).parts or not lib.resolve().is_relative_to(root):
+        raise GraphoptError(f"refused to load the library {rel!r}: it is outside the bundle")
+    return lib
 
 
 def run_bundle(

@@ -228,3 +228,60 @@ def test_the_manifest_states_bytes_per_tier_and_the_machine_tier_can_stay_out(tm
         app, ["optimize", str(src), "-o", str(tmp_path / "x"), "--kernels", "--no-machine-tier"]
     )
     assert res.exit_code == 2 and "--no-machine-tier" in res.output
+
+
+def _config(out):
+    return json.loads((out / "session_config.json").read_text())
+
+
+def _set_config(out, config):
+    (out / "session_config.json").write_text(json.dumps(config))
+
+
+@needs_gcc
+def test_only_libraries_the_manifest_vouches_for_are_loaded(default_on, faster, tmp_path):
+    """A library is code: it must lie inside the bundle and match the manifest's sha256, also
+    with verify='none'; anything else is refused before onnxruntime sees it."""
+    out = tmp_path / "b"
+    optimize(gated(tmp_path), out)
+    (lib,) = (out / "kernels" / "cpu").glob("*.so")
+    original = _config(out)
+    outside = tmp_path / "evil.so"
+    shutil.copy(lib, outside)
+    for named in (str(outside), "../evil.so", "kernels/cpu/other.so"):
+        config = json.loads(json.dumps(original))
+        config["custom_op_libraries"]["CPUExecutionProvider"] = named
+        _set_config(out, config)
+        for verify in ("fingerprint", "none"):
+            with pytest.raises(GraphoptError, match="refused"):
+                bundle.load_session(out, fast_path=False, verify=verify)
+    _set_config(out, original)
+    manifest = json.loads((out / "manifest.json").read_text())
+    lib.write_bytes(lib.read_bytes() + b"\0")  # substituted, --verify none
+    with pytest.raises(GraphoptError, match="sha256"):
+        bundle.load_session(out, fast_path=False, verify="none")
+    # the manifest's sha256 deleted: not vouched for
+    del manifest["kernels"]["libraries"]["CPUExecutionProvider"]["sha256"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(GraphoptError, match="refused"):
+        bundle.load_session(out, fast_path=False, verify="none")
+
+
+def test_a_bundle_without_kernels_loads_no_library(tmp_path):
+    """A library planted in a bundle that had none, and named in its session config: refused."""
+    from cli_runner import CliRunner
+    from conftest import EXAMPLES
+    from graphopt.cli import app
+
+    out = tmp_path / "b"
+    res = CliRunner().invoke(
+        app, ["optimize", str(EXAMPLES / "mobilenet_bn.onnx"), "-o", str(out), "-q", "--no-kernels"]
+    )
+    assert res.exit_code == 0, res.output
+    (out / "kernels" / "cpu").mkdir(parents=True)
+    (out / "kernels" / "cpu" / "libx.so").write_bytes(b"\x7fELF")
+    config = _config(out)
+    config["custom_op_libraries"] = {"CPUExecutionProvider": "kernels/cpu/libx.so"}
+    _set_config(out, config)
+    with pytest.raises(GraphoptError, match="refused"):
+        bundle.load_session(out, verify="none")
