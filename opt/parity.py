@@ -1088,7 +1088,7 @@ def check_parity(
     ok = all(d.ok for d in diffs)
     floor = None
     if not ok and reference is None and not lean:
-        noise = _runtime_floor(original, base_dir, feeds, names, ref)
+        noise = runtime_noise(original, base_dir, feeds, names, ref)
         floor = dict(noise.floats)
         diffs = judge_by_noise(diffs, ref, got, noise)
         ok = all(d.ok for d in diffs)
@@ -1152,7 +1152,7 @@ def own_noise(names: list[str], written: list, deployed: list) -> OwnNoise:
     return OwnNoise(floats, mismatch, frozenset(reshaped))
 
 
-def _runtime_floor(original, base_dir, feeds, names, ref) -> OwnNoise:
+def runtime_noise(original, base_dir, feeds, names, ref) -> OwnNoise:
     """The original's own drift on ``feeds``: as written (optimizations off: ``ref``) against
     onnxruntime's default (ORT_ENABLE_ALL).  In float16 its own fusions round differently
     (torchvision ResNet-50 fp16 moves by 1.6 % of its logits' scale, over parity's 1 %); an

@@ -112,11 +112,11 @@ def test_an_fp16_model_is_held_to_how_far_onnxruntime_itself_moves_it(monkeypatc
     from graphopt.opt.parity import NOISE_FACTOR, OwnNoise
 
     original, moved = _fp16_scale(1.0), _fp16_scale(1.03)  # 3 % off: over the 1 % tolerance
-    monkeypatch.setattr(parity_module, "_runtime_floor", lambda *a: OwnNoise({"y": 1e-9}))
+    monkeypatch.setattr(parity_module, "runtime_noise", lambda *a: OwnNoise({"y": 1e-9}))
     small = check_parity(original, moved, seed=0)
     assert not small.ok and small.runtime_floor == {"y": 1e-9}
     assert small.outputs[0].judged == "tolerance"
-    monkeypatch.setattr(parity_module, "_runtime_floor", lambda *a: OwnNoise({"y": 1.0}))
+    monkeypatch.setattr(parity_module, "runtime_noise", lambda *a: OwnNoise({"y": 1.0}))
     wide = check_parity(original, moved, seed=0)
     assert wide.ok and wide.runtime_floor == {"y": 1.0}
     assert wide.outputs[0].judged == "own-noise" and wide.outputs[0].own_noise == 1.0
@@ -142,12 +142,12 @@ def test_a_real_break_fails_where_the_original_does_not_move_itself():
 
 
 def test_runtime_floor_measures_the_original_at_ort_enable_all():
-    from graphopt.opt.parity import _runtime_floor
+    from graphopt.opt.parity import runtime_noise
 
     m = _fp16_scale(1.0)
     feeds = {"x": np.ones((4, 16), np.float32)}
     ref = [np.ones((4, 16), np.float32) + 0.25]  # as if the graph as written gave this
-    assert _runtime_floor(m, None, feeds, ["y"], ref).floats == {"y": 0.25}
+    assert runtime_noise(m, None, feeds, ["y"], ref).floats == {"y": 0.25}
 
 
 def test_own_noise_of_floats_integers_and_selection_counts():

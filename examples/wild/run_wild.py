@@ -76,6 +76,10 @@ class Row:
     latency_ratio: float | None = None
     latency_note: str = ""
     wall_s: float = 0.0
+    #: model.onnx in a bare onnxruntime session (no library, default settings): "ok" or why not
+    bare: str = "-"
+    #: outputs passed against the original's own drift (parity's ``judged``), by name
+    noise: list[str] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------- model facts
@@ -180,6 +184,15 @@ def check_output(bundle: Path, config: dict) -> tuple[str, ort.InferenceSession 
         return "ok", make_session(path, config, bundle)
     except Exception as exc:
         return f"onnxruntime: {first_line(exc)}", None
+
+
+def bare_session(bundle: Path) -> str:
+    """model.onnx as anyone may run it: onnxruntime.InferenceSession with default settings."""
+    try:
+        ort.InferenceSession(str(bundle / "model.onnx"), providers=["CPUExecutionProvider"])
+        return "ok"
+    except Exception as exc:
+        return f"onnxruntime: {first_line(exc)}"
 
 
 # ------------------------------------------------------------------------------- latency
@@ -288,6 +301,10 @@ def fill_from_report(row: Row, report: dict) -> None:
     row.parity_ran = parity.get("ran")
     row.parity_ok = parity.get("ok")
     row.parity_note = first_line(parity.get("error") or "")
+    deployed = report.get("parity_deployed") or {}
+    for d in (parity.get("outputs") or []) + (deployed.get("outputs") or []):
+        if d.get("judged", "tolerance") != "tolerance":
+            row.noise.append(f"{d['name']}: {d['judged']}")
     for remark in report.get("remarks") or []:
         if (
             remark.get("pass") in ("safety-net", "verify")
@@ -347,6 +364,7 @@ def finish_bundle(
     row.bytes_out, optimized = model_bytes(bundle / "model.onnx")
     row.quant_out = is_quantized(optimized)
     row.valid, sess = check_output(bundle, config)
+    row.bare = bare_session(bundle)
     if sess is not None and args.bench_seconds > 0:
         measure(row, model, bundle, config, sess, given, args.bench_seconds)
 
@@ -367,6 +385,7 @@ COLUMNS = (
     "exit",
     "nodes",
     "valid",
+    "bare",
     "parity ran/ok",
     "safety net",
     "MB in→out",
@@ -382,9 +401,11 @@ def cells(r: Row) -> list[str]:
         str(r.exit),
         "-" if r.nodes_before is None else f"{r.nodes_before}→{r.nodes_after}",
         r.valid if r.valid in ("ok", "-") else "NO",
-        f"{yes(r.parity_ran)}/{yes(r.parity_ok)}",
+        r.bare if r.bare in ("ok", "-") else "NO",
+        f"{yes(r.parity_ran)}/{yes(r.parity_ok)}" + ("*" if r.noise else ""),
         str(r.safety_net),
-        f"{mb(r.bytes_in)}→{mb(r.bytes_out)}",
+        f"{mb(r.bytes_in)}→{mb(r.bytes_out)}"
+        + (f" ({r.bytes_out / r.bytes_in:.3f}x)" if r.bytes_out and r.bytes_in else ""),
         f"{yes(r.quant_in)}→{yes(r.quant_out)}",
         f"{r.latency_ratio:.2f}" if r.latency_ratio is not None else "-",
         f"{r.wall_s:.1f}",
@@ -407,6 +428,7 @@ def summary(rows: list[Row]) -> str:
     ran, ok = sum(bool(r.parity_ran) for r in rows), sum(bool(r.parity_ok) for r in rows)
     return (
         f"{len(rows)} models; {spread}; valid output {sum(r.valid == 'ok' for r in rows)}; "
+        f"bare session {sum(r.bare == 'ok' for r in rows)}; "
         f"parity ran {ran}, ok {ok}; safety-net firings {sum(r.safety_net for r in rows)}"
     )
 
@@ -419,6 +441,10 @@ def notes(rows: list[Row]) -> list[str]:
             why.append(f"exit {r.exit}: {r.stderr}")
         if r.valid not in ("ok", "-"):
             why.append(f"output invalid: {r.valid}")
+        if r.bare not in ("ok", "-"):
+            why.append(f"bare session: {r.bare}")
+        if r.noise:
+            why.append("within the model's own noise: " + ", ".join(r.noise))
         if r.parity_ran is False and r.parity_note:
             why.append(f"parity not run: {r.parity_note}")
         if r.safety_notes:
