@@ -31,7 +31,8 @@ Never an accident -- each refusal is a missed remark with its code:
 * ``tied-weight``: a fold that only re-lays out or converts a constant (``COPY_OPS``:
   Transpose, Cast, Reshape, ...) while other nodes still read it would store the tensor
   twice; past ``fold-size-limit`` it is refused, whatever the budget left, and the missed
-  remark names those readers.  Tied embeddings stay tied: a GPT LM head
+  remark names those readers (a smaller one counts against ``fold-size-budget``, never as a
+  weight built at run time: the weight exists already).  Tied embeddings stay tied: a GPT LM head
   ``MatMul(x, Transpose(wte))`` on the embedding the token Gather reads keeps its Transpose,
   which ``fuse-matmul-transpose`` then takes into the MatMul (FusedMatMul or Gemm with
   transB: the weight read in place).  A copy of a shared constant buys nothing at run time
@@ -254,7 +255,8 @@ class FoldConstants(Pass):
                 continue
             if any(is_low_bit(t) for t in node.inputs if _named(t)):
                 continue  # int4/fp8: no numpy type onnxruntime takes or gives back
-            weight = _builds_weight(node)
+            # a copy of a constant read elsewhere builds nothing: the weight exists already
+            weight = _builds_weight(node) and _shared_copy(ir, node, sizes) is None
             node_limit = growth.bounds(weight, limit)[0]
             verdict = self._precheck(ir, node, sizes, node_limit, later, typed, limit)
             if verdict == DEFER:
@@ -755,6 +757,18 @@ def _other_readers(ir: ModelIR, t, node: Node) -> list[str]:
     return sorted(set(names))
 
 
+def _shared_copy(ir: ModelIR, node: Node, sizes: dict[int, int]) -> tuple | None:
+    """(the constant, its other readers) when the node is a copy (COPY_OPS) of a constant (or
+    of a value this round computes) that other nodes keep reading; else None."""
+    if node.op not in COPY_OPS or not node.inputs:
+        return None
+    src = node.inputs[0]
+    if not _named(src) or not (isinstance(src, Constant) or id(src) in sizes):
+        return None
+    readers = _other_readers(ir, src, node)
+    return (src, readers) if readers else None
+
+
 def _tied_refusal(
     ir: ModelIR, node: Node, out_bytes: int, sizes: dict[int, int], limit: int
 ) -> _Refusal | None:
@@ -762,14 +776,12 @@ def _tied_refusal(
     twice: refused past ``limit`` (fold-size-limit), whatever the budget left, so that tied
     weights stay tied (a GPT LM head ``MatMul(x, Transpose(wte))`` on the token embedding:
     the MatMul reads the weight transposed instead, Gemm or FusedMatMul with transB)."""
-    if node.op not in COPY_OPS or out_bytes <= limit or not node.inputs:
+    if node.op not in COPY_OPS or out_bytes <= limit:
         return None
-    src = node.inputs[0]
-    if not _named(src) or not (isinstance(src, Constant) or id(src) in sizes):
+    shared = _shared_copy(ir, node, sizes)
+    if shared is None:
         return None
-    readers = _other_readers(ir, src, node)
-    if not readers:
-        return None
+    src, readers = shared
     shown = ", ".join(readers[:4]) + (f" and {len(readers) - 4} more" if len(readers) > 4 else "")
     return _Refusal(
         "tied-weight",
