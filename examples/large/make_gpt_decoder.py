@@ -7,7 +7,7 @@ one external-data file (4 KiB aligned), so memory stays small while writing.
 
     python examples/large/make_gpt_decoder.py --out gpt_big/model.onnx   # ~5 GB
     python examples/large/make_gpt_decoder.py --out small/model.onnx --layers 2 --hidden 256
-    python examples/large/make_gpt_decoder.py --out tied/model.onnx --tied   # ~4.7 GB
+    python examples/large/make_gpt_decoder.py --out tied/model.onnx --tied   # 4.76 GiB
 
 ``--tied`` writes the LM head as GPT-2 ties it, ``MatMul(x, Transpose(wte))`` on the token
 embedding the Gather reads, instead of a separate ``lm_head`` weight.
