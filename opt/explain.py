@@ -57,6 +57,9 @@ HINTS = {
     "(e.g. a broadcast residual); export with static shapes or pass --shape",
     "shared-weight": "another node reads the weight, so it cannot be stored transposed or scaled "
     "in place without copying it",
+    "tied-weight": "the constant is read by other nodes too (tied embeddings): folding would "
+    "store it twice; its reader takes it transposed in place (Gemm / FusedMatMul transB), "
+    "nothing to fix",
     "reshape-not-identity": "a Reshape in the pattern is not provably a no-op for these shapes",
     "opset-too-old": "the fused op is standard only from a newer opset; `graphopt optimize "
     "--opset N` upgrades the model first (parity still compares with the original)",

@@ -15,14 +15,28 @@ Never an accident -- each refusal is a missed remark with its code:
   inferred static shapes when known.
 * ``fold-size-budget``: all folds together may not grow the model's constant bytes by more than
   ``fold-size-limit / 64`` (16 KiB by default) or 1 % of the model's own constant bytes,
-  whichever is larger (net of the constants they make dead): a large model's run-time shape glue
+  whichever is larger: a large model's run-time shape glue
   and masks (torchvision Swin-T's shifted-window masks, ~0.5 MB in a 115 MB model: 1774 → 450
   nodes) fold, a small one stays within 16 KiB; chains
   (six Tile x2 in a row) cannot grow the model step by step past the per-node limit, and an
-  optimized model is not bigger than its input for folds: a fold that copies a constant still
-  read elsewhere (an Unsqueeze of a recurrent weight, a Cast of an fp16 weight) buys nothing at
-  run time, since onnxruntime folds constants itself when it loads the model.  The growth is
-  counted over the whole optimization, every fixpoint iteration and subgraph body included.
+  optimized model is not bigger than its input for folds.  The growth is counted over the
+  whole optimization, every fixpoint iteration and subgraph body included.  A round's folds
+  are judged by constant *cone* (the nodes joined by the values they compute for each other,
+  or by being all the readers of one constant): by what the cone leaves in the model -- the
+  folded tensors still read after it, minus the constants that die with it -- not by its
+  intermediates, so Swin v2's continuous-position-bias MLP (a small coordinate table through
+  a 0.44 MiB hidden layer into a small bias table) folds.  A cone that does not fit is judged
+  node by node, in order, each fold net of the constants it alone makes dead; what reads a
+  refused node stays too (a Tile blow-up that the cone keeps is refused at the Tile).
+* ``tied-weight``: a fold that only re-lays out or converts a constant (``COPY_OPS``:
+  Transpose, Cast, Reshape, ...) while other nodes still read it would store the tensor
+  twice; past ``fold-size-limit`` it is refused, whatever the budget left, and the missed
+  remark names those readers (a smaller one counts against ``fold-size-budget``, never as a
+  weight built at run time: the weight exists already).  Tied embeddings stay tied: a GPT LM head
+  ``MatMul(x, Transpose(wte))`` on the embedding the token Gather reads keeps its Transpose,
+  which ``fuse-matmul-transpose`` then takes into the MatMul (FusedMatMul or Gemm with
+  transB: the weight read in place).  A copy of a shared constant buys nothing at run time
+  anyway: onnxruntime folds constants itself when it loads the model.
 * Weights built at run time (``ConstantOfShape`` / ``Expand`` / ``Tile`` followed by
   ``Mul``/``Add``...) are bounded differently, since folding them is what lets Conv+BN, Gemm and
   the other fusions fire, and the runtime builds them in memory anyway.  A fold whose result
@@ -31,8 +45,8 @@ Never an accident -- each refusal is a missed remark with its code:
   other operands are constant-derived, may be as large as the model's largest initializer (when
   that exceeds ``fold-size-limit``), and all such folds together may grow the model's constants
   by at most the bytes of its own initializers (the model at most doubles); both measured on the
-  model as loaded.  Their growth is counted apart from ``fold-size-budget``; beyond either
-  bound the same codes refuse.
+  model as loaded.  Their growth is counted apart from ``fold-size-budget`` (a cone's, when
+  every tensor it leaves builds a weight); beyond either bound the same codes refuse.
 * ``fold-division-by-zero`` / ``fold-integer-overflow``: integer Div and Mod are checked with
   numpy before evaluation; a zero divisor or INT_MIN / -1 would kill the process (SIGFPE), even
   in an If branch that never runs, so they are not evaluated.
@@ -218,11 +232,14 @@ class FoldConstants(Pass):
         self, ir: ModelIR, cx: PassContext, limit: int, growth, refused: set, later: bool
     ) -> bool:
         """Fold every node whose inputs are known (or computed in this round); whether any
-        was folded.  ``later``: a round after the first of this run (see :meth:`_precheck`)."""
+        was folded.  ``later``: a round after the first of this run (see :meth:`_precheck`).
+
+        The round's batch is judged against the growth budget cone by cone (see
+        :func:`_cones`): by what a cone leaves in the model, not by its intermediates; a cone
+        past the budget is judged node by node, in order, as far as it fits."""
         sizes: dict[int, int] = {}  # ids of tensors computed by this round's batch → bytes
         batch: list[Node] = []
         direct: list[tuple[Node, np.ndarray]] = []
-        projected = {False: 0, True: 0}  # growth the batch is expected to add, by kind
         weights: set[int] = set()  # ids of the batch's nodes that build weights
         typed: dict[int, tuple] = {}  # a later round's inferred output types, by tensor id
         for node in ir.graph.nodes:
@@ -238,37 +255,112 @@ class FoldConstants(Pass):
                 continue
             if any(is_low_bit(t) for t in node.inputs if _named(t)):
                 continue  # int4/fp8: no numpy type onnxruntime takes or gives back
-            weight = _builds_weight(node)
-            node_limit, used, budget = growth.bounds(weight, limit)
-            verdict = self._precheck(
-                ir, node, sizes, node_limit, (used + projected[weight], budget), later, typed
-            )
+            # a copy of a constant read elsewhere builds nothing: the weight exists already
+            weight = _builds_weight(node) and _shared_copy(ir, node, sizes) is None
+            node_limit = growth.bounds(weight, limit)[0]
+            verdict = self._precheck(ir, node, sizes, node_limit, later, typed, limit)
             if verdict == DEFER:
                 continue
             if isinstance(verdict, _Refusal):
                 refused.add(id(node))
-                cx.remark(
-                    "missed",
-                    self.name,
-                    self.name,
-                    verdict.code,
-                    [node.name],
-                    verdict.message,
-                    **verdict.args,
-                )
+                self._missed(cx, node, verdict)
                 continue
-            projected[weight] += verdict
             if weight:
                 weights.add(id(node))
             batch.append(node)
+        cones = _cones(ir, batch)
+        batch = self._within_budget(ir, cx, cones, sizes, weights, limit, growth, refused)
 
         changed = False
         for node, v in direct:
             changed |= self._folded(ir, cx, node, [v], limit, growth, False, refused)
         if batch:
-            for node, values in self._evaluate(ir, cx, batch):
-                weight = id(node) in weights
-                changed |= self._folded(ir, cx, node, values, limit, growth, weight, refused)
+            values = dict((id(n), v) for n, v in self._evaluate(ir, cx, batch))
+            kept = {id(n) for n in batch}
+            for cone in cones:
+                cone = [n for n in cone if id(n) in kept]
+                changed |= self._fold_cone(ir, cx, cone, values, limit, growth, weights, refused)
+        return changed
+
+    def _missed(self, cx: PassContext, node: Node, refusal: _Refusal) -> None:
+        cx.remark(
+            "missed",
+            self.name,
+            self.name,
+            refusal.code,
+            [node.name],
+            refusal.message,
+            **refusal.args,
+        )
+
+    def _within_budget(
+        self, ir, cx, cones: list[list[Node]], sizes, weights: set, limit: int, growth, refused
+    ) -> list[Node]:
+        """The batch's nodes whose folds fit the growth budget, before evaluation (sizes as
+        estimated): whole cones whose net growth fits; of the others, node by node in order,
+        the nodes whose own growth fits, and none that reads a refused one."""
+        projected = {False: 0, True: 0}  # growth the batch is expected to add, by kind
+        kept: list[Node] = []
+        for cone in cones:
+            net, weight = _cone_growth(ir, cone, lambda t: sizes.get(id(t), 0), weights)
+            _, used, budget = growth.bounds(weight, limit)
+            if net <= 0 or used + projected[weight] + net <= budget:
+                projected[weight] += net
+                kept += cone
+                continue
+            dropped: set[int] = set()
+            for node in cone:
+                if any(_producer_id(t) in dropped for t in node.inputs):
+                    dropped.add(id(node))  # an operand stays computed: so does this node
+                    continue
+                w = id(node) in weights
+                _, used, budget = growth.bounds(w, limit)
+                out = sum(sizes.get(id(t), 0) for t in node.outputs if _named(t))
+                own = 0 if node.op == "Constant" else out - _input_bytes(ir, node, sizes)[1]
+                refusal = _budget_refusal(node, out, own, used + projected[w], budget, cone, net)
+                if refusal is not None:
+                    refused.add(id(node))
+                    dropped.add(id(node))
+                    self._missed(cx, node, refusal)
+                    continue
+                projected[w] += own
+                kept.append(node)
+        return kept
+
+    def _fold_cone(self, ir, cx, cone, values: dict, limit, growth, weights, refused) -> bool:
+        """Materialize one cone's evaluated nodes: all of them when its net growth, measured
+        on the values, fits the budget (the growth counted is what the folds leave in the
+        model); else node by node, each judged alone (:meth:`_folded`)."""
+        cone = [n for n in cone if id(n) in values]
+        if not cone:
+            return False
+        by_tensor = {
+            id(t): v.nbytes
+            for n in cone
+            for t, v in zip(n.outputs, values[id(n)])
+            if _named(t) and isinstance(v, np.ndarray)
+        }
+        net, weight = _cone_growth(ir, cone, lambda t: by_tensor.get(id(t), 0), weights)
+        _, used, budget = growth.bounds(weight, limit)
+        changed = False
+        if len(cone) > 1 and (net <= 0 or used + net <= budget):
+            before = _cone_constants(cone)
+            outputs = {id(n): [t for t in n.outputs if _named(t)] for n in cone}
+            done = []
+            for node in cone:
+                if self._materialize(
+                    ir, cx, node, values[id(node)], limit, growth, weight, counted=False
+                ):
+                    done.append(node)
+                else:
+                    refused.add(id(node))
+            if done:
+                growth.add(weight, _left_behind(ir, done, outputs, before))
+                changed = True
+            return changed
+        for node in cone:
+            w = id(node) in weights
+            changed |= self._folded(ir, cx, node, values[id(node)], limit, growth, w, refused)
         return changed
 
     def _folded(self, ir, cx, node, values, limit, growth, weight, refused: set) -> bool:
@@ -293,16 +385,19 @@ class FoldConstants(Pass):
         node: Node,
         sizes: dict[int, int],
         limit: int,
-        used: tuple[int, int],
         later: bool = False,
         typed: dict | None = None,
+        copy_limit: int | None = None,
     ) -> int | str | _Refusal:
-        """Before evaluation: the growth the fold adds, DEFER, or why it must not run.  In a
-        ``later`` round of a run a node's outputs must have a known size (no inference has
-        run since the last round's folds: a node of constants is inferred alone), else it
-        waits for the pipeline's next inference: evaluated blind, a table too large to keep
-        would be computed only to be refused.  ``typed``: the types so inferred of the
-        outputs of this round's batch, by tensor id (filled in here)."""
+        """Before evaluation: the bytes the node's outputs are expected to take (0 when not
+        known), DEFER, or why it must not run (the per-node limits and hazards; the growth
+        budget is judged per cone by the round).  In a ``later`` round of a run a node's
+        outputs must have a known size (no inference has run since the last round's folds: a
+        node of constants is inferred alone), else it waits for the pipeline's next
+        inference: evaluated blind, a table too large to keep would be computed only to be
+        refused.  ``typed``: the types so inferred of the outputs of this round's batch, by
+        tensor id (filled in here).  ``copy_limit``: the size past which a copy of a constant
+        read elsewhere is refused (``tied-weight``; default ``limit``)."""
         out_bytes = _estimate_output_bytes(node, sizes)
         if out_bytes is None and later:
             out_bytes = _inferred_output_bytes(ir, node, typed)
@@ -310,22 +405,25 @@ class FoldConstants(Pass):
                 return DEFER
         if out_bytes == DEFER:
             return DEFER
+        if out_bytes is None:
+            out_bytes = _copy_bytes(node, sizes)
         if out_bytes is not None:
-            in_bytes, dying = _input_bytes(ir, node, sizes)
-            refusal = _size_refusal(node, out_bytes, in_bytes, dying, limit, *used)
+            in_bytes, _ = _input_bytes(ir, node, sizes)
+            refusal = _limit_refusal(node, out_bytes, in_bytes, limit) or _tied_refusal(
+                ir, node, out_bytes, sizes, limit if copy_limit is None else copy_limit
+            )
             if refusal is not None:
                 return refusal
         hazard = _arithmetic_hazard(node)
         if hazard is not None:
             return hazard
-        est = out_bytes if out_bytes is not None else 0
-        for t in node.outputs:
-            if _named(t):
-                shape = static_shape(t)
-                sizes[id(t)] = _nbytes(shape, t.dtype) if shape is not None else 0
-        if out_bytes is None or node.op == "Constant":  # a Constant's value is in the model
-            return 0
-        return est - _input_bytes(ir, node, sizes)[1]
+        named = [t for t in node.outputs if _named(t)]
+        for t in named:
+            shape = static_shape(t)
+            sizes[id(t)] = _nbytes(shape, t.dtype) if shape is not None else 0
+        if out_bytes is not None and len(named) == 1:
+            sizes[id(named[0])] = out_bytes  # a generator's size is known before its shape
+        return out_bytes or 0
 
     def _evaluate(self, ir: ModelIR, cx: PassContext, batch: list[Node]):
         """Yield (node, output values) for the batch; one session, or node by node on error."""
@@ -383,7 +481,11 @@ class FoldConstants(Pass):
         limit: int,
         growth: _Growth,
         weight: bool,
+        counted: bool = True,
     ) -> bool:
+        """Replace the node by its values.  ``counted``: judge the fold against the growth
+        budget alone and count its growth; else its cone is (:meth:`_fold_cone`) and only the
+        per-node limits apply."""
         outs = list(node.outputs)
         if any(v is None or not isinstance(v, np.ndarray) for v, t in zip(values, outs) if t.name):
             return False
@@ -394,21 +496,18 @@ class FoldConstants(Pass):
         out_bytes = sum(v.nbytes for v, t in zip(values, outs) if t.name)
         in_bytes, dying = _input_bytes(ir, node, {})
         node_limit, used, budget = growth.bounds(weight, limit)
-        refusal = _size_refusal(node, out_bytes, in_bytes, dying, node_limit, used, budget)
+        refusal = _limit_refusal(node, out_bytes, in_bytes, node_limit) or _tied_refusal(
+            ir, node, out_bytes, {}, limit
+        )
+        if refusal is None and counted:
+            own = out_bytes - dying
+            refusal = _budget_refusal(node, out_bytes, own, used, budget)
         if refusal is not None:
-            cx.remark(
-                "missed",
-                self.name,
-                self.name,
-                refusal.code,
-                [node.name],
-                refusal.message,
-                **refusal.args,
-            )
+            self._missed(cx, node, refusal)
             return False
         if not cx.take_bisect_step(self.name, node.name):
             return False
-        if node.op != "Constant":  # its value was in the model already: moved, not added
+        if counted and node.op != "Constant":  # a Constant's value was in the model: moved
             growth.add(weight, out_bytes - dying)
         cx.remarks.forget_miss(self.name, node.name)  # refused at an earlier try: folded now
         unlink_all(node.outputs)
@@ -470,9 +569,92 @@ def _foldable_now(node: Node) -> bool:
     )
 
 
-def _size_refusal(
-    node: Node, out_bytes: int, in_bytes: int, dying: int, limit: int, used: int, budget: int
-) -> _Refusal | None:
+def _producer_id(t) -> int | None:
+    """Identity of the node computing ``t`` (None for constants and inputs)."""
+    if not _named(t) or isinstance(t, Constant) or not t.inputs:
+        return None
+    return id(t.inputs[0])
+
+
+def _cones(ir: ModelIR, batch: list[Node]) -> list[list[Node]]:
+    """The batch split into constant cones, each in batch (topological) order: nodes joined
+    when one reads another's output, or when they are all the readers of one constant (which
+    dies only when all of them fold)."""
+    index = {id(n): i for i, n in enumerate(batch)}
+    parent = list(range(len(batch)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    seen: set[int] = set()
+    for i, node in enumerate(batch):
+        for t in node.inputs:
+            if not _named(t):
+                continue
+            j = index.get(_producer_id(t))
+            if j is not None:
+                parent[find(i)] = find(j)
+            elif isinstance(t, Constant) and id(t) not in seen:
+                seen.add(id(t))
+                readers = [index.get(id(c)) for c in t.outputs]
+                if len(readers) > 1 and None not in readers and not ir.is_graph_output(t):
+                    for j in readers:
+                        parent[find(j)] = find(i)
+    groups: dict[int, list[Node]] = {}
+    for i, node in enumerate(batch):
+        groups.setdefault(find(i), []).append(node)
+    return list(groups.values())
+
+
+def _cone_growth(ir: ModelIR, cone: list[Node], size_of, weights: set) -> tuple[int, bool]:
+    """(net bytes the cone's folds add to the model, whether to count them as weights):
+    the outputs it leaves (read outside the cone, or graph outputs) minus the constants that
+    die with it (read by its nodes only).  Weights when every output left builds one."""
+    members = {id(n) for n in cone}
+    net, kinds = 0, []
+    for node in cone:
+        for t in node.outputs:
+            if not _named(t):
+                continue
+            left = ir.is_graph_output(t) or any(id(c) not in members for c in t.outputs)
+            if node.op == "Constant":  # already in the model: it dies unless left
+                net -= 0 if left else size_of(t)
+            elif left:
+                net += size_of(t)
+                kinds.append(id(node) in weights)
+    for t in _cone_constants(cone).values():
+        if not ir.is_graph_output(t) and all(id(c) in members for c in t.outputs):
+            net -= _nbytes(t.shape, t.dtype)
+    return net, bool(kinds) and all(kinds)
+
+
+def _cone_constants(cone: list[Node]) -> dict[int, Constant]:
+    """The constants the cone's nodes read, by identity."""
+    return {id(t): t for node in cone for t in node.inputs if _named(t) and isinstance(t, Constant)}
+
+
+def _left_behind(ir: ModelIR, done: list[Node], outputs: dict, before: dict) -> int:
+    """Net bytes the folded nodes ``done`` (``outputs``: their named outputs, by node id)
+    added: their outputs still read (or graph outputs) minus the constants that were in the
+    model before (``before``: read by the cone; a Constant node's value) and nothing reads now."""
+    net = 0
+    for node in done:
+        for t in outputs[id(node)]:
+            if node.op == "Constant":
+                before[id(t)] = t
+            elif t.outputs or ir.is_graph_output(t):
+                net += _nbytes(t.shape, t.dtype)
+    for t in before.values():
+        if not t.outputs and not ir.is_graph_output(t):
+            net -= _nbytes(t.shape, t.dtype)
+    return net
+
+
+def _limit_refusal(node: Node, out_bytes: int, in_bytes: int, limit: int) -> _Refusal | None:
+    """The per-node limit: an output past ``limit`` and more than twice its inputs."""
     mib = 2**20
     if node.op == "Constant":  # its value is in the model already: folding only moves it
         return None
@@ -484,16 +666,131 @@ def _size_refusal(
             "with --fold-size-limit to fold anyway)",
             {"output_bytes": out_bytes, "input_bytes": in_bytes, "limit": limit},
         )
-    growth = out_bytes - dying
-    if growth > 0 and used + growth > budget:
-        return _Refusal(
-            "fold-size-budget",
-            f"folding {node.op} '{node.name}' ({out_bytes / mib:.2f} MiB) would grow the "
-            f"model's constants by {_size(used + growth)} in all, past the "
-            f"{_size(budget)} that folding may add (raise it with --fold-size-limit)",
-            {"output_bytes": out_bytes, "growth_bytes": used + growth, "limit": budget},
-        )
     return None
+
+
+def _budget_refusal(
+    node: Node,
+    out_bytes: int,
+    growth: int,
+    used: int,
+    budget: int,
+    cone: list[Node] | None = None,
+    cone_growth: int = 0,
+) -> _Refusal | None:
+    """The growth budget, for a fold judged alone (its cone, when given, did not fit)."""
+    if node.op == "Constant" or growth <= 0 or used + growth <= budget:
+        return None
+    mib = 2**20
+    whole = ""
+    args = {"output_bytes": out_bytes, "growth_bytes": used + growth, "limit": budget}
+    if cone is not None and len(cone) > 1:
+        whole = (
+            f"; the constant cone of {len(cone)} nodes it is part of would leave "
+            f"{_size(cone_growth)} more in the model"
+        )
+        args["cone_nodes"] = len(cone)
+        args["cone_growth_bytes"] = cone_growth
+    return _Refusal(
+        "fold-size-budget",
+        f"folding {node.op} '{node.name}' ({out_bytes / mib:.2f} MiB) would grow the "
+        f"model's constants by {_size(used + growth)} in all, past the "
+        f"{_size(budget)} that folding may add{whole} (raise it with --fold-size-limit)",
+        args,
+    )
+
+
+def _size_refusal(
+    node: Node, out_bytes: int, in_bytes: int, dying: int, limit: int, used: int, budget: int
+) -> _Refusal | None:
+    """The per-node limit, then the growth budget, for a fold judged alone."""
+    return _limit_refusal(node, out_bytes, in_bytes, limit) or _budget_refusal(
+        node, out_bytes, out_bytes - dying, used, budget
+    )
+
+
+#: ops that only re-lay out or convert their first operand: their fold is a copy of it
+COPY_OPS = frozenset(
+    {
+        "Transpose",
+        "Cast",
+        "CastLike",
+        "Reshape",
+        "Squeeze",
+        "Unsqueeze",
+        "Flatten",
+        "DepthToSpace",
+        "SpaceToDepth",
+    }
+)
+
+
+def _copy_bytes(node: Node, sizes: dict[int, int]) -> int | None:
+    """A copy op's output bytes from its operand's (its dtype's item size applied), when the
+    inferred shape is unknown."""
+    if node.op not in COPY_OPS or not node.inputs or not _named(node.inputs[0]):
+        return None
+    src, out = node.inputs[0], node.outputs[0] if node.outputs else None
+    n = _tensor_bytes(src, sizes)
+    try:
+        return n * np.dtype(out.dtype).itemsize // np.dtype(src.dtype).itemsize
+    except (TypeError, AttributeError, ZeroDivisionError):
+        return n
+
+
+def _other_readers(ir: ModelIR, t, node: Node) -> list[str]:
+    """Who else keeps ``t`` in the model once ``node`` is folded: its readers that do not
+    fold with it (not computed from constants only), and the graph's outputs."""
+    memo: dict[int, bool] = {}
+    names = []
+    for c in t.outputs:
+        if c is node:
+            continue
+        if FoldConstants._candidate(c) and all(
+            _constant_derived(u, memo, WEIGHT_PATH_DEPTH) for u in c.inputs if _named(u)
+        ):
+            continue
+        out = next((o.name for o in c.outputs if _named(o)), "")
+        names.append(f"{c.op} '{c.name}'" if c.name else f"the {c.op} computing '{out}'")
+    if ir.is_graph_output(t):
+        names.append("the graph's outputs")
+    return sorted(set(names))
+
+
+def _shared_copy(ir: ModelIR, node: Node, sizes: dict[int, int]) -> tuple | None:
+    """(the constant, its other readers) when the node is a copy (COPY_OPS) of a constant (or
+    of a value this round computes) that other nodes keep reading; else None."""
+    if node.op not in COPY_OPS or not node.inputs:
+        return None
+    src = node.inputs[0]
+    if not _named(src) or not (isinstance(src, Constant) or id(src) in sizes):
+        return None
+    readers = _other_readers(ir, src, node)
+    return (src, readers) if readers else None
+
+
+def _tied_refusal(
+    ir: ModelIR, node: Node, out_bytes: int, sizes: dict[int, int], limit: int
+) -> _Refusal | None:
+    """A copy (COPY_OPS) of a constant that other nodes still read would store the tensor
+    twice: refused past ``limit`` (fold-size-limit), whatever the budget left, so that tied
+    weights stay tied (a GPT LM head ``MatMul(x, Transpose(wte))`` on the token embedding:
+    the MatMul reads the weight transposed instead, Gemm or FusedMatMul with transB)."""
+    if node.op not in COPY_OPS or out_bytes <= limit:
+        return None
+    shared = _shared_copy(ir, node, sizes)
+    if shared is None:
+        return None
+    src, readers = shared
+    shown = ", ".join(readers[:4]) + (f" and {len(readers) - 4} more" if len(readers) > 4 else "")
+    return _Refusal(
+        "tied-weight",
+        f"{node.op} '{node.name}' would copy '{src.name}' ({_size(out_bytes)}) into a second "
+        f"constant while {shown} still read it; the weight stays stored once and the "
+        f"{node.op} stays (a MatMul reads a transposed weight in place: Gemm or FusedMatMul "
+        "with transB)",
+        {"weight": src.name, "readers": readers, "output_bytes": out_bytes, "limit": limit},
+    )
 
 
 def _size(nbytes: int) -> str:

@@ -508,12 +508,17 @@ def _fused_matmul_kernel(cx, t, matmul: Node) -> None:
 class FuseMatMulTranspose(Rule):
     """``MatMul(Transpose(a), b)`` / ``MatMul(a, Transpose(b))`` with the Transpose swapping the
     last two axes → ``com.microsoft.FusedMatMul(a, b, transA|transB)``: the GEMM reads the
-    operand transposed, no copy.  An attention's Q·Kᵀ is left to ``fuse-attention`` first."""
+    operand transposed, no copy.  An attention's Q·Kᵀ is left to ``fuse-attention`` first.
+
+    A transposed 2-D constant read elsewhere too (a GPT LM head ``MatMul(x, Transpose(wte))``
+    on the token embedding; fold-constants refuses to copy it, ``tied-weight``) is read in
+    place the same way, so the weight stays stored once; where A is 2-D too this is the
+    standard ``Gemm(a, W, transB=1)``, where the target has a Gemm kernel."""
 
     name = "fuse-matmul-transpose"
     root = "MatMul"
     phase = "linear"
-    summary = "MatMul of a last-two-axes Transpose → FusedMatMul(transA/transB)"
+    summary = "MatMul of a last-two-axes Transpose → FusedMatMul(transA/transB) or Gemm(transB)"
     pattern = Alt(
         Op(
             "MatMul",
@@ -530,7 +535,20 @@ class FuseMatMulTranspose(Rule):
             applies_only_if(key not in m.bindings or len(m.bindings[key].outputs[0].outputs) == 1)
 
     def check(self, m, cx):
-        _fused_matmul_kernel(cx, m.matmul.outputs[0], m.matmul)
+        m.stash(gemm=self._gemm(m, cx))
+        if not m.gemm:
+            _fused_matmul_kernel(cx, m.matmul.outputs[0], m.matmul)
+
+    @staticmethod
+    def _gemm(m, cx) -> bool:
+        """Whether ``A · Wᵀ`` (A 2-D, W a 2-D constant) becomes a standard Gemm(transB=1)."""
+        if "t_transA" in m.bindings or "t_transB" not in m.bindings:
+            return False
+        a, w = inputs(m.matmul)[0], inputs(m.t_transB)[0]
+        if _rank(a) != 2 or not isinstance(w, Constant) or _rank(w) != 2:
+            return False
+        dt = dtype_of(m.matmul.outputs[0])
+        return dt is not None and cx.target.has_kernel("Gemm", "", cx.ir.opset, type_string(dt))
 
     def rewrite(self, m, b):
         a, c = inputs(m.matmul)
@@ -540,6 +558,8 @@ class FuseMatMulTranspose(Rule):
         if "t_transB" in m.bindings:
             c, attrs["transB"] = self._operand(m.t_transB, attrs), 1
         like = m.root.outputs[0]
+        if m.gemm:
+            return [b.op("Gemm", [a, c], attrs, like=like, name=f"{m.root.name}/gemm")]
         return [
             b.op("FusedMatMul", [a, c], attrs, domain=MS, like=like, name=f"{m.root.name}/fused")
         ]

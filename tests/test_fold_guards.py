@@ -294,3 +294,108 @@ def test_a_later_round_does_not_evaluate_what_it_cannot_size(monkeypatch):
     assert "ConstantOfShape" not in ops(out) and ops(out)["Add"] == 2
     assert evaluated.count("Add") == 0, evaluated
     assert "fold-size-limit" in codes(report, "fold-constants")
+
+
+def _swin_v2_cpb(rng, heads: int = 3, window: int = 8):
+    """Swin v2's continuous position bias, as exported: a constant coordinate table
+    [1, 2w-1, 2w-1, 2] through a 2 → 512 → heads MLP (the hidden layer 0.44 MiB at w = 8),
+    16·sigmoid, a Gather by the constant relative-position index, Reshape/Transpose to
+    [1, heads, w², w²], added to the attention scores."""
+    side, n = 2 * window - 1, window * window
+    coords = np.stack(np.meshgrid(np.linspace(-1, 1, side), np.linspace(-1, 1, side)), -1)
+    pos = np.stack(np.meshgrid(np.arange(window), np.arange(window), indexing="ij")).reshape(2, -1)
+    rel = (pos[:, :, None] - pos[:, None, :]).transpose(1, 2, 0) + window - 1
+    index = (rel[..., 0] * side + rel[..., 1]).reshape(-1)
+    nodes = [
+        helper.make_node("MatMul", ["coords", "w1"], ["hid"], name="cpb/fc1"),
+        helper.make_node("Add", ["hid", "b1"], ["hidb"], name="cpb/fc1_bias"),
+        helper.make_node("Relu", ["hidb"], ["act"], name="cpb/relu"),
+        helper.make_node("MatMul", ["act", "w2"], ["table"], name="cpb/fc2"),
+        helper.make_node("Sigmoid", ["table"], ["sig"], name="cpb/sigmoid"),
+        helper.make_node("Mul", ["sig", "sixteen"], ["table16"], name="cpb/scale"),
+        helper.make_node("Reshape", ["table16", "flat_shape"], ["flat"], name="cpb/flat"),
+        helper.make_node("Gather", ["flat", "index"], ["picked"], name="cpb/gather", axis=0),
+        helper.make_node("Reshape", ["picked", "bias_shape"], ["bias_hw"], name="cpb/view"),
+        helper.make_node("Transpose", ["bias_hw"], ["bias_t"], name="cpb/permute", perm=[2, 0, 1]),
+        helper.make_node("Unsqueeze", ["bias_t", "axes0"], ["bias"], name="cpb/unsqueeze"),
+        helper.make_node("Add", ["scores", "bias"], ["biased"], name="attn/add_bias"),
+        helper.make_node("Softmax", ["biased"], ["probs"], name="attn/softmax", axis=-1),
+    ]
+    inits = [
+        const("coords", coords[None] * 8),
+        const("w1", rng.standard_normal((2, 512)) * 0.5),
+        const("b1", rng.standard_normal(512) * 0.1),
+        const("w2", rng.standard_normal((512, heads)) * 0.05),
+        const("sixteen", 16.0),
+        const("flat_shape", [-1, heads], np.int64),
+        const("index", index, np.int64),
+        const("bias_shape", [n, n, heads], np.int64),
+        const("axes0", [0], np.int64),
+    ]
+    return model(nodes, [vi("scores", [1, heads, n, n])], [vi("probs", [1, heads, n, n])], inits)
+
+
+def test_a_constant_cone_is_judged_by_what_it_leaves(rng):
+    """The CPB cone's hidden layer (0.44 MiB) is far past a small model's 16 KiB budget, its
+    result (a 48 KiB bias table) replaces about as many bytes of weights and index: it folds
+    whole, into one constant added to the scores."""
+    m = _swin_v2_cpb(rng)
+    hidden = 15 * 15 * 512 * 4
+    assert hidden > MIB // 64 * 16
+    out, report = run(m, level=1)
+    assert report.parity.ok
+    assert ops(out) == {"Add": 1, "Softmax": 1}, ops(out)
+    assert "fold-size-budget" not in codes(report, "fold-constants")
+    assert _init_bytes(out) <= _init_bytes(m) + MIB // 64
+
+
+def test_the_cone_folds_at_o2_too(rng):
+    out, report = run(_swin_v2_cpb(rng), level=2)
+    assert report.parity.ok and "MatMul" not in ops(out) and "Gather" not in ops(out)
+
+
+def test_a_cone_whose_result_is_big_is_still_refused():
+    """A 256 B row tiled to a 256 KiB table (under the per-node limit) and scaled, then added
+    to an activation: the cone leaves the whole table, past the 16 KiB budget; refused at the
+    Tile, the Mul reading it stays too."""
+    nodes = [
+        helper.make_node("Tile", ["row", "reps"], ["table"], name="blowup/tile"),
+        helper.make_node("Mul", ["table", "two"], ["scaled"], name="blowup/scale"),
+        helper.make_node("Add", ["x", "scaled"], ["y"], name="use"),
+    ]
+    m = model(
+        nodes,
+        [vi("x", [1024, 64])],
+        [vi("y", [1024, 64])],
+        [const("row", np.arange(64)[None]), const("reps", [1024, 1], np.int64), const("two", 2.0)],
+    )
+    out, report = run(m, level=1)
+    assert report.parity.ok
+    assert ops(out) == {"Tile": 1, "Mul": 1, "Add": 1}, ops(out)
+    budget = [r for r in report.remarks if r.code == "fold-size-budget"]
+    assert [r.nodes[0] for r in budget] == ["blowup/tile"]
+    assert budget[0].args["cone_nodes"] == 2
+    assert budget[0].args["cone_growth_bytes"] > 256 * 1024 - 1024
+    assert _init_bytes(out) <= _init_bytes(m) + MIB // 64
+
+
+def test_a_blow_up_reduced_inside_its_cone_folds():
+    """The same 256 KiB table summed back to one row inside the cone leaves 256 B: it folds."""
+    nodes = [
+        helper.make_node("Tile", ["row", "reps"], ["table"], name="blowup/tile"),
+        helper.make_node("ReduceSum", ["table", "axes0"], ["sum"], name="reduce", keepdims=0),
+        helper.make_node("Add", ["x", "sum"], ["y"], name="use"),
+    ]
+    m = model(
+        nodes,
+        [vi("x", [64])],
+        [vi("y", [64])],
+        [
+            const("row", np.arange(64)[None]),
+            const("reps", [1024, 1], np.int64),
+            const("axes0", [0], np.int64),
+        ],
+    )
+    out, report = run(m, level=1)
+    assert report.parity.ok and ops(out) == {"Add": 1}, ops(out)
+    assert "fold-size-budget" not in codes(report, "fold-constants")

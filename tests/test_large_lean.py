@@ -366,3 +366,24 @@ def test_pieces_of_an_ir3_model_whose_weights_are_inputs():
     assert len(pieces.plan({"h3"})) == 3 and [i.name for i in pieces.get_inputs()] == ["x"]
     (got,) = pieces.run(x, ["h3"])
     assert np.array_equal(got, Session(m).run(x, ["h3"])[0]) and got[0, 0] == 24
+
+
+def test_a_tied_decoder_keeps_one_copy_of_its_embedding(tmp_path):
+    """The example's ``--tied`` form (LM head ``MatMul(x, Transpose(wte))``, wte also read by
+    the token Gather), weights in external data: the written model holds wte once and is not
+    bigger than the input."""
+    spec = importlib.util.spec_from_file_location(
+        "make_gpt", EXAMPLES / "large/make_gpt_decoder.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    path = tmp_path / "dec" / "model.onnx"
+    mod.build(path, layers=2, hidden=64, heads=4, vocab=100, seed=0, tied=True)
+    out, report = graphopt.optimize(path, target="cpu", shapes={"input_ids": [1, 8]})
+    assert report.parity.ran and report.parity.ok, report.parity
+    dims = [sorted(t.dims) for t in out.graph.initializer]
+    assert dims.count([64, 100]) == 1
+    assert "com.microsoft.FusedMatMul" in report.ops_after
+    assert sum(parity.tensor_nbytes(t) for t in out.graph.initializer) <= sum(
+        parity.tensor_nbytes(t) for t in load_model(path, lazy_external=True).graph.initializer
+    )

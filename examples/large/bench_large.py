@@ -71,6 +71,11 @@ def tools(model: Path, work: Path, shapes: list[str]) -> dict[str, tuple[list[st
     }
 
 
+def model_bytes(output: Path) -> int:
+    """Bytes of the written model: ``model.onnx`` and its external data (``model.onnx.data``)."""
+    return sum(p.stat().st_size for p in output.glob("model.onnx*") if p.is_file())
+
+
 def report_seconds(bundle: Path) -> dict | None:
     try:
         report = json.loads((bundle / "report.json").read_text())
@@ -95,15 +100,18 @@ def main() -> None:
     work = args.work or args.model.parent.with_name(args.model.parent.name + ".bench")
     work.mkdir(parents=True, exist_ok=True)
     largest, total = largest_tensor(args.model)
+    size = sum(p.stat().st_size for p in args.model.parent.glob(args.model.stem + ".*"))
     runs: dict[str, list[dict]] = {}
     for _ in range(args.rounds):
         for name, (cmd, output) in tools(args.model, work, args.shape).items():
             result = timed(cmd)
             result["report"] = report_seconds(output)
+            result["output_mb"] = round(model_bytes(output) / 1e6)
             runs.setdefault(name, []).append(result)
             shutil.rmtree(output, ignore_errors=True)
             print(
-                f"{name}: {result['wall_s']} s, {result['peak_rss_mb']} MB, rc {result['rc']}",
+                f"{name}: {result['wall_s']} s, {result['peak_rss_mb']} MB, "
+                f"output {result['output_mb']} MB, rc {result['rc']}",
                 file=sys.stderr,
                 flush=True,
             )
@@ -111,15 +119,17 @@ def main() -> None:
     bound = 2 * largest / 1e6 + 300
     print(
         f"model: {total / 2**30:.2f} GiB of weights, largest tensor {largest / 1e6:.0f} MB; "
-        f"bound 2 x largest + 300 MB = {bound:.0f} MB; {args.rounds} interleaved round(s)\n"
+        f"bound 2 x largest + 300 MB = {bound:.0f} MB; input {size / 1e6:.0f} MB on disk; "
+        f"{args.rounds} interleaved round(s)\n"
     )
-    print("| tool | wall s (median) | peak RSS MB (max) | exit |")
-    print("|---|---|---|---|")
+    print("| tool | wall s (median) | peak RSS MB (max) | output MB | exit |")
+    print("|---|---|---|---|---|")
     for name, results in runs.items():
         wall = statistics.median(r["wall_s"] for r in results)
         rss = max(r["peak_rss_mb"] for r in results)
         codes = ",".join(str(r["rc"]) for r in results)
-        print(f"| {name} | {wall:.1f} | {rss} | {codes} |")
+        out_mb = max(r["output_mb"] for r in results)
+        print(f"| {name} | {wall:.1f} | {rss} | {out_mb} | {codes} |")
     if args.json:
         args.json.write_text(
             json.dumps({"largest_bytes": largest, "weights_bytes": total, "runs": runs}, indent=2)

@@ -7,6 +7,10 @@ one external-data file (4 KiB aligned), so memory stays small while writing.
 
     python examples/large/make_gpt_decoder.py --out gpt_big/model.onnx   # ~5 GB
     python examples/large/make_gpt_decoder.py --out small/model.onnx --layers 2 --hidden 256
+    python examples/large/make_gpt_decoder.py --out tied/model.onnx --tied   # 4.76 GiB
+
+``--tied`` writes the LM head as GPT-2 ties it, ``MatMul(x, Transpose(wte))`` on the token
+embedding the Gather reads, instead of a separate ``lm_head`` weight.
 """
 
 from __future__ import annotations
@@ -64,7 +68,9 @@ class Writer:
         return name
 
 
-def build(out: Path, layers: int, hidden: int, heads: int, vocab: int, seed: int) -> None:
+def build(
+    out: Path, layers: int, hidden: int, heads: int, vocab: int, seed: int, tied: bool = False
+) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     w = Writer(out.with_name(out.stem + ".data"), seed)
     n = helper.make_node
@@ -166,8 +172,12 @@ def build(out: Path, layers: int, hidden: int, heads: int, vocab: int, seed: int
         nodes.append(n("Add", [p + "res1", down], [p + "res2"]))
         h = p + "res2"
     final = layernorm(h, "lnf_")
-    nodes.append(n("MatMul", [final, "lm_head"], ["logits"]))
-    w.random("lm_head", (d, vocab))
+    if tied:  # the LM head reads the token embedding transposed: one tensor, two readers
+        nodes.append(n("Transpose", [wte], ["wte_t"], name="lm_head/transpose", perm=[1, 0]))
+        nodes.append(n("MatMul", [final, "wte_t"], ["logits"], name="lm_head/matmul"))
+    else:
+        nodes.append(n("MatMul", [final, "lm_head"], ["logits"]))
+        w.random("lm_head", (d, vocab))
     w.f.close()
     graph = helper.make_graph(
         nodes,
@@ -190,9 +200,14 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--tied",
+        action="store_true",
+        help="LM head MatMul(x, Transpose(wte)) sharing the token embedding",
+    )
     args = ap.parse_args()
     t0 = time.perf_counter()
-    build(args.out, args.layers, args.hidden, args.heads, args.vocab, args.seed)
+    build(args.out, args.layers, args.hidden, args.heads, args.vocab, args.seed, args.tied)
     size = sum(p.stat().st_size for p in args.out.parent.glob(args.out.stem + "*"))
     print(
         f"{args.out}: {size / 2**30:.2f} GiB in {time.perf_counter() - t0:.1f}s (pid {os.getpid()})"
