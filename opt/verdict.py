@@ -144,8 +144,8 @@ def fallback_warnings(report) -> list[str]:
         lines.append(
             f"{len(inherited)} node(s) run on {provider or 'the fallback provider'} as in the "
             f"original model ({named}): {len(islands)} island(s), {copies} device<->host "
-            "copies per inference (manifest.json -> fallbacks; --strict-fallback makes them "
-            "exit 4)"
+            f"cop{'y' if copies == 1 else 'ies'} per inference (manifest.json -> fallbacks; "
+            "--strict-fallback makes them exit 4)"
         )
     lines += [r.message for r in legalize if r.code == "mostly-fallback"]
     return lines

@@ -381,7 +381,7 @@ class Legalize(Pass):
             return
         counts: dict[str, int] = defaultdict(int)
         for n, _ in fallback:
-            counts[_op_label(n)] += 1
+            counts[n.op] += 1
         ops = sorted(counts, key=lambda op: (-counts[op], op))
         provider = fallback[0][1].provider
         cx.remark(

@@ -18,8 +18,8 @@ inference of a weightless view of the model (no session, no weights read).  Only
 ``introduced``: a node that survived (its label is one of the original's fallbacks with the
 same key) is the original's; otherwise a key's nodes are the original's as long as the output
 has no more of them than the original had (a rewrite may rename or rebuild a node it does not
-change in kind); the excess is graphopt's, nodes a rule made (provenance) first.  An original
-node whose type could not be inferred counts for any dtype of its (op, domain).
+change in kind); the excess is graphopt's, nodes a rule made (provenance) first.  A node whose
+type could not be inferred (in the original or the output) matches any dtype of its (op, domain).
 """
 
 from __future__ import annotations
@@ -124,9 +124,18 @@ def classify(nodes: Sequence[tuple[str, Key, str | None]], census: Census | None
         elif left[wild] > 0:
             left[wild] -= 1
             out[label] = ORIGINAL
+        elif key[2] is None and (some := _any_dtype(left, key)) is not None:
+            left[some] -= 1
+            out[label] = ORIGINAL
         else:
             out[label] = INTRODUCED
     return {label: out[label] for label, _, _ in nodes}
+
+
+def _any_dtype(left: Counter[Key], key: Key) -> Key | None:
+    """An original key of ``key``'s (op, domain) with nodes left, any dtype (first by name)."""
+    keys = [k for k, n in left.items() if n > 0 and k[:2] == key[:2]]
+    return min(keys, key=lambda k: k[2] or "") if keys else None
 
 
 # ------------------------------------------------------------------------------- types
