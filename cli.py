@@ -164,6 +164,7 @@ def optimize(
     weights: flags.Weights = None,
     decoder_steps: flags.DecoderStepsFlag = None,
     machine_tier: flags.MachineTier = True,
+    strict_fallback: flags.StrictFallback = False,
 ) -> None:
     """Optimize MODEL for a target; write OUT_DIR/model.onnx and OUT_DIR/report.json."""
     with handled(), sparse_collection():  # writing the bundle of a large graph too
@@ -204,7 +205,8 @@ def optimize(
                 verify_each=verify_each,
                 options={"fold_size_limit": int(fold_limit * 2**20)}
                 | ({"weights": weights.value} if weights else {})
-                | ({"decoder_steps": decoder_steps.value} if decoder_steps else {}),
+                | ({"decoder_steps": decoder_steps.value} if decoder_steps else {})
+                | ({"strict_fallback": True} if strict_fallback else {}),
                 progress=say,
                 reference=reference.value,
                 output_tolerances=parse_tolerances(tolerance),
@@ -261,7 +263,7 @@ def _manifest(bundle: Path) -> dict | None:
 
 def _conclude(report, results: list, checked: bool) -> None:
     """Warnings a run still owes, then the verdict's line and exit code."""
-    for line in verdicts.safety_net_warnings(report):
+    for line in verdicts.safety_net_warnings(report) + verdicts.fallback_warnings(report):
         render.warn(line)
     verdict = verdicts.decide(report, results, checked=checked)
     if not verdict.parity_not_run:

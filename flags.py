@@ -186,6 +186,16 @@ Opset = Annotated[
     ),
 ]
 
+StrictFallback = Annotated[
+    bool,
+    Option(
+        "--strict-fallback",
+        help="Exit 4 for every node that runs on the fallback provider (cuda -> CPU), also "
+        "those the original model already ran there (by default only the fallbacks "
+        "graphopt's rewrites introduced fail; the original's are warnings).",
+    ),
+]
+
 # ------------------------------------------------------------------ check, bisect, explain, lint
 CheckReference = Annotated[
     Reference,

@@ -79,6 +79,17 @@ class PassRecord:
     iteration: int = 0
 
 
+@dataclass(eq=False)
+class Original:
+    """The model as the user gave it, beside the IR being optimized, and what passes learned
+    of it (``memo``: keyed by the pass that computed it), once per ``optimize`` call however
+    often the pipeline runs (the safety nets run it again).  legalize compares the output's
+    fallback nodes with the original's."""
+
+    model: onnx.ModelProto
+    memo: dict[Any, Any] = field(default_factory=dict)
+
+
 @dataclass
 class PassContext:
     """Everything a pass may read or record besides the IR itself."""
@@ -91,6 +102,8 @@ class PassContext:
     #: (rule, node) rewrites not to apply: reverted because the runtime rejected the result
     skip: frozenset[tuple[str, str]] = frozenset()
     options: dict[str, Any] = field(default_factory=dict)
+    #: the input model (None when passes run on an IR alone)
+    original: Original | None = None
     remarks: RemarkLog = field(default_factory=RemarkLog)
     bisect_limit: int | None = None
     verify_each: bool = False

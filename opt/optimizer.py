@@ -31,7 +31,7 @@ from .io import (
     serialize,
 )
 from .ir import ModelIR, op_histogram
-from .manager import PassContext, run_pass
+from .manager import Original, PassContext, run_pass
 from .parity import (
     ParityReport,
     ReferenceRun,
@@ -309,6 +309,7 @@ def optimize(
             ranges, range_remarks = _guarded_ranges(model, inputs, shapes, seed, base_dir)
 
     freeze = level >= 1 and not keep_weight_inputs
+    original = Original(model)  # what legalize compares the output's fallbacks with
 
     def execute(limit: int | None, skip: frozenset = frozenset()):
         with imported_apart() as imported:
@@ -326,6 +327,7 @@ def optimize(
             ir=ir,
             ranges=ranges,
             skip=skip,
+            original=original,
         )
         for r in range_remarks + upgrade_remarks + compat.remarks(model, ir):
             cx.remarks.add(r)

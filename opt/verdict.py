@@ -7,7 +7,8 @@ a ``verify`` failure (the optimized model invalid or refused by onnxruntime)
 → 1; not converged or a node the target cannot run → 4; parity requested that could not run →
 3; unmet expectations → 4; else 0 — and returns a :class:`Verdict`.  The warnings a successful
 run still owes (a rewrite reverted by the safety net, parity that could not run while another
-verdict decided the code) are lines too; the caller prints them.
+verdict decided the code, fallback nodes the original model already had) are lines too; the
+caller prints them.
 """
 
 from __future__ import annotations
@@ -113,6 +114,41 @@ def safety_net_warnings(report) -> list[str]:
         for r in report.remarks
         if r.kind == "failure" and r.pass_name == "safety-net" and r.code == "invalid-output"
     ]
+
+
+def fallback_warnings(report) -> list[str]:
+    """The lines a run owes about nodes on the fallback provider that are not its failures: one
+    for those the original model already ran there (legalize's ``original-fallback`` remarks:
+    not graphopt's doing, not the user's to fix, so not exit 4 unless ``--strict-fallback``),
+    and one when most of the model runs there (``mostly-fallback``)."""
+    legalize = [r for r in report.remarks if r.pass_name == "legalize"]
+    inherited = [r for r in legalize if r.kind == "analysis" and r.code == "original-fallback"]
+    lines = []
+    if inherited:
+        kinds: dict[str, int] = {}
+        for r in inherited:
+            label = f"{r.args.get('op')} {r.args.get('dtype') or 'unknown dtype'}"
+            kinds[label] = kinds.get(label, 0) + 1
+        named = ", ".join(
+            f"{k} x{n}" if n > 1 else k for k, n in sorted(kinds.items(), key=lambda kv: -kv[1])
+        )
+        islands = {r.args.get("island") for r in inherited}
+        copies = sum(
+            int(r.args.get("copies", 0))
+            for r in legalize
+            if r.code == "fallback-island" and r.args.get("island") in islands
+        )
+        provider = next(
+            (r.args.get("provider") for r in legalize if r.code == "fallback-island"), None
+        )
+        lines.append(
+            f"{len(inherited)} node(s) run on {provider or 'the fallback provider'} as in the "
+            f"original model ({named}): {len(islands)} island(s), {copies} device<->host "
+            f"cop{'y' if copies == 1 else 'ies'} per inference (manifest.json -> fallbacks; "
+            "--strict-fallback makes them exit 4)"
+        )
+    lines += [r.message for r in legalize if r.code == "mostly-fallback"]
+    return lines
 
 
 def resolve_report_expectations(

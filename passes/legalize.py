@@ -8,9 +8,17 @@ a *failure* remark naming op, dtype and node, with a stable code:
 * ``dtype-unsupported`` / ``opset-unsupported``: it has the op, not for this type / opset;
 * ``unknown-domain``: a custom or unknown domain the target cannot run (a call of a model-local
   function the IR kept is judged by its body instead, recursively: see targets/kernels.py);
-* ``cpu-fallback``: no kernel on the device, but the fallback target (cuda -> cpu) runs it.  A
-  fallback island costs a device->host and a host->device copy per crossing tensor and inference,
-  so it is reported as a failure too; an analysis remark per island says how many copies;
+* ``cpu-fallback``: no kernel on the device, but the fallback target (cuda -> cpu) runs it, and
+  graphopt's rewrites introduced it (a fused op without a device kernel, a changed dtype): the
+  original model had no such node there (:mod:`graphopt.targets.fallback` compares the output
+  with the original under the same kernel table).  A fallback the original already had (ReduceProd
+  on int64, ai.onnx.ml tree ensembles: onnxruntime places them on its CPU provider as usual) is
+  an ``original-fallback`` analysis remark instead, a warning the user cannot act on; with
+  ``options["strict_fallback"]`` (``--strict-fallback``) every fallback is a failure.  A fallback
+  island costs a device->host and a host->device copy per crossing tensor and inference; an
+  analysis remark per island (``fallback-island``) says how many copies and which nodes (the
+  bundle's manifest lists them), and a model most of whose nodes fall back says so in one
+  ``mostly-fallback`` remark;
 * ``dynamic-shape``: on a target that needs static shapes, a tensor whose shape is not static.
 
 On a static-shape target, graph inputs with symbolic dims are pinned to the parity shapes the user
@@ -37,7 +45,8 @@ from graphopt.opt.domains import norm_domain
 from graphopt.opt.ir import Constant, ModelIR, Node, Tensor, Variable, walk_nodes
 from graphopt.opt.manager import Pass, PassContext, register_pass, run_pass
 from graphopt.opt.pipeline import parse
-from graphopt.targets.kernels import OK, model_opsets, resolve_node
+from graphopt.targets.fallback import INTRODUCED, ORIGINAL, Census, classify, original_fallbacks
+from graphopt.targets.kernels import OK, Resolution, model_opsets, provider_of, resolve_node
 
 PASS = "legalize"
 #: run after pinning input shapes (exact cleanups only)
@@ -93,7 +102,7 @@ class Legalize(Pass):
         for node in nodes:  # a domain a rule introduced is imported at version 1 on export
             opsets.setdefault(norm_domain(node.domain), 1)
         blocked = self._blocked_rewrites(cx)
-        fallback: list[Node] = []
+        fallback: list[tuple[Node, Resolution]] = []
         legal = 0
         functions = getattr(ir, "functions", None)
         for node in nodes:
@@ -102,7 +111,7 @@ class Legalize(Pass):
             if res.status == OK:
                 legal += 1
             elif res.status == "fallback":
-                fallback.append(node)
+                fallback.append((node, res))
             else:
                 hint = blocked.get(label)
                 cx.remark(
@@ -120,9 +129,17 @@ class Legalize(Pass):
                     node=label,
                     target=target.name,
                 )
+        origins = self._origins(ir, cx, fallback) if fallback else {}
         if fallback:
-            self._islands(ir, cx, fallback, opsets)
+            self._islands(ir, cx, fallback, origins)
+            self._mostly(cx, nodes, fallback)
         static_bad = self._check_static(ir, cx) if target.static_shapes else 0
+        inherited = sum(o == ORIGINAL for o in origins.values())
+        split = (
+            f" ({inherited} as in the original model, {len(fallback) - inherited} introduced)"
+            if fallback and cx.original is not None
+            else ""
+        )
         cx.remark(
             "analysis",
             PASS,
@@ -130,11 +147,12 @@ class Legalize(Pass):
             "summary",
             [],
             f"{legal} of {len(nodes)} nodes map to a {target.name} kernel"
-            + (f"; {len(fallback)} fall back to {target.fallback}" if fallback else "")
+            + (f"; {len(fallback)} fall back to {target.fallback}{split}" if fallback else "")
             + (f"; {static_bad} nodes with dynamic shapes" if static_bad else ""),
             total=len(nodes),
             legal=legal,
             fallback=len(fallback),
+            fallback_original=inherited,
             dynamic=static_bad,
             target=target.name,
         )
@@ -225,7 +243,40 @@ class Legalize(Pass):
         return bad
 
     # ------------------------------------------------------------- fallback islands
-    def _islands(self, ir: ModelIR, cx: PassContext, nodes: list[Node], opsets) -> None:
+    def _origins(
+        self, ir: ModelIR, cx: PassContext, fallback: list[tuple[Node, Resolution]]
+    ) -> dict[int, str]:
+        """id(node) -> ``original`` / ``introduced``: whether the original model already ran
+        that node on the fallback provider (same op, domain and dtype; see targets/fallback)."""
+        census = self._census(cx, {(n.op, norm_domain(n.domain)) for n, _ in fallback})
+        provenance = getattr(ir, "provenance", {})
+        labelled = [
+            (node_label(n), (n.op, norm_domain(n.domain), res.dtype), provenance.get(n.name))
+            for n, res in fallback
+        ]
+        by_label = classify(labelled, census)
+        return {id(n): by_label[label] for (n, _), (label, _, _) in zip(fallback, labelled)}
+
+    @staticmethod
+    def _census(cx: PassContext, ops: set[tuple[str, str]]) -> Census | None:
+        """The original's fallbacks among ``ops``, computed once per run (None: no original)."""
+        if cx.original is None:
+            return None
+        key = (PASS, cx.target.name, frozenset(ops))
+        memo = cx.original.memo
+        if key not in memo:
+            memo[key] = original_fallbacks(cx.target, cx.original.model, ops)
+        return memo[key]
+
+    def _islands(
+        self,
+        ir: ModelIR,
+        cx: PassContext,
+        fallback: list[tuple[Node, Resolution]],
+        origins: dict[int, str],
+    ) -> None:
+        nodes = [n for n, _ in fallback]
+        resolved = {id(n): res for n, res in fallback}
         members = {id(n): n for n in nodes}
         parent = {id(n): id(n) for n in nodes}
 
@@ -244,29 +295,53 @@ class Legalize(Pass):
         for n in nodes:
             groups[find(id(n))].append(n)
         target, fb = cx.target, cx.target.fallback
+        strict = bool(cx.options.get("strict_fallback"))
+        census = self._census(cx, {(n.op, norm_domain(n.domain)) for n in nodes})
+        provenance = getattr(ir, "provenance", {})
         for k, group in enumerate(groups.values()):
             inside = {id(n) for n in group}
             copies_in = _crossing_in(group, inside)
             copies_out = _crossing_out(ir, group, inside)
+            copies = len(copies_in) + len(copies_out)
             labels = [node_label(n) for n in group]
+            where = ""
             for n in group:
-                res = resolve_node(target, n, opsets, getattr(ir, "functions", None))
+                res = resolved[id(n)]
+                where = res.provider
                 label = node_label(n)
-                cx.remark(
-                    "failure",
-                    PASS,
-                    PASS,
-                    "cpu-fallback",
-                    [label],
+                origin = origins.get(id(n), INTRODUCED)
+                message = (
                     f"{_op_label(n)} ({res.dtype or 'unknown dtype'}) at '{label}' has no "
-                    f"{target.providers[0] if target.providers else target.name} kernel; it "
-                    f"would run on {res.provider} (island {k} of {len(group)} node(s), "
-                    f"{len(copies_in) + len(copies_out)} copies per inference)",
+                    f"{provider_of(target)} kernel; it "
+                    f"{'would run' if origin == INTRODUCED or strict else 'runs'} on "
+                    f"{res.provider} (island {k} of {len(group)} node(s), {copies} copies per "
+                    "inference)"
+                )
+                if origin == ORIGINAL:
+                    message += f"; the original model runs it on {res.provider} too" + (
+                        " (--strict-fallback)" if strict else ""
+                    )
+                elif census is not None:
+                    rule = provenance.get(n.name)
+                    message += "; graphopt introduced it: " + (
+                        f"rule {rule} made it"
+                        if rule
+                        else f"the original model has no more {_op_label(n)} "
+                        f"({res.dtype or 'unknown dtype'}) nodes on {res.provider}"
+                    )
+                cx.remark(
+                    "analysis" if origin == ORIGINAL and not strict else "failure",
+                    PASS,
+                    PASS,
+                    "original-fallback" if origin == ORIGINAL and not strict else "cpu-fallback",
+                    [label],
+                    message,
                     op=n.op,
                     domain=norm_domain(n.domain) or "ai.onnx",
                     dtype=res.dtype,
                     node=label,
                     island=k,
+                    origin=origin,
                     fallback_kernel=res.kernel_def(),
                 )
             cx.remark(
@@ -280,9 +355,49 @@ class Legalize(Pass):
                 f"{len(copies_out)} copied out per inference",
                 island=k,
                 members=labels,
+                entries=[
+                    {
+                        "node": node_label(n),
+                        "op": n.op,
+                        "domain": norm_domain(n.domain) or "ai.onnx",
+                        "dtype": resolved[id(n)].dtype,
+                        "origin": origins.get(id(n), INTRODUCED),
+                    }
+                    for n in group
+                ],
+                provider=where,
                 copied_in=sorted(copies_in),
                 copied_out=sorted(copies_out),
+                copies=copies,
+                strict=strict,
             )
+
+    @staticmethod
+    def _mostly(cx: PassContext, nodes: list[Node], fallback: list[tuple[Node, Resolution]]):
+        """One line when most of the model's compute nodes (constants aside) fall back: the
+        target is the wrong place for this model, whoever's nodes they are."""
+        compute = [n for n in nodes if not (n.op == "Constant" and not norm_domain(n.domain))]
+        if not compute or 2 * len(fallback) <= len(compute):
+            return
+        counts: dict[str, int] = defaultdict(int)
+        for n, _ in fallback:
+            counts[n.op] += 1
+        ops = sorted(counts, key=lambda op: (-counts[op], op))
+        provider = fallback[0][1].provider
+        cx.remark(
+            "analysis",
+            PASS,
+            PASS,
+            "mostly-fallback",
+            [],
+            f"most of this model runs on {provider} under {cx.target.name}: {len(fallback)} of "
+            f"{len(compute)} nodes ({', '.join(ops[:4])}{', ...' if len(ops) > 4 else ''})",
+            provider=provider,
+            fallback=len(fallback),
+            compute=len(compute),
+            ops=dict(sorted(counts.items())),
+            target=cx.target.name,
+        )
 
     # ------------------------------------------------------------------- hints
     @staticmethod

@@ -486,6 +486,7 @@ def write_bundle_files(
         "performance": getattr(report, "performance", None),
         "verified": {},
         "nodes": nodes,
+        "fallbacks": fallback_section(target, report.remarks),
         "kernels": kernels or None,
     }
     manifest["model_sha256"] = manifest["integrity"]["files"]["model.onnx"]["sha256"]
@@ -929,6 +930,39 @@ def _node_kernels(target: Target, model: onnx.ModelProto, view) -> tuple[list, d
         "per_node_latency": "not measured (null): the bundle records whole-model latency only",
     }
     return entries, coverage
+
+
+def fallback_section(target: Target, remarks) -> dict[str, Any]:
+    """``manifest.json`` -> ``fallbacks``: the nodes that run on the fallback provider (cuda ->
+    CPU), island by island as legalize found them: each node's op, domain, dtype and origin
+    (``original``: the input model ran it there too; ``introduced``: graphopt's rewrites did),
+    the tensors copied between device and host and how many copies per inference."""
+    islands = sorted(
+        (r for r in remarks if r.pass_name == "legalize" and r.code == "fallback-island"),
+        key=lambda r: r.args.get("island", 0),
+    )
+    entries = [
+        {
+            "island": r.args.get("island"),
+            "provider": r.args.get("provider"),
+            "nodes": list(r.args.get("entries", [])),
+            "copied_in": list(r.args.get("copied_in", [])),
+            "copied_out": list(r.args.get("copied_out", [])),
+            "copies_per_inference": r.args.get("copies", 0),
+        }
+        for r in islands
+    ]
+    placed = [n for e in entries for n in e["nodes"]]
+    return {
+        "target": target.name,
+        "fallback_target": target.fallback,
+        "strict": any(r.args.get("strict") for r in islands),
+        "nodes": len(placed),
+        "original": sum(n.get("origin") == "original" for n in placed),
+        "introduced": sum(n.get("origin") != "original" for n in placed),
+        "copies_per_inference": sum(e["copies_per_inference"] for e in entries),
+        "islands": entries,
+    }
 
 
 def _primary(node: onnx.NodeProto, view, opset: int | None) -> str | None:

@@ -139,7 +139,10 @@ def _cuda_lacks_but_cpu_has() -> str:
     pytest.skip("every unary CPU op has a CUDA kernel")
 
 
-def test_cuda_fallback_islands_are_failures_with_copies():
+def test_cuda_fallback_islands_with_copies_warn_when_the_original_had_them():
+    """The nodes are the input's own: warnings (original-fallback); --strict-fallback
+    (options["strict_fallback"]) makes them failures.  Fallbacks graphopt introduced:
+    tests/test_fallback_policy.py."""
     op = _cuda_lacks_but_cpu_has()  # e.g. Acos
     nodes = [
         helper.make_node("Relu", ["x"], ["a"], name="on_gpu_1"),
@@ -149,11 +152,16 @@ def test_cuda_fallback_islands_are_failures_with_copies():
     ]
     m = model(nodes, [vi("x", [2, 4])], [vi("y", None)])
     _, report = run(m, target="cuda", check=False)
-    fs = failures(report, "cpu-fallback")
-    assert sorted(f.nodes[0] for f in fs) == ["island_1", "island_2"]
-    assert {f.args["island"] for f in fs} == {0}
+    assert not failures(report) and report.legal
+    warned = [r for r in report.remarks if r.code == "original-fallback"]
+    assert sorted(r.nodes[0] for r in warned) == ["island_1", "island_2"]
+    assert {r.args["island"] for r in warned} == {0}
     (island,) = [r for r in report.remarks if r.code == "fallback-island"]
     assert island.args["copied_in"] == ["a"] and island.args["copied_out"] == ["c"]
+    assert island.args["copies"] == 2
+    _, report = run(m, target="cuda", check=False, options={"strict_fallback": True})
+    fs = failures(report, "cpu-fallback")
+    assert sorted(f.nodes[0] for f in fs) == ["island_1", "island_2"]
     assert not report.legal
     _, report = run(m, target="cpu", check=False)
     assert report.legal
