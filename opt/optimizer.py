@@ -29,6 +29,7 @@ from .io import (
     load_model,
     remove_path,
     serialize,
+    tensor_nbytes,
 )
 from .ir import ModelIR, op_histogram
 from .manager import Original, PassContext, run_pass
@@ -409,7 +410,7 @@ def optimize(
         nodes_after=len(optimized.graph.node),
         ops_before=ops_before,
         ops_after=op_histogram(optimized.graph.node),
-        remarks=(kept := cx.remarks.final()),
+        remarks=(kept := cx.remarks.final() + _growth_remarks(model, optimized, performance)),
         passes=[
             {
                 "name": r.name,
@@ -457,6 +458,45 @@ def optimize(
     )
     report.seconds = clock.seconds()
     return optimized, report
+
+
+def constant_bytes(model: onnx.ModelProto) -> int:
+    """The bytes of a model's constants (initializers of every graph, Constant node values),
+    from their metadata: nothing is read."""
+    from .ir import all_graphs
+
+    total = 0
+    for g in all_graphs(model.graph):
+        total += sum(tensor_nbytes(t) for t in g.initializer)
+        for n in g.node:
+            if n.op_type == "Constant" and not n.domain:
+                total += sum(tensor_nbytes(a.t) for a in n.attribute if a.name == "value")
+    return total
+
+
+def _growth_remarks(original, optimized, performance: dict) -> list[Remark]:
+    """An analysis remark when the optimized model's constants outgrow the original's: how
+    much, and what the bundle measured in exchange (the performance net's latency ratio)."""
+    before, after = constant_bytes(original), constant_bytes(optimized)
+    if after <= before or not before:
+        return []
+    bought = (
+        f"; the bundle runs at {performance['ratio']:.3f} of the original's latency (measured)"
+        if performance.get("measured") and performance.get("ratio") is not None
+        else "; no speed was measured for it"
+    )
+    return [
+        Remark(
+            "analysis",
+            "optimize",
+            "model-size",
+            "output-grew",
+            (),
+            f"the optimized model's constants are {after / before:.3f}x the original's "
+            f"({before / 2**20:.2f} -> {after / 2**20:.2f} MiB){bought}",
+            {"before_bytes": before, "after_bytes": after},
+        )
+    ]
 
 
 def _upgraded(model: onnx.ModelProto, opset: int | None, say: Progress) -> tuple:

@@ -399,3 +399,26 @@ def test_a_blow_up_reduced_inside_its_cone_folds():
     out, report = run(m, level=1)
     assert report.parity.ok and ops(out) == {"Add": 1}, ops(out)
     assert "fold-size-budget" not in codes(report, "fold-constants")
+
+
+def test_an_output_that_grows_says_so_with_what_it_measured():
+    """Growth the user allowed (a larger --fold-size-limit) is an analysis remark with the sizes;
+    a model that does not grow gets none."""
+    base = np.ones(4096, np.float32)  # 16 KiB
+    nodes = [
+        helper.make_node("Tile", ["t0", "reps"], ["t1"]),
+        helper.make_node("Add", ["x", "t1"], ["y"]),
+    ]
+    m = model(
+        nodes,
+        [vi("x", [4096 * 8])],
+        [vi("y", [4096 * 8])],
+        [const("t0", base), const("reps", [8], np.int64)],
+    )
+    out, report = run(m, level=1, options={"fold_size_limit": 64 * MIB})
+    (grew,) = [r for r in report.remarks if r.code == "output-grew"]
+    assert (
+        grew.args["after_bytes"] > grew.args["before_bytes"] and "x the original's" in grew.message
+    )
+    _, report = run(m, level=1)
+    assert not [r for r in report.remarks if r.code == "output-grew"]
