@@ -23,7 +23,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -370,6 +370,16 @@ def verify(ir: ModelIR, after: str) -> None:
 # ----------------------------------------------------------------------- registries
 PASSES: dict[str, type[Pass]] = {}
 RULES: dict[str, Rule] = {}
+#: checks of the finished graph, run once after the pipeline (``FINAL_CHECKS[rule]``: only when
+#: that rule ran): they file the remarks a rule owes for what it never looked at
+FINAL_CHECKS: dict[str, Callable[[ModelIR, PassContext], None]] = {}
+
+
+def run_final_checks(ir: ModelIR, cx: PassContext) -> None:
+    """The :data:`FINAL_CHECKS` of the rules this optimization ran."""
+    for rule, check in sorted(FINAL_CHECKS.items()):
+        if rule in cx.stats:
+            check(ir, cx)
 
 
 def register_pass(cls: type[Pass]) -> type[Pass]:

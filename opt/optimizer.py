@@ -32,7 +32,7 @@ from .io import (
     tensor_nbytes,
 )
 from .ir import ModelIR, op_histogram
-from .manager import Original, PassContext, run_pass
+from .manager import Original, PassContext, run_final_checks, run_pass
 from .parity import (
     ParityReport,
     ReferenceRun,
@@ -335,6 +335,7 @@ def optimize(
         for p in passes:
             say(f"running {p.text()}")
             run_pass(p, ir, cx)
+        run_final_checks(ir, cx)
         say("exporting")
         exported = ir.to_onnx(consume=True)
         # complete before the validity check serializes it: those are the bytes written

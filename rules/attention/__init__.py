@@ -48,7 +48,7 @@ broadcast the scores to a larger shape (the kernel would fail at run time, not c
 numbers).
 """
 
-from . import rule  # noqa: F401  (registers the rule)
+from . import census, rule  # noqa: F401  (register the rules)
 from .rule import Attention, FuseMultiHeadAttention, lift
 
 __all__ = ["Attention", "FuseMultiHeadAttention", "lift"]

@@ -1,0 +1,105 @@
+"""No attention is missed in silence: once the pipeline is done, every Softmax still in the
+graph that is an attention's gets a ``fuse-attention`` remark.
+
+A Softmax over the last axis whose scores come from a MatMul product (through at most
+:data:`SCORE_STEPS` scale, bias, mask, cast, soft-capping or layout nodes) and whose
+probabilities are the left operand of a MatMul is an attention.  When ``fuse-attention`` fused
+it, it is gone; when it refused it, that refusal names this Softmax (its ``softmax`` argument).
+Otherwise the rule never looked at it — its heads are not merged by a Transpose after P·V, or
+its scores are not spelled the way stage 1 reads them — and :func:`census` files the missed
+remark under ``fuse-attention``: stage ``1 (core)``, the scores tensor, code
+``unrecognized-layout`` and what was found instead.  It runs once, on the finished graph
+(``graphopt.opt.manager.FINAL_CHECKS``), only where fuse-attention ran.
+"""
+
+from __future__ import annotations
+
+from graphopt.opt.ir import Constant, ModelIR, Node, Tensor
+from graphopt.opt.manager import FINAL_CHECKS, PassContext
+
+RULE = "fuse-attention"
+CORE = "1 (core)"
+#: nodes between the scores' MatMul and the Softmax that the census follows back
+SCORE_STEPS = 8
+#: ops a score transform may be made of (scale, bias, mask, cast, soft-capping, layout)
+SCORE_OPS = frozenset(
+    {"Add", "Sub", "Mul", "Div", "Where", "Cast", "Tanh", "Reshape", "Transpose", "Clip"}
+)
+#: ops that may stand between the probabilities and the P·V MatMul
+PROB_OPS = frozenset({"Where", "Cast", "Dropout", "Reshape", "Identity"})
+MATMULS = frozenset({"MatMul", "FusedMatMul", "Einsum"})
+
+
+def scores_matmul(softmax: Node) -> tuple[Node, list[str]] | None:
+    """The MatMul whose product the Softmax's scores are, and the ops on the way, else None."""
+    frontier: list[tuple[Tensor, list[str]]] = [(softmax.inputs[0], [])]
+    for _ in range(SCORE_STEPS + 1):
+        nxt = []
+        for t, path in frontier:
+            if isinstance(t, Constant) or not t.inputs:
+                continue
+            p = t.inputs[0]
+            if p.op in MATMULS:
+                return p, path
+            if p.op in SCORE_OPS:
+                nxt += [(i, [p.op, *path]) for i in p.inputs[:3] if i is not None and i.name]
+        frontier = nxt
+    return None
+
+
+def pv_matmul(softmax: Node) -> Node | None:
+    """The MatMul that reads the probabilities as its left operand (through PROB_OPS)."""
+    frontier = [softmax.outputs[0]]
+    for _ in range(4):
+        nxt = []
+        for t in frontier:
+            for r in t.outputs:
+                if r.op in MATMULS and r.inputs and r.inputs[0] is t:
+                    return r
+                if r.op in PROB_OPS:
+                    nxt += r.outputs
+        frontier = nxt
+    return None
+
+
+def _last_axis(softmax: Node) -> bool:
+    axis = softmax.attrs.get("axis", -1)
+    shape = softmax.inputs[0].shape
+    return axis == -1 or (shape is not None and axis == len(shape) - 1)
+
+
+def _merge(pv: Node) -> str:
+    """What follows P·V (fuse-attention roots at a Transpose that merges the heads)."""
+    readers = [r.op for r in pv.outputs[0].outputs if r.op != "Shape"]
+    return ", ".join(readers) or "a graph output"
+
+
+def census(ir: ModelIR, cx: PassContext) -> None:
+    """File a missed ``fuse-attention`` remark for every attention Softmax of the main graph
+    that the rule neither fused nor refused."""
+    said = {m.args.get("softmax") for m in cx.misses.get(RULE, ())}
+    for node in ir.graph.nodes:
+        if node.op != "Softmax" or node.domain or node.name in said or not _last_axis(node):
+            continue
+        found = scores_matmul(node)
+        pv = pv_matmul(node) if found is not None else None
+        if pv is None:
+            continue  # not an attention
+        qk, path = found
+        steps = " → ".join(path) if path else "nothing"
+        cx.remark(
+            "missed",
+            "attention-census",
+            RULE,
+            "unrecognized-layout",
+            [node.name],
+            f"stage {CORE}: the Softmax '{node.name}' over the product of {qk.op} '{qk.name}' "
+            f"(then {steps}) feeds {pv.op} '{pv.name}', which is followed by {_merge(pv)}: not "
+            "the P·V and head-merging Transpose fuse-attention reads an attention back from",
+            stage=CORE,
+            tensor=node.inputs[0].name,
+            softmax=node.name,
+        )
+
+
+FINAL_CHECKS[RULE] = census
