@@ -5,6 +5,7 @@ library only where it can run."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -22,6 +23,14 @@ from graphopt.targets.codegen.portable import function_for
 from graphopt.targets.codegen.spec import DOMAIN, KernelSpec
 
 needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+
+
+def substitute(lib) -> None:
+    """Replace a library file with other bytes: a new file renamed over it (the process may
+    have the old one mapped; writing into that file would change code it runs)."""
+    tmp = lib.with_name(lib.name + ".new")
+    tmp.write_bytes(lib.read_bytes() + b"\0")
+    os.replace(tmp, lib)
 
 
 def call_model(spec: KernelSpec, shape: list[int], channels: int, opset: int) -> onnx.ModelProto:
@@ -156,7 +165,7 @@ def test_a_substituted_library_is_still_refused(default_on, faster, tmp_path):
     out = tmp_path / "b"
     optimize(gated(tmp_path), out)
     (lib,) = (out / "kernels" / "cpu").glob("*.so")
-    lib.write_bytes(lib.read_bytes() + b"\0")
+    substitute(lib)
     with pytest.raises(GraphoptError, match="sha256"):
         bundle.load_session(out, fast_path=False)
 
@@ -257,7 +266,7 @@ def test_only_libraries_the_manifest_vouches_for_are_loaded(default_on, faster, 
                 bundle.load_session(out, fast_path=False, verify=verify)
     _set_config(out, original)
     manifest = json.loads((out / "manifest.json").read_text())
-    lib.write_bytes(lib.read_bytes() + b"\0")  # substituted, --verify none
+    substitute(lib)  # --verify none
     with pytest.raises(GraphoptError, match="sha256"):
         bundle.load_session(out, fast_path=False, verify="none")
     # the manifest's sha256 deleted: not vouched for
