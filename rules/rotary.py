@@ -506,8 +506,9 @@ class FuseRotaryEmbedding(Rule):
         )
 
     def rewrite(self, m, b):
-        cos = b.const(m.cos_cache, "cos_cache")
-        sin = b.const(m.sin_cache, "sin_cache")
+        # one cos and one sin table for every layer (and q and k) whose tables are equal
+        cos = b.const(m.cos_cache, "rotary/cos_cache", shared=True)
+        sin = b.const(m.sin_cache, "rotary/sin_cache", shared=True)
         pos = m.pos
         if dtype_of(pos) != np.dtype(np.int64):
             pos = b.op("Cast", [pos], {"to": 7}, name=f"{m.root.name}/positions_int64")
