@@ -313,12 +313,19 @@ class ModelIR:
         Constants are never changed in place, so a shared one stays equal to every value it
         stands for."""
         value = np.asarray(value, order="C")
-        digest = hashlib.blake2b(value.tobytes(), digest_size=16).digest()
-        key = (id(self.graph), value.dtype.str, value.shape, digest)
+        key = self._content_key(value)
         found = self._by_content.get(key)
         if found is None:
             found = self._by_content[key] = Constant(self.fresh_name(name), value)
         return found
+
+    def has_shared_constant(self, value: np.ndarray) -> bool:
+        """Whether :meth:`shared_constant` already made a constant holding ``value`` here."""
+        return self._content_key(np.asarray(value, order="C")) in self._by_content
+
+    def _content_key(self, value: np.ndarray) -> tuple:
+        digest = hashlib.blake2b(value.tobytes(), digest_size=16).digest()
+        return (id(self.graph), value.dtype.str, value.shape, digest)
 
     @contextlib.contextmanager
     def scoped(self, graph: gs.Graph):

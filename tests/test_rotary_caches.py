@@ -81,3 +81,59 @@ def test_per_layer_tables_become_one_cos_and_one_sin(rng, target):
     f = feeds(m, rng, first=1024 - S)  # the last rows the original can address
     for want, got in zip(run_model(m, f), run_model(out, f)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_static_sequence_tables_cover_its_positions(rng, batch):
+    """A static-shape export folds the positions 0..S-1: cos = Cos(emb) of a constant emb (1, S,
+    D) per layer (ModernBERT at a fixed sequence length).  The caches have S rows, the
+    positions are a constant (over a batch of more than one, expanded: folded to a constant)."""
+    f = np.arange(S)[:, None] * INV_FREQ[None, :]
+    emb = np.concatenate([f, f], axis=1)[None].astype(np.float32)
+    nodes, inits, ins, outs = [], [const("ax_1", [1], np.int64)], [], []
+    for i in range(LAYERS):
+        p = f"l{i}_"
+        nodes += [
+            helper.make_node("Cos", [f"{p}emb"], [f"{p}cos0"]),
+            helper.make_node("Sin", [f"{p}emb"], [f"{p}sin0"]),
+            helper.make_node("Unsqueeze", [f"{p}cos0", "ax_1"], [f"{p}cos"]),
+            helper.make_node("Unsqueeze", [f"{p}sin0", "ax_1"], [f"{p}sin"]),
+        ]
+        inits.append(const(f"{p}emb", emb))
+        for x in ("q", "k"):
+            n, c = apply(f"{p}{x}", f"{p}cos", f"{p}sin", f"{p}{x}_rot", p=f"{p}{x}_")
+            nodes += n
+            inits += c
+            ins.append(vi(f"{p}{x}", [batch, H, S, D]))
+            outs.append(vi(f"{p}{x}_rot", [batch, H, S, D]))
+    m = model(nodes, ins, outs, inits)
+    out, _ = assert_optimized(m)
+    h = op_histogram(out.graph.node)
+    assert h.get("com.microsoft.RotaryEmbedding") == 2 * LAYERS, h
+    names = caches(out)
+    assert len(names) == 2
+    assert {tuple(i.dims) for i in out.graph.initializer if i.name in names} == {(S, D // 2)}
+    assert initializer_bytes(out) <= initializer_bytes(m)
+    feed = {i.name: rng.standard_normal((batch, H, S, D)).astype(np.float32) for i in m.graph.input}
+    for want, got in zip(run_model(m, feed), run_model(out, feed)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_caches_of_cos_sin_computed_on_the_fly_state_the_growth():
+    """cos/sin computed from the positions (no table in the original): the one shared pair of
+    caches is all the model grows by, and an analysis remark says how much."""
+    from test_rotary import decoder_rope, freqs_mul
+
+    m = decoder_rope(freqs_mul())
+    out, report = assert_optimized(m)
+    names = caches(out)
+    assert len(names) == 2
+    grown = [r for r in report.remarks if r.code == "rotary-cache-growth"]
+    assert len(grown) == 1 and grown[0].kind == "analysis", grown
+    assert grown[0].args["bytes"] == 2 * 8192 * (D // 2) * 4
+    assert initializer_bytes(out) - initializer_bytes(m) <= grown[0].args["bytes"]
+
+
+def test_tables_from_the_original_state_no_growth():
+    _, report = assert_optimized(per_layer_tables())
+    assert not [r for r in report.remarks if r.code == "rotary-cache-growth"]
