@@ -30,7 +30,9 @@ tables are read as they are, one row per position of x's static sequence of ``S`
 fused op takes the constant positions ``0..S−1``.
 
 Positions a fused node can take are bounded by its cache: ``N`` is the row count of a gathered
-table when the model has one (the original fails beyond it too), ``S`` for a static sequence's
+table when the model has one (the original fails beyond it too; a table sliced to its first
+rows at run time, ``cos_cached[:seq_len]`` as older exports gather from, counts as the whole
+table: where the original's Gather finds a row, it is the table's), ``S`` for a static sequence's
 constant tables, else ``GRAPHOPT_ROTARY_POSITIONS`` (default 8192); onnxruntime refuses a
 position past the cache with an error, never a wrong value; the caches' first dim is ``N``.
 
@@ -247,6 +249,7 @@ def _position_subgraph(roots: list[Tensor]) -> tuple[list[Node], Tensor | None, 
     the position tensor, problem); from constants alone: (nodes, None, "")."""
     nodes: dict[int, Node] = {}
     leaves: dict[int, Tensor] = {}
+    sliced: dict[str, Constant] = {}
     stack = list(roots)
     while stack:
         t = stack.pop()
@@ -264,10 +267,16 @@ def _position_subgraph(roots: list[Tensor]) -> tuple[list[Node], Tensor | None, 
             if node.op == "Constant":
                 nodes[id(node)] = node
             continue
+        table = _sliced_table(node)
+        if table is not None:  # table[:n], n computed at run time: the rows it keeps are table's
+            sliced[t.name] = table
+            continue
         if node.op not in POSITION_OPS or not is_default(node.domain):
             return [], None, f"'{t.name}' comes from a {node.op} node ('{node.name}')"
         nodes[id(node)] = node
         stack.extend(inputs(node))
+    if sliced:
+        nodes[id(sliced)] = _Sliced(sliced)
     if not leaves:  # tables the export computed for a static sequence (positions 0..S-1)
         return list(nodes.values()), None, ""
     if len(leaves) != 1:
@@ -280,16 +289,44 @@ def _position_subgraph(roots: list[Tensor]) -> tuple[list[Node], Tensor | None, 
     return list(nodes.values()), pos, ""
 
 
+class _Sliced:
+    """Stands among a subgraph's nodes for the leading rows of tables ``table[:n]`` (``n``
+    computed at run time): ``names`` maps each slice's output to its whole table."""
+
+    op = "Slice"
+
+    def __init__(self, names: dict[str, Constant]):
+        self.names = names
+
+
+def _sliced_table(node: Node) -> Constant | None:
+    """The constant table of ``Slice(table, 0, n, axes=0)``: the first rows of a 2-D table, any
+    ``n``, step 1 (older exports: ``cos_cached[:seq_len]`` gathered by position); else None.
+    Where the original gathers a row ``p < n`` it is the table's row ``p``."""
+    if node.op != "Slice" or not is_default(node.domain):
+        return None
+    ins = inputs(node)
+    if len(ins) < 4 or not isinstance(ins[0], Constant) or len(ins[0].shape) != 2:
+        return None
+    fixed = [ins[1], ins[3]] + ([ins[4]] if len(ins) > 4 and ins[4] is not None else [])
+    values = [constant_value(t) for t in fixed]
+    if any(v is None or np.asarray(v).size != 1 for v in values):
+        return None
+    start, axis, *step = (int(np.asarray(v).reshape(-1)[0]) for v in values)
+    return ins[0] if start == 0 and axis in (0, -2) and step in ([], [1]) else None
+
+
 def _table_rows(nodes: list[Node]) -> int | None:
     """Rows of a constant table the subgraph gathers from (the original's own position limit)."""
-    rows = [
-        int(inputs(n)[0].shape[0])
-        for n in nodes
-        if n.op == "Gather"
-        and isinstance(inputs(n)[0], Constant)
-        and len(inputs(n)[0].shape) == 2
-        and int(n.attrs.get("axis", 0)) == 0
-    ]
+    sliced = {k: v for n in nodes if isinstance(n, _Sliced) for k, v in n.names.items()}
+    rows = []
+    for n in nodes:
+        if n.op != "Gather" or isinstance(n, _Sliced) or int(n.attrs.get("axis", 0)) != 0:
+            continue
+        table = inputs(n)[0]
+        table = sliced.get(table.name, table)
+        if isinstance(table, Constant) and len(table.shape) == 2:
+            rows.append(int(table.shape[0]))
     return min(rows) if rows else None
 
 
@@ -297,8 +334,12 @@ def _run(ir, nodes: list[Node], pos: Tensor | None, values, outs: list[Tensor]):
     """``outs`` computed by ``nodes`` with ``pos`` set to ``values`` (no positions: from
     constants alone)."""
     order = {id(n): i for i, n in enumerate(ir.graph.nodes)}
-    ordered = sorted(nodes, key=lambda n: order.get(id(n), -1))
     known = {} if pos is None else {pos.name: values.astype(dtype_of(pos))}
+    for n in nodes:
+        if isinstance(n, _Sliced):
+            known.update({k: np.asarray(constant_value(v)) for k, v in n.names.items()})
+    nodes = [n for n in nodes if not isinstance(n, _Sliced)]
+    ordered = sorted(nodes, key=lambda n: order.get(id(n), -1))
     for t in outs:
         if isinstance(t, Constant):
             known[t.name] = np.asarray(constant_value(t))

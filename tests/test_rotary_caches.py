@@ -137,3 +137,46 @@ def test_caches_of_cos_sin_computed_on_the_fly_state_the_growth():
 def test_tables_from_the_original_state_no_growth():
     _, report = assert_optimized(per_layer_tables())
     assert not [r for r in report.remarks if r.code == "rotary-cache-growth"]
+
+
+def test_tables_sliced_to_the_sequence_keep_the_original_rows(rng):
+    """Older exports gather from ``cos_cached[:seq_len]`` (a Slice whose end is computed at
+    run time): the caches have the original table's rows (every position the model can
+    address), one cos and one sin for every layer."""
+    rows, shape = 1024, [B, H, "seq", D]
+    cos, sin = tables(rows)
+    ins = [vi("position_ids", [B, "seq"], TensorProto.INT64)]
+    nodes, outs = [], []
+    inits = [
+        const("ax_0", [0], np.int64),
+        const("zero", [0], np.int64),
+        const("ax_1", [1], np.int64),
+    ]
+    for i in range(LAYERS):
+        p = f"l{i}_"
+        nodes.append(helper.make_node("Shape", [f"{p}q"], [f"{p}seq"], start=2, end=3))
+        for t, v in (("cos", cos), ("sin", sin)):
+            nodes += [
+                helper.make_node(
+                    "Slice", [f"{p}{t}_cached", "zero", f"{p}seq", "ax_0"], [f"{p}{t}_s"]
+                ),
+                helper.make_node("Gather", [f"{p}{t}_s", "position_ids"], [f"{p}{t}0"]),
+                helper.make_node("Unsqueeze", [f"{p}{t}0", "ax_1"], [f"{p}{t}"]),
+            ]
+            inits.append(const(f"{p}{t}_cached", v))
+        for x in ("q", "k"):
+            n, c = apply(f"{p}{x}", f"{p}cos", f"{p}sin", f"{p}{x}_rot", p=f"{p}{x}_")
+            nodes += n
+            inits += c
+            ins.append(vi(f"{p}{x}", shape))
+            outs.append(vi(f"{p}{x}_rot", shape))
+    m = model(nodes, ins, outs, inits, opset=17)
+    out, _ = assert_optimized(m)
+    assert op_histogram(out.graph.node).get("com.microsoft.RotaryEmbedding") == 2 * LAYERS
+    names = caches(out)
+    assert len(names) == 2
+    assert {tuple(i.dims) for i in out.graph.initializer if i.name in names} == {(rows, D // 2)}
+    assert initializer_bytes(out) <= initializer_bytes(m)
+    f = feeds(m, rng)
+    for want, got in zip(run_model(m, f), run_model(out, f)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
