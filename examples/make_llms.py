@@ -19,7 +19,8 @@ is Concat(past, new) — also for Mistral's sliding-window layers, whose window 
 the attention mask (a full cache, as onnxruntime's GroupQueryAttention with local_window_size
 keeps it). Families: llama (GQA 8/2), qwen2 (GQA, q/k/v biases), mistral (GQA, sliding window
 16), phi3 (MHA, fused qkv_proj and gate_up_proj), gemma (MQA, head_dim 64, GELU-tanh, scaled
-embeddings). Each is written as NAME.onnx (TorchScript, opset 17) and NAME_dynamo.onnx
+embeddings), gpt_neox (MHA, partial rotary: a quarter of each head), qwen3 (GQA, q/k RMSNorm
+before the rotation). Each is written as NAME.onnx (TorchScript, opset 17) and NAME_dynamo.onnx
 (torch.export, opset 18) with NAME.json = {"inputs": {name: shape}} (a prefill of 8 tokens after
 16 cached ones, batch 1).
 
@@ -159,6 +160,41 @@ def _gemma():
     return GemmaForCausalLM(cfg)
 
 
+def _gpt_neox():
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    cfg = GPTNeoXConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        rotary_pct=0.25,
+        max_position_embeddings=2048,
+        use_parallel_residual=True,
+    )
+    return GPTNeoXForCausalLM(cfg)
+
+
+def _qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+    return Qwen3ForCausalLM(cfg)
+
+
 @dataclass
 class Family:
     name: str
@@ -172,6 +208,8 @@ FAMILIES = [
     Family("mistral", _mistral, "Mistral: GQA 8/2, sliding window 16 (mask), full cache"),
     Family("phi3", _phi3, "Phi-3: MHA 8 heads, fused qkv_proj and gate_up_proj"),
     Family("gemma", _gemma, "Gemma: MQA 4/1, head_dim 64, GELU-tanh MLP, (1+w) RMSNorm"),
+    Family("gpt_neox", _gpt_neox, "GPT-NeoX: MHA 8 heads, partial rotary (a quarter of the head)"),
+    Family("qwen3", _qwen3, "Qwen3: GQA 8/2, q/k RMSNorm before the rotation, RoPE theta 1e6"),
 ]
 
 
@@ -213,7 +251,8 @@ class CachedDecoder(nn.Module):
 def kv_shape(model: nn.Module) -> tuple[int, int]:
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return cfg.num_key_value_heads, head_dim
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    return kv_heads, head_dim
 
 
 def past_names(layers: int) -> list[str]:

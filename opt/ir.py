@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import heapq
 import itertools
 import math
@@ -179,6 +180,9 @@ class ModelIR:
         self.node_protos[id(self.graph)] = read_protos(self.graph.nodes, model.graph.node)
         #: per graph (by id): the small constants its last shape inference exported, by id
         self.constant_protos: dict[int, dict] = {}
+        #: constants rewrites made to be shared by content (:meth:`shared_constant`):
+        #: (graph id, dtype, shape, digest) -> the constant
+        self._by_content: dict[tuple, Constant] = {}
 
     # ----------------------------------------------------------------- export
     def to_onnx(self, consume: bool = False) -> onnx.ModelProto:
@@ -298,6 +302,30 @@ class ModelIR:
 
     def fresh_name(self, base: str) -> str:
         return self._names.fresh(base)
+
+    def shared_constant(self, value: np.ndarray, name: str) -> Constant:
+        """A constant holding ``value`` for the graph being worked on: the one an earlier call
+        made with the same dtype, shape and bytes, else a new one named ``name`` (made unique).
+
+        For tables a rewrite computes once per layer that are the same for every layer (rotary
+        caches): cse compares only small constants (it never reads weights to compare them), so
+        equal large values made apart would stay apart; shared here, the model holds one copy.
+        Constants are never changed in place, so a shared one stays equal to every value it
+        stands for."""
+        value = np.asarray(value, order="C")
+        key = self._content_key(value)
+        found = self._by_content.get(key)
+        if found is None:
+            found = self._by_content[key] = Constant(self.fresh_name(name), value)
+        return found
+
+    def has_shared_constant(self, value: np.ndarray) -> bool:
+        """Whether :meth:`shared_constant` already made a constant holding ``value`` here."""
+        return self._content_key(np.asarray(value, order="C")) in self._by_content
+
+    def _content_key(self, value: np.ndarray) -> tuple:
+        digest = hashlib.blake2b(value.tobytes(), digest_size=16).digest()
+        return (id(self.graph), value.dtype.str, value.shape, digest)
 
     @contextlib.contextmanager
     def scoped(self, graph: gs.Graph):

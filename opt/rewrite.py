@@ -277,7 +277,11 @@ class Builder:
         self.created.append(node)
         return outs[0] if outputs == 1 else outs
 
-    def const(self, value: np.ndarray, base: str = "const") -> Constant:
+    def const(self, value: np.ndarray, base: str = "const", *, shared: bool = False) -> Constant:
+        """A new constant; ``shared``: the constant an earlier rewrite made with the same
+        dtype, shape and bytes, if any (:meth:`ModelIR.shared_constant`; named ``base``)."""
+        if shared:
+            return self.ir.shared_constant(value, base)
         name = self.ir.fresh_name(f"{self.anchor}/{base}")
         return Constant(name, np.asarray(value, order="C"))
 

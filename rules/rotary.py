@@ -25,10 +25,23 @@ a second, shuffled batch of positions that every row depends on its own position
 the two halves (or the even/odd columns) of each row are equal; the half-width tables become the
 op's ``cos_cache``/``sin_cache`` constants.
 
+A static-shape export computes cos/sin from constants (the positions ``0..S−1`` folded): the
+tables are read as they are, one row per position of x's static sequence of ``S``, and the
+fused op takes the constant positions ``0..S−1``.
+
 Positions a fused node can take are bounded by its cache: ``N`` is the row count of a gathered
-table when the model has one (the original fails beyond it too), else
-``GRAPHOPT_ROTARY_POSITIONS`` (default 8192); onnxruntime refuses a position past the cache
-with an error, never a wrong value; the caches' first dim is ``N``.
+table when the model has one (the original fails beyond it too; a table sliced to its first
+rows at run time, ``cos_cached[:seq_len]`` as older exports gather from, counts as the whole
+table: where the original's Gather finds a row, it is the table's), ``S`` for a static sequence's
+constant tables, else ``GRAPHOPT_ROTARY_POSITIONS`` (default 8192); onnxruntime refuses a
+position past the cache with an error, never a wrong value; the caches' first dim is ``N``.
+
+Never bigger by construction: every layer (and q and k) whose caches are equal reads one cos and
+one sin constant (:meth:`ModelIR.shared_constant`; cse leaves them apart, since it compares
+constants of at most 4096 elements only), and half-width caches of ``N`` rows are no bigger than
+a table of ``N`` rows the original gathers from.  Only caches for cos/sin the original computes
+on the fly add to the model (one cos and one sin per distinct table); an analysis remark
+(``rotary-cache-growth``) says by how much.
 
 The op takes one position per token: positions whose dims are not provably x's batch and
 sequence (they broadcast in the original's ``Mul``) are expanded to them at run time
@@ -233,9 +246,10 @@ def _check_split(node: Node, cx, rank: int, width: int) -> None:
 
 def _position_subgraph(roots: list[Tensor]) -> tuple[list[Node], Tensor | None, str]:
     """The nodes computing ``roots`` from one integer rank-2 tensor and constants: (nodes,
-    the position tensor, problem)."""
+    the position tensor, problem); from constants alone: (nodes, None, "")."""
     nodes: dict[int, Node] = {}
     leaves: dict[int, Tensor] = {}
+    sliced: dict[str, Constant] = {}
     stack = list(roots)
     while stack:
         t = stack.pop()
@@ -253,12 +267,20 @@ def _position_subgraph(roots: list[Tensor]) -> tuple[list[Node], Tensor | None, 
             if node.op == "Constant":
                 nodes[id(node)] = node
             continue
+        table = _sliced_table(node)
+        if table is not None:  # table[:n], n computed at run time: the rows it keeps are table's
+            sliced[t.name] = table
+            continue
         if node.op not in POSITION_OPS or not is_default(node.domain):
             return [], None, f"'{t.name}' comes from a {node.op} node ('{node.name}')"
         nodes[id(node)] = node
         stack.extend(inputs(node))
+    if sliced:
+        nodes[id(sliced)] = _Sliced(sliced)
+    if not leaves:  # tables the export computed for a static sequence (positions 0..S-1)
+        return list(nodes.values()), None, ""
     if len(leaves) != 1:
-        names = ", ".join(sorted(t.name for t in leaves.values())) or "no tensor"
+        names = ", ".join(sorted(t.name for t in leaves.values()))
         return [], None, f"they are computed from {names}, not from one position tensor"
     (pos,) = leaves.values()
     dt = dtype_of(pos)
@@ -267,27 +289,66 @@ def _position_subgraph(roots: list[Tensor]) -> tuple[list[Node], Tensor | None, 
     return list(nodes.values()), pos, ""
 
 
+class _Sliced:
+    """Stands among a subgraph's nodes for the leading rows of tables ``table[:n]`` (``n``
+    computed at run time): ``names`` maps each slice's output to its whole table."""
+
+    op = "Slice"
+
+    def __init__(self, names: dict[str, Constant]):
+        self.names = names
+
+
+def _sliced_table(node: Node) -> Constant | None:
+    """The constant table of ``Slice(table, 0, n, axes=0)``: the first rows of a 2-D table, any
+    ``n``, step 1 (older exports: ``cos_cached[:seq_len]`` gathered by position); else None.
+    Where the original gathers a row ``p < n`` it is the table's row ``p``."""
+    if node.op != "Slice" or not is_default(node.domain):
+        return None
+    ins = inputs(node)
+    if len(ins) < 4 or not isinstance(ins[0], Constant) or len(ins[0].shape) != 2:
+        return None
+    fixed = [ins[1], ins[3]] + ([ins[4]] if len(ins) > 4 and ins[4] is not None else [])
+    values = [constant_value(t) for t in fixed]
+    if any(v is None or np.asarray(v).size != 1 for v in values):
+        return None
+    start, axis, *step = (int(np.asarray(v).reshape(-1)[0]) for v in values)
+    return ins[0] if start == 0 and axis in (0, -2) and step in ([], [1]) else None
+
+
 def _table_rows(nodes: list[Node]) -> int | None:
     """Rows of a constant table the subgraph gathers from (the original's own position limit)."""
-    rows = [
-        int(inputs(n)[0].shape[0])
-        for n in nodes
-        if n.op == "Gather"
-        and isinstance(inputs(n)[0], Constant)
-        and len(inputs(n)[0].shape) == 2
-        and int(n.attrs.get("axis", 0)) == 0
-    ]
+    sliced = {k: v for n in nodes if isinstance(n, _Sliced) for k, v in n.names.items()}
+    rows = []
+    for n in nodes:
+        if n.op != "Gather" or isinstance(n, _Sliced) or int(n.attrs.get("axis", 0)) != 0:
+            continue
+        table = inputs(n)[0]
+        table = sliced.get(table.name, table)
+        if isinstance(table, Constant) and len(table.shape) == 2:
+            rows.append(int(table.shape[0]))
     return min(rows) if rows else None
 
 
-def _run(ir, nodes: list[Node], pos: Tensor, values: np.ndarray, outs: list[Tensor]):
+def _run(ir, nodes: list[Node], pos: Tensor | None, values, outs: list[Tensor]):
+    """``outs`` computed by ``nodes`` with ``pos`` set to ``values`` (no positions: from
+    constants alone)."""
     order = {id(n): i for i, n in enumerate(ir.graph.nodes)}
+    known = {} if pos is None else {pos.name: values.astype(dtype_of(pos))}
+    for n in nodes:
+        if isinstance(n, _Sliced):
+            known.update({k: np.asarray(constant_value(v)) for k, v in n.names.items()})
+    nodes = [n for n in nodes if not isinstance(n, _Sliced)]
     ordered = sorted(nodes, key=lambda n: order.get(id(n), -1))
-    known = {pos.name: values.astype(dtype_of(pos))}
+    for t in outs:
+        if isinstance(t, Constant):
+            known[t.name] = np.asarray(constant_value(t))
     for n in ordered:
         for t in inputs(n):
             if isinstance(t, Constant):
                 known[t.name] = np.asarray(constant_value(t))
+    if all(t.name in known for t in outs):
+        return [known[t.name] for t in outs]
     try:
         got = evaluate(ir, ordered, known, [t.name for t in outs])
     except EvaluationError as e:
@@ -302,8 +363,10 @@ def _run(ir, nodes: list[Node], pos: Tensor, values: np.ndarray, outs: list[Tens
 _LAST_TABLES: list = []
 
 
-def _tables(m: Match, cx, width: int, interleaved: bool) -> tuple[np.ndarray, np.ndarray, int]:
-    """The half-width cos/sin caches and the number of positions they cover (memoized)."""
+def _tables(m: Match, cx, width: int, interleaved: bool) -> tuple:
+    """(half-width cos cache, sin cache, the number of positions they cover, x's sequence
+    axis, the position tensor or None for constant tables, where the rows come from: "table"
+    gathered, "static" constants, "computed" on the fly) (memoized)."""
     key = (width, interleaved, max_positions())
     if _LAST_TABLES and _LAST_TABLES[0]() is m.cos and _LAST_TABLES[1]() is m.sin:
         if _LAST_TABLES[2] == key:
@@ -315,9 +378,15 @@ def _tables(m: Match, cx, width: int, interleaved: bool) -> tuple[np.ndarray, np
 
 def _read_tables(m: Match, cx, width: int, interleaved: bool) -> tuple:
     nodes, pos, problem = _position_subgraph([m.cos, m.sin])
-    require(pos is not None, "position-source", f"cos/sin are not per-position tables: {problem}")
-    rows = _table_rows(nodes) or max_positions()
-    cos, sin = _run(cx.ir, nodes, pos, np.arange(rows).reshape(1, rows), [m.cos, m.sin])
+    require(not problem, "position-source", f"cos/sin are not per-position tables: {problem}")
+    if pos is None:
+        cos, sin, rows = _constant_tables(m, cx, nodes)
+        source = "static"
+    else:
+        rows = _table_rows(nodes)
+        source = "table" if rows else "computed"
+        rows = rows or max_positions()
+        cos, sin = _run(cx.ir, nodes, pos, np.arange(rows).reshape(1, rows), [m.cos, m.sin])
     for name, v in (("cos", cos), ("sin", sin)):
         require(
             v.ndim == 4 and v.shape[-1] == width and v.size == rows * width,
@@ -334,7 +403,8 @@ def _read_tables(m: Match, cx, width: int, interleaved: bool) -> tuple:
         )
     seq_axis = 2 if cos.shape[2] == rows and cos.shape[1] == 1 else 1
     cos, sin = cos.reshape(rows, width), sin.reshape(rows, width)
-    _check_per_position(cx, nodes, pos, m, cos, sin, seq_axis)
+    if pos is not None:
+        _check_per_position(cx, nodes, pos, m, cos, sin, seq_axis)
     halves = (
         (slice(0, None, 2), slice(1, None, 2))
         if interleaved
@@ -353,7 +423,33 @@ def _read_tables(m: Match, cx, width: int, interleaved: bool) -> tuple:
             "half-width table",
         )
     half_cos, half_sin = cos[:, halves[0]], sin[:, halves[0]]
-    return np.ascontiguousarray(half_cos), np.ascontiguousarray(half_sin), rows, seq_axis
+    half_cos, half_sin = np.ascontiguousarray(half_cos), np.ascontiguousarray(half_sin)
+    return half_cos, half_sin, rows, seq_axis, pos, source
+
+
+def _constant_tables(m: Match, cx, nodes: list[Node]) -> tuple[np.ndarray, np.ndarray, int]:
+    """cos/sin the export computed from constants: the rows of positions 0..S-1 of a static
+    sequence of S, x's own (the caches need no more rows than the model can address)."""
+    cos, sin = _run(cx.ir, nodes, None, None, [m.cos, m.sin])
+    x = m.x
+    require(
+        cos.ndim == 4 and cos.shape == sin.shape,
+        "shape-mismatch",
+        f"constant cos/sin have shapes {list(cos.shape)}/{list(sin.shape)}; expected "
+        "[1, 1, S, head_dim] or [1, S, 1, head_dim]",
+    )
+    axes = [a for a in (1, 2) if cos.shape[a] != 1] or [2]
+    seq = x.shape[axes[0]] if len(axes) == 1 else None
+    require(
+        len(axes) == 1
+        and isinstance(seq, (int, np.integer))
+        and int(seq) == cos.shape[axes[0]]
+        and cos.shape[0] == 1,
+        "layout",
+        f"constant cos/sin of shape {list(cos.shape)} are not one row per position of the "
+        f"static sequence of '{x.name}' {x.shape}",
+    )
+    return cos, sin, int(seq)
 
 
 def _check_per_position(cx, nodes, pos, m, cos, sin, seq_axis: int) -> None:
@@ -373,6 +469,26 @@ def _check_per_position(cx, nodes, pos, m, cos, sin, seq_axis: int) -> None:
         "position-source",
         f"cos/sin computed from '{pos.name}' do not depend on each position alone (a batch of "
         "shuffled positions gives other rows)",
+    )
+
+
+def _note_growth(rule: str, m: Match, cx, cos: np.ndarray, sin: np.ndarray) -> None:
+    """An analysis remark for caches of cos/sin the original computes on the fly: the model
+    grows by their bytes (once for every layer whose tables are equal)."""
+    grown = int(cos.nbytes + sin.nbytes)
+    cx.remark(
+        "analysis",
+        "rules",
+        rule,
+        "rotary-cache-growth",
+        [m.root.name],
+        f"RotaryEmbedding at '{m.root.name}' takes cos/sin caches of {cos.shape[0]} positions x "
+        f"{cos.shape[1]} {cos.dtype} ({grown} bytes, read by every layer whose tables are "
+        "equal); the original computes them on the fly, so the model grows by that much "
+        f"(positions: GRAPHOPT_ROTARY_POSITIONS, default {DEFAULT_POSITIONS})",
+        bytes=grown,
+        rows=int(cos.shape[0]),
+        dtype=str(cos.dtype),
     )
 
 
@@ -453,7 +569,9 @@ class FuseRotaryEmbedding(Rule):
             tname,
             "RotaryEmbedding",
         )
-        cos, sin, rows, seq_axis = _tables(m, cx, width, interleaved)
+        cos, sin, rows, seq_axis, pos, source = _tables(m, cx, width, interleaved)
+        if source == "computed" and not cx.ir.has_shared_constant(cos):
+            _note_growth(self.name, m, cx, cos, sin)
         heads = x.shape[2] if seq_axis == 1 else None
         if seq_axis == 1:  # (batch, sequence, heads, head_dim): the op's 3-D form
             require(
@@ -462,10 +580,14 @@ class FuseRotaryEmbedding(Rule):
                 f"'{x.name}' is (batch, sequence, heads, head_dim) with heads {heads}; the "
                 "fused op's 3-D form needs a static head count",
             )
-        _, pos, _ = _position_subgraph([m.cos, m.sin])
-        # positions of another (batch, sequence) shape broadcast in the original's Mul: expand
-        # them to x's at run time unless the dims are provably x's already
-        expand = not (same_dim(pos, 0, x, 0) and same_dim(pos, 1, x, seq_axis))
+        if pos is None:  # constant tables of a static sequence: positions 0..S-1 of each row
+            positions = np.arange(rows, dtype=np.int64).reshape(1, rows)
+            expand = x.shape[0] != 1
+        else:
+            positions = None
+            # positions of another (batch, sequence) shape broadcast in the original's Mul:
+            # expand them to x's at run time unless the dims are provably x's already
+            expand = not (same_dim(pos, 0, x, 0) and same_dim(pos, 1, x, seq_axis))
         m.stash(
             op=op,
             op_domain=domain,
@@ -473,6 +595,7 @@ class FuseRotaryEmbedding(Rule):
             sin_cache=sin,
             rows=rows,
             pos=pos,
+            positions=positions,
             expand=expand,
             seq_axis=seq_axis,
             heads=None if heads is None else int(heads),
@@ -506,10 +629,13 @@ class FuseRotaryEmbedding(Rule):
         )
 
     def rewrite(self, m, b):
-        cos = b.const(m.cos_cache, "cos_cache")
-        sin = b.const(m.sin_cache, "sin_cache")
+        # one cos and one sin table for every layer (and q and k) whose tables are equal
+        cos = b.const(m.cos_cache, "rotary/cos_cache", shared=True)
+        sin = b.const(m.sin_cache, "rotary/sin_cache", shared=True)
         pos = m.pos
-        if dtype_of(pos) != np.dtype(np.int64):
+        if pos is None:
+            pos = b.const(m.positions, "rotary/positions", shared=True)
+        elif dtype_of(pos) != np.dtype(np.int64):
             pos = b.op("Cast", [pos], {"to": 7}, name=f"{m.root.name}/positions_int64")
             pos.dtype, pos.shape = np.dtype(np.int64), m.pos.shape
         if m.expand:
