@@ -14,7 +14,9 @@ and one left by a killed run is removed by the next write of that output.
 Where outputs may go: :func:`check_output_dir` lets a folder be replaced only when it is one
 graphopt wrote (a marker file with its schema) and holds nothing else; :func:`check_side_outputs`
 refuses a file output that would land on an input model, its external data, an input file, or
-inside a folder being read or written.
+inside a folder being read or written.  A file output only ever creates a regular file or replaces
+one (:func:`check_regular_target`, up front and again at write time): a device, FIFO, socket or
+folder at its path is refused, never replaced.
 """
 
 from __future__ import annotations
@@ -704,7 +706,10 @@ def save_model(
         raise ModelSaveError(f"cannot write to {parent}: {e.strerror or e}") from None
     try:
         write_model_files(model, tmpdir / path.name, external=external, base_dir=base_dir)
-        for item in sorted(tmpdir.iterdir(), key=lambda p: p.suffix == ".onnx"):
+        items = sorted(tmpdir.iterdir(), key=lambda p: p.suffix == ".onnx")
+        for item in items:  # nothing but a regular file is replaced
+            check_regular_target(parent / item.name)
+        for item in items:
             os.replace(item, parent / item.name)
     except OSError as e:
         raise ModelSaveError(f"cannot write {path}: {e.strerror or e}") from None
@@ -1021,16 +1026,56 @@ def staging_dir(final: Path) -> Path:
     return staging
 
 
+#: what a path that is not a regular file is, by its file type
+_FILE_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def non_regular_kind(path: str | os.PathLike) -> str | None:
+    """What ``path`` (symlinks followed) is when it exists and is not a regular file (``"a
+    character device"``...); None for a regular file or nothing (a dangling link: nothing)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    return next((kind for test, kind in _FILE_KINDS if test(mode)), "not a regular file")
+
+
+def check_regular_target(path: str | os.PathLike, flag: str | None = None) -> None:
+    """A file output may create a regular file or replace one, nothing else: anything else at
+    ``path`` (symlinks followed) — a device such as /dev/null, a FIFO, a socket, a folder — is a
+    UsageError naming the path and what it is (a rename would replace it)."""
+    kind = non_regular_kind(path)
+    if kind is not None:
+        where = f"{flag} {path}" if flag else str(path)
+        if os.path.islink(path):
+            where += f" (a link to {os.path.realpath(path)})"
+        raise UsageError(
+            f"{where} is {kind}: an output file may only create or replace a regular file"
+        )
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
     """Call ``write`` on a temporary sibling of ``path``, then rename it into place, with normal
-    permissions; the temporary never survives a failure."""
+    permissions; the temporary never survives a failure.  ``path`` must be a regular file or
+    nothing (:func:`check_regular_target`, before writing and again just before the rename)."""
+    given = path
     path = Path(path).resolve()
+    check_regular_target(given)
     sweep_stale(path)
     fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path, "tmp"), dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
         os.chmod(tmp, 0o666 & ~_umask())
+        check_regular_target(given)  # what appeared there while writing is not replaced either
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -1363,7 +1408,8 @@ def check_side_outputs(
     """Refuse (UsageError) any file output (``{flag: path}``) that resolves, symlinks followed,
     to one of the input ``models`` or their external-data files, to one of the other input
     ``files``, to a path inside one of ``dirs`` (the output folder being written, an input
-    bundle), or to another output; or that lies under a regular file."""
+    bundle), or to another output; or that lies under a regular file; or whose path holds
+    anything but a regular file (a device, FIFO, socket or folder: :func:`check_regular_target`)."""
     seen: dict[Path, str] = {}
     ext_cache: dict[Path, list[Path]] = {}
     for flag, given in outputs.items():
@@ -1372,6 +1418,7 @@ def check_side_outputs(
         path = Path(given)
         real = _resolved(path)
         _check_parents(real, flag)
+        check_regular_target(path, flag)
         if real in seen:
             raise UsageError(f"{flag} {path}: the same file as {seen[real]}")
         seen[real] = flag

@@ -35,6 +35,8 @@ import json
 import os
 import tempfile
 import threading
+import zipfile
+import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -172,11 +174,20 @@ def parse_tolerances(specs: list[str] | None) -> dict[str, Tolerance]:
 
 
 def load_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """An ``--inputs`` .npz: its arrays by name.  A file that is no readable .npz (truncated,
+    a bad checksum, not a zip, an .npy: :func:`~graphopt.opt.feeds.read_feeds` reads those) or
+    that holds no array is a UsageError (one line)."""
     try:
-        with np.load(path, allow_pickle=False) as data:
-            return {k: data[k] for k in data.files}
-    except (OSError, ValueError) as e:
+        data = np.load(path, allow_pickle=False)
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise ValueError("not an .npz archive")
+        with data:
+            arrays = {k: data[k] for k in data.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:
         raise UsageError(f"--inputs {path}: cannot read as .npz/.npy ({e})") from None
+    if not arrays:
+        raise UsageError(f"--inputs {path}: the .npz holds no arrays (one per input name)")
+    return arrays
 
 
 class Session:
