@@ -45,6 +45,7 @@ from .opt.io import (
     save_model,
 )
 from .opt.lint import freeze_initializers as freeze_model
+    validate,
 from .opt.lint import lint as lint_model
 from .opt.manager import PASSES, RULES
 from .opt.optimizer import sparse_collection
@@ -439,7 +440,14 @@ def lint(
             except errors.GraphoptError:
                 missed = []
             say("linting")
-            findings = lint_model(proto, missed_remarks=missed)
+            try:
+                findings = lint_model(proto, missed_remarks=missed)
+            except Exception:
+                _refuse_invalid(proto, model)
+                raise
+            except Exception:
+                _refuse_invalid(proto, model)
+                raise
         payload = {
             "schema": "graphopt.lint/1",
             "model": str(model),
@@ -457,6 +465,14 @@ def lint(
 
 # ------------------------------------------------------------------ bench, gate
 @app.command()
+def _refuse_invalid(proto, path: Path) -> None:
+    """``lint`` reads a model without onnx's checker (to point at what it would refuse, too);
+    where the model is too broken to look at (a cycle, a recursive function, raw data of the
+    wrong size), the checker's reason is the error (exit 1).  Returns when the checker accepts
+    the model (the caller raises what it caught)."""
+    validate(proto, path)
+
+
 def bench(
     model: Annotated[Path, Argument(help="Original model.")],
     optimized: flags.OptimizedModel = None,

@@ -177,9 +177,9 @@ class _Param:
         lo, hi = getattr(self.info, "min", None), getattr(self.info, "max", None)
         if (lo is not None and value < lo) or (hi is not None and value > hi):
             if lo is not None and hi is not None:
-                bounds = f"from {lo:g} to {hi:g}"
+                bounds = f"from {_number(lo)} to {_number(hi)}"
             else:
-                bounds = f"at least {lo:g}" if lo is not None else f"at most {hi:g}"
+                bounds = f"at least {_number(lo)}" if lo is not None else f"at most {_number(hi)}"
             raise _UsageProblem(f"{self.label} must be {bounds} (got {raw})")
         return value
 
@@ -193,6 +193,11 @@ class _Param:
 
 
 class _UsageProblem(Exception):
+def _number(x: float) -> str:
+    """A bound as users write it: whole numbers in full (1000000, not 1e+06)."""
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
     """A flag's value that cannot be converted or is out of bounds."""
 
 

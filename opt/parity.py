@@ -32,6 +32,7 @@ memory plan then needs no run of its own.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 import threading
@@ -49,7 +50,7 @@ from onnx import numpy_helper
 
 from .customops import register_libraries
 from .errors import GraphoptError, UsageError
-from .feeds import find_runnable, validate_args
+from .feeds import MAX_INPUT_BYTES, find_runnable, validate_args
 from .io import has_data_files, serialize, tensor_nbytes, write_model_files
 
 Tolerance = tuple[float, float]  # (rtol relative to the output's scale, atol)
@@ -742,8 +743,21 @@ def make_inputs(
             feeds[inp.name] = words[rng.integers(0, len(words), shape)]
             continue
         dtype = np.dtype(_ORT_TYPES[inp.type])
+        _check_input_size(inp.name, shape, dtype)
         feeds[inp.name] = _random(rng, inp.name.lower(), dtype, shape, int_high)
     return feeds
+
+
+def _check_input_size(name: str, shape: list[int], dtype: np.dtype) -> None:
+    """A drawn input is at most :data:`~graphopt.opt.feeds.MAX_INPUT_BYTES` (a declared dim of
+    2**62 is no size to allocate): a GraphoptError naming the input, its shape and the bound."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > MAX_INPUT_BYTES:
+        raise GraphoptError(
+            f"input '{name}' of shape {list(shape)} ({dtype}) would take {nbytes / 2**30:.3g} "
+            f"GiB, more than the {MAX_INPUT_BYTES >> 30} GiB a drawn input may; give "
+            "smaller sizes (--shape for symbolic dims) or real inputs with --inputs"
+        )
 
 
 def _random(

@@ -3,6 +3,8 @@ code (never a traceback or "internal error"), and nothing that is not graphopt's
 
 from __future__ import annotations
 
+import builtins
+import json
 import os
 import socket
 import stat
@@ -10,7 +12,7 @@ import stat
 import numpy as np
 import onnx
 import pytest
-from onnx import helper
+from onnx import external_data_helper, helper, numpy_helper
 
 from cli_runner import CliRunner
 from conftest import vi
@@ -158,3 +160,216 @@ def test_a_corrupt_npz_is_a_usage_error(damage, relu, tmp_path):
     (tmp_path / "bad.npz").write_bytes(bad)
     res = runner.invoke(app, ["check", relu, relu, "--inputs", tmp_path / "bad.npz"])
     assert "cannot read" in one_line(res, 2)
+
+
+# ------------------------------------------------------------------ broken files
+def _matmul_model():
+    w = numpy_helper.from_array(np.arange(64, dtype=np.float32).reshape(8, 8), "W")
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])], "mm", [vi("x", [1, 8])], [vi("y", [1, 8])]
+    )
+    g.initializer.append(w)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _external_model(folder, edit):
+    """A model whose weight lies in ``w.bin``; ``edit(entries, folder)`` changes its external_data
+    entries (a dict) or the files."""
+    folder.mkdir()
+    m = _matmul_model()
+    external_data_helper.convert_model_to_external_data(
+        m, all_tensors_to_one_file=True, location="w.bin", size_threshold=0
+    )
+    onnx.save(m, folder / "m.onnx")
+    m = onnx.load(folder / "m.onnx", load_external_data=False)
+    tensor = m.graph.initializer[0]
+    entries = {e.key: e.value for e in tensor.external_data}
+    edit(entries, folder)
+    del tensor.external_data[:]
+    for key, value in entries.items():
+        tensor.external_data.add(key=key, value=value)
+    onnx.save(m, folder / "m.onnx")
+    return folder / "m.onnx"
+
+
+def _symlink_loop(entries, folder):
+    (folder / "w.bin").unlink()
+    (folder / "w.bin").symlink_to("w2.bin")
+    (folder / "w2.bin").symlink_to("w.bin")
+
+
+EXTERNAL_BREAKS = {
+    "symlink-loop": (_symlink_loop, "symlink loop"),
+    "file-too-short": (lambda e, f: os.truncate(f / "w.bin", 100), "has only 100 bytes"),
+    "past-the-end": (lambda e, f: e.update(offset="1000"), "ends at byte"),
+    "negative-length": (lambda e, f: e.update(length="-4"), "length '-4', not a byte count"),
+    "negative-offset": (lambda e, f: e.update(offset="-4"), "offset '-4', not a byte count"),
+    "text-offset": (lambda e, f: e.update(offset="abc"), "offset 'abc', not a byte count"),
+    "fractional-offset": (lambda e, f: e.update(offset="1.5"), "offset '1.5', not a byte count"),
+    "length-not-the-dims": (lambda e, f: e.update(length="8"), "need 256 bytes"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXTERNAL_BREAKS))
+def test_broken_external_data_is_one_line_and_exit_1(case, tmp_path):
+    edit, said = EXTERNAL_BREAKS[case]
+    p = _external_model(tmp_path / case, edit)
+    for argv in (
+        ["optimize", p, "-o", tmp_path / "out", "-q"],
+        ["check", p, p, "-q"],
+        ["lint", p],
+        ["explain", p, "-q"],
+    ):
+        line = one_line(runner.invoke(app, argv), 1)
+        assert said in line, (argv[0], line)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_declared_dim_of_two_to_the_62_is_refused_with_the_bound(tmp_path):
+    g = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "big",
+        [vi("x", [1, 2**62])],
+        [vi("y", [1, 2**62])],
+    )
+    p = tmp_path / "big.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), p)
+    line = one_line(runner.invoke(app, ["check", p, p, "-q"]), 1)
+    assert "4611686018427387904" in line and "4 GiB" in line
+    line = one_line(runner.invoke(app, ["optimize", p, "-o", tmp_path / "o", "-q"]), 3)
+    assert line.startswith("error: parity could not run:") and "4 GiB" in line
+
+
+def test_an_output_name_too_long_for_the_file_system_is_a_usage_error(relu, tmp_path):
+    long = "a" * 300
+    for argv in (
+        ["optimize", relu, "-o", tmp_path / long, "-q"],
+        ["optimize", relu, "-o", tmp_path / long / "b", "-q"],
+        ["optimize", relu, "-o", tmp_path / "b", "-q", "--remarks", tmp_path / long],
+        ["bisect", relu, "-o", tmp_path / long, "-q"],
+    ):
+        assert "300 bytes" in one_line(runner.invoke(app, argv), 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["relu.onnx"]
+
+
+def test_an_unreadable_input_is_one_line_and_exit_1(relu, tmp_path, monkeypatch):
+    if os.geteuid() == 0:  # root reads a mode-000 file anyway: refuse it the way the OS would
+        real_open = builtins.open
+
+        def refusing_open(file, *a, **k):
+            if os.fspath(file) == os.fspath(relu):
+                raise PermissionError(13, "Permission denied", os.fspath(file))
+            return real_open(file, *a, **k)
+
+        monkeypatch.setattr(builtins, "open", refusing_open)
+    else:
+        relu.chmod(0)
+    try:
+        for argv in (["optimize", relu, "-o", tmp_path / "o", "-q"], ["lint", relu]):
+            assert "cannot read (Permission denied)" in one_line(runner.invoke(app, argv), 1)
+    finally:
+        relu.chmod(0o644)
+
+
+def test_an_input_that_is_a_fifo_is_refused_without_blocking(tmp_path):
+    os.mkfifo(tmp_path / "m.onnx")
+    assert "is a FIFO" in one_line(runner.invoke(app, ["lint", tmp_path / "m.onnx"]), 1)
+
+
+def _lint_breaks():
+    x, y = vi("x", [2]), vi("y", [2])
+    opsets = [helper.make_opsetid("", 17)]
+    cycle = helper.make_graph(
+        [helper.make_node("Relu", ["b"], ["a"]), helper.make_node("Relu", ["a"], ["b"])],
+        "cycle",
+        [x],
+        [vi("b", [2])],
+    )
+    local = [*opsets, helper.make_opsetid("local", 1)]
+    f = helper.make_function(
+        "local", "F", ["a"], ["b"], [helper.make_node("F", ["a"], ["b"], domain="local")], local
+    )
+    calls = helper.make_graph([helper.make_node("F", ["x"], ["y"], domain="local")], "r", [x], [y])
+    raw = _matmul_model()
+    raw.graph.initializer[0].raw_data = b"\0" * 12
+    return {
+        "cycle": (helper.make_model(cycle, opset_imports=opsets), "topologically sorted"),
+        "recursive-function": (
+            helper.make_model(calls, functions=[f], opset_imports=local),
+            "must not be recursive",
+        ),
+        "raw-data-size": (raw, "raw_data size (12 bytes)"),
+    }
+
+
+@pytest.mark.parametrize("case", ["cycle", "recursive-function", "raw-data-size"])
+def test_lint_on_a_model_too_broken_to_look_at_is_one_line_and_exit_1(case, tmp_path):
+    m, said = _lint_breaks()[case]
+    p = tmp_path / "m.onnx"
+    p.write_bytes(m.SerializeToString())
+    assert said in one_line(runner.invoke(app, ["lint", p]), 1)
+
+
+@pytest.fixture
+def bundle(relu, tmp_path):
+    out = tmp_path / "b"
+    res = runner.invoke(app, ["optimize", relu, "-o", out, "-q", "--no-measure"])
+    assert res.exit_code == 0, res.output
+    np.savez(tmp_path / "x.npz", x=np.ones((2, 64), np.float32))
+    return out
+
+
+def _edit_json(path, edit):
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps(edit(data)))
+
+
+@pytest.mark.parametrize(
+    "file,edit,said",
+    [
+        ("manifest.json", lambda d: [d], "manifest.json is a list, not an object"),
+        ("session_config.json", lambda d: "ORT_ENABLE_ALL", "session_config.json is a string"),
+        (
+            "session_config.json",
+            lambda d: d | {"graph_optimization_level": "banana"},
+            "unknown graph_optimization_level 'banana'",
+        ),
+        (
+            "session_config.json",
+            lambda d: d | {"graph_optimization_level": 3},
+            "'graph_optimization_level' is an integer, not a string",
+        ),
+        (
+            "session_config.json",
+            lambda d: d | {"graph_optimization_level": "__class__"},
+            "unknown graph_optimization_level '__class__'",
+        ),
+        (
+            "manifest.json",
+            lambda d: d | {"integrity": {"files": {"model.onnx": []}}},
+            "'integrity.files.model.onnx' is a list, not an object",
+        ),
+    ],
+)
+def test_run_on_a_bundle_with_broken_json_is_one_line_and_exit_1(file, edit, said, bundle):
+    _edit_json(bundle / file, edit)
+    res = runner.invoke(app, ["run", bundle, "--inputs", bundle.parent / "x.npz"])
+    assert said in one_line(res, 1)
+
+
+def test_run_inputs_that_are_a_corrupt_npz_is_a_usage_error(bundle):
+    (bundle.parent / "bad.npz").write_bytes(b"PK\x03\x04" + b"\xff" * 64)
+    res = runner.invoke(app, ["run", bundle, "--inputs", bundle.parent / "bad.npz"])
+    assert "cannot read" in one_line(res, 2)
+
+
+# ------------------------------------------------------------------ absurd counts
+def test_absurd_run_counts_are_refused_with_the_bound(relu, bundle):
+    huge = str(10**12)
+    for argv in (
+        ["bench", relu, "--runs", huge],
+        ["bench", relu, "--warmup", huge],
+        ["run", bundle, "--inputs", bundle.parent / "x.npz", "--repeat", huge],
+    ):
+        line = one_line(runner.invoke(app, argv), 2)
+        assert "1000000" in line and huge in line, line
