@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a command Ctrl-C ended
 
 
 class Exit(Exception):  # noqa: N818 - named for what it does, like SystemExit
@@ -192,12 +193,12 @@ class _Param:
         return _UsageProblem(f"{self.label} must be {expected} (got {raw!r})")
 
 
-class _UsageProblem(Exception):
 def _number(x: float) -> str:
     """A bound as users write it: whole numbers in full (1000000, not 1e+06)."""
     return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
+class _UsageProblem(Exception):
     """A flag's value that cannot be converted or is out of bounds."""
 
 
@@ -271,7 +272,7 @@ class App:
             return e.code
         except KeyboardInterrupt:
             sys.stderr.write("error: interrupted\n")
-            return 1
+            return EXIT_INTERRUPTED
         return 0
 
 

@@ -6,8 +6,12 @@ from __future__ import annotations
 import builtins
 import json
 import os
+import signal
 import socket
 import stat
+import subprocess
+import sys
+import time
 
 import numpy as np
 import onnx
@@ -373,3 +377,60 @@ def test_absurd_run_counts_are_refused_with_the_bound(relu, bundle):
     ):
         line = one_line(runner.invoke(app, argv), 2)
         assert "1000000" in line and huge in line, line
+
+
+# ------------------------------------------------------------------ Ctrl-C
+#: the console script as pip writes it, under the name it runs as (``graphopt``); ``{before}``
+#: runs first
+_SCRIPT = """import sys
+{before}
+from graphopt.cli import console
+sys.exit(console())
+"""
+
+#: SIGINT delivered while graphopt's imports run (as onnx is imported, from the package's
+#: own __init__): deterministic, however fast or loaded the machine
+_SIGINT_DURING_IMPORTS = """import builtins, os, signal
+_real = builtins.__import__
+def _import(name, *args, **kw):
+    if name == "onnx" and not getattr(builtins, "_sent", False):
+        builtins._sent = True
+        os.kill(os.getpid(), signal.SIGINT)
+    return _real(name, *args, **kw)
+builtins.__import__ = _import"""
+
+
+def _console(tmp_path, before: str = ""):
+    script = tmp_path / "bin" / "graphopt"
+    script.parent.mkdir(exist_ok=True)
+    script.write_text(_SCRIPT.format(before=before))
+    return [sys.executable, str(script)]
+
+
+def test_ctrl_c_while_the_imports_run_is_one_line_and_exit_130(relu, tmp_path):
+    argv = [*_console(tmp_path, _SIGINT_DURING_IMPORTS), "lint", str(relu)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 130, done.stderr
+    assert done.stderr == "error: interrupted\n" and done.stdout == ""
+
+
+def test_ctrl_c_while_the_command_runs_is_one_line_and_exit_130(relu, tmp_path):
+    argv = [*_console(tmp_path), "bench", str(relu), "--runs", "1000000", "--min-seconds", "600"]
+    env = os.environ | {"GRAPHOPT_PROGRESS_AFTER": "0"}
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        seen = ""
+        while "measuring latency" not in seen:  # the command is running: its progress says so
+            line = proc.stderr.readline()
+            assert line, f"exited early: {seen}"
+            seen += line
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130, seen + err
+    assert err.strip().splitlines() == ["error: interrupted"] and "Traceback" not in err
