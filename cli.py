@@ -6,9 +6,9 @@ what is printed is :mod:`graphopt.render`'s, progress is :mod:`graphopt.progress
 
 Exit codes (stable): 0 ok, 1 error, 2 usage, 3 parity failed, 4 target cannot run the model /
 did not converge, 5 performance regression, 130 interrupted (Ctrl-C).  Errors are one line on
-stderr; ``--debug`` (before or after the command) shows the traceback.  Long phases report progress on stderr: a live
-status on a terminal, otherwise a timestamped line for each phase still running after
-``GRAPHOPT_PROGRESS_AFTER`` seconds (default 2); ``--quiet`` turns both off.
+stderr; ``--debug`` (before or after the command) shows the traceback.  Long phases report
+progress on stderr: a live status on a terminal, otherwise a timestamped line for each phase
+still running after ``GRAPHOPT_PROGRESS_AFTER`` seconds (default 2); ``--quiet`` turns both off.
 """
 
 from __future__ import annotations
