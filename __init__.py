@@ -7,6 +7,9 @@ numerical parity checks.
     >>> session = graphopt.load_session(bundle)
 """
 
+from . import _interrupt  # noqa: F401  first: Ctrl-C while the rest imports (the command)
+
+# isort: split
 from . import passes, rules, targets  # noqa: F401  (register passes, rules and targets)
 from .opt.errors import GraphoptError
 from .opt.io import load_model, save_model

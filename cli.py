@@ -5,10 +5,10 @@ work is the library's (optimize, bundle, parity, bisect, explain, lint, bench, g
 what is printed is :mod:`graphopt.render`'s, progress is :mod:`graphopt.progress`'s.
 
 Exit codes (stable): 0 ok, 1 error, 2 usage, 3 parity failed, 4 target cannot run the model /
-did not converge, 5 performance regression.  Errors are one line on stderr; ``--debug`` (before
-or after the command) shows the traceback.  Long phases report progress on stderr: a live
-status on a terminal, otherwise a timestamped line for each phase still running after
-``GRAPHOPT_PROGRESS_AFTER`` seconds (default 2); ``--quiet`` turns both off.
+did not converge, 5 performance regression, 130 interrupted (Ctrl-C).  Errors are one line on
+stderr; ``--debug`` (before or after the command) shows the traceback.  Long phases report
+progress on stderr: a live status on a terminal, otherwise a timestamped line for each phase
+still running after ``GRAPHOPT_PROGRESS_AFTER`` seconds (default 2); ``--quiet`` turns both off.
 """
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ import gc
 import json
 import math
 import os
+import signal
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Annotated
 
-from . import __version__, flags, render
+from . import __version__, _interrupt, flags, render
 from . import optimize as run_optimize
 from .command import App, Argument, Exit, Option
 from .flags import STATE, TARGET, Format, Reference
@@ -43,6 +45,7 @@ from .opt.io import (
     check_side_outputs,
     load_model,
     save_model,
+    validate,
 )
 from .opt.lint import freeze_initializers as freeze_model
 from .opt.lint import lint as lint_model
@@ -440,8 +443,15 @@ def lint(
                 missed = [r for r in report.remarks if r.kind == "missed"]
             except errors.GraphoptError:
                 missed = []
+            except Exception:
+                _refuse_invalid(proto, model)
+                raise
             say("linting")
-            findings = lint_model(proto, missed_remarks=missed)
+            try:
+                findings = lint_model(proto, missed_remarks=missed)
+            except Exception:
+                _refuse_invalid(proto, model)
+                raise
         payload = {
             "schema": "graphopt.lint/1",
             "model": str(model),
@@ -455,6 +465,14 @@ def lint(
             print_json(payload)
             return
         render.render_lint(payload, findings)
+
+
+def _refuse_invalid(proto, path: Path) -> None:
+    """``lint`` reads a model without onnx's checker (to point at what it would refuse, too);
+    where the model is too broken to look at (a cycle, a recursive function, raw data of the
+    wrong size), the checker's reason is the error (exit 1).  Returns when the checker accepts
+    the model (the caller raises what it caught)."""
+    validate(proto, path)
 
 
 # ------------------------------------------------------------------ bench, gate
@@ -737,13 +755,25 @@ def console() -> None:
     """The ``graphopt`` command as a process: the app, then the exit.  What the command leaves
     alive (a large model's graph: millions of objects, most in reference cycles) is frozen on
     the way out, so that the interpreter's exit neither scans nor frees them one by one (about
-    2 s of a 200k-node -O2 run); the OS takes the memory back.  Exit handlers still run."""
-    _tune_malloc()
-    _one_blas_thread()
+    2 s of a 200k-node -O2 run); the OS takes the memory back.  Exit handlers still run.
+
+    Ctrl-C at any moment is ``error: interrupted`` and exit 130 (:mod:`graphopt._interrupt`):
+    while the command runs it unwinds it (its temporaries are removed); before and after it
+    (imports, exit handlers, threads still finishing), it ends the process at once."""
+    code = _interrupt.EXIT_INTERRUPTED
     try:
-        app()
-    finally:
-        gc.freeze()
+        _interrupt.handle_with(signal.default_int_handler)  # the command unwinds
+        _tune_malloc()
+        _one_blas_thread()
+        try:
+            code = app.run(sys.argv[1:])
+        finally:
+            _interrupt.handle_with(_interrupt.exit_now)  # exiting: nothing to unwind
+            gc.freeze()
+    except KeyboardInterrupt:  # outside the command (before it parsed, while it froze)
+        sys.stderr.write(_interrupt.MESSAGE)
+    sys.stderr.flush()
+    raise SystemExit(code)
 
 
 #: glibc's mallopt settings for the command's process: (parameter, value, the environment

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a command Ctrl-C ended
 
 
 class Exit(Exception):  # noqa: N818 - named for what it does, like SystemExit
@@ -177,9 +178,9 @@ class _Param:
         lo, hi = getattr(self.info, "min", None), getattr(self.info, "max", None)
         if (lo is not None and value < lo) or (hi is not None and value > hi):
             if lo is not None and hi is not None:
-                bounds = f"from {lo:g} to {hi:g}"
+                bounds = f"from {_number(lo)} to {_number(hi)}"
             else:
-                bounds = f"at least {lo:g}" if lo is not None else f"at most {hi:g}"
+                bounds = f"at least {_number(lo)}" if lo is not None else f"at most {_number(hi)}"
             raise _UsageProblem(f"{self.label} must be {bounds} (got {raw})")
         return value
 
@@ -190,6 +191,11 @@ class _Param:
 
     def _bad(self, raw: str, expected: str) -> _UsageProblem:
         return _UsageProblem(f"{self.label} must be {expected} (got {raw!r})")
+
+
+def _number(x: float) -> str:
+    """A bound as users write it: whole numbers in full (1000000, not 1e+06)."""
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
 class _UsageProblem(Exception):
@@ -266,7 +272,7 @@ class App:
             return e.code
         except KeyboardInterrupt:
             sys.stderr.write("error: interrupted\n")
-            return 1
+            return EXIT_INTERRUPTED
         return 0
 
 

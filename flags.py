@@ -17,6 +17,9 @@ from .opt.target import TARGETS
 #: ``--debug`` anywhere on the command line: errors show their traceback.
 STATE = {"debug": False}
 MAX_THREADS = 1024
+#: the most runs ``bench --runs``/``--warmup`` and ``run --repeat`` take: a count past it is a
+#: typo (10**12 runs of a 1 ms model: 30 years), refused with exit 2
+MAX_RUNS = 10**6
 
 
 class Format(str, Enum):
@@ -230,8 +233,10 @@ OptimizedModel = Annotated[
     Path | None,
     Option("--optimized", help="Optimized model or bundle (default: optimize MODEL now)."),
 ]
-Runs = Annotated[int, Option("--runs", min=1)]
-Warmup = Annotated[int, Option("--warmup", min=0)]
+Runs = Annotated[
+    int, Option("--runs", min=1, max=MAX_RUNS, help=f"Timed runs (at most {MAX_RUNS:,}).")
+]
+Warmup = Annotated[int, Option("--warmup", min=0, max=MAX_RUNS)]
 OrtLevel = Annotated[
     str,
     Option("--ort-level", help="onnxruntime session level: disable, basic, extended, all."),
@@ -291,7 +296,9 @@ Providers = Annotated[
         "CPUExecutionProvider to run a cuda/npu bundle's semantics on CPU.",
     ),
 ]
-Repeat = Annotated[int, Option("--repeat", min=1, help="Runs (timed).")]
+Repeat = Annotated[
+    int, Option("--repeat", min=1, max=MAX_RUNS, help=f"Runs (timed; at most {MAX_RUNS:,}).")
+]
 VerifyFiles = Annotated[
     Verify,
     Option(

@@ -110,10 +110,10 @@ def read_feeds(path: str | os.PathLike, model: onnx.ModelProto | str | os.PathLi
     except OSError as e:
         raise UsageError(f"--inputs {path}: cannot read ({e.strerror or e})") from None
     if not is_npy:
-        return load_inputs(path)
+        return _non_empty(path, load_inputs(path))
     try:
         array = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, EOFError) as e:
         raise UsageError(f"--inputs {path}: cannot read as .npy ({e})") from None
     if not isinstance(model, onnx.ModelProto):
         model = load_model(model, check=False, lazy_external=True)
@@ -123,7 +123,26 @@ def read_feeds(path: str | os.PathLike, model: onnx.ModelProto | str | os.PathLi
             f"--inputs {path}: an .npy holds one array but the model has {len(names)} inputs "
             f"({', '.join(names) or 'none'}); give an .npz with one array per input name"
         )
+    _check_not_empty(f"--inputs {path}: the array", names[0], array)
     return {names[0]: array}
+
+
+def _non_empty(path, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``arrays`` when none is empty (but a cache): parity on no elements compares nothing."""
+    for name, array in arrays.items():
+        _check_not_empty(f"--inputs {path}: '{name}'", name, array)
+    return arrays
+
+
+def _check_not_empty(what: str, name: str, array) -> None:
+    """An input array of no elements is a UsageError, but for a decoder's cache
+    (:data:`CACHE_INPUTS`): one of length 0 is the prefill's, and the other inputs hold values."""
+    shape = list(np.shape(array))
+    if 0 in shape and not CACHE_INPUTS.search(name):
+        raise UsageError(
+            f"{what} has shape {shape}, no elements: a check on it would compare nothing "
+            "(every dim must be at least 1)"
+        )
 
 
 #: dim_params that mean "unknown", not a size shared with other dims (Paddle writes "?")
@@ -157,6 +176,7 @@ def validate_args(
         if spec is None or spec.dtype is None:
             continue
         arr = np.asarray(value)
+        _check_not_empty(f"--inputs: '{name}'", name, arr)
         if arr.dtype != spec.dtype:
             raise UsageError(f"--inputs: '{name}' is {arr.dtype}, the model takes {spec.dtype}")
         _check_dims(f"--inputs: '{name}'", spec, list(arr.shape), bound)

@@ -14,7 +14,9 @@ and one left by a killed run is removed by the next write of that output.
 Where outputs may go: :func:`check_output_dir` lets a folder be replaced only when it is one
 graphopt wrote (a marker file with its schema) and holds nothing else; :func:`check_side_outputs`
 refuses a file output that would land on an input model, its external data, an input file, or
-inside a folder being read or written.
+inside a folder being read or written.  A file output only ever creates a regular file or replaces
+one (:func:`check_regular_target`, up front and again at write time): a device, FIFO, socket or
+folder at its path is refused, never replaced.
 """
 
 from __future__ import annotations
@@ -67,25 +69,35 @@ def load_model(
     references its own file, and is written with :func:`write_model_files` (or a bundle).
     """
     path = Path(path)
-    if not path.exists():
-        raise ModelLoadError(f"{path}: no such file")
-    if path.is_dir():
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: no such file") from None
+    except (OSError, ValueError) as e:  # a name too long, a symlink loop, no permission
+        raise ModelLoadError(f"{path}: cannot read ({_why(e)})") from None
+    if stat.S_ISDIR(st.st_mode):
         raise ModelLoadError(f"{path}: is a directory, expected an .onnx file")
-    size = path.stat().st_size
+    if not stat.S_ISREG(st.st_mode):
+        raise ModelLoadError(f"{path}: is {non_regular_kind(path)}, expected an .onnx file")
+    size = st.st_size
     if size == 0:
         raise ModelLoadError(f"{path}: empty file, not an ONNX model")
     key = _file_key(path)  # taken before reading: a file changed since is parsed again
     model = data = None
-    if lazy_external and in_place and size >= in_place_above():
-        model = _read_in_place(path)  # None: not well-formed, parsed whole below to say why
+    try:
+        if lazy_external and in_place and size >= in_place_above():
+            model = _read_in_place(path)  # None: not well-formed, parsed whole below (why)
+        if model is None:
+            with open(path, "rb") as f:
+                data = f.read()
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read ({_why(e)})") from None
     if model is not None:
         # the bundle records the input's sha256: read on a thread while the passes run
         if key is not None:
             _remember_digest(key, ThreadPoolExecutor(1).submit(_hash_file, path))
         _check_structure(model, path)
     else:
-        with open(path, "rb") as f:
-            data = f.read()
         # the input's sha256, taken from these bytes on a thread while they are parsed and
         # checked (hashlib lets go of the GIL), not by reading the file again later
         digest = ThreadPoolExecutor(1).submit(hashlib.sha256, data) if key is not None else None
@@ -116,6 +128,11 @@ def load_model(
         by_path = external and lazy_external
         validate(model, path, by_path=by_path, whole=None if changed else data)
     return model
+
+
+def _why(e: Exception) -> str:
+    """An OSError's reason in a few words (``Permission denied``)."""
+    return (e.strerror if isinstance(e, OSError) else None) or str(e) or type(e).__name__
 
 
 # ------------------------------------------------------------------ weights left in their file
@@ -312,8 +329,23 @@ def validate(
         else:
             check_without_weights(model, data=whole)
     except onnx.checker.ValidationError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelLoadError(f"{path}: invalid ONNX model: {first}") from None
+        raise ModelLoadError(f"{path}: invalid ONNX model: {_checker_line(e)}") from None
+
+
+def _checker_line(e: Exception) -> str:
+    """The checker's first line; one that ends in a colon (it prints a node after it) with the
+    lines up to the next blank one, joined."""
+    lines = str(e).strip().splitlines()
+    if not lines:
+        return type(e).__name__
+    if not lines[0].rstrip().endswith(":"):
+        return lines[0]
+    rest = []
+    for line in lines[1:]:
+        if not line.strip():
+            break
+        rest.append(line.strip())
+    return " ".join([lines[0].strip(), *rest])
 
 
 def _check_structure(model: onnx.ModelProto, path: Path) -> None:
@@ -356,7 +388,18 @@ def _check_external_data(tensors: Sequence[onnx.TensorProto], base: Path, path: 
                 f"{path}: tensor '{tensor.name}' external data location '{location}' escapes the "
                 "model directory (absolute paths and '..' are refused)"
             )
-        target = (base / rel).resolve()
+        try:
+            target = (base / rel).resolve(strict=True)
+        except (OSError, RuntimeError) as e:  # missing, a symlink loop, unreadable
+            why = e.strerror if isinstance(e, OSError) and e.strerror else "a symlink loop"
+            if isinstance(e, FileNotFoundError):
+                raise ModelLoadError(
+                    f"{path}: external data file '{location}' for tensor '{tensor.name}' is missing"
+                ) from None
+            raise ModelLoadError(
+                f"{path}: external data file '{location}' for tensor '{tensor.name}' cannot be "
+                f"resolved ({why})"
+            ) from None
         if base not in target.parents:
             raise ModelLoadError(
                 f"{path}: tensor '{tensor.name}' external data '{location}' resolves outside the "
@@ -366,14 +409,34 @@ def _check_external_data(tensors: Sequence[onnx.TensorProto], base: Path, path: 
             raise ModelLoadError(
                 f"{path}: external data file '{location}' for tensor '{tensor.name}' is missing"
             )
-        offset = int(info.get("offset", 0) or 0)
-        length = info.get("length")
-        end = offset + (int(length) if length else 0)
+        offset = _byte_count(info, "offset", tensor, path) or 0
+        length = _byte_count(info, "length", tensor, path)
+        end = offset + (length or 0)
+        declared = _declared_nbytes(tensor)
+        if length is not None and declared is not None and length != declared:
+            raise ModelLoadError(
+                f"{path}: tensor '{tensor.name}' has external data length {length} but its "
+                f"dims {list(tensor.dims)} need {declared} bytes"
+            )
         if end > target.stat().st_size:
             raise ModelLoadError(
                 f"{path}: external data for tensor '{tensor.name}' ends at byte {end} but "
                 f"'{location}' has only {target.stat().st_size} bytes (truncated?)"
             )
+
+
+def _byte_count(info: dict[str, str], key: str, tensor: onnx.TensorProto, path: Path) -> int | None:
+    """An external-data entry's ``offset`` or ``length``: a non-negative decimal integer (None
+    when absent or empty); anything else is a ModelLoadError naming the tensor and the value."""
+    value = info.get(key, "").strip()
+    if not value:
+        return None
+    if not value.isascii() or not value.isdigit():
+        raise ModelLoadError(
+            f"{path}: tensor '{tensor.name}' has external data {key} '{info[key]}', "
+            "not a byte count (a non-negative integer)"
+        )
+    return int(value)
 
 
 def has_external_data(model: onnx.ModelProto) -> bool:
@@ -399,14 +462,22 @@ def tensor_nbytes(tensor: onnx.TensorProto) -> int:
             return int(info["length"])
     if tensor.data_type == onnx.TensorProto.STRING:
         return sum(len(s) for s in tensor.string_data)
-    count = math.prod(tensor.dims)
+    declared = _declared_nbytes(tensor)
+    return math.prod(tensor.dims) if declared is None else declared
+
+
+def _declared_nbytes(tensor: onnx.TensorProto) -> int | None:
+    """The bytes a tensor's dims and element type need, packed as raw data; None for strings
+    and element types whose width is unknown."""
     bits = _ELEMENT_BITS.get(tensor.data_type)
     if bits is None:
+        if tensor.data_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
+            return None
         try:
             bits = 8 * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
         except (KeyError, TypeError, ValueError):
-            bits = 8
-    return (count * bits + 7) // 8
+            return None
+    return (math.prod(tensor.dims) * bits + 7) // 8
 
 
 #: element widths numpy cannot tell (packed and 8-bit float types)
@@ -704,7 +775,10 @@ def save_model(
         raise ModelSaveError(f"cannot write to {parent}: {e.strerror or e}") from None
     try:
         write_model_files(model, tmpdir / path.name, external=external, base_dir=base_dir)
-        for item in sorted(tmpdir.iterdir(), key=lambda p: p.suffix == ".onnx"):
+        items = sorted(tmpdir.iterdir(), key=lambda p: p.suffix == ".onnx")
+        for item in items:  # nothing but a regular file is replaced
+            check_regular_target(parent / item.name)
+        for item in items:
             os.replace(item, parent / item.name)
     except OSError as e:
         raise ModelSaveError(f"cannot write {path}: {e.strerror or e}") from None
@@ -1021,16 +1095,56 @@ def staging_dir(final: Path) -> Path:
     return staging
 
 
+#: what a path that is not a regular file is, by its file type
+_FILE_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def non_regular_kind(path: str | os.PathLike) -> str | None:
+    """What ``path`` (symlinks followed) is when it exists and is not a regular file (``"a
+    character device"``...); None for a regular file or nothing (a dangling link: nothing)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    return next((kind for test, kind in _FILE_KINDS if test(mode)), "not a regular file")
+
+
+def check_regular_target(path: str | os.PathLike, flag: str | None = None) -> None:
+    """A file output may create a regular file or replace one, nothing else: anything else at
+    ``path`` (symlinks followed) — a device such as /dev/null, a FIFO, a socket, a folder — is a
+    UsageError naming the path and what it is (a rename would replace it)."""
+    kind = non_regular_kind(path)
+    if kind is not None:
+        where = f"{flag} {path}" if flag else str(path)
+        if os.path.islink(path):
+            where += f" (a link to {os.path.realpath(path)})"
+        raise UsageError(
+            f"{where} is {kind}: an output file may only create or replace a regular file"
+        )
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
     """Call ``write`` on a temporary sibling of ``path``, then rename it into place, with normal
-    permissions; the temporary never survives a failure."""
+    permissions; the temporary never survives a failure.  ``path`` must be a regular file or
+    nothing (:func:`check_regular_target`, before writing and again just before the rename)."""
+    given = path
     path = Path(path).resolve()
+    check_regular_target(given)
     sweep_stale(path)
     fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path, "tmp"), dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
         os.chmod(tmp, 0o666 & ~_umask())
+        check_regular_target(given)  # what appeared there while writing is not replaced either
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -1082,7 +1196,11 @@ class OutputDirKind:
 
 
 def _resolved(path: Path) -> Path:
-    return Path(os.path.abspath(path)).resolve()
+    """``path`` absolute, symlinks followed (as far as they go: a loop is left as it is)."""
+    try:
+        return Path(os.path.abspath(path)).resolve()
+    except (OSError, RuntimeError):  # a symlink loop
+        return Path(os.path.realpath(os.path.abspath(path)))
 
 
 def _check_parents(path: Path, flag: str) -> None:
@@ -1094,6 +1212,48 @@ def _check_parents(path: Path, flag: str) -> None:
             if not os.access(parent, os.W_OK | os.X_OK):
                 raise ModelSaveError(f"{flag} {path}: cannot write to {parent} (permission denied)")
             return
+
+
+#: what a temporary's name adds to its output's: ``.`` NAME ``.graphopt-staging-PID-`` and
+#: mkdtemp's 8 characters (a pid of up to 7 digits)
+TEMP_NAME_OVERHEAD = len(".") + len(".graphopt-staging-") + 7 + len("-") + 8
+
+
+def _name_max(path: Path) -> tuple[int, int]:
+    """(longest file name, longest path) the file system holding ``path`` (its nearest existing
+    ancestor) allows; 255 and 4096 where it does not say."""
+    for parent in path.parents:
+        if os.path.isdir(parent):
+            try:
+                return os.pathconf(parent, "PC_NAME_MAX"), os.pathconf(parent, "PC_PATH_MAX")
+            except (OSError, ValueError):
+                break
+    return 255, 4096
+
+
+def _check_name_length(path: Path, flag: str) -> None:
+    """An output's path that the file system cannot hold is a UsageError (one line, not
+    ENAMETOOLONG when it is written): every part at most the longest name it allows, the last
+    part short enough for its temporaries' names, the whole at most its longest path."""
+    name_max, path_max = _name_max(path)
+    for part in path.parts[1:-1]:
+        if len(os.fsencode(part)) > name_max:
+            raise UsageError(
+                f"{flag}: the folder name {part[:40]}... is {len(os.fsencode(part))} bytes, "
+                f"more than the {name_max} this file system allows"
+            )
+    size, room = len(os.fsencode(path.name)), name_max - TEMP_NAME_OVERHEAD
+    if size > room:
+        raise UsageError(
+            f"{flag}: the name {path.name[:40]}... is {size} bytes; an output's name may be at "
+            f"most {room} (this file system allows {name_max}, and its temporaries add "
+            f"{TEMP_NAME_OVERHEAD})"
+        )
+    if len(os.fsencode(str(path))) >= path_max:
+        raise UsageError(
+            f"{flag}: the path is {len(os.fsencode(str(path)))} bytes, more than the "
+            f"{path_max - 1} this file system allows"
+        )
 
 
 def _is_kind(path: Path, kind: OutputDirKind) -> bool:
@@ -1137,10 +1297,12 @@ def check_output_dir(
     existing file, and an existing non-empty folder that is not a ``kind`` folder or that holds
     anything such a folder does not write (which replacing it would delete)."""
     dest = Path(os.path.abspath(dest))
+    _check_name_length(dest, flag)
     if dest.is_symlink() and not dest.exists():
         raise UsageError(f"{flag} {dest}: a dangling symbolic link")
     real = _resolved(dest)
     _check_parents(real, flag)
+    _check_name_length(real, flag)  # where the link leads
     for p in protected:
         rp = _resolved(p)
         if rp == real or real in rp.parents:
@@ -1363,15 +1525,19 @@ def check_side_outputs(
     """Refuse (UsageError) any file output (``{flag: path}``) that resolves, symlinks followed,
     to one of the input ``models`` or their external-data files, to one of the other input
     ``files``, to a path inside one of ``dirs`` (the output folder being written, an input
-    bundle), or to another output; or that lies under a regular file."""
+    bundle), or to another output; or that lies under a regular file; or whose path holds
+    anything but a regular file (a device, FIFO, socket or folder: :func:`check_regular_target`)."""
     seen: dict[Path, str] = {}
     ext_cache: dict[Path, list[Path]] = {}
     for flag, given in outputs.items():
         if given is None:
             continue
         path = Path(given)
+        _check_name_length(Path(os.path.abspath(path)), flag)
         real = _resolved(path)
         _check_parents(real, flag)
+        _check_name_length(real, flag)  # where a link leads
+        check_regular_target(path, flag)
         if real in seen:
             raise UsageError(f"{flag} {path}: the same file as {seen[real]}")
         seen[real] = flag

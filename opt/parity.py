@@ -32,9 +32,12 @@ memory plan then needs no run of its own.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 import threading
+import zipfile
+import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -47,7 +50,7 @@ from onnx import numpy_helper
 
 from .customops import register_libraries
 from .errors import GraphoptError, UsageError
-from .feeds import find_runnable, validate_args
+from .feeds import MAX_INPUT_BYTES, find_runnable, validate_args
 from .io import has_data_files, serialize, tensor_nbytes, write_model_files
 
 Tolerance = tuple[float, float]  # (rtol relative to the output's scale, atol)
@@ -172,11 +175,20 @@ def parse_tolerances(specs: list[str] | None) -> dict[str, Tolerance]:
 
 
 def load_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """An ``--inputs`` .npz: its arrays by name.  A file that is no readable .npz (truncated,
+    a bad checksum, not a zip, an .npy: :func:`~graphopt.opt.feeds.read_feeds` reads those) or
+    that holds no array is a UsageError (one line)."""
     try:
-        with np.load(path, allow_pickle=False) as data:
-            return {k: data[k] for k in data.files}
-    except (OSError, ValueError) as e:
+        data = np.load(path, allow_pickle=False)
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise ValueError("not an .npz archive")
+        with data:
+            arrays = {k: data[k] for k in data.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:
         raise UsageError(f"--inputs {path}: cannot read as .npz/.npy ({e})") from None
+    if not arrays:
+        raise UsageError(f"--inputs {path}: the .npz holds no arrays (one per input name)")
+    return arrays
 
 
 class Session:
@@ -731,8 +743,21 @@ def make_inputs(
             feeds[inp.name] = words[rng.integers(0, len(words), shape)]
             continue
         dtype = np.dtype(_ORT_TYPES[inp.type])
+        _check_input_size(inp.name, shape, dtype)
         feeds[inp.name] = _random(rng, inp.name.lower(), dtype, shape, int_high)
     return feeds
+
+
+def _check_input_size(name: str, shape: list[int], dtype: np.dtype) -> None:
+    """A drawn input is at most :data:`~graphopt.opt.feeds.MAX_INPUT_BYTES` (a declared dim of
+    2**62 is no size to allocate): a GraphoptError naming the input, its shape and the bound."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > MAX_INPUT_BYTES:
+        raise GraphoptError(
+            f"input '{name}' of shape {list(shape)} ({dtype}) would take {nbytes / 2**30:.3g} "
+            f"GiB, more than the {MAX_INPUT_BYTES >> 30} GiB a drawn input may; give "
+            "smaller sizes (--shape for symbolic dims) or real inputs with --inputs"
+        )
 
 
 def _random(

@@ -1434,9 +1434,93 @@ def read_bundle(bundle: str | os.PathLike) -> tuple[Path, dict, dict]:
         ) from None
     except json.JSONDecodeError as e:
         raise GraphoptError(f"{path}: corrupt bundle file ({e})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        why = getattr(e, "strerror", None) or str(e)
+        raise GraphoptError(f"{path}: cannot read the bundle ({why})") from None
+    _check_shapes(path, MANIFEST, manifest, _MANIFEST_FIELDS)
     if manifest.get("schema") != SCHEMA:
         raise GraphoptError(f"{path}: unknown bundle schema {manifest.get('schema')!r}")
+    _check_shapes(path, SESSION_CONFIG, config, _CONFIG_FIELDS)
     return path, manifest, config
+
+
+#: the JSON type of each entry of manifest.json and session_config.json that reading a bundle
+#: relies on, by dotted path (``*``: every entry of an object), checked where present; a list
+#: is a list of names; null where an entry may be null (read as absent)
+_NULL = type(None)
+_MANIFEST_FIELDS: dict[str, tuple[type, ...]] = {
+    "schema": (str,),
+    "target": (str,),
+    "model": (str,),
+    "external_data": (list,),
+    "integrity": (dict, _NULL),
+    "integrity.files": (dict,),
+    "integrity.files.*": (dict,),
+    "integrity.files.*.size": (int,),
+    "integrity.files.*.fingerprint": (str, _NULL),
+    "integrity.files.*.sha256": (str, _NULL),
+    "fast_path": (dict, _NULL),
+    "fast_path.files": (list,),
+    "fast_path.model": (str,),
+    "fast_path.graph_optimization_level": (str,),
+    "fast_path.disabled_optimizers": (list,),
+    "fast_path.session_config_entries": (dict,),
+    "fast_path.built_for": (dict,),
+    "fast_path.built_for.cpu_features": (list, _NULL),
+    "fast_path.built_for.providers": (list,),
+    "fast_path.built_for.machine": (str, _NULL),
+    "fast_path.built_for.onnxruntime": (str, _NULL),
+    "golden": (dict,),
+    "kernels": (dict, _NULL),
+    "verified": (dict, _NULL),
+}
+_CONFIG_FIELDS: dict[str, tuple[type, ...]] = {
+    "providers": (list, _NULL),
+    "graph_optimization_level": (str,),
+    "intra_op_num_threads": (int, _NULL),
+    "session_config_entries": (dict, _NULL),
+    "disabled_optimizers": (list, _NULL),
+}
+_JSON_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", _NULL: "null"}
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, float):
+        return "a number"
+    return next((n for t, n in _JSON_NAMES.items() if isinstance(value, t)), "a value")
+
+
+def _entries(data: Any, parts: list[str], where: str):
+    """(dotted name, value) of each entry of ``data`` at the path ``parts`` that is present."""
+    if not parts:
+        yield where, data
+        return
+    if not isinstance(data, dict):
+        return  # the parent's own type is checked by its own path
+    head, rest = parts[0], parts[1:]
+    keys = sorted(data) if head == "*" else [head] if head in data else []
+    for key in keys:
+        yield from _entries(data[key], rest, f"{where}.{key}" if where else key)
+
+
+def _check_shapes(path: Path, name: str, data: Any, fields: dict) -> None:
+    """``data`` (the bundle file ``name``) is a JSON object whose known entries have their
+    types; else a GraphoptError (exit 1: a bad bundle) naming the file and the entry."""
+    if not isinstance(data, dict):
+        raise GraphoptError(f"{path}: corrupt bundle: {name} is {_json_kind(data)}, not an object")
+    for dotted, kinds in fields.items():
+        for where, value in _entries(data, dotted.split("."), ""):
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                said = " or ".join(_JSON_NAMES[k] for k in kinds)
+                raise GraphoptError(
+                    f"{path}: corrupt bundle: {name} '{where}' is {_json_kind(value)}, not {said}"
+                )
+            if isinstance(value, list) and not all(isinstance(v, str) for v in value):
+                raise GraphoptError(
+                    f"{path}: corrupt bundle: {name} '{where}' is not a list of names"
+                )
 
 
 def providers_problem(bundle: str | os.PathLike) -> str | None:
@@ -1557,10 +1641,13 @@ def _providers(manifest: dict, config: dict, providers: list[str] | None) -> lis
 
 
 def _level(name: str) -> ort.GraphOptimizationLevel:
-    try:
-        return getattr(ort.GraphOptimizationLevel, name)
-    except AttributeError:
-        raise GraphoptError(f"session config: unknown graph_optimization_level {name!r}") from None
+    levels = ort.GraphOptimizationLevel.__members__
+    if not isinstance(name, str) or name not in levels:
+        raise GraphoptError(
+            f"session config: unknown graph_optimization_level {name!r} "
+            f"(one of {', '.join(levels)})"
+        )
+    return levels[name]
 
 
 def _session(

@@ -107,7 +107,7 @@ def test_usage_errors_are_one_line_and_exit_2(args, fragment):
 def test_exit_codes_help_version_and_interrupts():
     assert call("go", "fail")[0] == 3
     code, _, err, _ = call("go", "boom")
-    assert code == 1 and err.strip() == "error: interrupted"
+    assert code == 130 and err.strip() == "error: interrupted"
     code, out, err, _ = call("--version", "go")
     assert (code, out, err) == (0, "prog 1.0\n", "")
     code, out, _, seen = call("go", "--help")
