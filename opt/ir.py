@@ -48,7 +48,14 @@ from onnx_graphsurgeon.importers.onnx_importer import OnnxImporter
 from onnx_graphsurgeon.ir.tensor import LazyValues, SparseValues
 from onnx_graphsurgeon.util import misc as gs_misc
 
-from .compat import Note, frozen_note, function_id, inline_functions, weights_as_inputs
+from .compat import (
+    LOAD_KEYS,
+    Note,
+    frozen_note,
+    function_id,
+    inline_functions,
+    weights_as_inputs,
+)
 from .domains import is_default
 
 PROVENANCE_KEY = "graphopt.rule"
@@ -121,6 +128,11 @@ class ModelIR:
         if inline:
             model, self.notes = inline_functions(model)
         self.template = _model_shell(model)
+        if any(p.key in LOAD_KEYS for p in self.template.metadata_props):
+            # what loading noted in memory (opt/compat.py) is reported, never written
+            kept = [p for p in self.template.metadata_props if p.key not in LOAD_KEYS]
+            del self.template.metadata_props[:]
+            self.template.metadata_props.extend(kept)
         #: value_info names the model itself annotated (any graph): kept on export
         self.annotated = {vi.name for g in all_graphs(model.graph) for vi in g.value_info}
         #: model-local functions still in the model (kept verbatim): (domain, name) -> proto
