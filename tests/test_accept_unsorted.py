@@ -15,7 +15,7 @@ from cli_runner import CliRunner
 from conftest import vi
 from graphopt.cli import app
 from graphopt.opt.compat import SORTED_KEY, sort_on_load, unsorted_graphs
-from graphopt.opt.io import load_model
+from graphopt.opt.io import is_in_place, load_model
 
 runner = CliRunner()
 
@@ -142,6 +142,28 @@ def test_unsorted_model_with_external_data_keeps_weights_on_disk(tmp_path):
     loaded = load_model(tmp_path / "m.onnx", lazy_external=True)
     assert all(len(t.external_data) for t in loaded.graph.initializer)
     assert [n.name for n in loaded.graph.node][:1] == ["graph_input_cast0"]
+
+
+def test_unsorted_model_read_without_its_large_weights(tmp_path, monkeypatch):
+    """A large file is read with its weights left in it (``in_place``): sorted all the same."""
+    rng = np.random.default_rng(3)
+    w = numpy_helper.from_array(rng.standard_normal((160, 160)).astype(np.float32), "w")
+    nodes = [
+        helper.make_node("Relu", ["mm"], ["y"], name="relu"),
+        helper.make_node("MatMul", ["x", "w"], ["mm"], name="matmul"),
+    ]
+    m = raw(nodes, [vi("x", ["n", 160])], [vi("y", ["n", 160])], [w])
+    p = tmp_path / "m.onnx"
+    p.write_bytes(m.SerializeToString())
+    monkeypatch.setenv("GRAPHOPT_IN_PLACE_ABOVE", "1")
+    loaded = load_model(p, lazy_external=True, in_place=True)
+    assert [n.name for n in loaded.graph.node] == ["matmul", "relu"]
+    assert is_in_place(loaded.graph.initializer[0])  # the weight was not read
+    res = runner.invoke(
+        app,
+        ["optimize", str(p), "-o", str(tmp_path / "out"), "--format", "json"],
+    )
+    assert_sorted_output(res, tmp_path / "out")
 
 
 def test_sort_is_stable_and_in_place():
