@@ -115,6 +115,14 @@ def test_unsorted_model_is_sorted_and_optimized(tmp_path):
     assert "main graph: 2 of 3 node(s) out of order" in message
 
 
+def test_text_report_says_the_graph_was_sorted(tmp_path):
+    p = tmp_path / "m.onnx"
+    p.write_bytes(plain_unsorted().SerializeToString())
+    res = runner.invoke(app, ["optimize", str(p), "-o", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    assert "accepted: nodes not topologically sorted" in " ".join(res.stdout.split())
+
+
 def test_fp16_model_with_casts_appended_is_sorted(tmp_path):
     m = fp16_unsorted()
     with pytest.raises(onnx.checker.ValidationError, match="topologically sorted"):
