@@ -34,8 +34,9 @@ remark, so the user knows what the optimized model differs in besides the rewrit
 * **Nodes not topologically sorted** (onnxruntime's float16 converter, hand-edited graphs).
   onnx's checker refuses a graph whose nodes read a value before the node making it;
   onnxruntime sorts the graph when it loads it.  :func:`sort_on_load` (called by ``load_model``
-  before the checker) sorts the nodes of the main graph, of every If/Loop/Scan body and of every
-  model-local function in memory: a stable sort (Kahn's algorithm over the nodes' original
+  when the checker refuses the order, so that a sorted model costs no walk over its nodes in
+  Python) sorts the nodes of the main graph, of every If/Loop/Scan body and of every model-local
+  function in memory: a stable sort (Kahn's algorithm over the nodes' original
   positions), which reorders the node messages where they are (no copy, no weight read: external
   data stays on disk).  A node with bodies depends on the producers of the outer values its
   bodies read.  A graph with a cycle is refused (:class:`CycleError`, naming nodes on it).  The
@@ -99,21 +100,11 @@ def accept_on_load(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def load_notes(model: onnx.ModelProto) -> list[Note]:
     """What :func:`accept_on_load` and :func:`sort_on_load` changed in ``model`` (empty for a
-    model they left alone); a model given in memory whose nodes are not sorted is noted too
-    (the IR sorts it on export)."""
+    model they left alone)."""
     notes = []
     sorted_what = next((p.value for p in model.metadata_props if p.key == SORTED_KEY), None)
-    if sorted_what is None and (unsorted := unsorted_graphs(model)):
-        sorted_what = _describe_sorted(unsorted)
     if sorted_what is not None:
-        notes.append(
-            Note(
-                "graph-sorted",
-                f"nodes not topologically sorted ({sorted_what}), which onnx's checker "
-                "refuses and onnxruntime accepts (it sorts them on load): sorted in memory, "
-                "the output is sorted (the input file is not modified)",
-            )
-        )
+        notes.append(_sorted_note(sorted_what))
     listed = [i.name for i in model.graph.input if i.doc_string == LISTED_ON_LOAD]
     if not listed:
         return notes
@@ -145,6 +136,22 @@ def sort_on_load(model: onnx.ModelProto) -> bool:
     model.metadata_props.extend(kept)
     model.metadata_props.add(key=SORTED_KEY, value=_describe_sorted(moved))
     return True
+
+
+def unsorted_notes(model: onnx.ModelProto) -> list[Note]:
+    """For a model given in memory (not loaded by ``load_model``, which sorts): a
+    ``graph-sorted`` note when its nodes are out of order (the IR sorts them on export)."""
+    unsorted = unsorted_graphs(model)
+    return [_sorted_note(_describe_sorted(unsorted))] if unsorted else []
+
+
+def _sorted_note(what: str) -> Note:
+    return Note(
+        "graph-sorted",
+        f"nodes not topologically sorted ({what}), which onnx's checker refuses and "
+        "onnxruntime accepts (it sorts them on load): sorted in memory, the output is sorted "
+        "(the input file is not modified)",
+    )
 
 
 def unsorted_graphs(model: onnx.ModelProto) -> list[tuple[str, int, int]]:
@@ -399,10 +406,11 @@ def _inlined_note(model: onnx.ModelProto, kept: Iterable[FunctionId]) -> list[No
 
 
 # ------------------------------------------------------------------------ remarks
-def remarks(model: onnx.ModelProto, ir=None) -> list[Remark]:
+def remarks(model: onnx.ModelProto, ir=None, notes: Iterable[Note] = ()) -> list[Remark]:
     """Analysis remarks for what loading ``model`` (and building ``ir``, a ModelIR of it or of
-    its opset-upgraded version) changed beyond the pipeline's rewrites."""
-    notes = load_notes(model) + list(getattr(ir, "notes", []))
+    its opset-upgraded version) changed beyond the pipeline's rewrites; ``notes``: the
+    caller's own (:func:`unsorted_notes`)."""
+    notes = load_notes(model) + list(notes) + list(getattr(ir, "notes", []))
     if ir is not None:
         notes += _inlined_note(model, getattr(ir, "functions", {}))
     if model.ir_version < 4 and ir is not None:

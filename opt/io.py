@@ -110,26 +110,29 @@ def load_model(
     if external and not lazy_external:
         external_data_helper.load_external_data_for_model(model, str(base))
     accept_on_load(model)  # in memory: what onnxruntime runs and onnx's checker refuses
-    try:
-        resorted = sort_on_load(model)  # nodes out of order: onnxruntime sorts them too
-    except CycleError as e:
-        if check:
-            raise ModelLoadError(f"{path}: invalid ONNX model: {e}") from None
-        resorted = False
     if check:
         # the checker reads the model without its weights (the bytes just read are its own,
-        # unless fixed up since); external data still on disk (lazy) is checked through the
-        # file, unless the nodes were sorted: the file is not the model then, its references
-        # (validated above) stand in
+        # unless fixed up since); external data still on disk (lazy) is checked through the file
         lazy = external and lazy_external
-        validate(
-            model,
-            path,
-            by_path=lazy and not resorted,
-            external=lazy and resorted,
-            whole=None if changed or resorted else data,
-        )
+        try:
+            validate(model, path, by_path=lazy, whole=None if changed else data)
+        except ModelLoadError as e:
+            # nodes out of order: onnxruntime sorts them on load, so do we, then check again
+            # (the checker finds them in C++: a sorted model pays no walk over its nodes in
+            # Python); neither the file nor the bytes read are the model then: its weights are
+            # checked as stand-ins (external references were validated above)
+            if UNSORTED not in str(e):
+                raise
+            try:
+                sort_on_load(model)
+            except CycleError as cycle:
+                raise ModelLoadError(f"{path}: invalid ONNX model: {cycle}") from None
+            validate(model, path, external=True)
     return model
+
+
+#: what onnx's checker says of a graph whose nodes are not in topological order
+UNSORTED = "topologically sorted"
 
 
 # ------------------------------------------------------------------ weights left in their file

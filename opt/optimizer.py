@@ -296,6 +296,9 @@ def optimize(
             say("loading")
             base_dir = Path(model).resolve().parent
             model = load_model(model, lazy_external=True, in_place=in_place)
+            given_notes = []  # loading noted in the model what it sorted
+        else:
+            given_notes = compat.unsorted_notes(model)  # the IR sorts it on export
         validate_args(model, shapes, inputs, output_tolerances)
         # given inputs that contradict a shared dim_param: the passes see those axes apart
         splits = split_dims(model, inputs)
@@ -329,7 +332,7 @@ def optimize(
             ranges=ranges,
             skip=skip,
         )
-        for r in range_remarks + upgrade_remarks + compat.remarks(model, ir):
+        for r in range_remarks + upgrade_remarks + compat.remarks(model, ir, given_notes):
             cx.remarks.add(r)
         for p in passes:
             say(f"running {p.text()}")

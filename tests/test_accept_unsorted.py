@@ -11,6 +11,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+import graphopt
 from cli_runner import CliRunner
 from conftest import vi
 from graphopt.cli import app
@@ -207,3 +208,13 @@ def test_a_cycle_is_refused_with_one_line(tmp_path, where):
     assert len(lines) == 1 and lines[0].startswith("error:"), res.stderr
     assert "has a cycle: 2 node(s) depend on each other (r1, r2)" in lines[0]
     assert "Traceback" not in res.output and not out.exists()
+
+
+def test_unsorted_model_given_in_memory_is_reported_and_left_as_it_was():
+    m = plain_unsorted()
+    before = m.SerializeToString()
+    out, report = graphopt.optimize(m, level=1)
+    assert report.parity.ran and report.parity.ok
+    assert [r.code for r in report.remarks if r.code == "graph-sorted"] == ["graph-sorted"]
+    onnx.checker.check_model(out)
+    assert m.SerializeToString() == before
