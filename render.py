@@ -40,6 +40,15 @@ def Table(*args: Any, **kw: Any):  # noqa: N802 - rich's class, imported when a 
 
 out = _Console(highlight=False)
 err = _Console(stderr=True, highlight=False)
+
+
+def escape(text: str) -> str:
+    """``text`` for a markup string: brackets in it are shown, not taken for style tags."""
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(text)
+
+
 MAX_MISS_GROUPS = 10
 
 
