@@ -95,7 +95,8 @@ def handled() -> Iterator[None]:
     except errors.GraphoptError as e:
         if STATE["debug"]:
             raise
-        err.print(f"[bold red]error:[/] {e}", markup=True, soft_wrap=True)
+        # the message is text, not markup: "[batch, seq, 8]" in it is shown, not taken for a tag
+        err.print(f"[bold red]error:[/] {render.escape(str(e))}", markup=True, soft_wrap=True)
         raise Exit(e.exit_code) from None
     except (KeyboardInterrupt, Exit):
         raise
@@ -103,7 +104,8 @@ def handled() -> Iterator[None]:
         if STATE["debug"]:
             raise
         err.print(
-            f"[bold red]internal error:[/] {type(e).__name__}: {e} (rerun with --debug)",
+            f"[bold red]internal error:[/] {type(e).__name__}: {render.escape(str(e))} "
+            "(rerun with --debug)",
             markup=True,
             soft_wrap=True,
         )

@@ -40,6 +40,15 @@ def Table(*args: Any, **kw: Any):  # noqa: N802 - rich's class, imported when a 
 
 out = _Console(highlight=False)
 err = _Console(stderr=True, highlight=False)
+
+
+def escape(text: str) -> str:
+    """``text`` for a markup string: brackets in it are shown, not taken for style tags."""
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(text)
+
+
 MAX_MISS_GROUPS = 10
 
 
@@ -82,6 +91,10 @@ def device_note(report) -> str:
     )
 
 
+#: analysis remarks of what graphopt accepts as onnxruntime does (opt/compat.py, opt/feeds.py)
+ACCEPTED_CODES = ("graph-sorted", "dim-param-split")
+
+
 def render_report(report, custom_pipeline: bool = False) -> None:
     how = f"pipeline '{report.pipeline}'" if custom_pipeline else f"-O{report.level}"
     took = phase_summary(report.seconds)  # the wait, phase by phase
@@ -100,6 +113,9 @@ def render_report(report, custom_pipeline: bool = False) -> None:
     for r in report.remarks:  # what the output's callers see changed
         if r.kind == "analysis" and r.code == "weights-frozen":
             out.print(f"[yellow]interface[/]: {r.message}", soft_wrap=True)
+    for r in report.remarks:  # what onnx's checker or the declared interface would refuse
+        if r.kind == "analysis" and r.code in ACCEPTED_CODES:
+            out.print(f"[yellow]accepted[/]: {r.message}", soft_wrap=True)
     render_fired(report)
     render_misses(group_misses(report))
     note = device_note(report)

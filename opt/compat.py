@@ -31,6 +31,17 @@ remark, so the user knows what the optimized model differs in besides the rewrit
   inputs (:func:`weights_as_inputs`), as onnxruntime's load-time warning advises, onnxsim and
   onnxslim do.  Callers that feed only the model's real inputs see no change; a feed for a
   frozen weight is refused.  ``--keep-initializer-inputs`` keeps them overridable.
+* **Nodes not topologically sorted** (onnxruntime's float16 converter, hand-edited graphs).
+  onnx's checker refuses a graph whose nodes read a value before the node making it;
+  onnxruntime sorts the graph when it loads it.  :func:`sort_on_load` (called by ``load_model``
+  when the checker refuses the order, so that a sorted model costs no walk over its nodes in
+  Python) sorts the nodes of the main graph, of every If/Loop/Scan body and of every model-local
+  function in memory: a stable sort (Kahn's algorithm over the nodes' original
+  positions), which reorders the node messages where they are (no copy, no weight read: external
+  data stays on disk).  A node with bodies depends on the producers of the outer values its
+  bodies read.  A graph with a cycle is refused (:class:`CycleError`, naming nodes on it).  The
+  sort is recorded in the model's ``metadata_props`` under :data:`SORTED_KEY` (in memory only;
+  the IR drops the key, so no output carries it) and reported as a ``graph-sorted`` remark.
 * **String tensors** and **sequence/map values** (ai.onnx.ml ZipMap) pass through the IR
   untouched (:mod:`graphopt.opt.ir` exports them faithfully).
 
@@ -40,6 +51,7 @@ optimizer to add to the report.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -54,6 +66,10 @@ PASS = "load"
 LISTED_ON_LOAD = "graphopt: IR<4 initializer listed on load (a constant, not an input)"
 
 FunctionId = tuple[str, str]
+#: metadata_props key under which :func:`sort_on_load` records, in memory, what it sorted
+SORTED_KEY = "graphopt.load.sorted"
+#: metadata keys that describe the loading of a model, never written into an output
+LOAD_KEYS = frozenset({SORTED_KEY})
 
 
 @dataclass(frozen=True)
@@ -83,12 +99,17 @@ def accept_on_load(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def load_notes(model: onnx.ModelProto) -> list[Note]:
-    """What :func:`accept_on_load` changed in ``model`` (empty for a model it left alone)."""
+    """What :func:`accept_on_load` and :func:`sort_on_load` changed in ``model`` (empty for a
+    model they left alone)."""
+    notes = []
+    sorted_what = next((p.value for p in model.metadata_props if p.key == SORTED_KEY), None)
+    if sorted_what is not None:
+        notes.append(_sorted_note(sorted_what))
     listed = [i.name for i in model.graph.input if i.doc_string == LISTED_ON_LOAD]
     if not listed:
-        return []
+        return notes
     shown = ", ".join(listed[:4]) + (" ..." if len(listed) > 4 else "")
-    return [
+    return notes + [
         Note(
             "ir-initializers-listed",
             f"IR version {model.ir_version}: {len(listed)} initializer(s) not listed as graph "
@@ -96,6 +117,153 @@ def load_notes(model: onnx.ModelProto) -> list[Note]:
             "as constants (the input file is not modified)",
         )
     ]
+
+
+# ------------------------------------------------------------------------ node order
+class CycleError(ValueError):
+    """A graph whose nodes cannot be sorted: some of them depend on each other in a cycle."""
+
+
+def sort_on_load(model: onnx.ModelProto) -> bool:
+    """Sort, in place, the nodes of every graph of ``model`` that is not topologically sorted
+    (main graph, If/Loop/Scan bodies, model-local functions); record what was sorted under
+    :data:`SORTED_KEY`.  Whether anything moved.  Raises :class:`CycleError` for a cycle."""
+    moved = _walk_orders(model, apply=True)
+    if not moved:
+        return False
+    kept = [p for p in model.metadata_props if p.key != SORTED_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    model.metadata_props.add(key=SORTED_KEY, value=_describe_sorted(moved))
+    return True
+
+
+def unsorted_notes(model: onnx.ModelProto) -> list[Note]:
+    """For a model given in memory (not loaded by ``load_model``, which sorts): a
+    ``graph-sorted`` note when its nodes are out of order (the IR sorts them on export)."""
+    unsorted = unsorted_graphs(model)
+    return [_sorted_note(_describe_sorted(unsorted))] if unsorted else []
+
+
+def _sorted_note(what: str) -> Note:
+    return Note(
+        "graph-sorted",
+        f"nodes not topologically sorted ({what}), which onnx's checker refuses and "
+        "onnxruntime accepts (it sorts them on load): sorted in memory, the output is sorted "
+        "(the input file is not modified)",
+    )
+
+
+def unsorted_graphs(model: onnx.ModelProto) -> list[tuple[str, int, int]]:
+    """The graphs of ``model`` whose nodes are not topologically sorted, as (where, nodes out
+    of place, nodes), without changing the model; [] for a sorted model (and for one with a
+    cycle: loading refuses it, the IR's export says so)."""
+    try:
+        return _walk_orders(model, apply=False)
+    except CycleError:
+        return []
+
+
+def _walk_orders(model: onnx.ModelProto, apply: bool) -> list[tuple[str, int, int]]:
+    """(where, nodes out of place, nodes) for each graph of ``model`` not sorted; with
+    ``apply``, each is sorted in place."""
+    moved: list[tuple[str, int, int]] = []
+
+    def visit(nodes, where: str) -> None:
+        for n in nodes:
+            for attr in n.attribute:
+                bodies = ([attr.g] if attr.HasField("g") else []) + list(attr.graphs)
+                for body in bodies:
+                    label = n.name or n.op_type
+                    visit(body.node, f"'{attr.name}' of {n.op_type} '{label}' in {where}")
+        rank = _order(nodes, where)
+        if rank is None:
+            return
+        moved.append((where, sum(r != i for i, r in enumerate(rank)), len(rank)))
+        if apply:
+            ranks = iter(rank)
+            # list.sort calls the key once per element, in the current order; the messages
+            # are reordered where they are, not copied
+            nodes.sort(key=lambda _node: next(ranks))
+
+    visit(model.graph.node, "main graph")
+    for f in model.functions:
+        visit(f.node, f"function '{f.domain + '.' if f.domain else ''}{f.name}'")
+    return moved
+
+
+def _node_reads(node: onnx.NodeProto) -> list[str]:
+    """What a node reads: its inputs and, for a node with bodies, what their nodes read."""
+    reads = [name for name in node.input if name]
+    if len(node.attribute):
+        for inner in proto_nodes([node]):
+            if inner is not node:
+                reads.extend(name for name in inner.input if name)
+    return reads
+
+
+def _order(nodes, where: str) -> list[int] | None:
+    """Each node's position in a stable topological order (Kahn's algorithm over a min-heap of
+    the original positions), or None when the nodes are in one already.  Values no node of
+    ``nodes`` makes (inputs, initializers, the outer scope, undefined ones for the checker to
+    name) are not dependencies.  Raises :class:`CycleError`."""
+    producer: dict[str, int] = {}
+    for i, n in enumerate(nodes):
+        for name in n.output:
+            if name:
+                producer.setdefault(name, i)
+    reads_from = [{p for p in map(producer.get, _node_reads(n)) if p is not None} for n in nodes]
+    if all(p < i for i, deps in enumerate(reads_from) for p in deps):
+        return None
+    pending = [len(deps) for deps in reads_from]
+    users: list[list[int]] = [[] for _ in reads_from]
+    for i, deps in enumerate(reads_from):
+        for p in deps:
+            users[p].append(i)
+    ready = [i for i, k in enumerate(pending) if not k]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for u in users[i]:
+            pending[u] -= 1
+            if not pending[u]:
+                heapq.heappush(ready, u)
+    if len(order) != len(reads_from):
+        stuck = _on_cycles({i for i, k in enumerate(pending) if k}, users, reads_from)
+        names = [nodes[i].name or f"#{i} ({nodes[i].op_type})" for i in stuck]
+        shown = ", ".join(names[:4]) + (" ..." if len(names) > 4 else "")
+        raise CycleError(
+            f"{where} has a cycle: {len(stuck)} node(s) depend on each other ({shown})"
+        )
+    rank = [0] * len(order)
+    for position, i in enumerate(order):
+        rank[i] = position
+    return rank
+
+
+def _on_cycles(stuck: set[int], users: list[list[int]], reads_from: list[set[int]]) -> list[int]:
+    """The nodes Kahn's algorithm left that lie on a cycle (or between cycles): those merely
+    downstream of one are peeled off, sinks first."""
+    left = set(stuck)
+    waiting = {i: sum(u in left for u in users[i]) for i in left}
+    sinks = [i for i, k in waiting.items() if not k]
+    while sinks:
+        i = sinks.pop()
+        left.discard(i)
+        for p in reads_from[i]:
+            if p in left:
+                waiting[p] -= 1
+                if not waiting[p]:
+                    sinks.append(p)
+    return sorted(left)
+
+
+def _describe_sorted(moved: list[tuple[str, int, int]]) -> str:
+    parts = [f"{where}: {k} of {n} node(s) out of order" for where, k, n in moved[:3]]
+    more = f"; and {len(moved) - 3} more graph(s)" if len(moved) > 3 else ""
+    return "; ".join(parts) + more
 
 
 # ----------------------------------------------------------------------- functions
@@ -238,10 +406,11 @@ def _inlined_note(model: onnx.ModelProto, kept: Iterable[FunctionId]) -> list[No
 
 
 # ------------------------------------------------------------------------ remarks
-def remarks(model: onnx.ModelProto, ir=None) -> list[Remark]:
+def remarks(model: onnx.ModelProto, ir=None, notes: Iterable[Note] = ()) -> list[Remark]:
     """Analysis remarks for what loading ``model`` (and building ``ir``, a ModelIR of it or of
-    its opset-upgraded version) changed beyond the pipeline's rewrites."""
-    notes = load_notes(model) + list(getattr(ir, "notes", []))
+    its opset-upgraded version) changed beyond the pipeline's rewrites; ``notes``: the
+    caller's own (:func:`unsorted_notes`)."""
+    notes = load_notes(model) + list(notes) + list(getattr(ir, "notes", []))
     if ir is not None:
         notes += _inlined_note(model, getattr(ir, "functions", {}))
     if model.ir_version < 4 and ir is not None:

@@ -22,8 +22,19 @@ not run proves nothing.  So the sizes are derived, then tried on the *original* 
 
 The first assignment on which the original runs is used.  User-given ``--shape`` / ``--inputs``
 / ``--tolerance`` that cannot apply to the model (unknown names, wrong dtype or rank, a size that
-contradicts a static dim or another input's, empty, non-positive, NaN, or more than
-:data:`MAX_INPUT_BYTES`) are usage errors, never silently ignored.  :func:`read_feeds` reads an
+contradicts a static dim, a ``--shape`` size that contradicts another input's, empty,
+non-positive, NaN, or more than :data:`MAX_INPUT_BYTES`) are usage errors, never silently
+ignored.
+
+Arrays given with ``--inputs`` that disagree on a shared ``dim_param`` are accepted: they are
+how the model is really run, and onnxruntime does not hold a model to its dim_params (optimum's
+merged decoders declare ``input_ids`` and ``attention_mask`` as ``[batch, sequence_length]``
+while every decoding step with a cache feeds the mask the past and the new tokens, the ids the
+new ones).  :func:`split_dims` names each such dim_param, with every input axis declaring it;
+the optimizer gives each of those axes a symbol of its own in the IR, so that no rewrite relies
+on their equality (the output keeps the declared interface), and reports it.  A ``--shape`` is
+a statement about the model's sizes, not evidence of them, so it must agree with every size
+given for its dim_params.  :func:`read_feeds` reads an
 ``--inputs`` file: an .npz of named arrays, or an .npy for a model with exactly one input.
 """
 
@@ -170,7 +181,7 @@ def validate_args(
                 f"{flag} names unknown input(s): {', '.join(unknown)} "
                 f"(model inputs: {', '.join(sorted(specs)) or 'none'})"
             )
-    bound: dict[str, tuple[int, str]] = {}
+    bound: dict[str, list[tuple[int, str]]] = {}
     for name, value in (inputs or {}).items():
         spec = specs.get(name)
         if spec is None or spec.dtype is None:
@@ -179,7 +190,8 @@ def validate_args(
         _check_not_empty(f"--inputs: '{name}'", name, arr)
         if arr.dtype != spec.dtype:
             raise UsageError(f"--inputs: '{name}' is {arr.dtype}, the model takes {spec.dtype}")
-        _check_dims(f"--inputs: '{name}'", spec, list(arr.shape), bound)
+        # arrays disagreeing on a dim_param are the model's real use (see split_dims)
+        _check_dims(f"--inputs: '{name}'", spec, list(arr.shape), bound, strict=False)
     for name, dims in (shapes or {}).items():
         spec = specs.get(name)
         if name in (inputs or {}):
@@ -210,7 +222,12 @@ def validate_args(
             )
 
 
-def _check_dims(what: str, spec: InputSpec, dims: list[int], bound: dict) -> None:
+def _check_dims(
+    what: str, spec: InputSpec, dims: list[int], bound: dict, strict: bool = True
+) -> None:
+    """Refuse ``dims`` for ``spec`` that contradict its static dims; ``bound``: dim_param →
+    [(size, who gave it)]; ``strict``: a size that differs from one given before for its
+    dim_param is refused too."""
     if spec.dims is None:
         return
     if len(dims) != len(spec.dims):
@@ -224,12 +241,55 @@ def _check_dims(what: str, spec: InputSpec, dims: list[int], bound: dict) -> Non
                 f"{what}: axis {axis} is {got}, the model fixes it to {want} ({_fmt(spec.dims)})"
             )
         if isinstance(want, str):
-            seen = bound.setdefault(want, (got, what))
-            if seen[0] != got:
+            seen = bound.setdefault(want, [])
+            other = next((s for s in seen if s[0] != got), None)
+            if strict and other is not None:
                 raise UsageError(
-                    f"{what}: axis {axis} ('{want}') is {got}, but {seen[1]} sets '{want}' "
-                    f"to {seen[0]}"
+                    f"{what}: axis {axis} ('{want}') is {got}, but {other[1]} sets '{want}' "
+                    f"to {other[0]}"
                 )
+            seen.append((got, what))
+
+
+@dataclass(frozen=True)
+class DimSplit:
+    """A dim_param the ``--inputs`` arrays disagree on: every graph-input axis declaring it,
+    as (input, axis, the size given there or None)."""
+
+    param: str
+    axes: tuple[tuple[str, int, int | None], ...]
+
+    def message(self) -> str:
+        given = [f"{n}[{a}]={v}" for n, a, v in self.axes if v is not None]
+        others = [f"{n}[{a}]" for n, a, v in self.axes if v is None]
+        rest = f" (also declared by {', '.join(others)})" if others else ""
+        return (
+            f"the inputs given contradict the shared dim_param '{self.param}': "
+            f"{', '.join(given)}{rest}; onnxruntime runs the model so, and the passes treat "
+            "these axes as distinct (each its own symbol: no rewrite relies on their equality); "
+            f"the output still declares '{self.param}'"
+        )
+
+
+def split_dims(model: onnx.ModelProto, inputs: dict[str, np.ndarray] | None) -> list[DimSplit]:
+    """The dim_params that the ``--inputs`` arrays give more than one size, in the order the
+    graph inputs declare them (see the module docstring); [] when they agree."""
+    if not inputs:
+        return []
+    specs = [s for s in input_specs(model) if s.dtype is not None and s.dims is not None]
+    sizes: dict[str, set[int]] = {}
+    declared: dict[str, list[tuple[str, int, int | None]]] = {}
+    for s in specs:
+        shape = np.shape(inputs[s.name]) if s.name in inputs else None
+        if shape is not None and len(shape) != len(s.dims):
+            shape = None
+        for axis, d in enumerate(s.dims):
+            if isinstance(d, str):
+                got = int(shape[axis]) if shape is not None else None
+                declared.setdefault(d, []).append((s.name, axis, got))
+                if got is not None:
+                    sizes.setdefault(d, set()).add(got)
+    return [DimSplit(d, tuple(declared[d])) for d in declared if len(sizes.get(d, ())) > 1]
 
 
 def _fmt(dims) -> str:

@@ -44,7 +44,7 @@ import onnx
 from google.protobuf.message import DecodeError, EncodeError
 from onnx import external_data_helper
 
-from .compat import accept_on_load
+from .compat import CycleError, accept_on_load, sort_on_load
 from .domains import is_default
 from .errors import ModelLoadError, ModelSaveError, UsageError
 
@@ -125,14 +125,31 @@ def load_model(
     if check:
         # the checker reads the model without its weights (the bytes just read are its own,
         # unless fixed up since); external data still on disk (lazy) is checked through the file
-        by_path = external and lazy_external
-        validate(model, path, by_path=by_path, whole=None if changed else data)
+        lazy = external and lazy_external
+        try:
+            validate(model, path, by_path=lazy, whole=None if changed else data)
+        except ModelLoadError as e:
+            # nodes out of order: onnxruntime sorts them on load, so do we, then check again
+            # (the checker finds them in C++: a sorted model pays no walk over its nodes in
+            # Python); neither the file nor the bytes read are the model then: its weights are
+            # checked as stand-ins (external references were validated above)
+            if UNSORTED not in str(e):
+                raise
+            try:
+                sort_on_load(model)
+            except CycleError as cycle:
+                raise ModelLoadError(f"{path}: invalid ONNX model: {cycle}") from None
+            validate(model, path, external=True)
     return model
 
 
 def _why(e: Exception) -> str:
     """An OSError's reason in a few words (``Permission denied``)."""
     return (e.strerror if isinstance(e, OSError) else None) or str(e) or type(e).__name__
+
+
+#: what onnx's checker says of a graph whose nodes are not in topological order
+UNSORTED = "topologically sorted"
 
 
 # ------------------------------------------------------------------ weights left in their file
@@ -314,14 +331,18 @@ def validate(
     by_path: bool = False,
     data: bytes | None = None,
     whole: bytes | None = None,
+    external: bool = False,
 ) -> None:
     """onnx.checker on the model: on its file when external data must resolve beside it, on
     ``data`` when the caller gives other bytes to check, else without its weights
-    (:func:`check_without_weights`; ``whole``: the model's own bytes when the caller has them).
+    (:func:`check_without_weights`; ``whole``: the model's own bytes when the caller has them;
+    ``external``: its external-data references, validated already, stand in for their data).
     Raise ModelLoadError with the checker's first line."""
     try:
         if by_path:
             onnx.checker.check_model(str(path))
+        elif external:
+            check_without_weights(model, external=True)
         elif data is not None:
             onnx.checker.check_model(data)
         elif whole is None and any(is_in_place(t) for t in model.graph.initializer):
@@ -546,6 +567,7 @@ def check_without_weights(
     full_check: bool = False,
     data: bytes | None = None,
     written: tuple[Path, list[int | None] | None] | None = None,
+    external: bool = False,
 ) -> None:
     """``onnx.checker.check_model(model, full_check)`` without serializing and re-parsing the
     weights: the checker reads a copy of the model whose large inline tensors are stand-ins
@@ -556,6 +578,9 @@ def check_without_weights(
     it cannot be one message, as ``check_model`` cannot either).  ``written``: (the file the
     model was written whole to, the raw_data length of each top-level initializer in it): the
     whole model is checked from that file, and the lengths stand for the header scan of ``data``.
+    ``external``: tensors whose data is in external files (which :func:`load_model` validated:
+    inside the model's folder, within their file) are stand-ins too, so that a model held in
+    memory, changed since it was read, is checked without a file to resolve them against.
     Raises what check_model raises."""
 
     def check_whole() -> bool:
@@ -567,6 +592,10 @@ def check_without_weights(
             onnx.checker.check_model(whole, full_check=full_check)
         return whole is not None
 
+    if external:
+        stripped, _ = skeleton(model, data, None, external=True)
+        onnx.checker.check_model(stripped.SerializeToString(), full_check=full_check)
+        return
     left = any(is_in_place(t) for t in model.graph.initializer)  # not in the message: stand in
     if not left and not _stand_ins_pay(model) and check_whole():
         return
@@ -602,7 +631,11 @@ def _stand_ins_pay(model: onnx.ModelProto) -> bool:
 
 
 def skeleton(
-    model: onnx.ModelProto, data: bytes | None = None, lengths: list[int | None] | None = None
+    model: onnx.ModelProto,
+    data: bytes | None = None,
+    lengths: list[int | None] | None = None,
+    *,
+    external: bool = False,
 ) -> tuple[onnx.ModelProto, int]:
     """(a copy of ``model`` whose inline tensors of at least :data:`STANDIN_BYTES` are stand-ins,
     how many).  A stand-in keeps every field but the values and says they are stored at
@@ -610,16 +643,20 @@ def skeleton(
     bytes only, exactly as many as its dims and type need, a type the checker sizes plainly).
     ``data``: the model's own bytes, when the caller has them, to read the top-level weights'
     sizes from their field headers instead of copying each weight out of the message;
-    ``lengths``: those sizes, when the caller knows them already."""
+    ``lengths``: those sizes, when the caller knows them already; ``external``: tensors whose
+    data is in external files become stand-ins too."""
     if lengths is None and data is not None:
         lengths = _raw_lengths(data)
     if lengths is not None and len(lengths) != len(model.graph.initializer):
         lengths = None
     replaced = 0
 
+    def stored(tensor: onnx.TensorProto) -> bool:
+        return external and external_data_helper.uses_external_data(tensor)
+
     def put(i: int, tensor: onnx.TensorProto, initializers) -> None:
         nonlocal replaced
-        if _stands_in(tensor, lengths[i] if lengths is not None else None):
+        if stored(tensor) or _stands_in(tensor, lengths[i] if lengths is not None else None):
             _make_stand_in(tensor, initializers.add())
             replaced += 1
         else:
@@ -627,7 +664,11 @@ def skeleton(
 
     out = copy_with_initializers(model, put)
     for tensor in _all_tensors(out):  # in Constant nodes, subgraphs and functions: copies
-        if _stands_in(tensor, None):
+        if stored(tensor) and not _is_stand_in(tensor):
+            del tensor.external_data[:]
+            _mark_stand_in(tensor)
+            replaced += 1
+        elif _stands_in(tensor, None):
             if is_in_place(tensor):  # (a weight left in its file that a pass moved in there)
                 del tensor.external_data[:]
             tensor.ClearField("raw_data")
@@ -702,6 +743,10 @@ def _make_stand_in(src: onnx.TensorProto, dst: onnx.TensorProto) -> None:
     """``dst`` becomes ``src`` without its raw bytes, marked a stand-in."""
     copy_without_data(src, dst)
     _mark_stand_in(dst)
+
+
+def _is_stand_in(tensor: onnx.TensorProto) -> bool:
+    return any(e.key == "location" and e.value == STANDIN_LOCATION for e in tensor.external_data)
 
 
 def _mark_stand_in(tensor: onnx.TensorProto) -> None:

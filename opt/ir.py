@@ -33,7 +33,8 @@ import itertools
 import math
 import os
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -49,8 +50,18 @@ from onnx_graphsurgeon.importers.onnx_importer import OnnxImporter
 from onnx_graphsurgeon.ir.tensor import LazyValues, SparseValues
 from onnx_graphsurgeon.util import misc as gs_misc
 
-from .compat import Note, frozen_note, function_id, inline_functions, weights_as_inputs
+from .compat import (
+    LOAD_KEYS,
+    Note,
+    frozen_note,
+    function_id,
+    inline_functions,
+    weights_as_inputs,
+)
 from .domains import is_default
+
+if TYPE_CHECKING:
+    from .feeds import DimSplit
 
 PROVENANCE_KEY = "graphopt.rule"
 
@@ -112,16 +123,24 @@ class ModelIR:
         *,
         inline: bool = True,
         freeze_weights: bool = False,
+        split_dims: Sequence[DimSplit] = (),
     ):
         """``inline=False`` keeps model-local functions (verbatim, opaque to the passes);
         ``freeze_weights``: weights an export listed as graph inputs become constants
-        (:func:`~graphopt.opt.compat.weights_as_inputs`)."""
+        (:func:`~graphopt.opt.compat.weights_as_inputs`); ``split_dims``: dim_params the given
+        inputs contradict (:func:`~graphopt.opt.feeds.split_dims`), whose axes the passes see
+        apart (:meth:`_split_dims`)."""
         self.original_ir_version = model.ir_version
         #: what importing changed beyond the pipeline (see opt/compat.py)
         self.notes: list[Note] = []
         if inline:
             model, self.notes = inline_functions(model)
         self.template = _model_shell(model)
+        if any(p.key in LOAD_KEYS for p in self.template.metadata_props):
+            # what loading noted in memory (opt/compat.py) is reported, never written
+            kept = [p for p in self.template.metadata_props if p.key not in LOAD_KEYS]
+            del self.template.metadata_props[:]
+            self.template.metadata_props.extend(kept)
         #: value_info names the model itself annotated (any graph): kept on export
         self.annotated = {vi.name for g in all_graphs(model.graph) for vi in g.value_info}
         #: model-local functions still in the model (kept verbatim): (domain, name) -> proto
@@ -166,6 +185,8 @@ class ModelIR:
             _map_external_values(self.graph, base_dir)
         _keep_unsupported_types(model.graph, self.graph)
         _keep_node_annotations(model.graph, self.graph)
+        if split_dims:
+            self._split_dims(split_dims)
         self.provenance: dict[str, str] = {}
         #: bumped by the pass manager whenever a pass changes the graph; analyses key on it
         self.mutations = 0
@@ -183,6 +204,46 @@ class ModelIR:
         #: constants rewrites made to be shared by content (:meth:`shared_constant`):
         #: (graph id, dtype, shape, digest) -> the constant
         self._by_content: dict[tuple, Constant] = {}
+
+    def _split_dims(self, splits: Sequence[DimSplit]) -> None:
+        """Each graph-input axis declaring a split dim_param gets a symbol of its own, and every
+        other tensor's dim of that name (values the model annotated, declared outputs, in any
+        body) becomes unknown: shape inference derives the new symbols from the inputs, so no
+        pass takes the axes for equal.  The output's interface keeps the declared dim_params
+        (:meth:`_restore_interface`)."""
+        graphs = [self.graph] + [b for n in walk_nodes(self.graph) for b in subgraphs(n)]
+        taken = {
+            d
+            for g in graphs
+            for t in g.tensors().values()
+            if t.shape is not None
+            for d in t.shape
+            if isinstance(d, str)
+        }
+        fresh: dict[tuple[str, int], str] = {}
+        for split in splits:
+            for name, axis, _ in split.axes:
+                symbol, k = f"{split.param}@{name}[{axis}]", 1
+                while symbol in taken:
+                    symbol, k = f"{split.param}@{name}[{axis}]#{k}", k + 1
+                taken.add(symbol)
+                fresh[(name, axis)] = symbol
+            self.notes.append(Note("dim-param-split", split.message()))
+        params = {split.param for split in splits}
+        inputs = {id(t) for t in self.graph.inputs}
+        for g in graphs:
+            for t in g.tensors().values():
+                if isinstance(t, Constant) or t.shape is None:
+                    continue
+                if not any(isinstance(d, str) and d in params for d in t.shape):
+                    continue
+                own = id(t) in inputs
+                t.shape = [
+                    (fresh.get((t.name, axis)) if own else None)
+                    if isinstance(d, str) and d in params
+                    else d
+                    for axis, d in enumerate(t.shape)
+                ]
 
     # ----------------------------------------------------------------- export
     def to_onnx(self, consume: bool = False) -> onnx.ModelProto:

@@ -22,7 +22,7 @@ import onnx
 from . import compat
 from .clock import Clock
 from .errors import GraphoptError, UsageError
-from .feeds import validate_args
+from .feeds import split_dims, validate_args
 from .io import (
     about_external_data,
     check_without_weights,
@@ -297,7 +297,12 @@ def optimize(
             say("loading")
             base_dir = Path(model).resolve().parent
             model = load_model(model, lazy_external=True, in_place=in_place)
+            given_notes = []  # loading noted in the model what it sorted
+        else:
+            given_notes = compat.unsorted_notes(model)  # the IR sorts it on export
         validate_args(model, shapes, inputs, output_tolerances)
+        # given inputs that contradict a shared dim_param: the passes see those axes apart
+        splits = split_dims(model, inputs)
         work, upgrade_remarks = _upgraded(model, opset, say)
         tgt = get_target(target)
         text = preset(level) if pipeline is None else pipeline
@@ -314,7 +319,7 @@ def optimize(
 
     def execute(limit: int | None, skip: frozenset = frozenset()):
         with imported_apart() as imported:
-            ir = ModelIR(work, base_dir, freeze_weights=freeze)
+            ir = ModelIR(work, base_dir, freeze_weights=freeze, split_dims=splits)
             imported()
             return optimize_ir(ir, limit, skip)
 
@@ -330,7 +335,7 @@ def optimize(
             skip=skip,
             original=original,
         )
-        for r in range_remarks + upgrade_remarks + compat.remarks(model, ir):
+        for r in range_remarks + upgrade_remarks + compat.remarks(model, ir, given_notes):
             cx.remarks.add(r)
         for p in passes:
             say(f"running {p.text()}")
