@@ -195,6 +195,27 @@ def _unimported_domain(ir: ModelIR, g) -> str | None:
     return None
 
 
+#: the most elements a constant Range may have for shape inference to propagate its values
+DATA_PROP_RANGE = 1 << 20
+
+
+def _huge_range(nodes) -> bool:
+    """Whether a Range with constant operands would make more than :data:`DATA_PROP_RANGE`
+    elements (or its size cannot be told)."""
+    for n in nodes:
+        if n.op != "Range" or len(n.inputs) < 3:
+            continue
+        values = [np.asarray(t.values) for t in n.inputs[:3] if isinstance(t, Constant)]
+        if len(values) < 3 or any(v.size != 1 for v in values):
+            continue
+        start, limit, delta = (float(v.reshape(())) for v in values)
+        if not all(math.isfinite(x) for x in (start, limit, delta)) or delta == 0:
+            return True
+        if math.ceil((limit - start) / delta) > DATA_PROP_RANGE:
+            return True
+    return False
+
+
 def _infer(ir: ModelIR, g, protos: dict) -> bool:
     missing = _unimported_domain(ir, g)
     if missing is not None:
@@ -245,9 +266,11 @@ def _infer(ir: ModelIR, g, protos: dict) -> bool:
     model = onnx.helper.make_model(graph, opset_imports=_opsets(ir))
     model.ir_version = max(ir.original_ir_version, 4)
     model.functions.extend(OnnxExporter.export_function(f) for f in g.functions)
+    # onnx's data propagation computes a constant Range's values: 10^13 of them do not fit
+    propagate = not _huge_range(walked)
     try:
         inferred = onnx.shape_inference.infer_shapes(
-            _with_nodes(model, nodes), check_type=False, strict_mode=False, data_prop=True
+            _with_nodes(model, nodes), check_type=False, strict_mode=False, data_prop=propagate
         )
     except (onnx.shape_inference.InferenceError, RuntimeError, ValueError) as e:
         log.info("shape inference failed: %s", e)

@@ -51,6 +51,7 @@ from onnx import numpy_helper
 from .customops import register_libraries
 from .errors import GraphoptError, UsageError
 from .feeds import MAX_INPUT_BYTES, find_runnable, validate_args
+from .hazards import run_deadline, run_seconds, runtime_hazard
 from .io import has_data_files, serialize, tensor_nbytes, write_model_files
 
 Tolerance = tuple[float, float]  # (rtol relative to the output's scale, atol)
@@ -223,6 +224,8 @@ class Session:
                 "session.model_external_initializers_file_folder_path", str(base_dir)
             )
         self._tmp = None
+        #: why running the model would crash or exhaust the machine (told at the first run)
+        self._hazard = runtime_hazard(model)
         try:
             register_libraries(so, model, providers[0] if providers else "CPUExecutionProvider")
             data = serialized if serialized is not None else serialize(model)
@@ -301,11 +304,24 @@ class Session:
         names: list[str] | None = None,
         options: ort.RunOptions | None = None,
     ) -> list:
+        if self._hazard is not None:
+            raise GraphoptError(f"the model is not run: {self._hazard}")
         wanted = {i.name for i in self.sess.get_inputs()}
-        try:
-            return self.sess.run(names, {k: v for k, v in feeds.items() if k in wanted}, options)
-        except Exception as e:  # noqa: BLE001
-            raise GraphoptError(f"onnxruntime failed to run the model: {_first_line(e)}") from None
+        options = options or ort.RunOptions()
+        with run_deadline(options) as cut:
+            try:
+                return self.sess.run(
+                    names, {k: v for k, v in feeds.items() if k in wanted}, options
+                )
+            except Exception as e:  # noqa: BLE001
+                if cut.is_set():
+                    raise GraphoptError(
+                        f"onnxruntime's run of the model did not end within {run_seconds():.0f} s "
+                        "(GRAPHOPT_RUN_SECONDS); it was cut short"
+                    ) from None
+                raise GraphoptError(
+                    f"onnxruntime failed to run the model: {_first_line(e)}"
+                ) from None
 
 
 #: what onnxruntime names the casts it inserts around a node it runs in another type

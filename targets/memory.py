@@ -37,6 +37,8 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+from graphopt.opt.hazards import runtime_hazard
+
 SMALL = 4096
 #: measured_view hands initializers over this many bytes to onnxruntime as arrays
 STUB_BYTES = 1024
@@ -101,8 +103,10 @@ def shape_view(
     view.ir_version = max(model.ir_version, 4)
     view.functions.extend(model.functions)
     try:
+        # data propagation computes constant values (a Range of 10^13): not where it is unsafe
+        propagate = runtime_hazard(view, branches=True) is None
         inferred = onnx.shape_inference.infer_shapes(
-            view, check_type=False, strict_mode=False, data_prop=True
+            view, check_type=False, strict_mode=False, data_prop=propagate
         )
     except Exception:  # noqa: BLE001 - inference is best effort; unknown shapes are reported
         inferred = view

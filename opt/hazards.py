@@ -1,0 +1,166 @@
+"""What would crash or exhaust the machine if onnxruntime ran a model, told before it runs.
+
+onnxruntime computes what a model says: an integer Div/Mod of INT_MIN by -1 or by zero kills
+the process with SIGFPE, a Range of 10^13 elements fills the memory until the kernel's OOM
+killer ends the process, a Loop of 10^9 iterations runs for half an hour.  graphopt runs the
+user's model (parity, the performance net, the bundle's checks), so it must end with a clear
+line instead.  :func:`runtime_hazard` finds the first two statically where their operands are
+constants (the graphs a run executes: Loop and Scan bodies, and If branches for shape
+inference, which visits both); :data:`RUN_SECONDS` bounds every run
+(``GRAPHOPT_RUN_SECONDS``, checked by :func:`run_deadline`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+#: the most bytes one constant-sized tensor a run makes may take (Range, ConstantOfShape)
+MAX_RUN_TENSOR_BYTES = 8 << 30
+#: the seconds one onnxruntime run of a model may take before it is cut short
+RUN_SECONDS = 900.0
+
+
+def _graphs(graph: onnx.GraphProto, branches: bool) -> Iterator[onnx.GraphProto]:
+    """``graph`` and its bodies (If branches only with ``branches``: a run takes one)."""
+    yield graph
+    for node in graph.node:
+        if node.op_type == "If" and not node.domain and not branches:
+            continue
+        for a in node.attribute:
+            if a.type == onnx.AttributeProto.GRAPH:
+                yield from _graphs(a.g, branches)
+            elif a.type == onnx.AttributeProto.GRAPHS:
+                for g in a.graphs:
+                    yield from _graphs(g, branches)
+
+
+def _constants(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    """Small constants of ``graph`` by name (initializers and Constant nodes of at most 64
+    elements: operands of a Div, a Range, a ConstantOfShape)."""
+    found = {
+        t.name: t for t in graph.initializer if math.prod(t.dims) <= 64 and not t.external_data
+    }
+    for n in graph.node:
+        if n.op_type == "Constant" and not n.domain and n.output:
+            for a in n.attribute:
+                if a.name == "value" and math.prod(a.t.dims) <= 64:
+                    found[n.output[0]] = a.t
+    return found
+
+
+def _value(consts: dict, name: str) -> np.ndarray | None:
+    t = consts.get(name)
+    if t is None:
+        return None
+    try:
+        return numpy_helper.to_array(t)
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
+def _label(node: onnx.NodeProto) -> str:
+    return node.name or f"{node.op_type}@{node.output[0] if node.output else '?'}"
+
+
+def _division(node: onnx.NodeProto, consts: dict) -> str | None:
+    if len(node.input) < 2:
+        return None
+    a, b = _value(consts, node.input[0]), _value(consts, node.input[1])
+    if a is None or b is None or b.dtype.kind not in "iu":
+        return None
+    if np.any(b == 0):
+        return f"integer {node.op_type} '{_label(node)}' divides by zero"
+    if b.dtype.kind == "i":
+        lo = np.iinfo(b.dtype).min
+        try:
+            both = np.broadcast_arrays(a, b)
+        except ValueError:
+            return None
+        if np.any((both[0] == lo) & (both[1] == -1)):
+            return f"integer {node.op_type} '{_label(node)}' divides {lo} by -1"
+    return None
+
+
+def _size(node: onnx.NodeProto, consts: dict) -> tuple[float, int] | None:
+    """(elements, bytes per element) of a Range or ConstantOfShape with constant operands."""
+    if node.op_type == "Range" and len(node.input) >= 3:
+        vals = [_value(consts, i) for i in node.input[:3]]
+        if any(v is None or v.size != 1 for v in vals):
+            return None
+        start, limit, delta = (float(v.reshape(())) for v in vals)
+        if delta == 0 or not all(math.isfinite(x) for x in (start, limit, delta)):
+            return None
+        return max(math.ceil((limit - start) / delta), 0), vals[0].dtype.itemsize
+    if node.op_type == "ConstantOfShape" and node.input:
+        shape = _value(consts, node.input[0])
+        if shape is None:
+            return None
+        item = 4
+        for a in node.attribute:
+            if a.name == "value":
+                item = max(numpy_helper.to_array(a.t).dtype.itemsize, 1)
+        return float(np.prod(shape.astype(np.float64))), item
+    return None
+
+
+def runtime_hazard(model: onnx.ModelProto, branches: bool = False) -> str | None:
+    """One line saying what would crash or exhaust the machine if onnxruntime ran ``model``
+    (its operands constant), or None.  If branches are looked at with ``branches`` (shape
+    inference visits both; a run takes one, which may be a safe one)."""
+    for g in _graphs(model.graph, branches):
+        consts = None
+        for node in g.node:
+            if node.domain or node.op_type not in ("Div", "Mod", "Range", "ConstantOfShape"):
+                continue
+            consts = _constants(g) if consts is None else consts
+            if node.op_type in ("Div", "Mod"):
+                why = _division(node, consts)
+                if why:
+                    return f"{why}: onnxruntime would die of SIGFPE running it"
+                continue
+            size = _size(node, consts)
+            if size is not None and size[0] * size[1] > MAX_RUN_TENSOR_BYTES:
+                return (
+                    f"{node.op_type} '{_label(node)}' makes {size[0]:.3g} elements "
+                    f"({size[0] * size[1] / 2**30:.3g} GiB), more than the "
+                    f"{MAX_RUN_TENSOR_BYTES >> 30} GiB one tensor of a run may take"
+                )
+    return None
+
+
+def run_seconds() -> float:
+    value = os.environ.get("GRAPHOPT_RUN_SECONDS", "").strip()
+    try:
+        return float(value) if value else RUN_SECONDS
+    except ValueError:
+        return RUN_SECONDS
+
+
+@contextmanager
+def run_deadline(options, seconds: float | None = None):
+    """Cut an onnxruntime run (its ``RunOptions``) short after ``seconds`` (default
+    :func:`run_seconds`); yields a flag that says whether it was."""
+    limit = run_seconds() if seconds is None else seconds
+    fired = threading.Event()
+
+    def stop() -> None:
+        fired.set()
+        options.terminate = True
+
+    if limit <= 0:
+        stop()  # no time at all: cut short before it starts
+    timer = threading.Timer(max(limit, 0.0), stop)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield fired
+    finally:
+        timer.cancel()

@@ -1,0 +1,74 @@
+"""What would crash or exhaust the machine if onnxruntime ran the model is said, not run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+import graphopt
+from conftest import const, model, vi
+from graphopt.opt import hazards
+from graphopt.opt.errors import GraphoptError
+from graphopt.opt.parity import Session
+
+
+def int_div(a, b):
+    return model(
+        [helper.make_node("Div", ["a", "b"], ["q"]), helper.make_node("Add", ["q", "x"], ["y"])],
+        [vi("x", [1], TensorProto.INT32)],
+        [vi("y", [1], TensorProto.INT32)],
+        [const("a", [a], np.int32), const("b", [b], np.int32)],
+    )
+
+
+def range_bomb(limit: int):
+    return model(
+        [
+            helper.make_node("Range", ["s", "l", "d"], ["r"], name="bomb"),
+            helper.make_node("Cast", ["r"], ["rf"], to=TensorProto.FLOAT),
+            helper.make_node("Slice", ["rf", "st", "en"], ["sl"]),
+            helper.make_node("Add", ["sl", "x"], ["y"]),
+        ],
+        [vi("x", [4])],
+        [vi("y", [4])],
+        [
+            const("s", 0, np.int64),
+            const("l", limit, np.int64),
+            const("d", 1, np.int64),
+            const("st", [0], np.int64),
+            const("en", [4], np.int64),
+        ],
+    )
+
+
+@pytest.mark.parametrize("a,b,words", [(-(2**31), -1, "divides -2147483648 by -1"), (7, 0, "zero")])
+def test_trapping_integer_division_is_never_run(a, b, words):
+    m = int_div(a, b)
+    assert words in hazards.runtime_hazard(m)
+    # (onnxruntime refuses a constant zero divisor itself when it loads the model)
+    with pytest.raises(GraphoptError, match="SIGFPE|division by zero"):
+        Session(m).run({"x": np.ones(1, np.int32)})
+    _, report = graphopt.optimize(m, level=1)  # parity says why it could not run
+    assert not report.parity.ran
+    assert "SIGFPE" in report.parity.error or "division by zero" in report.parity.error
+
+
+def test_a_safe_division_runs():
+    assert hazards.runtime_hazard(int_div(7, 2)) is None
+
+
+def test_a_range_bomb_is_neither_propagated_nor_run():
+    """10^13 elements: shape inference does not compute them, parity does not run them."""
+    m = range_bomb(10**13)
+    assert "Range 'bomb'" in hazards.runtime_hazard(m)
+    _, report = graphopt.optimize(m, level=1)
+    assert not report.parity.ran and "GiB" in report.parity.error
+    assert hazards.runtime_hazard(range_bomb(64)) is None
+
+
+def test_a_run_past_its_time_is_cut_short(monkeypatch):
+    monkeypatch.setenv("GRAPHOPT_RUN_SECONDS", "0")
+    m = model([helper.make_node("Relu", ["x"], ["y"])], [vi("x", [4])], [vi("y", [4])])
+    with pytest.raises(GraphoptError, match="did not end within"):
+        Session(m).run({"x": np.ones(4, np.float32)})
