@@ -15,7 +15,8 @@ class is one way a default run used to fail on models nobody here exported:
   exported without constant folding);
 * ``gpt2_fp16_unsorted``: the same decoder converted by onnxruntime's float16 converter, nodes
   not topologically sorted;
-* ``swinv2``: Swin v2's continuous position bias (a constant MLP cone).
+* ``swinv2``: Swin v2's continuous position bias (a constant MLP cone);
+* ``sklearn_forest``, ``lightgbm``: tree ensembles (ai.onnx.ml), which cuda runs on the CPU.
 
 Then ``python examples/wild/run_wild.py DIR --targets cpu,cuda`` tables the default runs.
 """
@@ -272,6 +273,44 @@ def gen_swinv2(out: Path) -> None:
         ["pixel_values"],
         ["last_hidden_state"],
     )
+
+
+# ------------------------------------------------------------------------ tree ensembles
+def _tabular(n: int = 256, features: int = 8):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, features)).astype(np.float32)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).astype(np.int64)
+    return x, y
+
+
+@generator
+def gen_sklearn_forest(out: Path) -> None:
+    from skl2onnx import to_onnx
+    from sklearn.ensemble import RandomForestClassifier
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    x, y = _tabular()
+    model = make_pipeline(StandardScaler(), RandomForestClassifier(n_estimators=20, max_depth=6))
+    model.fit(x, y)
+    onx = to_onnx(model, x[:1], options={"zipmap": False}, target_opset={"": 17, "ai.onnx.ml": 3})
+    onnx.save(onx, out / "sklearn_forest.onnx")
+    save_inputs(out / "sklearn_forest.onnx", {"X": x[:16]})
+
+
+@generator
+def gen_lightgbm(out: Path) -> None:
+    import lightgbm
+    from onnxmltools import convert_lightgbm
+    from onnxmltools.convert.common.data_types import FloatTensorType
+
+    x, y = _tabular()
+    model = lightgbm.LGBMRegressor(n_estimators=30, num_leaves=15, verbose=-1).fit(x, y)
+    onx = convert_lightgbm(
+        model, initial_types=[("input", FloatTensorType([None, x.shape[1]]))], target_opset=15
+    )
+    onnx.save(onx, out / "lightgbm.onnx")
+    save_inputs(out / "lightgbm.onnx", {"input": x[:16]})
 
 
 def main() -> int:
