@@ -72,6 +72,7 @@ _UNARY = {
     "HardSwish",
     "Elu",
     "Selu",
+    "RotaryEmbedding",  # ONNX and com.microsoft: the shape of its input
 }
 _BROADCAST = {
     "Add",

@@ -29,15 +29,39 @@ def dim(t: str, start: int, end: int, out: str) -> helper.NodeProto:
     return mk("Shape", [t], [out], start=start, end=end)
 
 
-def heads(rng, r: str, n: int, inits: list, dynamo: bool) -> list:
-    """``{r}_heads`` = Transpose(Reshape(x · W, [0|B, 0|S, n, H]), (0,2,1,3))."""
-    inits.append(const(f"W{r}", rng.standard_normal((HIDDEN, n * H)) * 0.2))
-    target = [-1, 0, n, H] if dynamo else [0, 0, -1, H]
+def heads(rng, r: str, n: int, inits: list, dynamo: bool, hp: int = H, norm: bool = False) -> list:
+    """``{r}_heads`` = Transpose(Reshape(x · W, [0|B, 0|S, n, hp]), (0,2,1,3)); with ``norm``
+    an RMSNorm over each head between the Reshape and the Transpose (Qwen3's q/k norm)."""
+    inits.append(const(f"W{r}", rng.standard_normal((HIDDEN, n * hp)) * 0.2))
+    target = [-1, 0, n, hp] if dynamo else [0, 0, -1, hp]
     inits.append(const(f"{r}_split", target, np.int64))
-    return [
+    nodes = [
         mk("MatMul", ["x", f"W{r}"], [f"{r}_p"]),
         mk("Reshape", [f"{r}_p", f"{r}_split"], [f"{r}_4"]),
-        mk("Transpose", [f"{r}_4"], [f"{r}_heads"], perm=[0, 2, 1, 3]),
+    ]
+    if norm:
+        nodes += rms_norm(rng, f"{r}_4", f"{r}_n", hp, inits, dynamo)
+    return nodes + [
+        mk("Transpose", [f"{r}_n" if norm else f"{r}_4"], [f"{r}_heads"], perm=[0, 2, 1, 3]),
+    ]
+
+
+def rms_norm(rng, x: str, out: str, width: int, inits: list, dynamo: bool) -> list:
+    """``out`` = x / sqrt(mean(x², -1) + eps) · w, as the exporters write RMSNorm."""
+    inits += [const(f"{x}_w", 1 + 0.1 * rng.standard_normal(width)), const(f"{x}_eps", 1e-6)]
+    inits += [const(f"{x}_two", 2.0)]
+    if dynamo:
+        inits.append(const(f"{x}_axes", [-1], np.int64))
+        mean = mk("ReduceMean", [f"{x}_sq", f"{x}_axes"], [f"{x}_ms"], keepdims=1)
+    else:
+        mean = mk("ReduceMean", [f"{x}_sq"], [f"{x}_ms"], axes=[-1], keepdims=1)
+    return [
+        mk("Pow", [x, f"{x}_two"], [f"{x}_sq"]),
+        mean,
+        mk("Add", [f"{x}_ms", f"{x}_eps"], [f"{x}_me"]),
+        mk("Sqrt", [f"{x}_me"], [f"{x}_rms"]),
+        mk("Div", [x, f"{x}_rms"], [f"{x}_nx"]),
+        mk("Mul", [f"{x}_nx", f"{x}_w"], [out]),
     ]
 
 
@@ -132,21 +156,30 @@ def rope(r: str, phi3: bool) -> tuple[list, list]:
         return apply(f"{r}_heads", "cos", "sin", f"{r}_rot", p=f"{r}_")
     nodes, inits = apply(f"{r}_part", "cos", "sin", f"{r}_emb", p=f"{r}_")
     nodes += [
-        mk("Slice", [f"{r}_heads", "zero1", "h", "ax3"], [f"{r}_part"]),
-        mk("Slice", [f"{r}_heads", "h", "big", "ax3"], [f"{r}_pass"]),
+        mk("Slice", [f"{r}_heads", "zero1", "rot_w", "ax3"], [f"{r}_part"]),
+        mk("Slice", [f"{r}_heads", "rot_w", "big", "ax3"], [f"{r}_pass"]),
         mk("Concat", [f"{r}_emb", f"{r}_pass"], [f"{r}_rot"], axis=-1),
     ]
     return nodes, inits
 
 
 def decoder(
-    nkv: int = 2, dynamo: bool = False, window: int | None = None, batch="batch", phi3=False
+    nkv: int = 2,
+    dynamo: bool = False,
+    window: int | None = None,
+    batch="batch",
+    phi3=False,
+    qk_norm=False,
+    passed: int = 0,
 ):
-    """One decoder self-attention with a KV cache and RoPE, as the exporters write it."""
+    """One decoder self-attention with a KV cache and RoPE, as the exporters write it; with
+    ``qk_norm`` an RMSNorm over each q and k head before the rotation (Qwen3), with ``passed``
+    (and ``phi3``) heads of H + ``passed`` of which the first H rotate (GPT-NeoX, Phi-2)."""
     rng = np.random.default_rng(7)
+    hp = H + passed
     nodes, inits = freqs_mul("position_ids")
     for r, n in (("q", NQ), ("k", nkv), ("v", nkv)):
-        nodes += heads(rng, r, n, inits, dynamo)
+        nodes += heads(rng, r, n, inits, dynamo, hp, qk_norm and r != "v")
     for r in "qk":
         n, i = rope(r, phi3)
         nodes, inits = nodes + n, inits + i
@@ -172,35 +205,36 @@ def decoder(
     ]
     inits += mask_inits + [
         const("qk_scale", H**-0.25),
-        const("merge", [0, 0, HIDDEN], np.int64),
+        const("merge", [0, 0, NQ * hp], np.int64),
         const("ax2", [2], np.int64),
         const("rep", [NQ // nkv], np.int64),
         const("nq", [NQ], np.int64),
         const("m1", [-1], np.int64),
-        const("h", [H], np.int64),
+        const("h", [hp], np.int64),
+        const("rot_w", [H], np.int64),
         const("zero1", [0], np.int64),
         const("big", [2**63 - 1], np.int64),
         const("ax3", [3], np.int64),
     ]
-    nodes = _topo(nodes, inputs_of(nkv, batch), inits)
+    nodes = _topo(nodes, inputs_of(nkv, batch, hp), inits)
     for i, nd in enumerate(nodes):
         nd.name = f"n{i}_{nd.op_type}"
-    inputs = inputs_of(nkv, batch)
+    inputs = inputs_of(nkv, batch, hp)
     outputs = [
-        vi("y", [batch, "seq", HIDDEN]),
-        vi("present_key", [batch, nkv, "total", H]),
-        vi("present_value", [batch, nkv, "total", H]),
+        vi("y", [batch, "seq", NQ * hp]),
+        vi("present_key", [batch, nkv, "total", hp]),
+        vi("present_value", [batch, nkv, "total", hp]),
     ]
     return model(nodes, inputs, outputs, inits, opset=18 if dynamo else 17)
 
 
-def inputs_of(nkv: int, batch) -> list:
+def inputs_of(nkv: int, batch, hp: int = H) -> list:
     return [
         vi("x", [batch, "seq", HIDDEN]),
         vi("attention_mask", [batch, "total"], TensorProto.INT64),
         vi("position_ids", [batch, "seq"], TensorProto.INT64),
-        vi("past_key", [batch, nkv, "past", H]),
-        vi("past_value", [batch, nkv, "past", H]),
+        vi("past_key", [batch, nkv, "past", hp]),
+        vi("past_value", [batch, nkv, "past", hp]),
     ]
 
 
@@ -219,7 +253,13 @@ def _topo(nodes: list, inputs: list, inits: list) -> list:
 
 
 def feeds(
-    nkv: int, batch: int = 2, seq: int = 3, past: int = 5, seed: int = 0, left: bool = False
+    nkv: int,
+    batch: int = 2,
+    seq: int = 3,
+    past: int = 5,
+    seed: int = 0,
+    left: bool = False,
+    hp: int = H,
 ) -> dict:
     """A decode step with padding: the first row right-padded (left-padded with ``left``), the
     second left-padded."""
@@ -233,7 +273,7 @@ def feeds(
     if batch > 1:
         am[1, :2] = 0
     pos = np.broadcast_to(np.arange(past, total), (batch, seq)).astype(np.int64)
-    kv = (batch, nkv, past, H)
+    kv = (batch, nkv, past, hp)
     return {
         "x": rng.standard_normal((batch, seq, HIDDEN)).astype(np.float32),
         "attention_mask": am,
@@ -406,3 +446,53 @@ def test_cli_declares_decoder_steps_into_the_report_and_the_manifest(tmp_path):
     assert res.exit_code == 0, res.output
     plain = json.loads((tmp_path / "out2" / "report.json").read_text())
     assert plain["declared"] == {} and GQA not in plain["ops_after"]
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+@pytest.mark.parametrize("nkv", [2, NQ], ids=["gqa-4-2", "mha-4-4"])
+def test_qk_norm_before_the_rotation_fuses(nkv, dynamo):
+    """Qwen3: an RMSNorm over each q and k head between the split and the rotation. The
+    query stays per head as the model computes it (norm, fused RotaryEmbedding) and the kernel
+    takes it back as [B,S,D]; the key reaches the kernel through the cache."""
+    m = decoder(nkv, dynamo, qk_norm=True)
+    out, report = assert_optimized(m, inputs=feeds(nkv))
+    h = op_histogram(out.graph.node)
+    assert h.get(MHA) == 1 and h.get(ROT) == 2, h
+    assert codes(report, RULE) == []
+    assert [o.name for o in out.graph.output] == ["y", "present_key", "present_value"]
+    _, again = run(out, inputs=feeds(nkv, batch=1, seq=1, past=7, seed=2))
+    assert again.parity.ok
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["rotary", "norm-and-rotary"])
+def test_partial_rotary_with_a_pass_through_concat_fuses(qk_norm, dynamo):
+    """GPT-NeoX / Phi-2: Concat(rope(x[..., :R]), x[..., R:]) along the head axis, the
+    rotation fused first, then the attention over the concatenated heads."""
+    passed = 8
+    m = decoder(NQ, dynamo, phi3=True, qk_norm=qk_norm, passed=passed)
+    f = feeds(NQ, hp=H + passed)
+    out, report = assert_optimized(m, inputs=f)
+    h = op_histogram(out.graph.node)
+    assert h.get(MHA) == 1 and h.get(ROT) == 2, h
+    assert codes(report, RULE) == []
+    mha = node(out, "MultiHeadAttention")
+    assert {a.name: a.i for a in mha.attribute}["num_heads"] == NQ
+
+
+def test_partial_rotary_fuses_with_the_rotation_left_unfused(monkeypatch):
+    """Without the rotary fusion (its rule disabled) the walk goes through the exported
+    rotate_half (Slice, Neg, Concat, Mul by cos/sin, Add): the order of the fusions does not
+    matter."""
+    import dataclasses
+
+    from graphopt.opt import target as targets
+
+    cpu = targets.TARGETS["cpu"]
+    off = cpu.disabled_rules | {"fuse-rotary-embedding"}
+    monkeypatch.setitem(targets.TARGETS, "cpu", dataclasses.replace(cpu, disabled_rules=off))
+    m = decoder(NQ, phi3=True, passed=8)
+    out, report = assert_optimized(m, inputs=feeds(NQ, hp=H + 8))
+    h = op_histogram(out.graph.node)
+    assert h.get(MHA) == 1 and ROT not in h, h
+    assert codes(report, RULE) == []

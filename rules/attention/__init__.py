@@ -15,6 +15,10 @@ its MatMuls), in three stages, each a module with typed results:
    ``present`` output) go to the kernel as they are, so do a decoder's kv heads repeated for
    grouped-query attention (HF's repeat_kv stays in front of MultiHeadAttention); a query
    rotated by RotaryEmbedding after its split is rotated on [B,S,D] instead (``num_heads``);
+   a query with other per-head math between the split and the MatMul (Qwen3's q norm, partial
+   rotary's Concat of a rotated and a pass-through slice, scale Muls, Clip, the rotation
+   fused or not — :func:`.heads.per_head_split` walks it back to the split) stays per head
+   as the model computes it and reaches the kernel as [B,S,N·H];
    the additive terms (padding, causal,
    relative position bias — a tensor shared by every layer is an input of each fusion) and
    the Where mask summed into

@@ -194,7 +194,7 @@ def strip_scale(t: Tensor | None) -> tuple[Tensor | None, list[Factor]]:
     if node.op == "Div":
         return ins[0], [Factor(ins[1], True, node)]
     for u, c in ((ins[0], ins[1]), (ins[1], ins[0])):
-        scaled = producer(u, _SCALED) is not None or rotary_of(past_empty_concat(u)[0]) is not None
+        scaled = producer(u, _SCALED) is not None or _rotated(u)
         if scaled and producer(c, _SCALED[1:]) is None:
             return u, [Factor(c, False, node)]
     return t, []
@@ -211,6 +211,19 @@ def past_empty_concat(t: Tensor | None) -> tuple[Tensor | None, list[Node]]:
         return t, []
     split = producer(e, "Split")  # of the rotated heads: the fusion's when only e is read
     return u, [cat] + ([split] if split is not None else [])
+
+
+def _rotated(u: Tensor | None) -> bool:
+    """``u`` is rotated heads: RotaryEmbedding, or Concat(rotated, pass-through) along the
+    head axis (partial rotary)."""
+    if rotary_of(past_empty_concat(u)[0]) is not None:
+        return True
+    cat = producer(u, "Concat")
+    return (
+        cat is not None
+        and cat.attrs.get("axis") in (-1, 3)
+        and rotary_of(inputs(cat)[0]) is not None
+    )
 
 
 def rotary_of(t: Tensor | None) -> Node | None:

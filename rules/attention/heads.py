@@ -21,7 +21,7 @@ import numpy as np
 
 from graphopt.opt.dims import Dims, Key, rank, shape_elements
 from graphopt.opt.dims import current as current_dims
-from graphopt.opt.ir import Node, Tensor, constant_value
+from graphopt.opt.ir import Constant, Node, Tensor, Variable, constant_value
 
 from ..activation import inputs, producer, scalar
 from .core import past_empty_concat, rotary_of
@@ -44,6 +44,8 @@ class HeadSplit:
     index: int | None = None  # packed: which of q, k, v
     merge: Node | None = None  # sequence-first: the Reshape that unfolds batch × heads
     rotary: Node | None = None  # a RotaryEmbedding over the [B,N,S,H] heads, redone on ``x``
+    source: HeadSplit | None = None  # "bnsh" per-head math: the split the walk ended at
+    kept: bool = False  # "bnsh" query: the per-head tensor, given to the kernel as [B,S,N·H]
 
 
 def transpose_of(t: Tensor | None, perm: tuple[int, ...]) -> Node | None:
@@ -89,6 +91,113 @@ def rotated_split(t: Tensor | None) -> HeadSplit | None:
     split.nodes[:0] = [*empty, rot]
     split.rotary = rot
     return split
+
+
+#: per-head ops: the output has the layout of input 0, each head computed from its own head
+_PER_HEAD_UNARY = ("Neg", "Clip", "Cast", "Identity", "Sqrt", "Reciprocal", "Abs", "Exp", "Tanh")
+_PER_HEAD_NORMS = ("LayerNormalization", "SimplifiedLayerNormalization", "RMSNormalization")
+_PER_HEAD_BINARY = ("Add", "Sub", "Mul", "Div", "Pow")
+_PER_HEAD_REDUCE = ("ReduceMean", "ReduceSum", "ReduceL2")
+_WALK_DEPTH = 24
+
+
+def per_head_split(t: Tensor | None) -> HeadSplit | None:
+    """A query [B,N,S,H] computed head by head from a head split: the walk back from ``t``
+    passes only per-head ops — RotaryEmbedding (ONNX or com.microsoft), norms over the last
+    (head) axis (LayerNormalization, SimplifiedLayerNormalization, RMSNormalization, or their
+    ReduceMean/Pow/Sqrt/Div spelling), element-wise ops whose other operand does not carry the
+    heads (scale Muls, cos/sin, a norm's weight), Clip, and Slice/Split/Concat along the head
+    axis (partial rotary: a rotated slice and the pass-through one concatenated back) — before
+    or after the heads' Transpose, and every path ends at the same split.  The per-head tensor
+    stays as the model computes it; the kernel takes it back as [B,S,N·H]."""
+    if rank(t) != 4:
+        return None
+    found: dict[int, object] = {}
+    root = _walk_heads(t, True, _WALK_DEPTH, found)
+    if not isinstance(root, HeadSplit):
+        return None
+    return HeadSplit(t, None, "bnsh", [], source=root, kept=True)
+
+
+def _walk_heads(t: Tensor | None, bnsh: bool, depth: int, memo: dict) -> object:
+    """The head split ``t`` is computed from per head (a :class:`HeadSplit`), None where ``t``
+    does not carry the heads (a side operand), or False where it does but not per head."""
+    key = (id(t), bnsh)
+    if key not in memo:
+        memo[key] = False  # cycle guard
+        memo[key] = _walk_heads_node(t, bnsh, depth, memo)
+    return memo[key]
+
+
+def _walk_heads_node(t: Tensor | None, bnsh: bool, depth: int, memo: dict) -> object:
+    if t is None or isinstance(t, Constant) or constant_value(t) is not None:
+        return None
+    if bnsh:
+        split = split_heads(t, PERM_BNSH)
+        if split is not None and split.layout == "bsd":
+            return split
+    elif (rs := producer(t, "Reshape")) is not None and rank(inputs(rs)[0]) == 3:
+        return HeadSplit(inputs(rs)[0], rs, "bsd")  # its Transpose is on the walked path
+    node = t.inputs[0] if isinstance(t, Variable) and t.inputs else None
+    if node is None or depth == 0:
+        return None  # a graph input or too far: not the heads
+    ins = inputs(node)
+    if node.op == "Transpose" and bnsh:
+        perm = tuple(node.attrs.get("perm", ()))
+        if perm != PERM_BNSH:
+            return False
+        inner = _walk_heads(ins[0], False, depth - 1, memo)
+        if isinstance(inner, HeadSplit) and inner.layout == "bsd" and not inner.nodes:
+            return HeadSplit(inner.x, inner.reshape, "bsd", [node])
+        return False if inner is not None else None
+    heads_in = _head_inputs(node, ins)
+    if heads_in is None:
+        return None  # not a per-head op: ``t`` is a side operand
+    roots = [_walk_heads(i, bnsh, depth - 1, memo) for i in heads_in]
+    splits = [r for r in roots if r is not None]
+    if not splits or any(r is False for r in splits):
+        return False if splits else None
+    if any(s.reshape is not splits[0].reshape for s in splits):
+        return False
+    if node.op in _PER_HEAD_BINARY:  # a side operand must not carry other heads
+        for i in ins:
+            if i is not None and _walk_heads(i, bnsh, depth - 1, memo) is None:
+                if rank(i) is None or rank(i) > rank(t):
+                    return False
+    return splits[0]
+
+
+def _head_inputs(node: Node, ins: list[Tensor | None]) -> list[Tensor] | None:
+    """The inputs of ``node`` that may carry the heads when it is a per-head op, else None."""
+    op = node.op
+    if op == "RotaryEmbedding" or op in _PER_HEAD_UNARY:
+        if op == "Clip" and any(scalar(i) is None for i in ins[1:] if i is not None):
+            return None
+        return [ins[0]]
+    if op in _PER_HEAD_NORMS:
+        return [ins[0]] if node.attrs.get("axis", -1) in (-1, 3) else None
+    if op in _PER_HEAD_BINARY:
+        if op == "Pow" and scalar(ins[1]) is None:
+            return None
+        return [i for i in ins if i is not None]
+    if op in _PER_HEAD_REDUCE:
+        axes = constant_value(ins[1]) if len(ins) > 1 and ins[1] is not None else None
+        axes = node.attrs.get("axes") if axes is None else list(np.asarray(axes).reshape(-1))
+        keep = node.attrs.get("keepdims", 1)
+        return [ins[0]] if keep and axes is not None and list(axes) in ([-1], [3]) else None
+    if op in ("Slice", "Split", "Concat") and _last_axis_only(node, ins):
+        return [i for i in (ins if op == "Concat" else ins[:1]) if i is not None]
+    return None
+
+
+def _last_axis_only(node: Node, ins: list[Tensor | None]) -> bool:
+    if node.op == "Slice":
+        axes = constant_value(ins[3]) if len(ins) > 3 and ins[3] is not None else None
+        steps = constant_value(ins[4]) if len(ins) > 4 and ins[4] is not None else None
+        if axes is None or (steps is not None and np.any(np.asarray(steps) != 1)):
+            return False
+        return list(np.asarray(axes).reshape(-1)) in ([-1], [3])
+    return node.attrs.get("axis", 0 if node.op == "Split" else None) in (-1, 3)
 
 
 def already_split(t_in: Tensor | None, perm: tuple[int, ...]) -> HeadSplit | None:
@@ -175,6 +284,9 @@ def head_count(
         return _heads_sbd(split.reshape, split.merge, split.x, dims)
     if split.layout == "bnsh":
         n, h = dims.key(split.x, 1), dims.key(split.x, 3)
+        if n[0] != "int" and split.source is not None:  # the heads of the split walked back to
+            src = head_count(split.source, dims)
+            n = ("int", src[0]) if not isinstance(src, str) else n
         if n[0] != "int" or h[0] != "int":
             return f"heads and head size of '{split.x.name}' [B,N,T,H] are not static"
         return n[1], h[1]
@@ -319,6 +431,7 @@ def source_axis(layout: str, which: str) -> int:
 __all__ = [
     "HeadSplit",
     "already_split",
+    "per_head_split",
     "head_count",
     "rank",
     "rotated_split",

@@ -39,6 +39,8 @@ def lower(a: Attention, b: Builder) -> Tensor:
         for r, t, s in (("q", q, a.q), ("k", k, a.k), ("v", v, a.v))
     )
     q = rotated(b, a.q.rotary, q, a.num_heads, f"{a.core.root.name}/q_rotary")
+    if a.q.layout == "bnsh":
+        q = _heads_merged(a, b, q)
     if a.gqa is not None:
         return _finish(a, b, lower_gqa(a, b, q))
     bias_in = attention_bias(a, b, q, k) if a.bias is not None else None
@@ -64,14 +66,28 @@ def _finish(a: Attention, b: Builder, out: Tensor) -> Tensor:
     """The kernel's [B,S,N·H] output guarded, made sequence-first and merged like the root's."""
     name = a.core.root.name
     src = a.q.x
-    if src.shape is not None and len(src.shape) == 3:
-        bax, sax = (1, 0) if a.q.layout == "sbd" else (0, 1)
+    if src.shape is not None and len(src.shape) in (3, 4):
+        bax, sax = (1, 0) if a.q.layout == "sbd" else (0, 2 if a.q.layout == "bnsh" else 1)
         out.shape = [src.shape[bax], src.shape[sax], a.num_heads * a.v_head_size]
     if a.core.nan_guard is not None:
         out = _nan_to_zero(a, b, out)
     if a.core.out_layout == "sbd":
         out = b.op("Transpose", [out], {"perm": [1, 0, 2]}, name=f"{name}/seq_first")
     return _merged(a, b, out)
+
+
+def _heads_merged(a: Attention, b: Builder, q: Tensor) -> Tensor:
+    """A per-head query [B,N,S,H] as the kernel takes it: [B,S,N·H]."""
+    name = a.core.root.name
+    bsnh = b.op("Transpose", [q], {"perm": [0, 2, 1, 3]}, name=f"{name}/q_heads_first")
+    width = a.num_heads * a.head_size
+    target = b.const(np.array([0, 0, width], dtype=np.int64), "q_width")
+    out = b.op("Reshape", [bsnh, target], name=f"{name}/q_merged")
+    out.dtype = bsnh.dtype = dtype_of(q)
+    if q.shape is not None and len(q.shape) == 4:
+        bsnh.shape = [q.shape[0], q.shape[2], q.shape[1], q.shape[3]]
+        out.shape = [q.shape[0], q.shape[2], width]
+    return out
 
 
 def _batch_first(a: Attention, b: Builder, t: Tensor, layout: str, role: str) -> Tensor:

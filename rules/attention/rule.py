@@ -31,6 +31,7 @@ from .heads import (
     already_split,
     batch_keys,
     head_count,
+    per_head_split,
     rotated_split,
     source_axis,
     split_heads,
@@ -96,7 +97,7 @@ def lift(root: Node) -> Attention:
         raise no_match()  # that Reshape is the root
     core = match_core(root)
     splits = [
-        split_heads(core.q, PERM_BNSH) or rotated_split(core.q),
+        split_heads(core.q, PERM_BNSH) or rotated_split(core.q) or per_head_split(core.q),
         split_heads(core.kt, PERM_BNHS) or already_split(core.kt, PERM_BNHS),
         split_heads(core.v, PERM_BNSH) or already_split(core.v, PERM_BNSH),
     ]
@@ -427,8 +428,9 @@ def _out_direct(a: Attention, dims: Dims) -> bool:
 
 def _qkv_bias(a: Attention, cx) -> QkvBias | None:
     """The q/k/v projections' constant bias vectors, when each source is MatMul + Add."""
-    if a.k.layout == "bnsh":
-        return None  # the kernel adds no bias to a key and value given per head
+    if a.k.layout == "bnsh" or a.q.layout == "bnsh":
+        return None  # the kernel adds no bias to a key and value given per head; a per-head
+        # query is computed from the biased projection
     hidden = a.num_heads * a.head_size
     if a.q.layout == "packed":
         found = _bias_add(a.q.x, cx)
