@@ -386,17 +386,16 @@ def _group(rows: list[dict], key: str, total: float) -> list[dict]:
 
 
 def _missed(rows: list[dict], prov: Provenance, total: float) -> list[dict]:
-    """Missed remarks grouped by (rule, code), each with the profiled nodes it names (a node
-    counts when a remark names it or a node it came from), ranked by their measured time."""
+    """Missed remarks grouped by (rule, code), each with the profiled nodes it names, ranked by
+    their measured time.  A node counts only under its own name: a node a remark names that a
+    later rewrite fused (an attention's MatMul, missed by matmul-add-to-gemm, then part of
+    MultiHeadAttention) is not time that fusion would win back."""
     by_name: dict[str, set[str]] = defaultdict(set)
     ms_of: dict[str, float] = {}
     for r in rows:
-        if r["owner"] != "model":
-            continue
-        ms_of[r["node"]] = r["ms"]
-        seen, _ = prov.lineage(r["node"])
-        for name in seen:
-            by_name[name].add(r["node"])
+        if r["owner"] == "model":
+            ms_of[r["node"]] = r["ms"]
+            by_name[r["node"]].add(r["node"])
     groups: dict[tuple[str, str], dict] = {}
     for remark in prov.missed:
         hit: set[str] = set()
