@@ -743,6 +743,120 @@ def run(
             raise Exit(errors.EXIT_PARITY)
 
 
+@app.command()
+def profile(
+    model: Annotated[Path, Argument(help="A bundle directory, or a model file.")],
+    target: flags.ProfileTarget = None,
+    inputs: flags.ProfileInputs = None,
+    shape: flags.Shapes = None,
+    runs: flags.ProfileRuns = 10,
+    compare: flags.ProfileCompare = None,
+    trace: flags.ProfileTrace = None,
+    fmt: flags.Fmt = Format.text,
+    debug: flags.Debug = False,
+) -> None:
+    """Where the time goes, node by node (onnxruntime's profiler, the session as the bundle
+    deploys), who owns it, and which missed fusions hold the most of it."""
+    with handled():
+        from .opt import profile as prof
+
+        shapes = parse_shapes(shape)
+        dirs = [model] if model.is_dir() else []
+        models = [] if dirs else [model.resolve()]
+        check_side_outputs(
+            {"--trace": trace},
+            models=models + ([compare.resolve()] if compare else []),
+            files=[inputs] if inputs else [],
+            dirs=dirs,
+        )
+        if compare is not None and compare.is_dir():
+            raise errors.UsageError(f"--compare {compare}: give the original model file")
+        if dirs:
+            summary, events, used = _profile_bundle(model, target, inputs, shapes, runs)
+        else:
+            get_target(target or "cpu")
+            proto = load_model(model, check=True, lazy_external=True)
+            feeds = _feeds(inputs, proto)
+            summary, events, used = prof.profile(
+                prof.plain_opener(model, proto), proto, feeds=feeds, shapes=shapes, runs=runs
+            )
+        summary["model"] = str(model)
+        summary["compare"] = None
+        if compare is not None:
+            original = load_model(compare, check=True, lazy_external=True)
+            base, _, _ = prof.profile(
+                prof.plain_opener(compare, original),
+                original,
+                feeds=_taken(used, original),
+                runs=runs,
+            )
+            base["model"] = str(compare)
+            summary["compare"] = prof.compare(summary, base) | {"original": base}
+        if trace:
+            atomic_write_text(trace, json.dumps(events, default=str))
+        if fmt == Format.json:
+            print_json(summary, default=float)
+        else:
+            render.render_profile(summary)
+
+
+def _taken(feeds: dict, model) -> dict:
+    """The arrays of ``feeds`` that ``model`` takes (``--compare``: the same inputs by name)."""
+    names = {vi.name for vi in model.graph.input}
+    return {k: v for k, v in feeds.items() if k in names}
+
+
+def _profile_bundle(bundle: Path, target, inputs, shapes, runs) -> tuple[dict, dict, dict]:
+    """``profile`` of a bundle: its session as ``open_session`` builds it (fast path where it
+    applies), its golden inputs unless ``--inputs``/``--shape``, its report's remarks."""
+    import onnx
+
+    from .opt import profile as prof
+    from .targets.bundle import GOLDEN_INPUTS, open_session, providers_problem, read_bundle
+
+    folder, manifest, _ = read_bundle(bundle)
+    if target is not None and target != manifest.get("target"):
+        raise errors.UsageError(
+            f"--target {target}: the bundle is for {manifest.get('target')} (a bundle is "
+            "profiled as it deploys; give the model file to profile it for another target)"
+        )
+    why = providers_problem(folder)
+    if why:
+        raise errors.UsageError(f"the {manifest.get('target')} bundle {why}")
+    portable = folder / manifest.get("model", "model.onnx")
+    try:
+        proto = onnx.load(str(portable), load_external_data=False)
+    except Exception as e:  # noqa: BLE001 - protobuf's DecodeError and OSError alike
+        raise errors.GraphoptError(f"{portable}: cannot read the bundle's model ({e})") from None
+    feeds = _feeds(inputs, proto)
+    if feeds is None and not shapes and (folder / GOLDEN_INPUTS).exists():
+        import numpy as np
+
+        try:
+            with np.load(folder / GOLDEN_INPUTS, allow_pickle=False) as f:
+                feeds = {k: f[k] for k in f.files}
+        except (OSError, ValueError) as e:
+            raise errors.GraphoptError(f"{folder / GOLDEN_INPUTS}: cannot read ({e})") from None
+    report = None
+    with suppress(OSError, ValueError):
+        report = json.loads((folder / "report.json").read_text())
+
+    def session_model(info: dict):
+        if info.get("model") in (None, portable.name):
+            return None
+        return onnx.load(str(folder / info["model"]), load_external_data=False)
+
+    return prof.profile(
+        lambda prefix: open_session(folder, profile=prefix),
+        proto,
+        session_model=session_model,
+        report=report if isinstance(report, dict) else None,
+        feeds=feeds,
+        shapes=shapes,
+        runs=runs,
+    )
+
+
 def _save_outputs(path: Path, outputs: dict) -> None:
     """``run -o``: the outputs as one .npz."""
     import numpy as np

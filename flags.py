@@ -314,3 +314,38 @@ Portable = Annotated[
         help="Run the portable model.onnx even where the machine-specific fast path applies.",
     ),
 ]
+
+# ------------------------------------------------------------------ profile
+#: the most ``profile --runs``: every run's kernel events are kept in memory and in the trace
+MAX_PROFILE_RUNS = 10_000
+ProfileTarget = Annotated[
+    str | None,
+    Option(
+        "--target",
+        "-t",
+        help=f"Target of a model file (default cpu; a bundle has its own): {', '.join(TARGETS)}.",
+    ),
+]
+ProfileRuns = Annotated[
+    int,
+    Option(
+        "--runs",
+        min=1,
+        max=MAX_PROFILE_RUNS,
+        help=f"Profiled runs after one warm-up (at most {MAX_PROFILE_RUNS:,}).",
+    ),
+]
+ProfileInputs = Annotated[
+    Path | None,
+    Option(
+        "--inputs",
+        help=".npz of inputs (default: a bundle's golden inputs, else seeded random ones).",
+    ),
+]
+ProfileCompare = Annotated[
+    Path | None,
+    Option("--compare", help="The original model: profiled at ORT_ENABLE_ALL, delta per op."),
+]
+ProfileTrace = Annotated[
+    Path | None, Option("--trace", help="Write a Chrome trace (JSON) named by graphopt's nodes.")
+]

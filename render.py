@@ -450,3 +450,91 @@ def render_run(summary: dict) -> None:
             + ("[green]match[/]" if g["ok"] else "[red]DIFFER[/]")
             + f" (max abs {worst:.3g})"
         )
+
+
+# ------------------------------------------------------------------ profile
+PROFILE_TOP = 10
+
+
+def _pct(share: float) -> str:
+    return f"{share * 100:.1f} %"
+
+
+def _sites(names: list[str], limit: int = 3) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
+
+
+def render_profile(data: dict) -> None:
+    """``graphopt profile``: the run, the tables by op type and region, the hottest nodes, the
+    missed remarks that hold time, and ``--compare``'s delta per op type."""
+    s = data["session"]
+    how = f"{s.get('model')}, {s.get('level')}" + (", fast path" if s.get("fast_path") else "")
+    feeds = ", ".join(f"{k}={v}" for k, v in data["inputs"].items())
+    out.print(f"[bold]profile[/] {escape(data['model'])} ({escape(how)}); inputs {escape(feeds)}")
+    out.print(
+        f"run {data['run_ms']:.3f} ms (median of {data['runs']} profiled runs; "
+        f"{data['unprofiled_run_ms']:.3f} ms with the profiler off); coverage "
+        f"{_pct(data['coverage'])} of the kernel time attributed to model nodes"
+    )
+    _profile_ops(data)
+    t = Table(title=f"time by region (top {PROFILE_TOP})", show_edge=False)
+    for col in ("region", "nodes", "ms", "share"):
+        t.add_column(col, justify="left" if col == "region" else "right")
+    for g in data["regions"][:PROFILE_TOP]:
+        t.add_row(escape(g["region"]), str(g["count"]), f"{g['ms']:.3f}", _pct(g["share"]))
+    out.print(t)
+    out.print(f"[bold]hottest nodes (top {PROFILE_TOP})[/]")
+    for r in data["nodes"][:PROFILE_TOP]:
+        owner = r["owner"]
+        if owner == "model":
+            made = f"{r['rule']} of " if r.get("rule") else ""
+            owner = made + _sites(r["originals"], 2)
+        line = f"{r['ms']:8.3f} ms {_pct(r['share']):>7}  {r['op']}  {r['node']}  <- {owner}"
+        out.print(f"  {escape(line)}", soft_wrap=True)
+    if data["missed"]:
+        out.print("[bold]missed fusions by measured time[/]")
+        for m in data["missed"][:PROFILE_TOP]:
+            line = (
+                f"{_pct(m['share'])} of the time is in {m['nodes']} node(s) that {m['rule']} "
+                f"missed: {m['code']} ({m['message']}) at {_sites(m['sites'])}"
+            )
+            out.print(f"  {escape(line)}", soft_wrap=True)
+    else:
+        out.print("no missed remark names a profiled node")
+    if data.get("compare"):
+        _profile_compare(data["compare"])
+
+
+def _profile_ops(data: dict) -> None:
+    t = Table(title="time by op type (median of the runs)", show_edge=False)
+    for col in ("op", "count", "ms", "share"):
+        t.add_column(col, justify="left" if col == "op" else "right")
+    for g in data["ops"]:
+        t.add_row(escape(g["op"]), str(g["count"]), f"{g['ms']:.3f}", _pct(g["share"]))
+    t.add_row("sum", str(data["node_count"]), f"{data['kernel_ms']:.3f}", "100.0 %")
+    out.print(t)
+    out.print(
+        f"sum {data['kernel_ms']:.3f} ms vs the measured run {data['run_ms']:.3f} ms: ratio "
+        f"{data['ratio']:.3f}"
+    )
+
+
+def _profile_compare(cmp: dict) -> None:
+    t = Table(
+        title=f"vs original at ORT_ENABLE_ALL: run {cmp['run_ms_original']:.3f} ms → "
+        f"{cmp['run_ms_optimized']:.3f} ms (ratio {cmp['ratio']:.3f})",
+        show_edge=False,
+    )
+    for col in ("op", "original", "optimized", "ms original", "ms optimized", "delta ms"):
+        t.add_column(col, justify="left" if col == "op" else "right")
+    for r in cmp["ops"]:
+        t.add_row(
+            escape(r["op"]),
+            str(r["count_original"]),
+            str(r["count_optimized"]),
+            f"{r['ms_original']:.3f}",
+            f"{r['ms_optimized']:.3f}",
+            f"{r['delta_ms']:+.3f}",
+        )
+    out.print(t)

@@ -1571,9 +1571,12 @@ def open_session(
     verify: str = "fingerprint",
     fast_path: bool = True,
     level: str | None = None,
+    profile: str | None = None,
 ) -> tuple[ort.InferenceSession, dict[str, Any]]:
     """:func:`load_session`, and how it loaded: ``{"model", "fast_path", "why", "level",
-    "verify"}`` (``why``: the reason the fast path was not used)."""
+    "verify"}`` (``why``: the reason the fast path was not used).  ``profile``: a file prefix;
+    the session then records onnxruntime's profile (``enable_profiling``) there, its settings
+    otherwise the same."""
     if verify not in VERIFY_MODES:
         raise UsageError(f"verify must be one of {', '.join(VERIFY_MODES)} (got {verify!r})")
     path, manifest, config = read_bundle(bundle)
@@ -1601,11 +1604,14 @@ def open_session(
                 verify,
                 None,
                 kernels=kernels,
+                profile=profile,
             )
             return sess, info | {"model": FAST_MODEL, "fast_path": True, **_said(kernels)}
         except GraphoptError as e:  # never worse than the portable model
             info["why"] = f"onnxruntime refused it ({e})"
-    sess = _session(path, manifest, config, portable, wanted, level, verify, kernels=kernels)
+    sess = _session(
+        path, manifest, config, portable, wanted, level, verify, kernels=kernels, profile=profile
+    )
     return sess, info | _said(kernels)
 
 
@@ -1661,8 +1667,10 @@ def _session(
     save_to: Path | None = None,
     once: bool = False,
     kernels: dict | None = None,
+    profile: str | None = None,
 ) -> ort.InferenceSession:
     """The session of ``model`` (a file of the bundle) at ``level`` with the config's settings;
+    ``profile``: a file prefix for onnxruntime's profile of the session's runs;
     ``save_to``: where onnxruntime writes the graph it optimized; ``once``: a session not run as
     deployed (it only saves that graph): its kernels do not pre-pack their weights;
     ``kernels``: filled with whether the generated-kernel library was registered, and why not."""
@@ -1678,6 +1686,9 @@ def _session(
         so.add_session_config_entry(key, str(value))
     if save_to is not None:  # weights beside it, mapped at load rather than parsed
         save_optimized(so, save_to)
+    if profile is not None:
+        so.enable_profiling = True
+        so.profile_file_prefix = profile
     why_not = _register_kernels(path, manifest, config, so, wanted)
     if kernels is not None and config.get("custom_op_libraries"):
         kernels.update(used=why_not is None, why=why_not)

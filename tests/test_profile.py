@@ -1,0 +1,157 @@
+"""``graphopt profile``: where a bundle's time goes, who owns it, which missed fusions hold it."""
+
+import json
+from pathlib import Path
+
+import onnx
+import pytest
+from onnx import helper
+
+from cli_runner import CliRunner
+from conftest import const, model, vi
+from graphopt.cli import app
+from graphopt.opt.profile import INSERTED, ModelIndex, region_of
+
+runner = CliRunner()
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def bundle_of(src: Path, out: Path, *extra) -> Path:
+    res = invoke("optimize", src, "-o", out, "--no-measure", "-q", *extra)
+    assert res.exit_code == 0, res.output
+    return out
+
+
+def profiled(*args) -> dict:
+    res = invoke("profile", *args, "--format", "json")
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+@pytest.fixture(scope="module")
+def mobilenet(tmp_path_factory):
+    return bundle_of(EXAMPLES / "mobilenet_bn.onnx", tmp_path_factory.mktemp("mb") / "b")
+
+
+def unfused_conv_bn(rng, tmp_path) -> Path:
+    """An expensive Conv + BN whose BN parameters are graph inputs (kept overridable with
+    --keep-initializer-inputs: fuse-conv-bn misses with non-constant-param), then a cheap Relu."""
+    c = 32
+    bn = [
+        const(k, v)
+        for k, v in zip(
+            "gbmv",
+            (
+                rng.random(c) + 0.5,
+                rng.standard_normal(c),
+                rng.standard_normal(c),
+                rng.random(c) + 0.1,
+            ),
+        )
+    ]
+    inits = [const("W", rng.standard_normal((c, 16, 3, 3)) * 0.1), *bn]
+    nodes = [
+        helper.make_node("Conv", ["x", "W"], ["c"], name="/net/conv", pads=[1, 1, 1, 1]),
+        helper.make_node("BatchNormalization", ["c", *"gbmv"], ["n"], name="/net/bn"),
+        helper.make_node("Relu", ["n"], ["y"], name="/net/relu"),
+    ]
+    inputs = [vi("x", [1, 16, 96, 96])] + [vi(t.name, [c]) for t in bn]
+    p = tmp_path / "unfused.onnx"
+    onnx.save(model(nodes, inputs, [vi("y", None)], inits), p)
+    return p
+
+
+def test_mobilenet_bundle_time_adds_up_and_has_owners(mobilenet):
+    data = profiled(mobilenet, "--runs", "5")
+    assert data["schema"] == "graphopt.profile/1" and data["runs"] == 5
+    assert data["session"]["model"] in ("model.onnx", "model.machine.onnx")
+    assert sum(g["ms"] for g in data["ops"]) == pytest.approx(data["kernel_ms"], abs=1e-3)
+    # the kernels are a share of the run they were measured in (the rest: executor, profiler)
+    assert 0.2 < data["ratio"] <= 1.1
+    assert data["coverage"] >= 0.7  # the rest: onnxruntime's NCHWc Reorder nodes
+    inserted = [r for r in data["nodes"] if r["owner"] == INSERTED]
+    assert all(r["op"].startswith("Reorder") or r["op"] for r in inserted)
+    fused = [r for r in data["nodes"] if r.get("rule") == "fuse-conv-bn"]
+    assert fused and all(any("BatchNormalization" in o for o in r["originals"]) for r in fused)
+    assert any(g["region"].startswith("/blocks/blocks.") for g in data["regions"])
+
+
+def test_unfused_chain_is_the_top_missed_row(rng, tmp_path):
+    src = unfused_conv_bn(rng, tmp_path)
+    b = bundle_of(src, tmp_path / "b", "--keep-initializer-inputs")
+    data = profiled(b, "--runs", "5")
+    top = data["missed"][0]
+    assert (top["rule"], top["code"]) == ("fuse-conv-bn", "non-constant-param")
+    assert set(top["node_names"]) >= {"/net/conv", "/net/bn"}
+    assert top["share"] > 0.5
+    assert data["coverage"] >= 0.7  # the rest: NCHWc Reorder nodes around the Conv
+    # where the kernels dominate the run, the table accounts for most of it (within 10 % on
+    # a quiet machine; 0.8 leaves room for a loaded one)
+    assert 0.8 <= data["ratio"] <= 1.1, data["ratio"]
+    res = invoke("profile", b, "--runs", "3")
+    assert res.exit_code == 0, res.output
+    assert "fuse-conv-bn missed: non-constant-param" in " ".join(res.stdout.split())
+
+
+def test_trace_and_compare(mobilenet, tmp_path):
+    trace = tmp_path / "t.json"
+    args = ["--runs", "3", "--trace", trace, "--compare", EXAMPLES / "mobilenet_bn.onnx"]
+    data = profiled(mobilenet, *args)
+    events = json.loads(trace.read_text())["traceEvents"]
+    kernels = [e for e in events if "graphopt" in (e.get("args") or {})]
+    assert kernels and all(e["ph"] == "X" for e in kernels)
+    assert any(e["args"]["graphopt"]["owner"] == "model" for e in kernels)
+    cmp = data["compare"]
+    ops = {r["op"]: r for r in cmp["ops"]}
+    assert ops["com.microsoft.FusedConv"]["count_original"] == 0
+    assert ops["BatchNormalization"]["count_optimized"] == 0 or "BatchNormalization" not in ops
+    assert cmp["run_ms_original"] > 0 and cmp["original"]["coverage"] > 0
+    text = invoke("profile", mobilenet, *args)
+    assert text.exit_code == 0 and "vs original at ORT_ENABLE_ALL" in text.stdout
+
+
+def test_plain_model_profiles_at_enable_all(tmp_path):
+    data = profiled(EXAMPLES / "bert_tiny.onnx", "--runs", "2", "--shape", "input_ids=1,8")
+    assert data["session"]["level"] == "ORT_ENABLE_ALL" and data["missed"] == []
+    assert data["inputs"]["input_ids"] == [1, 8] and data["coverage"] > 0.5
+
+
+def test_bad_input_exit_codes(mobilenet, tmp_path):
+    assert invoke("profile", tmp_path).exit_code == 2  # a folder that is no bundle
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not a model")
+    assert invoke("profile", bad).exit_code == 1
+    assert invoke("profile", mobilenet, "--runs", "0").exit_code == 2
+    assert invoke("profile", mobilenet, "--shape", "nope=1,2").exit_code == 2
+    assert invoke("profile", mobilenet, "--target", "cuda").exit_code == 2
+    corrupt = tmp_path / "c"
+    corrupt.mkdir()
+    (corrupt / "manifest.json").write_text("{")
+    (corrupt / "session_config.json").write_text("{}")
+    assert invoke("profile", corrupt).exit_code == 1
+
+
+def test_kernel_names_map_to_model_nodes():
+    g = helper.make_graph(
+        [
+            helper.make_node("Conv", ["x", "w"], ["c"], name="/a/conv"),
+            helper.make_node("Relu", ["c"], ["y"], name="/a/relu"),
+        ],
+        "g",
+        [vi("x", [1])],
+        [vi("y", [1])],
+    )
+    index = ModelIndex.of(helper.make_model(g))
+    assert index.node_of("/a/conv") == "/a/conv"
+    assert index.node_of("fused /a/relu") == "/a/relu"
+    assert index.node_of("/a/conv_out_nchwc") == "/a/conv"
+    assert index.node_of("c_nchwc") == "/a/conv"
+    assert index.node_of("ReorderOutput_token_3") is None
+    assert index.node_of("HardSigmoid_53") is None
+    assert region_of("/model/layers.3/attn/MatMul") == "/model/layers.3/"
+    assert region_of("/model/embeddings/Add") == "/model/embeddings/"
+    assert region_of("conv") == "(top level)"
