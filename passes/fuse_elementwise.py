@@ -66,7 +66,14 @@ from graphopt.opt.manager import Pass, PassContext, register_pass
 from graphopt.opt.rewrite import Builder
 from graphopt.targets.codegen import cuda as cuda_gen
 from graphopt.targets.codegen import gates
-from graphopt.targets.codegen.expr import POW_EXPONENTS, Expr, ExprError, evaluate, f32
+from graphopt.targets.codegen.expr import (
+    MAX_NODES,
+    POW_EXPONENTS,
+    Expr,
+    ExprError,
+    evaluate,
+    f32,
+)
 from graphopt.targets.codegen.library import NoCompiler, cpu_library, cuda_library
 from graphopt.targets.codegen.portable import function_for
 from graphopt.targets.codegen.spec import DOMAIN, KernelSpec
@@ -273,29 +280,31 @@ def find_regions(ir: ModelIR, target: str) -> list[Region]:
     toposort(ir.graph)
     nodes = list(ir.graph.nodes)
     ok = {id(n) for n in nodes if fusible(n, target)}
+    position = {id(n): i for i, n in enumerate(nodes)}
     assigned: set[int] = set()
     regions: list[Region] = []
     for root in reversed(nodes):
         if id(root) not in ok or id(root) in assigned:
             continue
+        # each member's producers are looked at when it joins (a producer read by several
+        # members joins when the last of them does): linear in the region, a chain too
         members = {id(root): root}
-        grew = True
-        while grew:
-            grew = False
-            for n in list(members.values()):
-                for t in n.inputs:
-                    if not isinstance(t, Variable) or not t.inputs:
-                        continue
-                    p = t.inputs[0]
-                    if id(p) in members or id(p) not in ok or id(p) in assigned:
-                        continue
-                    if ir.is_graph_output(t):
-                        continue
-                    if all(id(c) in members for c in t.outputs):
-                        members[id(p)] = p
-                        grew = True
+        todo = [root]
+        while todo:
+            n = todo.pop()
+            for t in n.inputs:
+                if not isinstance(t, Variable) or not t.inputs:
+                    continue
+                p = t.inputs[0]
+                if id(p) in members or id(p) not in ok or id(p) in assigned:
+                    continue
+                if ir.is_graph_output(t):
+                    continue
+                if all(id(c) in members for c in t.outputs):
+                    members[id(p)] = p
+                    todo.append(p)
         assigned.update(members)
-        order = [n for n in nodes if id(n) in members]
+        order = sorted(members.values(), key=lambda n: position[id(n)])
         regions.append(Region(root, order))
     regions.reverse()
     return regions
@@ -303,6 +312,12 @@ def find_regions(ir: ModelIR, target: str) -> list[Region]:
 
 def build_expr(region: Region) -> None:
     """Fill ``expr``, ``xs``, ``ps`` and ``axis`` (or ``problem``)."""
+    if len(region.nodes) > MAX_NODES:  # one node of the expression per op at least
+        region.problem = (
+            "expression-too-large",
+            f"the chain has {len(region.nodes)} nodes, more than the {MAX_NODES} of one kernel",
+        )
+        return
     inside = {id(n) for n in region.nodes}
     out_shape = region.shape
     memo: dict[int, Expr] = {}
