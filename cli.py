@@ -100,6 +100,18 @@ def handled() -> Iterator[None]:
         raise Exit(e.exit_code) from None
     except (KeyboardInterrupt, Exit):
         raise
+    except MemoryError:
+        if STATE["debug"]:
+            raise
+        cap = os.environ.get("GRAPHOPT_MEMORY_MB", "").strip()
+        err.print(
+            "error: ran out of memory"
+            + (f" (GRAPHOPT_MEMORY_MB={cap})" if cap else "")
+            + "; nothing was written",
+            markup=False,
+            soft_wrap=True,
+        )
+        raise Exit(errors.EXIT_ERROR) from None
     except Exception as e:  # noqa: BLE001 - last resort: one line, never a traceback by default
         if STATE["debug"]:
             raise
@@ -879,6 +891,7 @@ def console() -> None:
     code = _interrupt.EXIT_INTERRUPTED
     try:
         _interrupt.handle_with(signal.default_int_handler)  # the command unwinds
+        _cap_memory()
         _tune_malloc()
         _one_blas_thread()
         try:
@@ -890,6 +903,22 @@ def console() -> None:
         sys.stderr.write(_interrupt.MESSAGE)
     sys.stderr.flush()
     raise SystemExit(code)
+
+
+def _cap_memory() -> None:
+    """``GRAPHOPT_MEMORY_MB``: the process's address space is capped there (RLIMIT_AS), so a
+    run that would exhaust the machine ends with "ran out of memory", exit 1."""
+    value = os.environ.get("GRAPHOPT_MEMORY_MB", "").strip()
+    if not value:
+        return
+    try:
+        import resource
+
+        limit = int(float(value) * 2**20)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    except (ValueError, OSError, ImportError):
+        sys.stderr.write(f"error: GRAPHOPT_MEMORY_MB must be a number of MiB (got '{value}')\n")
+        raise SystemExit(errors.EXIT_USAGE) from None
 
 
 #: glibc's mallopt settings for the command's process: (parameter, value, the environment

@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -330,6 +331,7 @@ def run_pass(p: Pass, ir: ModelIR, cx: PassContext, iteration: int = 0) -> bool:
     """Run one pass with timing and optional verification; local passes also run inside
     If/Loop/Scan bodies (outer-scope values are shared objects, so they resolve naturally)."""
     t0 = time.perf_counter()
+    _within_budget(p)
     changed = bool(p.run(ir, cx))
     if p.recurse and not isinstance(p, Fixpoint):
         changed |= _run_in_subgraphs(p, ir, cx)
@@ -342,6 +344,25 @@ def run_pass(p: Pass, ir: ModelIR, cx: PassContext, iteration: int = 0) -> bool:
     if cx.verify_each and changed and not isinstance(p, Fixpoint):
         verify(ir, p.text())
     return changed
+
+
+#: when this process started its optimization budget (``GRAPHOPT_TIME_BUDGET``, seconds)
+_STARTED = time.monotonic()
+
+
+def _within_budget(p: Pass) -> None:
+    """GraphoptError (exit 1) naming the pass about to run when the process has run past
+    ``GRAPHOPT_TIME_BUDGET`` seconds (unset: no budget)."""
+    value = os.environ.get("GRAPHOPT_TIME_BUDGET", "").strip()
+    try:
+        budget = float(value) if value else None
+    except ValueError:
+        raise UsageError(f"GRAPHOPT_TIME_BUDGET must be seconds (got '{value}')") from None
+    if budget is not None and time.monotonic() - _STARTED > budget:
+        raise GraphoptError(
+            f"the optimization ran past its time budget of {budget:g} s "
+            f"(GRAPHOPT_TIME_BUDGET) before {p.text()}; nothing was written"
+        )
 
 
 def _run_in_subgraphs(p: Pass, ir: ModelIR, cx: PassContext) -> bool:

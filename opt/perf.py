@@ -320,7 +320,19 @@ class _Loaded:
     def runner(self, feeds: dict[str, np.ndarray]) -> Callable[[], list]:
         wanted = {i.name for i in self.sess.get_inputs()}
         f = {k: v for k, v in feeds.items() if k in wanted}
-        return lambda: self.sess.run(None, f)
+        sess = self.sess
+
+        def run() -> list:
+            try:
+                return sess.run(None, f)
+            except Exception as e:  # noqa: BLE001 - onnxruntime raises several unrelated types
+                text = str(e).strip()
+                raise GraphoptError(
+                    "onnxruntime failed to run the model while timing it: "
+                    + (text.splitlines()[0] if text else type(e).__name__)
+                ) from None
+
+        return run
 
 
 @contextmanager

@@ -72,3 +72,39 @@ def test_a_run_past_its_time_is_cut_short(monkeypatch):
     m = model([helper.make_node("Relu", ["x"], ["y"])], [vi("x", [4])], [vi("y", [4])])
     with pytest.raises(GraphoptError, match="did not end within"):
         Session(m).run({"x": np.ones(4, np.float32)})
+
+
+def _graphopt(args, env, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    code = "import sys; from graphopt.cli import console; sys.argv[1:] = sys.argv[1:]; console()"
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+
+
+def test_a_run_past_its_time_budget_ends_naming_the_pass(tmp_path):
+    from conftest import EXAMPLES
+
+    src = str(EXAMPLES / "mobilenet_bn.onnx")
+    out = _graphopt(["optimize", src, "-o", "b", "-q"], {"GRAPHOPT_TIME_BUDGET": "0"}, tmp_path)
+    assert out.returncode == 1, out.stderr
+    assert "time budget of 0 s" in out.stderr and "fixpoint(" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "b").exists()
+
+
+def test_a_run_past_its_memory_cap_ends_with_one_line(tmp_path):
+    from conftest import EXAMPLES
+
+    src = str(EXAMPLES / "esrgan_tiny.onnx")
+    out = _graphopt(["optimize", src, "-o", "b", "-q"], {"GRAPHOPT_MEMORY_MB": "150"}, tmp_path)
+    assert out.returncode == 1, out.stderr
+    assert "memory" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "b").exists()
