@@ -202,6 +202,30 @@ def _node_reads(node: onnx.NodeProto) -> list[str]:
     return reads
 
 
+def stable_order(reads_from: list) -> tuple[list[int], list[int], list[list[int]]]:
+    """Kahn's algorithm over a min-heap of the original positions: (the positions in a
+    topological order that keeps the given one where it is free, each node's count of
+    producers left unplaced, each node's readers).  ``reads_from[i]``: the positions node ``i``
+    reads from (itself excluded).  Fewer positions than nodes: the rest lie on cycles."""
+    sets = [set(deps) for deps in reads_from]
+    pending = [len(deps) for deps in sets]
+    users: list[list[int]] = [[] for _ in sets]
+    for i, deps in enumerate(sets):
+        for p in deps:
+            users[p].append(i)
+    ready = [i for i, k in enumerate(pending) if not k]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for u in users[i]:
+            pending[u] -= 1
+            if not pending[u]:
+                heapq.heappush(ready, u)
+    return order, pending, users
+
+
 def _order(nodes, where: str) -> list[int] | None:
     """Each node's position in a stable topological order (Kahn's algorithm over a min-heap of
     the original positions), or None when the nodes are in one already.  Values no node of
@@ -215,21 +239,7 @@ def _order(nodes, where: str) -> list[int] | None:
     reads_from = [{p for p in map(producer.get, _node_reads(n)) if p is not None} for n in nodes]
     if all(p < i for i, deps in enumerate(reads_from) for p in deps):
         return None
-    pending = [len(deps) for deps in reads_from]
-    users: list[list[int]] = [[] for _ in reads_from]
-    for i, deps in enumerate(reads_from):
-        for p in deps:
-            users[p].append(i)
-    ready = [i for i, k in enumerate(pending) if not k]
-    heapq.heapify(ready)
-    order: list[int] = []
-    while ready:
-        i = heapq.heappop(ready)
-        order.append(i)
-        for u in users[i]:
-            pending[u] -= 1
-            if not pending[u]:
-                heapq.heappush(ready, u)
+    order, pending, users = stable_order(reads_from)
     if len(order) != len(reads_from):
         stuck = _on_cycles({i for i, k in enumerate(pending) if k}, users, reads_from)
         names = [nodes[i].name or f"#{i} ({nodes[i].op_type})" for i in stuck]

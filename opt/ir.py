@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-import heapq
 import itertools
 import math
 import os
@@ -56,6 +55,7 @@ from .compat import (
     frozen_note,
     function_id,
     inline_functions,
+    stable_order,
     weights_as_inputs,
 )
 from .domains import is_default
@@ -564,21 +564,7 @@ def toposort(graph: gs.Graph) -> None:
     for i, n in enumerate(nodes):
         mine = [p for p in map(get, map(id, _reads(n))) if p is not None and p != i]
         reads_from.append(mine)
-    pending = [len(set(m)) for m in reads_from]
-    users: list[list[int]] = [[] for _ in nodes]
-    for i, mine in enumerate(reads_from):
-        for p in set(mine):
-            users[p].append(i)
-    ready = [i for i, k in enumerate(pending) if not k]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        i = heapq.heappop(ready)
-        order.append(i)
-        for u in users[i]:
-            pending[u] -= 1
-            if not pending[u]:
-                heapq.heappush(ready, u)
+    order = stable_order(reads_from)[0]
     if len(order) != len(nodes):
         raise ValueError(f"graph '{graph.name}' has a cycle")
     graph.nodes = [nodes[i] for i in order]

@@ -592,15 +592,20 @@ def _bare_session_check(out_dir: Path, target: Target, ctx: dict, parity) -> dic
     return {
         "ok": True,
         "max_abs": {d.name: d.max_abs for d in diffs},
-        "within_own_noise": {
-            d.name: {"judged": d.judged, "own_noise": d.own_noise}
-            for d in diffs
-            if d.judged != "tolerance"
-        }
-        or None,
+        "within_own_noise": _within_own_noise(diffs),
         "what": "model.onnx in an onnxruntime session with no kernel library (each generated "
         "kernel's node runs its model-local function of standard ops), optimizations off",
     }
+
+
+def _within_own_noise(diffs) -> dict | None:
+    """The outputs a check passed against the original's own drift: name → how, and the drift."""
+    passed = {
+        d.name: {"judged": d.judged, "own_noise": d.own_noise}
+        for d in diffs
+        if d.judged != "tolerance"
+    }
+    return passed or None
 
 
 def _parity_noise(parity) -> OwnNoise:
@@ -1357,13 +1362,7 @@ def _deploy_parity(inputs, session: dict, feeds, names, got, target: Target, rep
         "ok": ok,
         "setting": setting,
         "max_abs": {d.name: d.max_abs for d in diffs},
-        # outputs passed against the original's own drift between the same two levels
-        "within_own_noise": {
-            d.name: {"judged": d.judged, "own_noise": d.own_noise}
-            for d in diffs
-            if d.judged != "tolerance"
-        }
-        or None,
+        "within_own_noise": _within_own_noise(diffs),
         "what": "the bundle (load_session) against the original model under the same session "
         "settings, on this machine's CPU",
     }
