@@ -378,20 +378,11 @@ OPAQUE_FUNCTION_DOMAINS = frozenset({"graphopt.fused"})
 
 
 def _without_functions(model: onnx.ModelProto, drop: list) -> onnx.ModelProto:
-    """A shallow copy of ``model`` without the functions ``drop`` (the graph is shared)."""
+    """A copy of ``model`` without the functions ``drop`` (the inliner works on the copy)."""
     out = onnx.ModelProto()
-    for fd, value in model.ListFields():
-        if fd.name == "functions":
-            continue
-        if fd.name == "graph":
-            out.graph.CopyFrom(value)
-        elif fd.is_repeated:
-            getattr(out, fd.name).extend(value)
-        elif fd.message_type:
-            getattr(out, fd.name).CopyFrom(value)
-        else:
-            setattr(out, fd.name, value)
+    out.CopyFrom(model)
     ids = {function_id(f) for f in drop}
+    del out.functions[:]
     out.functions.extend(f for f in model.functions if function_id(f) not in ids)
     return out
 
