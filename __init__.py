@@ -12,7 +12,7 @@ from . import _interrupt  # noqa: F401  first: Ctrl-C while the rest imports (th
 # isort: split
 from . import passes, rules, targets  # noqa: F401  (register passes, rules and targets)
 from .opt.errors import GraphoptError
-from .opt.io import load_model, save_model
+from .opt.graph.io import load_model, save_model
 from .opt.optimizer import Report, optimize
 from .targets.bundle import load_session, open_session, run_bundle, write_bundle
 

@@ -29,16 +29,10 @@ from . import optimize as run_optimize
 from .command import App, Argument, Exit, Option
 from .flags import STATE, TARGET, Format, Reference
 from .opt import errors
-from .opt import gate as ci
-from .opt import verdict as verdicts
-from .opt.bench import apply_baseline, baseline_payload, measure, parse_regression
 from .opt.bisect import BISECT_KIND, default_bisect_dir, write_bisect_result
 from .opt.bisect import bisect as run_bisect
 from .opt.clock import Clock
-from .opt.explain import check_filters, check_rule, node_ops, resolve_explain_op
-from .opt.explain import explain as explain_report
-from .opt.feeds import read_feeds
-from .opt.io import (
+from .opt.graph.io import (
     atomic_write,
     atomic_write_text,
     check_output_dir,
@@ -47,15 +41,21 @@ from .opt.io import (
     save_model,
     validate,
 )
-from .opt.lint import freeze_initializers as freeze_model
-from .opt.lint import lint as lint_model
-from .opt.manager import PASSES, RULES
+from .opt.graph.spool import SpoolDir
+from .opt.numerics.reference import upcast_to_float64
 from .opt.optimizer import sparse_collection
-from .opt.parity import check_parity, parse_shapes, parse_tolerances
-from .opt.reference import upcast_to_float64
-from .opt.report_html import render_html
-from .opt.spool import SpoolDir
-from .opt.target import TARGETS, get_target
+from .opt.report.explain import check_filters, check_rule, node_ops, resolve_explain_op
+from .opt.report.explain import explain as explain_report
+from .opt.report.lint import freeze_initializers as freeze_model
+from .opt.report.lint import lint as lint_model
+from .opt.report.report_html import render_html
+from .opt.rewrite.manager import PASSES, RULES
+from .opt.rewrite.target import TARGETS, get_target
+from .opt.verify import gate as ci
+from .opt.verify import verdict as verdicts
+from .opt.verify.bench import apply_baseline, baseline_payload, measure, parse_regression
+from .opt.verify.feeds import read_feeds
+from .opt.verify.parity import check_parity, parse_shapes, parse_tolerances
 from .progress import progress
 from .render import err, print_json
 from .targets.bundle import BUNDLE_KIND, default_bundle_dir, protected_paths, write_bundle
@@ -770,7 +770,7 @@ def profile(
     """Where the time goes, node by node (onnxruntime's profiler, the session as the bundle
     deploys), who owns it, and which missed fusions hold the most of it."""
     with handled():
-        from .opt import profile as prof
+        from .opt.verify import profile as prof
 
         shapes = parse_shapes(shape)
         dirs = [model] if model.is_dir() else []
@@ -823,7 +823,7 @@ def _profile_bundle(bundle: Path, target, inputs, shapes, runs) -> tuple[dict, d
     applies), its golden inputs unless ``--inputs``/``--shape``, its report's remarks."""
     import onnx
 
-    from .opt import profile as prof
+    from .opt.verify import profile as prof
     from .targets.bundle import GOLDEN_INPUTS, open_session, providers_problem, read_bundle
 
     folder, manifest, _ = read_bundle(bundle)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated
 
 from .command import Option
-from .opt.target import TARGETS
+from .opt.rewrite.target import TARGETS
 
 #: ``--debug`` anywhere on the command line: errors show their traceback.
 STATE = {"debug": False}

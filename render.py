@@ -2,7 +2,7 @@
 targets, rules and run, on stdout (``out``); warnings and errors on stderr (``err``).
 
 Only presentation lives here: every number and decision comes from the library (the report,
-:mod:`graphopt.opt.verdict`, :mod:`graphopt.opt.gate`, :mod:`graphopt.opt.explain`).
+:mod:`graphopt.opt.verify.verdict`, :mod:`graphopt.opt.verify.gate`, :mod:`graphopt.opt.report.explain`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from .opt.clock import phase_summary
-from .opt.explain import group_misses, levers
-from .opt.manager import RULES
-from .opt.pipeline import LEVEL_NAMES
+from .opt.report.explain import group_misses, levers
+from .opt.rewrite.manager import RULES
+from .opt.rewrite.pipeline import LEVEL_NAMES
 
 
 class _Console:
@@ -91,7 +91,7 @@ def device_note(report) -> str:
     )
 
 
-#: analysis remarks of what graphopt accepts as onnxruntime does (opt/compat.py, opt/feeds.py)
+#: analysis remarks of what graphopt accepts as onnxruntime does (opt/graph/compat.py, opt/verify/feeds.py)
 ACCEPTED_CODES = ("graph-sorted", "dim-param-split")
 
 
@@ -198,7 +198,7 @@ def render_performance(perf: dict) -> None:
 
 def own_noise_line(d) -> str:
     """Why an output that missed its tolerance passed: the original's own drift."""
-    from .opt.parity import NOISE_FACTOR
+    from .opt.verify.parity import NOISE_FACTOR
 
     if d.judged == "own-noise":
         return (

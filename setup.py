@@ -6,8 +6,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "graphopt.opt._rounding",
-            ["opt/_rounding.c"],
+            "graphopt.opt.numerics._rounding",
+            ["opt/numerics/_rounding.c"],
             extra_compile_args=["-O3", "-ffp-contract=off"],
             optional=True,
         )

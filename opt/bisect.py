@@ -24,7 +24,7 @@ import onnx
 from onnx import helper
 
 from .errors import ModelSaveError
-from .io import (
+from .graph.io import (
     OutputDirKind,
     check_output_dir,
     discard,

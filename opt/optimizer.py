@@ -10,6 +10,7 @@ import gc
 import os
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -19,11 +20,10 @@ from typing import Any
 import numpy as np
 import onnx
 
-from . import compat
 from .clock import Clock
 from .errors import GraphoptError, UsageError
-from .feeds import split_dims, validate_args
-from .io import (
+from .graph import compat
+from .graph.io import (
     about_external_data,
     check_without_weights,
     load_model,
@@ -31,9 +31,19 @@ from .io import (
     serialize,
     tensor_nbytes,
 )
-from .ir import ModelIR, op_histogram
-from .manager import Original, PassContext, run_final_checks, run_pass
-from .parity import (
+from .graph.ir import ModelIR, op_histogram
+from .graph.spool import SpoolDir, Spooled, session_skeleton, spool
+from .graph.upgrade import upgrade_opset
+from .numerics.precision import quantized_weight_tolerances
+from .numerics.reference import upcast_to_float64
+from .remarks import Remark
+from .report.schema import Report
+from .rewrite.context import Original, PassContext
+from .rewrite.manager import run_final_checks, run_pass
+from .rewrite.pipeline import parse, preset, to_text
+from .rewrite.target import get_target
+from .verify.feeds import split_dims, validate_args
+from .verify.parity import (
     ParityReport,
     ReferenceRun,
     Session,
@@ -42,13 +52,6 @@ from .parity import (
     measure_ranges,
     too_large,
 )
-from .pipeline import parse, preset, to_text
-from .precision import quantized_weight_tolerances
-from .reference import upcast_to_float64
-from .remarks import Remark
-from .spool import SpoolDir, Spooled, session_skeleton, spool
-from .target import get_target
-from .upgrade import upgrade_opset
 
 Progress = Callable[[str], None]
 
@@ -58,104 +61,9 @@ DECLARATIONS = ("decoder_steps",)
 
 
 @dataclass
-class Report:
-    """Everything ``optimize`` learned; ``to_dict`` is the report.json schema."""
-
-    model: str
-    target: str
-    level: int
-    pipeline: str
-    nodes_before: int
-    nodes_after: int
-    ops_before: dict[str, int]
-    ops_after: dict[str, int]
-    remarks: list[Remark]
-    passes: list[dict[str, Any]]
-    rules: dict[str, dict[str, Any]]
-    parity: ParityReport
-    parity_float64: ParityReport | None = None
-    #: the bundle under its own session settings against the original under the same (set
-    #: when the bundle is written and verified)
-    parity_deployed: ParityReport | None = None
-    #: the performance safety net (:mod:`graphopt.opt.perf`): measured, ratio, interval, reverted
-    performance: dict[str, Any] = field(default_factory=lambda: {"measured": False})
-    seconds: dict[str, float] = field(default_factory=dict)
-    rewrites: int = 0
-    applied: list[tuple[int, str, str]] = field(default_factory=list)
-    outputs: dict[str, str] = field(default_factory=dict)
-    #: the generation check of a decoder with a KV cache (:mod:`graphopt.opt.generation`), set
-    #: when the bundle is written; None for other models
-    generation: dict[str, Any] | None = None
-    #: what the user declared about how the model is run (e.g. ``decoder_steps``) and the
-    #: rewrites relied on; copied into the bundle's manifest
-    declared: dict[str, Any] = field(default_factory=dict)
-    #: the run's clock: a caller that goes on (writing the bundle) times its phases on it and
-    #: refreshes ``seconds`` from it; not part of report.json
-    clock: Clock = field(default_factory=Clock, repr=False, compare=False)
-    #: what the bundle writer needs besides the report: the original model and the parity
-    #: inputs (shapes, user inputs, seed) for its golden outputs; not part of report.json
-    bundle_context: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
-    #: the returned model as the validity check wrote it (and onnxruntime loaded it), for
-    #: :meth:`take_serialized`; not part of report.json
-    serialized: Serialized | None = field(default=None, repr=False, compare=False)
-
-    def take_serialized(self, model: onnx.ModelProto) -> Serialized | None:
-        """The written form of ``model`` (its spooled file, or its bytes) when it is the very
-        object ``optimize`` returned with this report (the bundle moves or writes it instead of
-        serializing the model again), else None.  Once: the report lets go of it either way."""
-        held, self.serialized = self.serialized, None
-        return held if held is not None and held.model is model else None
-
-    @property
-    def converged(self) -> bool:
-        return not any(r.code == "did-not-converge" for r in self.remarks)
-
-    @property
-    def generation_failure(self) -> str | None:
-        """One line when the generation check ran and failed (a failed verification, like
-        failed parity: exit 3), else None."""
-        from .generation import failure_line
-
-        return failure_line(self.generation)
-
-    @property
-    def legal(self) -> bool:
-        """No node the target cannot run (legalize reported no failure)."""
-        return not any(r.kind == "failure" and r.pass_name == "legalize" for r in self.remarks)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema": "graphopt.report/1",
-            "model": self.model,
-            "target": self.target,
-            "level": self.level,
-            "pipeline": self.pipeline,
-            "nodes_before": self.nodes_before,
-            "nodes_after": self.nodes_after,
-            "ops_before": self.ops_before,
-            "ops_after": self.ops_after,
-            "rewrites": self.rewrites,
-            "applied": [list(a) for a in self.applied],
-            "converged": self.converged,
-            "legal": self.legal,
-            "remarks": [r.to_dict() for r in self.remarks],
-            "passes": self.passes,
-            "rules": self.rules,
-            "parity": self.parity.to_dict(),
-            "parity_float64": self.parity_float64.to_dict() if self.parity_float64 else None,
-            "parity_deployed": self.parity_deployed.to_dict() if self.parity_deployed else None,
-            "performance": self.performance,
-            "seconds": self.seconds,
-            "outputs": self.outputs,
-            "generation": self.generation,
-            "declared": self.declared,
-        }
-
-
-@dataclass
 class Serialized:
     """A model object as the validity check wrote it, once: spooled into a file of ``folder``
-    (:mod:`~graphopt.opt.spool`), or as bytes where it cannot be spooled."""
+    (:mod:`~graphopt.opt.graph.spool`), or as bytes where it cannot be spooled."""
 
     folder: SpoolDir
     model: onnx.ModelProto | None = None
@@ -167,6 +75,47 @@ class Serialized:
         if self.spooled is not None and self.spooled is not spooled:
             remove_path(self.spooled.path)
         self.model, self.data, self.spooled = model, data, spooled
+
+
+@dataclass(eq=False)
+class Run:
+    """The working state of one :func:`optimize` call that a caller going on (the bundle
+    writer) needs beside the report's data: the clock it times its phases on, the original
+    model and the parity inputs for the golden outputs (``context``), and the returned model as
+    the validity check wrote it.  :func:`run_of` finds it from the report."""
+
+    clock: Clock = field(default_factory=Clock)
+    #: the original model, the parity inputs (shapes, user inputs, seed), the original's
+    #: outputs by session level and the fast path the performance net saved
+    context: dict[str, Any] = field(default_factory=dict)
+    #: the returned model as the validity check wrote it (and onnxruntime loaded it)
+    serialized: Serialized | None = None
+
+    def take_serialized(self, model: onnx.ModelProto) -> Serialized | None:
+        """The written form of ``model`` (its spooled file, or its bytes) when it is the very
+        object ``optimize`` returned (the bundle moves or writes it instead of serializing the
+        model again), else None.  Once: the run lets go of it either way."""
+        held, self.serialized = self.serialized, None
+        return held if held is not None and held.model is model else None
+
+
+#: the run of each report :func:`optimize` returned and that is still alive, by id
+_RUNS: dict[int, Run] = {}
+
+
+def _keep_run(report: Report, run: Run) -> None:
+    _RUNS[id(report)] = run
+    weakref.finalize(report, _RUNS.pop, id(report), None)
+
+
+def run_of(report: Report) -> Run:
+    """The working state of the :func:`optimize` call that returned ``report``; for a report
+    made otherwise (read back, built by hand) an empty one: its clock starts now."""
+    run = _RUNS.get(id(report))
+    if run is None:
+        run = Run()
+        _keep_run(report, run)
+    return run
 
 
 #: the recursion limit while optimizing: shape and dim analyses follow a value back through
@@ -264,18 +213,18 @@ def optimize(
     A model given by path keeps its external data on disk (memory-mapped when a pass needs
     values); ``base_dir`` says where a given ModelProto's external references resolve.  With
     ``in_place`` the large inline weights of a large file stay on disk too (see
-    :func:`~graphopt.opt.io.load_model`): the returned model then references the input file
+    :func:`~graphopt.opt.graph.io.load_model`): the returned model then references the input file
     for them, and is to be written by ``write_bundle`` (which copies them from it).
 
     Weights an export listed as graph inputs (``keep_initializers_as_inputs=True``) become
-    constants at levels 1 and above (:func:`~graphopt.opt.compat.weights_as_inputs`; an
+    constants at levels 1 and above (:func:`~graphopt.opt.graph.compat.weights_as_inputs`; an
     analysis remark says so) unless ``keep_weight_inputs``.
 
     ``reference`` chooses what parity compares with: the ``original`` model, its ``float64``
     upcast (catches fp16 overflow that CPU kernels hide), or ``both``.  ``opset`` lifts the
     model to that default-domain opset before the pipeline runs (parity still compares with
     the original).  ``measure`` (cpu, with ``check``) runs the performance safety net
-    (:mod:`graphopt.opt.perf`) on the parity inputs; ``GRAPHOPT_NO_MEASURE=1`` turns it off too.
+    (:mod:`graphopt.opt.verify.perf`) on the parity inputs; ``GRAPHOPT_NO_MEASURE=1`` turns it off too.
 
     ``clock`` (:mod:`graphopt.opt.clock`) times the phases (load, passes, validity, parity,
     measure); a caller that goes on (writing the bundle) passes its own and times its phases on
@@ -443,10 +392,12 @@ def optimize(
         declared={k: v for k, v in (options or {}).items() if k in DECLARATIONS},
         rewrites=cx.rewrites,
         applied=list(cx.applied),
+    )
+    run = Run(
         clock=clock,
         # the bytes of the model returned (not of one the safety net replaced it with)
         serialized=serialized if serialized and serialized.model is optimized else None,
-        bundle_context={
+        context={
             "original": model,
             "shapes": shapes,
             "inputs": inputs,
@@ -462,6 +413,7 @@ def optimize(
             "fast_path": fast_path,
         },
     )
+    _keep_run(report, run)
     report.seconds = clock.seconds()
     return optimized, report
 
@@ -469,7 +421,7 @@ def optimize(
 def constant_bytes(model: onnx.ModelProto) -> int:
     """The bytes of a model's constants (initializers of every graph, Constant node values),
     from their metadata: nothing is read."""
-    from .ir import all_graphs
+    from .graph.ir import all_graphs
 
     total = 0
     for g in all_graphs(model.graph):
@@ -565,7 +517,7 @@ def _guarded_ranges(model, inputs, shapes, seed, base_dir) -> tuple[dict | None,
 _LOADED: dict[str, Any] = {}
 
 
-#: session config of a validity check's session (parity's, :data:`~graphopt.opt.parity.
+#: session config of a validity check's session (parity's, :data:`~graphopt.opt.verify.parity.
 #: LEAN_CONFIG`): weights are not pre-packed (copied) for the kernels, and external weights stay
 #: mapped from their file: a decoder's 705 MB of weights cost 55 MB instead of 750 MB
 CHECK_ONLY = {"session.disable_prepacking": "1"}
@@ -581,8 +533,8 @@ def _invalid(
 ) -> str | None:
     """Why ``model`` is not a valid, loadable model (onnx.checker with full shape checks, then an
     onnxruntime session), or None.  The checker reads the model without its weights
-    (:func:`~graphopt.opt.io.check_without_weights`).  With a holder ``into``, the model is
-    written once (:func:`~graphopt.opt.spool.spool`, else serialized), onnxruntime loads it from
+    (:func:`~graphopt.opt.graph.io.check_without_weights`).  With a holder ``into``, the model is
+    written once (:func:`~graphopt.opt.graph.spool.spool`, else serialized), onnxruntime loads it from
     what was written, and a valid model's written form goes into the holder (the bundle moves
     the file, or writes the bytes, when it writes the model whole, without external data).
     The session is built as parity builds its own (:data:`CHECK_ONLY`: weights not
@@ -717,7 +669,7 @@ def _keep_valid(
 
 @contextmanager
 def _reference_ahead(model, check, reference, shapes, inputs, seed, base_dir, clock=None):
-    """Parity's run of the original (:class:`~graphopt.opt.parity.ReferenceRun`) started now,
+    """Parity's run of the original (:class:`~graphopt.opt.verify.parity.ReferenceRun`) started now,
     when parity will compare with it and runs it whole; None otherwise.  Its session is made in
     ``clock``'s parity phase.  Stopped on the way out (an error in between does not wait for
     it to finish)."""
@@ -803,7 +755,7 @@ def _written_form(held: Serialized | None, model: onnx.ModelProto):
 
 
 class _PerfNet:
-    """The performance safety net over one optimization (:mod:`graphopt.opt.perf`): candidates
+    """The performance safety net over one optimization (:mod:`graphopt.opt.verify.perf`): candidates
     are the pipeline re-run with every rewrite of some rules skipped."""
 
     def __init__(self, original, optimized, cx, execute, limit, base_dir, say) -> None:
@@ -814,7 +766,7 @@ class _PerfNet:
         #: the original's outputs on the parity inputs by session level, as the net ran it
         self.original_outputs: dict[str, dict] = {}
         #: onnxruntime's optimized form of the returned model, saved and timed by the net
-        #: (:class:`~graphopt.opt.perf.Saved`): the bundle's fast path
+        #: (:class:`~graphopt.opt.verify.perf.Saved`): the bundle's fast path
         self.fast_path = None
 
     def skip_for(self, rules: frozenset) -> frozenset:
@@ -843,8 +795,8 @@ class _PerfNet:
         that is the model it holds is loaded from that (not serialized again) to save
         onnxruntime's optimized form of it in its folder (:attr:`fast_path`), which is what is
         timed, loaded back as the bundle loads it."""
-        from ..targets.bundle import FAST_MODEL, session_config
-        from . import perf
+        from .rewrite.target import session_settings
+        from .verify import perf
 
         budget = max(perf.MIN_BUDGET_S, optimize_s)
         self.say(f"timing the bundle against the original (at most {budget:.0f} s)")
@@ -854,10 +806,10 @@ class _PerfNet:
             duel = perf.Duel(
                 self.original,
                 feeds,
-                lambda m: session_config(tgt, m),
+                lambda m: session_settings(tgt, m),
                 self.base_dir,
                 save_into=held.folder.path if held is not None else None,
-                save_as=FAST_MODEL,
+                save_as=perf.FAST_MODEL,
                 written=lambda m: _written_form(held, m),
             )
             self.original_outputs = duel.outputs

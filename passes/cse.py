@@ -19,8 +19,9 @@ import hashlib
 
 import numpy as np
 
-from graphopt.opt.ir import Constant, ModelIR, Node, Tensor, constant_value, subgraphs
-from graphopt.opt.manager import Pass, PassContext, register_pass
+from graphopt.opt.graph.ir import Constant, ModelIR, Node, Tensor, constant_value, subgraphs
+from graphopt.opt.rewrite.context import Pass, PassContext
+from graphopt.opt.rewrite.manager import register_pass
 
 NONDETERMINISTIC = frozenset(
     {

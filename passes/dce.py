@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import onnx_graphsurgeon as gs
 
-from graphopt.opt.ir import ModelIR, subgraphs, unlink_all, walk_nodes
-from graphopt.opt.manager import Pass, PassContext, register_pass
+from graphopt.opt.graph.ir import ModelIR, subgraphs, unlink_all, walk_nodes
+from graphopt.opt.rewrite.context import Pass, PassContext
+from graphopt.opt.rewrite.manager import register_pass
 
 
 @register_pass

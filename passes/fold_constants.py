@@ -65,11 +65,20 @@ import numpy as np
 import onnx
 from onnx_graphsurgeon import Graph
 
-from graphopt.opt.analysis import EvaluationError, evaluate, infer_node, infer_shapes
-from graphopt.opt.domains import is_default
-from graphopt.opt.ir import Constant, ModelIR, Node, Tensor, Variable, static_shape, unlink_all
-from graphopt.opt.manager import Pass, PassContext, register_pass
-from graphopt.opt.quant import DEQUANTIZE, is_low_bit
+from graphopt.opt.graph.analysis import EvaluationError, evaluate, infer_node, infer_shapes
+from graphopt.opt.graph.domains import is_default
+from graphopt.opt.graph.ir import (
+    Constant,
+    ModelIR,
+    Node,
+    Tensor,
+    Variable,
+    static_shape,
+    unlink_all,
+)
+from graphopt.opt.graph.quant import DEQUANTIZE, is_low_bit
+from graphopt.opt.rewrite.context import Pass, PassContext
+from graphopt.opt.rewrite.manager import register_pass
 
 DEFAULT_SIZE_LIMIT = 1 << 20
 #: ordinary folds together may add at most fold-size-limit / GROWTH_SHARE bytes of constants

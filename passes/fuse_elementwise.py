@@ -50,9 +50,9 @@ import numpy as np
 import onnx
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter
 
-from graphopt.opt.analysis import infer_shapes
-from graphopt.opt.domains import is_default, norm_domain
-from graphopt.opt.ir import (
+from graphopt.opt.graph.analysis import infer_shapes
+from graphopt.opt.graph.domains import is_default, norm_domain
+from graphopt.opt.graph.ir import (
     Constant,
     ModelIR,
     Node,
@@ -62,8 +62,9 @@ from graphopt.opt.ir import (
     subgraphs,
     toposort,
 )
-from graphopt.opt.manager import Pass, PassContext, register_pass
-from graphopt.opt.rewrite import Builder
+from graphopt.opt.rewrite.context import Pass, PassContext
+from graphopt.opt.rewrite.engine import Builder
+from graphopt.opt.rewrite.manager import register_pass
 from graphopt.targets.codegen import cuda as cuda_gen
 from graphopt.targets.codegen import gates
 from graphopt.targets.codegen.expr import (

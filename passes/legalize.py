@@ -40,11 +40,12 @@ from collections import defaultdict
 
 import numpy as np
 
-from graphopt.opt.analysis import infer_shapes
-from graphopt.opt.domains import norm_domain
-from graphopt.opt.ir import Constant, ModelIR, Node, Tensor, Variable, walk_nodes
-from graphopt.opt.manager import Pass, PassContext, register_pass, run_pass
-from graphopt.opt.pipeline import parse
+from graphopt.opt.graph.analysis import infer_shapes
+from graphopt.opt.graph.domains import norm_domain
+from graphopt.opt.graph.ir import Constant, ModelIR, Node, Tensor, Variable, walk_nodes
+from graphopt.opt.rewrite.context import Pass, PassContext
+from graphopt.opt.rewrite.manager import register_pass, run_pass
+from graphopt.opt.rewrite.pipeline import parse
 from graphopt.targets.fallback import INTRODUCED, ORIGINAL, Census, classify, original_fallbacks
 from graphopt.targets.kernels import OK, Resolution, model_opsets, provider_of, resolve_node
 

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from graphopt.opt.analysis import infer_shapes
-from graphopt.opt.domains import is_default
-from graphopt.opt.ir import Constant, ModelIR, Node, Tensor, constant_value, unlink_all
-from graphopt.opt.manager import Pass, PassContext, register_pass
+from graphopt.opt.graph.analysis import infer_shapes
+from graphopt.opt.graph.domains import is_default
+from graphopt.opt.graph.ir import Constant, ModelIR, Node, Tensor, constant_value, unlink_all
+from graphopt.opt.rewrite.context import Pass, PassContext
+from graphopt.opt.rewrite.manager import register_pass
 
 Dim = int | str | tuple  # int: known; str: named symbol; tuple: ("dim", id(tensor), axis)
 MAX_ELEMENTS = 16

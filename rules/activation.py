@@ -36,10 +36,17 @@ import math
 import numpy as np
 import onnx.defs
 
-from graphopt.opt.domains import MS, is_default, same_domain
-from graphopt.opt.ir import Constant, Node, Tensor, Variable, constant_value, dtype_of, type_string
-from graphopt.opt.manager import register_rule
-from graphopt.opt.rewrite import (
+from graphopt.opt.graph.domains import MS, is_default, same_domain
+from graphopt.opt.graph.ir import (
+    Constant,
+    Node,
+    Tensor,
+    Variable,
+    constant_value,
+    dtype_of,
+    type_string,
+)
+from graphopt.opt.rewrite.engine import (
     Alt,
     Const,
     Match,
@@ -51,6 +58,7 @@ from graphopt.opt.rewrite import (
     applies_only_if,
     require,
 )
+from graphopt.opt.rewrite.manager import register_rule
 
 #: relative tolerance for the constants of a pattern (√2, 0.5, 0.044715, ...)
 REL_TOL = 1e-4

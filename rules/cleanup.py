@@ -12,9 +12,8 @@ from __future__ import annotations
 import numpy as np
 from onnx import helper
 
-from graphopt.opt.ir import constant_value, dtype_of, static_shape
-from graphopt.opt.manager import register_rule
-from graphopt.opt.rewrite import (
+from graphopt.opt.graph.ir import constant_value, dtype_of, static_shape
+from graphopt.opt.rewrite.engine import (
     Const,
     Match,
     Op,
@@ -24,6 +23,7 @@ from graphopt.opt.rewrite import (
     require,
     require_forwardable,
 )
+from graphopt.opt.rewrite.manager import register_rule
 
 
 class Forward(Rule):

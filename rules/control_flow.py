@@ -8,9 +8,9 @@ the branch's outputs.
 
 from __future__ import annotations
 
-from graphopt.opt.ir import constant_value, subgraphs, walk_nodes
-from graphopt.opt.manager import register_rule
-from graphopt.opt.rewrite import Op, Rule, applies_only_if, require
+from graphopt.opt.graph.ir import constant_value, subgraphs, walk_nodes
+from graphopt.opt.rewrite.engine import Op, Rule, applies_only_if, require
+from graphopt.opt.rewrite.manager import register_rule
 
 
 @register_rule

@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from graphopt.opt.dims import same_dim
-from graphopt.opt.float16_fold import (
+from graphopt.opt.graph.dims import same_dim
+from graphopt.opt.graph.ir import Constant, constant_value, dtype_of
+from graphopt.opt.numerics.float16_fold import (
     compensated_rows_started,
     fold_rows,
     largest_magnitude_bits,
@@ -44,10 +45,8 @@ from graphopt.opt.float16_fold import (
     runtime_folds,
     runtime_scaled,
 )
-from graphopt.opt.halfcast import float64
-from graphopt.opt.ir import Constant, constant_value, dtype_of
-from graphopt.opt.manager import register_rule
-from graphopt.opt.precision import (
+from graphopt.opt.numerics.halfcast import float64
+from graphopt.opt.numerics.precision import (
     flushes_too_many,
     refold_measured,
     refold_probe,
@@ -57,7 +56,7 @@ from graphopt.opt.precision import (
     require_representable,
     rounds_within_tolerance,
 )
-from graphopt.opt.rewrite import (
+from graphopt.opt.rewrite.engine import (
     Alt,
     NoMatch,
     Op,
@@ -68,6 +67,7 @@ from graphopt.opt.rewrite import (
     require_constant,
     value,
 )
+from graphopt.opt.rewrite.manager import register_rule
 from graphopt.rules.activation import MS, float_type, inputs, scalar
 
 

@@ -20,12 +20,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from graphopt.opt.dims import current as current_dims
-from graphopt.opt.dims import shape_elements
-from graphopt.opt.ir import Constant, Node, constant_value, dtype_of, static_shape, type_string
-from graphopt.opt.manager import register_rule
-from graphopt.opt.precision import require_refold_allowed, require_representable
-from graphopt.opt.rewrite import Alt, Const, Op, Rule, applies_only_if, opt, require
+from graphopt.opt.graph.dims import current as current_dims
+from graphopt.opt.graph.dims import shape_elements
+from graphopt.opt.graph.ir import (
+    Constant,
+    Node,
+    constant_value,
+    dtype_of,
+    static_shape,
+    type_string,
+)
+from graphopt.opt.numerics.precision import require_refold_allowed, require_representable
+from graphopt.opt.rewrite.engine import Alt, Const, Op, Rule, applies_only_if, opt, require
+from graphopt.opt.rewrite.manager import register_rule
 from graphopt.rules.activation import MS, inputs, producer
 
 

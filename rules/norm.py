@@ -46,11 +46,10 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from graphopt.opt.dims import same_dim
-from graphopt.opt.ir import Constant, Node, Tensor, Variable, constant_value, dtype_of
-from graphopt.opt.manager import register_rule
-from graphopt.opt.precision import require_representable
-from graphopt.opt.rewrite import (
+from graphopt.opt.graph.dims import same_dim
+from graphopt.opt.graph.ir import Constant, Node, Tensor, Variable, constant_value, dtype_of
+from graphopt.opt.numerics.precision import require_representable
+from graphopt.opt.rewrite.engine import (
     Alt,
     Const,
     Match,
@@ -63,6 +62,7 @@ from graphopt.opt.rewrite import (
     require,
     require_constant,
 )
+from graphopt.opt.rewrite.manager import register_rule
 
 from .activation import (
     MS,

@@ -19,10 +19,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from graphopt.opt.ir import Constant, constant_value
-from graphopt.opt.manager import register_rule
-from graphopt.opt.quant import element_type_name, quant_params
-from graphopt.opt.rewrite import Op, Rule, applies_only_if, opt, require, require_forwardable
+from graphopt.opt.graph.ir import Constant, constant_value
+from graphopt.opt.graph.quant import element_type_name, quant_params
+from graphopt.opt.rewrite.engine import (
+    Op,
+    Rule,
+    applies_only_if,
+    opt,
+    require,
+    require_forwardable,
+)
+from graphopt.opt.rewrite.manager import register_rule
 
 #: scale types for which DQ→Q round-trips every quantized value exactly
 EXACT_SCALE_TYPES = ("float32", "float64")

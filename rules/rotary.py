@@ -73,12 +73,18 @@ import weakref
 
 import numpy as np
 
-from graphopt.opt.analysis import EvaluationError, evaluate
-from graphopt.opt.dims import same_dim
-from graphopt.opt.domains import is_default
-from graphopt.opt.ir import Constant, Node, Tensor, Variable, constant_value, dtype_of
-from graphopt.opt.manager import register_rule
-from graphopt.opt.rewrite import Match, Rule, check_exclusive, require, require_constant
+from graphopt.opt.graph.analysis import EvaluationError, evaluate
+from graphopt.opt.graph.dims import same_dim
+from graphopt.opt.graph.domains import is_default
+from graphopt.opt.graph.ir import Constant, Node, Tensor, Variable, constant_value, dtype_of
+from graphopt.opt.rewrite.engine import (
+    Match,
+    Rule,
+    check_exclusive,
+    require,
+    require_constant,
+)
+from graphopt.opt.rewrite.manager import register_rule
 
 from .activation import MS, float_type, inputs, lowering, no_match, producer
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from graphopt.opt.domains import MS
-from graphopt.opt.ir import Variable, constant_value, dtype_of, static_shape
-from graphopt.opt.manager import register_rule
-from graphopt.opt.rewrite import Match, NoMatch, Op, Rule, applies_only_if, require
+from graphopt.opt.graph.domains import MS
+from graphopt.opt.graph.ir import Variable, constant_value, dtype_of, static_shape
+from graphopt.opt.rewrite.engine import Match, NoMatch, Op, Rule, applies_only_if, require
+from graphopt.opt.rewrite.manager import register_rule
 
 
 @register_rule

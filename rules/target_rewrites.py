@@ -1,6 +1,6 @@
 """Target rewrites: spell an operation the way the target runs it, driven by the target's data.
 
-No rule here names a target.  Each reads the profile (:class:`graphopt.opt.target.Target`): its
+No rule here names a target.  Each reads the profile (:class:`graphopt.opt.rewrite.target.Target`): its
 kernel table (``has_kernel``: what the target *lacks*) and ``prefers`` (which spelling it wants),
 so a new target gets the right rewrites by saying what it has and prefers.
 
@@ -45,10 +45,10 @@ from functools import lru_cache
 
 import numpy as np
 
-from graphopt.opt.domains import MS, is_default, same_domain
-from graphopt.opt.ir import Constant, Node, Tensor, constant_value, dtype_of, type_string
-from graphopt.opt.manager import register_rule
-from graphopt.opt.rewrite import Op, Rule, applies_only_if, opt, require
+from graphopt.opt.graph.domains import MS, is_default, same_domain
+from graphopt.opt.graph.ir import Constant, Node, Tensor, constant_value, dtype_of, type_string
+from graphopt.opt.rewrite.engine import Op, Rule, applies_only_if, opt, require
+from graphopt.opt.rewrite.manager import register_rule
 from graphopt.rules.activation import FuseGeluErf, float_type, inputs, require_near, scalar
 
 CRD_PERM = (0, 1, 4, 2, 5, 3)

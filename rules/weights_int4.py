@@ -13,7 +13,7 @@ against the model before any weight was quantized; per float output the error is
 (``error-above-threshold``); each quantized weight leaves an ``analysis`` remark (code
 ``measured-error``) with the error per output after it.  Parity (and the bundle's deployed
 parity, and the generation check's logits) are then held to that tolerance
-(:func:`graphopt.opt.precision.quantized_weight_tolerances`).
+(:func:`graphopt.opt.numerics.precision.quantized_weight_tolerances`).
 
 Packing (onnxruntime's MatMulNBits contract): ``B`` uint8 [N, ⌈K/32⌉, 16] — the transpose of
 ``W``, two 4-bit values per byte, the first in the low nibble, the last block zero-padded;
@@ -39,12 +39,12 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from graphopt.opt.errors import GraphoptError
-from graphopt.opt.ir import Constant, constant_value, dtype_of
-from graphopt.opt.manager import register_rule
-from graphopt.opt.parity import Session, make_inputs
-from graphopt.opt.precision import QUANTIZED_REFERENCE
+from graphopt.opt.graph.ir import Constant, constant_value, dtype_of
+from graphopt.opt.numerics.precision import QUANTIZED_REFERENCE
 from graphopt.opt.remarks import Remark
-from graphopt.opt.rewrite import Const, Op, Rule, applies_only_if, require
+from graphopt.opt.rewrite.engine import Const, Op, Rule, applies_only_if, require
+from graphopt.opt.rewrite.manager import register_rule
+from graphopt.opt.verify.parity import Session, make_inputs
 
 from .activation import MS, float_type, last_dim, lowering
 

@@ -90,10 +90,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from graphopt.opt.domains import norm_domain
 from graphopt.opt.errors import GraphoptError, ModelSaveError, UsageError
-from graphopt.opt.generation import report_generation
-from graphopt.opt.io import (
+from graphopt.opt.graph.domains import norm_domain
+from graphopt.opt.graph.io import (
     OutputDirKind,
     check_output_dir,
     discard,
@@ -104,8 +103,11 @@ from graphopt.opt.io import (
     staging_dir,
     write_model_files,
 )
-from graphopt.opt.optimizer import NOT_MEASURED
-from graphopt.opt.parity import (
+from graphopt.opt.graph.spool import session_skeleton
+from graphopt.opt.optimizer import NOT_MEASURED, run_of
+from graphopt.opt.rewrite.target import Target, get_target, register_session_settings
+from graphopt.opt.verify.generation import report_generation
+from graphopt.opt.verify.parity import (
     OwnNoise,
     ParityReport,
     Session,
@@ -118,9 +120,7 @@ from graphopt.opt.parity import (
     runtime_noise,
     too_large,
 )
-from graphopt.opt.perf import save_optimized
-from graphopt.opt.spool import session_skeleton
-from graphopt.opt.target import Target, get_target
+from graphopt.opt.verify.perf import FAST_MODEL, save_optimized
 from graphopt.targets.kernels import model_opsets, primary_slots, resolve
 from graphopt.targets.memory import (
     dtype_name,
@@ -137,9 +137,6 @@ SESSION_CONFIG = "session_config.json"
 MEMORY_PLAN = "memory_plan.json"
 GOLDEN_INPUTS = "golden/inputs.npz"
 GOLDEN_OUTPUTS = "golden/outputs.npz"
-#: the machine-specific fast path: model.onnx as onnxruntime optimized it at the session
-#: config's level on the machine that wrote the bundle (loaded there with optimizations off)
-FAST_MODEL = "model.machine.onnx"
 #: its weights, stored beside it so that onnxruntime maps them instead of parsing them (session
 #: creation of ResNet-50 0.35x -> 0.07x of the original's at ALL, BERT-base 0.71x -> 0.39x)
 FAST_DATA = "model.machine.onnx.data"
@@ -328,21 +325,21 @@ def write_bundle(
         staging = staging_dir(dest)
     except OSError as e:
         raise ModelSaveError(f"cannot write to {dest.parent}: {e.strerror or e}") from None
-    held = None
+    held, run = None, run_of(report)
     try:
         source_sha256 = _in_background(_source_sha256, report.model)  # beside the writing
-        with report.clock.phase("write"):
-            held = report.take_serialized(model)  # what the validity check wrote and loaded
+        with run.clock.phase("write"):
+            held = run.take_serialized(model)  # what the validity check wrote and loaded
             written = write_model_files(
                 model,
                 staging / "model.onnx",
                 external=needs_external_data(model),
-                base_dir=(report.bundle_context or {}).get("base_dir"),
+                base_dir=run.context.get("base_dir"),
                 serialized=held.data if held else None,
                 spooled=held.spooled.path if held and held.spooled else None,
                 spooled_sha256=held.spooled.sha256 if held and held.spooled else None,
             )
-        with report.clock.phase("bundle"):
+        with run.clock.phase("bundle"):
             files = write_bundle_files(
                 staging,
                 model,
@@ -354,8 +351,8 @@ def write_bundle(
             )
             # decoders with a KV cache: the model as written, its weights mapped from the file
             mapped = _as_written(model, held, written, staging / "model.onnx")
-            report.generation = report_generation(report, model, mapped)
-        report.seconds = report.clock.seconds()  # report.json: every phase up to here
+            report.generation = report_generation(report, run.context, model, mapped)
+        report.seconds = run.clock.seconds()  # report.json: every phase up to here
         report.outputs = {k: str(dest / v) for k, v in files.items()}
         report.outputs["report"] = str(dest / "report.json")
         (staging / "report.json").write_text(dumps_json(report.to_dict()))
@@ -396,7 +393,7 @@ def write_bundle_files(
     the input model's sha256 under way (else started here)."""
     say = progress or (lambda _msg: None)
     target = get_target(report.target)
-    ctx = report.bundle_context or {}
+    ctx = run_of(report).context
     original = ctx.get("original")
     shapes = dict(ctx.get("shapes") or {})
     given = ctx.get("inputs")
@@ -482,7 +479,7 @@ def write_bundle_files(
         }
         | {"file": MEMORY_PLAN},
         "latency": None,
-        # the performance safety net (graphopt.opt.perf): the bundle against the original here
+        # the performance safety net (graphopt.opt.verify.perf): the bundle against the original here
         "performance": getattr(report, "performance", None),
         "verified": {},
         "nodes": nodes,
@@ -826,6 +823,7 @@ def _write_golden(out_dir, original, shapes, given, seed, report, ctx) -> dict[s
 
 
 # ------------------------------------------------------------------------ session config
+@register_session_settings
 def session_config(target: Target, model: onnx.ModelProto) -> dict[str, Any]:
     """The onnxruntime session settings of the bundle, each decision with its reason."""
     if not target.session:
@@ -1048,7 +1046,7 @@ def _verify(
     if not manifest["golden"].get("written"):
         verified["bundle_session"] = f"not-run: {manifest['golden'].get('why')}"
         return verified, latency, None
-    ctx = report.bundle_context or {}
+    ctx = run_of(report).context
     if ctx.get("original") is not None and (why := too_large(ctx["original"])):
         feeds, expected = _golden(out_dir)
         tolerances, per_output = target.tolerances, ctx.get("per_output")
@@ -1304,7 +1302,7 @@ def _deploy_parity(inputs, session: dict, feeds, names, got, target: Target, rep
     session config's level, where onnxruntime's own transformers may treat the two graphs
     differently (e.g. re-quantizing weights a rewrite made float).  A disagreement here is a
     parity failure (``report.parity_deployed``) naming the setting."""
-    ctx = report.bundle_context or {}
+    ctx = run_of(report).context
     level = session.get("graph_optimization_level", "ORT_ENABLE_EXTENDED")
     setting = f"graph_optimization_level={level}"
     if session.get("disabled_optimizers"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphopt.opt.target import get_target
+from graphopt.opt.rewrite.target import get_target
 from graphopt.targets.profiles import DOCUMENTS, pinned_document
 
 

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 import onnx
 from onnx import TensorProto, helper
 
-from graphopt.opt.compat import function_id, proto_nodes
-from graphopt.opt.domains import norm_domain
-from graphopt.opt.target import Target
+from graphopt.opt.graph.compat import function_id, proto_nodes
+from graphopt.opt.graph.domains import norm_domain
+from graphopt.opt.rewrite.target import Target
 from graphopt.targets.kernels import (
     _type_proto_string,
     model_opsets,

@@ -31,10 +31,10 @@ from functools import lru_cache
 import numpy as np
 import onnx
 
-from graphopt.opt.compat import FunctionId, proto_nodes
-from graphopt.opt.domains import norm_domain
-from graphopt.opt.ir import Node, Tensor, Variable, type_string
-from graphopt.opt.target import TARGETS, Target
+from graphopt.opt.graph.compat import FunctionId, proto_nodes
+from graphopt.opt.graph.domains import norm_domain
+from graphopt.opt.graph.ir import Node, Tensor, Variable, type_string
+from graphopt.opt.rewrite.target import TARGETS, Target
 
 OK = "ok"
 #: domains of kernels graphopt generates itself, and the providers their libraries serve
@@ -93,7 +93,7 @@ def tensor_type(t: Tensor | None) -> str | None:
     """``tensor(float)`` (or ``seq(tensor(float))``) for a tensor of known element type."""
     if t is None or (isinstance(t, Variable) and not t.name):
         return None
-    proto = getattr(t, "graphopt_type_proto", None)  # sequence/optional/map: kept by opt/ir.py
+    proto = getattr(t, "graphopt_type_proto", None)  # sequence/optional/map: kept by opt/graph/ir.py
     if proto is not None:
         return _type_proto_string(proto)
     if t.dtype is None:

@@ -37,7 +37,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from graphopt.opt.hazards import runtime_hazard
+from graphopt.opt.verify.hazards import runtime_hazard
 
 SMALL = 4096
 #: measured_view hands initializers over this many bytes to onnxruntime as arrays
@@ -141,11 +141,11 @@ def measured_view(
     tensors as outputs, its weights handed to onnxruntime as arrays (:func:`_weightless`): the
     model is neither serialized with its weights nor parsed again, and onnxruntime does not
     pre-pack them for a single run.  ``base_dir``: where weights still in external files
-    resolve.  A model too large for one session (:func:`graphopt.opt.parity.too_large`) runs in
+    resolve.  A model too large for one session (:func:`graphopt.opt.verify.parity.too_large`) runs in
     pieces instead, one piece's weights mapped at a time."""
-    from graphopt.opt.customops import register_libraries
     from graphopt.opt.errors import GraphoptError
-    from graphopt.opt.parity import run_lean, too_large
+    from graphopt.opt.verify.customops import register_libraries
+    from graphopt.opt.verify.parity import run_lean, too_large
 
     if too_large(model):  # more weights than one session should hold: measured in pieces
         wanted = list(dict.fromkeys(names))

@@ -23,10 +23,10 @@ from importlib import resources
 
 import onnxruntime as ort
 
-from graphopt.opt.domains import norm_domain
 from graphopt.opt.errors import GraphoptError
-from graphopt.opt.parity import DEFAULT_TOLERANCES
-from graphopt.opt.target import KernelTable, Target, register_target
+from graphopt.opt.graph.domains import norm_domain
+from graphopt.opt.rewrite.target import KernelTable, Target, register_target
+from graphopt.opt.verify.parity import DEFAULT_TOLERANCES
 
 
 def _add(

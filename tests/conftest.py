@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import graphopt
-from graphopt.opt.parity import check_parity
+from graphopt.opt.verify.parity import check_parity
 
 # CLI progress lines on a non-terminal stderr are timed (a phase still running after N s): keep
 # them out of tests that read stderr, except where a test sets the variable itself.
@@ -108,7 +108,7 @@ def cpu_without_fp16_casts(monkeypatch):
     kernels (``fp16_via_float`` off): fusions then need a float16 kernel of their own."""
     import dataclasses
 
-    from graphopt.opt.target import TARGETS
+    from graphopt.opt.rewrite.target import TARGETS
     from graphopt.targets.profiles import CPU
 
     tgt = dataclasses.replace(CPU, name="cpu-no-fp16-casts", fp16_via_float=False)

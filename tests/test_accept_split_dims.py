@@ -15,8 +15,8 @@ from cli_runner import CliRunner
 from conftest import model, vi
 from graphopt.cli import app
 from graphopt.opt.errors import UsageError
-from graphopt.opt.feeds import split_dims, validate_args
-from graphopt.opt.ir import ModelIR
+from graphopt.opt.graph.ir import ModelIR
+from graphopt.opt.verify.feeds import split_dims, validate_args
 
 runner = CliRunner()
 INT = TensorProto.INT64

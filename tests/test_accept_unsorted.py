@@ -15,8 +15,8 @@ import graphopt
 from cli_runner import CliRunner
 from conftest import vi
 from graphopt.cli import app
-from graphopt.opt.compat import SORTED_KEY, sort_on_load, unsorted_graphs
-from graphopt.opt.io import is_in_place, load_model
+from graphopt.opt.graph.compat import SORTED_KEY, sort_on_load, unsorted_graphs
+from graphopt.opt.graph.io import is_in_place, load_model
 
 runner = CliRunner()
 

@@ -10,8 +10,8 @@ from cli_runner import CliRunner
 from conftest import const, model, vi
 from graphopt.cli import app
 from graphopt.opt.bisect import bisect, max_runs
-from graphopt.opt.manager import RULES
-from graphopt.opt.rewrite import Op, Rule
+from graphopt.opt.rewrite.engine import Op, Rule
+from graphopt.opt.rewrite.manager import RULES
 
 
 class WrongReluToAbs(Rule):

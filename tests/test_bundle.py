@@ -15,7 +15,7 @@ import graphopt
 from cli_runner import CliRunner
 from conftest import const, model, vi
 from graphopt.cli import app
-from graphopt.opt.target import get_target
+from graphopt.opt.rewrite.target import get_target
 from graphopt.targets.bundle import session_config
 from graphopt.targets.memory import memory_plan, shape_view
 

@@ -20,8 +20,8 @@ import graphopt.targets.bundle as bundle
 from cli_runner import CliRunner
 from conftest import const, model, vi
 from graphopt.cli import app
-from graphopt.opt import perf
-from graphopt.opt.perf import Timing
+from graphopt.opt.verify import perf
+from graphopt.opt.verify.perf import Timing
 
 
 @pytest.fixture
@@ -343,7 +343,7 @@ def test_memory_plan_of_a_contrib_model_has_every_size(rng, tmp_path, monkeypatc
 def test_profiled_shapes_of_nodes_run_in_another_type(rng):
     """An fp16 graph onnxruntime runs in float between casts it inserts: the dims of its
     outputs come from the profile, their element types do not (static inference has them)."""
-    from graphopt.opt.parity import Session
+    from graphopt.opt.verify.parity import Session
 
     nodes = [
         helper.make_node("MatMul", ["x", "W"], ["m"], name="mm"),
@@ -370,7 +370,7 @@ def test_profiled_shapes_of_nodes_run_in_another_type(rng):
 
 
 def test_a_session_profiles_only_when_asked(rng, tmp_path):
-    from graphopt.opt.parity import Session
+    from graphopt.opt.verify.parity import Session
 
     m = contrib_model(rng)
     x = {"x": rng.standard_normal((2, 512)).astype(np.float32)}

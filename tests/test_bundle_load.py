@@ -73,7 +73,7 @@ def test_write_bundle_default_folder_beside_the_input(wide):
 
 def test_target_help_names_every_target():
     from graphopt.cli import TARGET
-    from graphopt.opt.target import TARGETS
+    from graphopt.opt.rewrite.target import TARGETS
 
     assert all(name in TARGET.help for name in TARGETS) and len(TARGETS) >= 4
 

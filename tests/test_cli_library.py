@@ -12,18 +12,18 @@ from onnx import helper
 
 from conftest import const, model, vi
 from graphopt.opt import errors
-from graphopt.opt.bench import BenchResult, Latency
 from graphopt.opt.bisect import BISECT_SCHEMA, BisectResult, write_bisect_result
-from graphopt.opt.explain import node_ops
-from graphopt.opt.feeds import read_feeds
-from graphopt.opt.gate import (
+from graphopt.opt.graph.io import atomic_write_text, discard
+from graphopt.opt.report.explain import node_ops
+from graphopt.opt.verify.bench import BenchResult, Latency
+from graphopt.opt.verify.feeds import read_feeds
+from graphopt.opt.verify.gate import (
     GATE_BASELINE,
     PairedLatency,
     bench_junit_xml,
     gate_latency,
     gate_verdict,
 )
-from graphopt.opt.io import atomic_write_text, discard
 
 
 def latency(ratio: float, low: float, high: float) -> PairedLatency:

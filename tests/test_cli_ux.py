@@ -17,11 +17,11 @@ from conftest import ROOT, const, model, vi
 from graphopt import render
 from graphopt.cli import app
 from graphopt.opt.errors import UsageError
-from graphopt.opt.explain import group_misses
-from graphopt.opt.gate import resolve_op
-from graphopt.opt.parity import ParityReport
 from graphopt.opt.remarks import Remark
-from graphopt.opt.verdict import parity_hint
+from graphopt.opt.report.explain import group_misses
+from graphopt.opt.verify.gate import resolve_op
+from graphopt.opt.verify.parity import ParityReport
+from graphopt.opt.verify.verdict import parity_hint
 from graphopt.progress import PhaseLines
 
 runner = CliRunner()

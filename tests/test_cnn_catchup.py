@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from conftest import assert_optimized, codes, const, model, ops, run, vi
-from graphopt.opt.float16_fold import compensated_rows, rounding_moves, runtime_bn_fold
+from graphopt.opt.numerics.float16_fold import compensated_rows, rounding_moves, runtime_bn_fold
 
 F16 = TensorProto.FLOAT16
 
@@ -181,7 +181,7 @@ def test_compensated_rows_sort_a_prefix_like_the_whole_row(rng, monkeypatch, pre
     """Sorting only the cheapest candidates gives what sorting every row gives: rows of every
     length and scale, few useful values, ties, and prefixes too short (rows sorted whole);
     natively and in numpy."""
-    from graphopt.opt import float16_fold as conv
+    from graphopt.opt.numerics import float16_fold as conv
 
     if native and conv.native is None:
         pytest.skip("the native extension was not built here")
@@ -203,7 +203,7 @@ def test_compensated_rows_sort_a_prefix_like_the_whole_row(rng, monkeypatch, pre
 
 
 def _compensated_both_ways(exact, monkeypatch):
-    from graphopt.opt import float16_fold
+    from graphopt.opt.numerics import float16_fold
 
     with np.errstate(over="ignore"):
         nearest = exact.astype(np.float16)
@@ -221,7 +221,7 @@ def test_native_compensated_rounding_is_numpy_bit_for_bit(rng, monkeypatch):
     exactly half-way between two float16s (moves that cost nothing), many equal costs, powers
     of two (a move toward zero lands in the binade below); rows with a value beyond float16's
     range fall back to numpy (their summed error is infinite) and still agree."""
-    from graphopt.opt import float16_fold
+    from graphopt.opt.numerics import float16_fold
 
     if float16_fold.native is None:
         pytest.skip("the native extension was not built here")
@@ -258,7 +258,7 @@ def test_native_compensated_rounding_is_numpy_bit_for_bit(rng, monkeypatch):
 def _native_fold_of_ones(x, their_scale=None):
     """``fold_block`` of one-value rows of 1.0 scaled by ``x``: a row of one value keeps its
     nearest float16 (no move helps it), so ``out`` is ``x`` rounded to float16."""
-    from graphopt.opt.float16_fold import native
+    from graphopt.opt.numerics.float16_fold import native
 
     n = x.size
     w = np.full((n, 1), 0x3C00, np.uint16)
@@ -274,7 +274,7 @@ def test_native_fold_rounds_to_float16_as_numpy(rng):
     beside each tie, random magnitudes from 2^-40 to 65519 of both signs, signed zeros, double
     subnormals; its flush count is the values that round to zero; a product beyond float16's
     range (infinite error) is left to numpy."""
-    from graphopt.opt import float16_fold
+    from graphopt.opt.numerics import float16_fold
 
     if float16_fold.native is None:
         pytest.skip("the native extension was not built here")
@@ -328,7 +328,7 @@ def test_native_fold_rounds_to_float16_as_numpy(rng):
 def test_largest_magnitude_bits_natively_and_in_numpy(rng, monkeypatch):
     """Each row's largest float16 magnitude (bits without the sign): both signs, zeros of both
     signs, subnormals, infinities and NaNs, rows of one value; natively as in numpy."""
-    from graphopt.opt import float16_fold
+    from graphopt.opt.numerics import float16_fold
 
     rows = rng.integers(0, 1 << 16, (50, 37)).astype(np.uint16)
     rows[3] = 0x8000  # negative zeros
@@ -349,8 +349,8 @@ def test_float32_rows_scaled_in_one_pass_as_through_float64(rng):
     weights bit for bit (magnitudes across the range, zeros, signs); None, leaving the float64
     path to say why, where a guard would refuse: a product beyond float32, a NaN, too many
     products flushed to zero; and for other dtypes."""
-    from graphopt.opt import float16_fold
-    from graphopt.opt.precision import representable_scaled_rows, require_representable
+    from graphopt.opt.numerics import float16_fold
+    from graphopt.opt.numerics.precision import representable_scaled_rows, require_representable
 
     if float16_fold.native is None:
         pytest.skip("the native extension was not built here")
@@ -373,7 +373,7 @@ def test_float32_rows_scaled_in_one_pass_as_through_float64(rng):
 
 
 def test_native_widen_is_exact_on_every_float16():
-    from graphopt.opt import float16_fold
+    from graphopt.opt.numerics import float16_fold
 
     if float16_fold.native is None:
         pytest.skip("the native extension was not built here")
@@ -387,22 +387,22 @@ def test_native_widen_is_exact_on_every_float16():
 
 
 def test_native_extension_is_built_where_a_compiler_is_present():
-    """The install builds ``opt/_rounding.c`` when the C compiler Python was built with is
+    """The install builds ``opt/numerics/_rounding.c`` when the C compiler Python was built with is
     here: a change that breaks its build fails here, not silently (``optional=True`` lets the
     install go on without it, and numpy computes the same values, ~3x slower)."""
     import shutil
     import sysconfig
 
-    from graphopt.opt import float16_fold
+    from graphopt.opt.numerics import float16_fold
 
     compiler = (sysconfig.get_config_var("CC") or "").split()
     if not compiler or shutil.which(compiler[0]) is None:
         pytest.skip("no C compiler here: the extension is optional")
-    assert float16_fold.native is not None, "opt/_rounding.c did not build: see pip's output"
+    assert float16_fold.native is not None, "opt/numerics/_rounding.c did not build: see pip's output"
 
 
 def test_native_compensated_rounding_refuses_mismatched_buffers():
-    from graphopt.opt import float16_fold
+    from graphopt.opt.numerics import float16_fold
 
     if float16_fold.native is None:
         pytest.skip("the native extension was not built here")
@@ -435,7 +435,7 @@ def test_native_compensated_rounding_refuses_mismatched_buffers():
 def test_float16_neighbour_is_nextafter_on_every_value(down):
     """The bit-level neighbour rounding_moves uses equals np.nextafter on all 65,536 float16
     values but NaNs: zeros of both signs, subnormals, the largest finite, infinities."""
-    from graphopt.opt.float16_fold import _neighbour
+    from graphopt.opt.numerics.float16_fold import _neighbour
 
     values = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
     with np.errstate(over="ignore"):
@@ -455,14 +455,14 @@ def test_fold_rows_in_blocks_is_the_whole_layer_fold(rng, monkeypatch, threads, 
     equal to rounding)."""
     import mmap
 
-    from graphopt.opt import float16_fold
-    from graphopt.opt.float16_fold import fold_rows, runtime_bn_scale
+    from graphopt.opt.numerics import float16_fold
+    from graphopt.opt.numerics.float16_fold import fold_rows, runtime_bn_scale
 
     if not native:
         monkeypatch.setattr(float16_fold, "native", None)
     elif float16_fold.native is None:
         pytest.skip("the native extension was not built here")
-    from graphopt.opt.precision import refold_probe
+    from graphopt.opt.numerics.precision import refold_probe
 
     monkeypatch.setattr(float16_fold, "FOLD_BLOCK", 1000)
     monkeypatch.setattr(float16_fold, "ROUNDING_THREADS", threads)

@@ -18,14 +18,15 @@ from onnx import TensorProto, helper, numpy_helper
 
 import graphopt
 from conftest import const, vi
-from graphopt.opt import compat
 from graphopt.opt.errors import UsageError
-from graphopt.opt.io import load_model
-from graphopt.opt.ir import ModelIR
-from graphopt.opt.manager import PassContext, run_pass
-from graphopt.opt.pipeline import parse
-from graphopt.opt.target import get_target
-from graphopt.opt.upgrade import upgrade_opset
+from graphopt.opt.graph import compat
+from graphopt.opt.graph.io import load_model
+from graphopt.opt.graph.ir import ModelIR
+from graphopt.opt.graph.upgrade import upgrade_opset
+from graphopt.opt.rewrite.context import PassContext
+from graphopt.opt.rewrite.manager import run_pass
+from graphopt.opt.rewrite.pipeline import parse
+from graphopt.opt.rewrite.target import get_target
 
 ML = "ai.onnx.ml"
 

@@ -10,8 +10,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from conftest import assert_optimized, const, model, vi
-from graphopt.opt.dims import Dims, arith, shape_elements
-from graphopt.opt.ir import op_histogram
+from graphopt.opt.graph.dims import Dims, arith, shape_elements
+from graphopt.opt.graph.ir import op_histogram
 
 WIN, N, H = 2, 2, 4
 C = N * H
@@ -320,7 +320,7 @@ def test_shape_values_through_casts_to_integers_only():
 def test_rules_share_one_dims_between_rewrites():
     """The rule engine opens one Dims per graph state: every question between two rewrites shares
     its memo; a rewrite (and the rewrite being built) gets a fresh one; outside, always fresh."""
-    from graphopt.opt import dims
+    from graphopt.opt.graph import dims
 
     assert dims.current() is not dims.current()
     with dims.sharing():
@@ -337,7 +337,7 @@ def test_rules_share_one_dims_between_rewrites():
 def test_the_engine_renews_the_shared_dims_after_each_rewrite(monkeypatch):
     """Two SkipLayerNormalization fusions in one pass: their checks' questions are answered by
     a Dims that no rewrite has happened under (the second check's is not the first's)."""
-    from graphopt.opt import dims
+    from graphopt.opt.graph import dims
     from graphopt.rules import norm
 
     seen = []

@@ -16,9 +16,9 @@ import graphopt
 from cli_runner import CliRunner
 from conftest import const, model, vi
 from graphopt.cli import app
-from graphopt.opt import target as target_mod
-from graphopt.opt.target import Target
-from graphopt.opt.verdict import fallback_warnings
+from graphopt.opt.rewrite import target as target_mod
+from graphopt.opt.rewrite.target import Target
+from graphopt.opt.verify.verdict import fallback_warnings
 from graphopt.targets.fallback import (
     INTRODUCED,
     ORIGINAL,

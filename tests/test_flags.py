@@ -251,7 +251,7 @@ def test_verify_failure_exits_1_with_its_reason(relu, tmp_path, monkeypatch):
 
 def test_deployed_parity_failure_exits_3(relu, tmp_path, monkeypatch):
     import graphopt.targets.bundle as bundle
-    from graphopt.opt.parity import ParityReport
+    from graphopt.opt.verify.parity import ParityReport
 
     def disagree(*args, **_kwargs):
         report = args[-1]

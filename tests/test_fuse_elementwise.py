@@ -18,8 +18,8 @@ from onnx import helper
 from cli_runner import CliRunner
 from conftest import const, model, ops, run, vi
 from graphopt.cli import app
-from graphopt.opt import io, ir
-from graphopt.opt.pipeline import preset, with_kernels
+from graphopt.opt.graph import io, ir
+from graphopt.opt.rewrite.pipeline import preset, with_kernels
 from graphopt.targets.bundle import load_session
 from graphopt.targets.codegen import gates
 from graphopt.targets.codegen.library import cpu_library
@@ -560,7 +560,7 @@ def test_a_scalar_runtime_input_is_fed_as_an_array():
 
 
 def test_gates_of_a_model_whose_weights_stay_in_its_file(tmp_path, monkeypatch):
-    """A large model's weights are left in its file (opt/io.py): the gate's context model,
+    """A large model's weights are left in its file (opt/graph/io.py): the gate's context model,
     loaded from bytes, carries the neighbour Conv's weight itself, not a reference to that
     file (onnxruntime would look for it beside the working directory and refuse the model)."""
     loaded = []

@@ -15,7 +15,7 @@ from cli_runner import CliRunner
 from conftest import EXAMPLES, const, model, vi
 from graphopt.cli import app
 from graphopt.opt.errors import UsageError
-from graphopt.opt.gate import (
+from graphopt.opt.verify.gate import (
     IntervalTooWide,
     PairedLatency,
     compare_baseline,

@@ -12,7 +12,7 @@ from test_rotary import D, apply, freqs_mul
 
 import graphopt
 from conftest import const, vi
-from graphopt.opt.generation import check_generation, decoder_interface
+from graphopt.opt.verify.generation import check_generation, decoder_interface
 from graphopt.targets.bundle import write_bundle
 
 V, E = 50, D  # vocab, hidden = head_dim (one kv head)
@@ -287,7 +287,7 @@ def test_cli_checks_the_model_as_written(tmp_path, monkeypatch):
     file the validity check wrote and moved into place), not a new serialization."""
     from cli_runner import CliRunner
     from graphopt.cli import app
-    from graphopt.opt import generation
+    from graphopt.opt.verify import generation
 
     seen = []
     real = generation.check_generation
@@ -319,7 +319,7 @@ def test_cli_checks_the_model_as_written(tmp_path, monkeypatch):
 def test_the_original_steps_on_a_thread_beside_the_optimized_model(monkeypatch):
     """Both models' steps run at once (the original's on a thread): same values as one after
     the other, and a failure is still told of the model it happened in."""
-    from graphopt.opt import generation
+    from graphopt.opt.verify import generation
 
     names = []
     real = generation._Decoder.step

@@ -10,9 +10,9 @@ from test_generation import tiny_decoder
 import graphopt
 from cli_runner import CliRunner
 from graphopt.cli import app
-from graphopt.opt import generation
 from graphopt.opt.errors import EXIT_PARITY
-from graphopt.opt.generation import check_generation, failure_line
+from graphopt.opt.verify import generation
+from graphopt.opt.verify.generation import check_generation, failure_line
 from graphopt.targets import bundle as bundle_module
 from graphopt.targets.bundle import write_bundle
 
@@ -56,8 +56,8 @@ def test_not_a_decoder_is_not_a_failure():
 def _tampered(real):
     """report_generation run against a decoder whose cache is written wrong."""
 
-    def report_generation(report, optimized, written=None):
-        return real(report, tiny_decoder(present_scale=1.5))  # not the file written
+    def report_generation(report, context, optimized, written=None):
+        return real(report, context, tiny_decoder(present_scale=1.5))  # not the file written
 
     return report_generation
 

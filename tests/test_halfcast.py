@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from graphopt.opt import halfcast
+from graphopt.opt.numerics import halfcast
 
 
 def every_float16() -> np.ndarray:

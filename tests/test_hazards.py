@@ -8,9 +8,9 @@ from onnx import TensorProto, helper
 
 import graphopt
 from conftest import const, model, vi
-from graphopt.opt import hazards
 from graphopt.opt.errors import GraphoptError
-from graphopt.opt.parity import Session
+from graphopt.opt.verify import hazards
+from graphopt.opt.verify.parity import Session
 
 
 def int_div(a, b):

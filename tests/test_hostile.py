@@ -154,7 +154,7 @@ def _small_real_model():
 
 
 def test_external_data_model_round_trip_through_cli(tmp_path):
-    from graphopt.opt.io import save_model
+    from graphopt.opt.graph.io import save_model
 
     src = tmp_path / "ext" / "m.onnx"
     save_model(_small_real_model(), src, external=True)

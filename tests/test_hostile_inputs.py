@@ -23,7 +23,7 @@ from conftest import vi
 from graphopt import cli
 from graphopt.cli import app
 from graphopt.opt.errors import UsageError
-from graphopt.opt.io import atomic_write_text
+from graphopt.opt.graph.io import atomic_write_text
 
 runner = CliRunner()
 

@@ -1,4 +1,4 @@
-"""Weights left in their model file (opt/io.py, load_model(lazy_external=True) on a large file):
+"""Weights left in their model file (opt/graph/io.py, load_model(lazy_external=True) on a large file):
 the model is read without its large weights, each a reference to where its bytes lie in the
 file; what is optimized and written is the same as when the file is read whole."""
 
@@ -15,8 +15,8 @@ from onnx import TensorProto, helper, numpy_helper
 from cli_runner import CliRunner
 from conftest import EXAMPLES, const, vi
 from graphopt.cli import app
-from graphopt.opt import io
 from graphopt.opt.errors import ModelLoadError
+from graphopt.opt.graph import io
 
 EXAMPLE_MODELS = sorted(EXAMPLES.glob("*.onnx"))
 
@@ -122,7 +122,7 @@ def _moved_into_a_node(m: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def test_a_weight_moved_out_of_the_initializers_is_written_as_read(tmp_path, in_place):
-    from graphopt.opt.spool import spool
+    from graphopt.opt.graph.spool import spool
 
     nodes = [helper.make_node("Add", ["x", "w"], ["y"])]
     graph = helper.make_graph(
@@ -146,7 +146,7 @@ def test_a_weight_read_from_the_file_is_not_kept_mapped(tmp_path, in_place):
     there holds its pages until the cyclic collector frees the whole graph)."""
     from onnx_graphsurgeon.ir.tensor import LazyValues
 
-    from graphopt.opt import ir
+    from graphopt.opt.graph import ir
 
     w = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)  # 16 KiB: below UNCACHED_BYTES
     node = helper.make_node("MatMul", ["x", "w"], ["y"])
@@ -168,7 +168,7 @@ def test_weights_copied_from_their_file_through_two_buffers_hash_as_written(
     """A weight left in its file is copied into the spooled output a block at a time, through
     two buffers in turn while the last block is hashed on the thread: the bytes and the sha256
     are the file's, whatever the weights' sizes against the block."""
-    from graphopt.opt import spool as spool_module
+    from graphopt.opt.graph import spool as spool_module
 
     monkeypatch.setattr(spool_module, "COPY_BLOCK", 4096)
     monkeypatch.setattr(spool_module, "INLINE_HASH", inline)

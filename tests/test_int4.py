@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 from cli_runner import CliRunner
 from conftest import codes, const, model, run, vi
 from graphopt.cli import app
-from graphopt.opt.ir import op_histogram
+from graphopt.opt.graph.ir import op_histogram
 from graphopt.rules.weights_int4 import MAX_ERROR, quantize
 
 NBITS = "com.microsoft.MatMulNBits"
@@ -139,7 +139,7 @@ def test_a_refused_weight_is_not_counted_in_the_next_measure():
 
 
 def test_generation_check_holds_logits_to_the_int4_limit():
-    from graphopt.opt.generation import _quantized_tolerances
+    from graphopt.opt.verify.generation import _quantized_tolerances
 
     out, report = run(mlp(), level=3, options={"weights": "int4", "int4_max_error": 0.12})
     assert _quantized_tolerances(report)["float32"] == (0.12, 0.0)

@@ -9,7 +9,7 @@ from onnx import helper
 
 from conftest import const, model, vi
 from graphopt.opt.errors import ModelLoadError
-from graphopt.opt.io import load_model, save_model
+from graphopt.opt.graph.io import load_model, save_model
 
 
 def small():
@@ -104,7 +104,7 @@ def test_lazy_external_data_stays_on_disk_and_output_is_self_contained(tmp_path)
     import graphopt
     from cli_runner import CliRunner
     from graphopt.cli import app
-    from graphopt.opt import ir as ir_module
+    from graphopt.opt.graph import ir as ir_module
 
     rng = np.random.default_rng(0)
     nodes = [

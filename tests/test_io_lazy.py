@@ -8,9 +8,9 @@ import pytest
 from onnx import helper
 
 from conftest import const, model, vi
-from graphopt.opt import ir as irmod
-from graphopt.opt.io import load_model, save_model
-from graphopt.opt.ir import ExternalValues, ModelIR
+from graphopt.opt.graph import ir as irmod
+from graphopt.opt.graph.io import load_model, save_model
+from graphopt.opt.graph.ir import ExternalValues, ModelIR
 
 
 def small():
@@ -45,7 +45,7 @@ def test_inline_weights_skip_the_mapping_walk(tmp_path, monkeypatch):
 def test_files_are_hashed_while_written(tmp_path):
     import hashlib
 
-    from graphopt.opt.io import write_model_files
+    from graphopt.opt.graph.io import write_model_files
 
     for external in (False, True):
         out = tmp_path / ("ext" if external else "inline")
@@ -81,7 +81,7 @@ def test_external_data_copied_by_the_kernel_or_by_hand_alike(tmp_path, monkeypat
     import hashlib
     import os
 
-    from graphopt.opt.io import write_model_files
+    from graphopt.opt.graph.io import write_model_files
 
     src = tmp_path / "src"
     src.mkdir()

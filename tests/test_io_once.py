@@ -15,9 +15,11 @@ import graphopt
 from cli_runner import CliRunner
 from conftest import const, model, vi
 from graphopt.cli import app
-from graphopt.opt import io, optimizer
+from graphopt.opt import optimizer
 from graphopt.opt.errors import ModelLoadError
-from graphopt.opt.spool import SpoolDir
+from graphopt.opt.graph import io
+from graphopt.opt.graph.spool import SpoolDir
+from graphopt.opt.optimizer import run_of
 
 W = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)  # 16 KiB
 
@@ -256,7 +258,7 @@ def written_bytes(held) -> bytes:
 @pytest.mark.parametrize("check", [False, True])
 def test_the_bundle_writes_the_bytes_the_validity_check_loaded(tmp_path, monkeypatch, check):
     out, report = graphopt.optimize(small(), check=check)
-    held = report.serialized
+    held = run_of(report).serialized
     assert held is not None and held.model is out and held.spooled is not None
     # the metadata is in them: nothing changed since
     assert written_bytes(held) == out.SerializeToString()
@@ -271,22 +273,22 @@ def test_the_bundle_writes_the_bytes_the_validity_check_loaded(tmp_path, monkeyp
     assert written == out.SerializeToString()
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert manifest["model_sha256"] == hashlib.sha256(written).hexdigest()
-    assert report.serialized is None  # let go of once written
+    assert run_of(report).serialized is None  # let go of once written
     assert not held.spooled.path.exists()  # moved into the bundle, not copied
 
 
 def test_bytes_held_through_the_safety_net_are_the_models(tmp_path, monkeypatch):
     """The performance safety net may replace the output: bytes are kept only for the model
     returned, and whatever it is, model.onnx is its bytes."""
-    from graphopt.opt import perf
+    from graphopt.opt.verify import perf
 
     monkeypatch.delenv("GRAPHOPT_NO_MEASURE", raising=False)
     monkeypatch.setattr(perf, "MIN_BUDGET_S", 1.0)
     out, report = graphopt.optimize(small())
     assert report.performance["measured"], report.performance
-    if report.serialized is not None:
-        assert report.serialized.model is out
-        assert written_bytes(report.serialized) == out.SerializeToString()
+    if run_of(report).serialized is not None:
+        assert run_of(report).serialized.model is out
+        assert written_bytes(run_of(report).serialized) == out.SerializeToString()
     bundle = graphopt.write_bundle(out, report, tmp_path / "b")
     assert (bundle / "model.onnx").read_bytes() == out.SerializeToString()
 
@@ -296,7 +298,7 @@ def test_no_bytes_are_held_through_a_lean_parity(tmp_path, monkeypatch):
     monkeypatch.setattr(optimizer, "is_lean", lambda model, budget=None: True)
     out, report = graphopt.optimize(small())
     assert report.parity.ran and report.parity.ok
-    assert report.serialized is None
+    assert run_of(report).serialized is None
     bundle = graphopt.write_bundle(out, report, tmp_path / "b")
     assert (bundle / "model.onnx").read_bytes() == out.SerializeToString()
 
@@ -305,8 +307,8 @@ def test_held_bytes_are_only_for_the_model_object_returned(tmp_path):
     out, report = graphopt.optimize(small(), check=False)
     other = onnx.ModelProto()
     other.CopyFrom(out)
-    assert report.take_serialized(other) is None
-    assert report.serialized is None
+    assert run_of(report).take_serialized(other) is None
+    assert run_of(report).serialized is None
     bundle = graphopt.write_bundle(other, report, tmp_path / "b")  # serialized here instead
     assert (bundle / "model.onnx").read_bytes() == other.SerializeToString()
 
@@ -420,7 +422,7 @@ def test_validity_of_an_external_data_output_does_not_depend_on_the_working_dire
 ):
     """onnx's checker looks for external files in the working directory when given bytes: its
     'should be stored in ..., but it is not regular file' is no reason to call a model invalid."""
-    from graphopt.opt.io import load_model
+    from graphopt.opt.graph.io import load_model
     from graphopt.opt.optimizer import _invalid
 
     rng = np.random.default_rng(0)
@@ -451,8 +453,8 @@ def test_blocks_are_read_into_one_buffer_and_a_short_file_is_an_error(tmp_path, 
     allocation per read); a file shorter than its recorded length is a save error."""
     import io as pyio
 
-    from graphopt.opt import io as gio
     from graphopt.opt.errors import ModelSaveError
+    from graphopt.opt.graph import io as gio
 
     monkeypatch.setattr(gio, "HASH_BLOCK", 1000)
     data = bytes(range(256)) * 20  # 5120 bytes: five full blocks and a partial one

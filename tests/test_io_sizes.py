@@ -8,7 +8,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from graphopt.opt.errors import ModelLoadError
-from graphopt.opt.io import (
+from graphopt.opt.graph.io import (
     EXTERNAL_THRESHOLD,
     load_model,
     needs_external_data,

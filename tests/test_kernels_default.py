@@ -14,7 +14,7 @@ from onnx import helper
 from cli_runner import CliRunner
 from conftest import EXAMPLES, const, model, vi
 from graphopt.cli import app
-from graphopt.opt.pipeline import preset, with_kernels
+from graphopt.opt.rewrite.pipeline import preset, with_kernels
 from graphopt.targets.codegen import NO_KERNELS_ENV, kernel_pipeline, kernels_by_default
 
 runner = CliRunner()

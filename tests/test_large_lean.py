@@ -16,10 +16,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 import graphopt
 from conftest import EXAMPLES, const, model, vi
-from graphopt.opt import optimizer, parity
+from graphopt.opt import optimizer
 from graphopt.opt.errors import UsageError
-from graphopt.opt.io import load_model
-from graphopt.opt.parity import (
+from graphopt.opt.graph.io import load_model
+from graphopt.opt.verify import parity
+from graphopt.opt.verify.parity import (
     LEAN_CONFIG,
     Pieces,
     Session,
@@ -212,8 +213,8 @@ def test_peak_memory_of_lean_parity_is_one_piece(tmp_path):
         def peak():  # MiB; VmHWM, as ru_maxrss carries the parent's peak across exec
             with open("/proc/self/status") as f:
                 return next(int(l.split()[1]) for l in f if l.startswith("VmHWM")) // 1024
-        from graphopt.opt.io import load_model
-        from graphopt.opt.parity import check_parity
+        from graphopt.opt.graph.io import load_model
+        from graphopt.opt.verify.parity import check_parity
         m = load_model({str(path)!r}, check=False, lazy_external=True)
         base = peak()
         r = check_parity(m, m, base_dir={str(path.parent)!r})
@@ -305,7 +306,7 @@ def test_generation_check_of_a_large_decoder_runs_in_pieces(tmp_path, monkeypatc
     sessions."""
     from test_generation import tiny_decoder
 
-    from graphopt.opt.generation import check_generation
+    from graphopt.opt.verify.generation import check_generation
 
     m = tiny_decoder()
     whole = check_generation(m, m, prefill=5, steps=3)
@@ -331,7 +332,7 @@ def test_check_reads_external_weights_beside_each_model_lazily(tmp_path, monkeyp
     beside its own model."""
     from cli_runner import CliRunner
     from graphopt.cli import app
-    from graphopt.opt import io
+    from graphopt.opt.graph import io
 
     path = _decoder(tmp_path)
     out, report = graphopt.optimize(path, target="cpu", shapes={"input_ids": [1, 8]})

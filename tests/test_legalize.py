@@ -15,7 +15,7 @@ from cli_runner import CliRunner
 from conftest import EXAMPLES, const, model, run, vi
 from graphopt.cli import app
 from graphopt.opt.errors import UsageError
-from graphopt.opt.pipeline import preset
+from graphopt.opt.rewrite.pipeline import preset
 from graphopt.targets.kernels import primary_dtype, resolve
 from graphopt.targets.profiles import CPU, CUDA, NPU
 
@@ -196,7 +196,7 @@ def test_primary_dtype_skips_fixed_type_operands():
     )
     _, report = run(m, target="cpu")
     assert report.legal
-    from graphopt.opt.ir import ModelIR
+    from graphopt.opt.graph.ir import ModelIR
 
     node = ModelIR(m).graph.nodes[0]
     assert primary_dtype(node, 17) == "tensor(float)"  # not the bool condition

@@ -12,7 +12,7 @@ from test_rotary import D as H  # the rotary helpers rotate heads of this size
 from test_rotary import apply, freqs_mul
 
 from conftest import assert_optimized, codes, const, model, run, vi
-from graphopt.opt.ir import op_histogram
+from graphopt.opt.graph.ir import op_histogram
 
 NQ = 4
 HIDDEN = NQ * H
@@ -414,7 +414,7 @@ def test_cuda_keeps_multiheadattention_for_a_batch_of_one():
     """On cuda the decoder lowers to MultiHeadAttention: its GroupQueryAttention has no fp32
     kernel, and the table restricts it to causal=1 (the exact lowering's causal=0 is not
     verified there), which keeps fp16 decoders off it too."""
-    from graphopt.opt.target import get_target
+    from graphopt.opt.rewrite.target import get_target
 
     assert get_target("cuda").kernel_attributes["GroupQueryAttention"]["causal"] == ("1",)
     out, _ = run(decoder(2, batch=1), target="cuda", inputs=feeds(2, batch=1))
@@ -486,7 +486,7 @@ def test_partial_rotary_fuses_with_the_rotation_left_unfused(monkeypatch):
     matter."""
     import dataclasses
 
-    from graphopt.opt import target as targets
+    from graphopt.opt.rewrite import target as targets
 
     cpu = targets.TARGETS["cpu"]
     off = cpu.disabled_rules | {"fuse-rotary-embedding"}

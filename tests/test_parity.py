@@ -7,9 +7,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 import graphopt
 from conftest import const, model, vi
-from graphopt.opt.parity import check_parity, compare_outputs, parse_tolerances
-from graphopt.opt.reference import upcast_to_float64
-from graphopt.opt.target import get_target
+from graphopt.opt.numerics.reference import upcast_to_float64
+from graphopt.opt.rewrite.target import get_target
+from graphopt.opt.verify.parity import check_parity, compare_outputs, parse_tolerances
 
 
 def test_metrics():
@@ -108,8 +108,8 @@ def _fp16_scale(factor: float) -> onnx.ModelProto:
 def test_an_fp16_model_is_held_to_how_far_onnxruntime_itself_moves_it(monkeypatch):
     """In float16 onnxruntime's own fusions round differently from the graph as written (the
     original at ORT_ENABLE_ALL): a difference no larger than twice that is not a failure."""
-    from graphopt.opt import parity as parity_module
-    from graphopt.opt.parity import NOISE_FACTOR, OwnNoise
+    from graphopt.opt.verify import parity as parity_module
+    from graphopt.opt.verify.parity import NOISE_FACTOR, OwnNoise
 
     original, moved = _fp16_scale(1.0), _fp16_scale(1.03)  # 3 % off: over the 1 % tolerance
     monkeypatch.setattr(parity_module, "runtime_noise", lambda *a: OwnNoise({"y": 1e-9}))
@@ -142,7 +142,7 @@ def test_a_real_break_fails_where_the_original_does_not_move_itself():
 
 
 def test_runtime_floor_measures_the_original_at_ort_enable_all():
-    from graphopt.opt.parity import runtime_noise
+    from graphopt.opt.verify.parity import runtime_noise
 
     m = _fp16_scale(1.0)
     feeds = {"x": np.ones((4, 16), np.float32)}
@@ -151,7 +151,7 @@ def test_runtime_floor_measures_the_original_at_ort_enable_all():
 
 
 def test_own_noise_of_floats_integers_and_selection_counts():
-    from graphopt.opt.parity import own_noise
+    from graphopt.opt.verify.parity import own_noise
 
     names = ["f", "i", "n"]
     written = [np.zeros(4, np.float32), np.arange(10), np.zeros((3, 4), np.float32)]
@@ -162,7 +162,7 @@ def test_own_noise_of_floats_integers_and_selection_counts():
 
 
 def test_selections_are_judged_by_how_often_the_original_changes_its_own():
-    from graphopt.opt.parity import OwnNoise, compare_outputs, judge_by_noise
+    from graphopt.opt.verify.parity import OwnNoise, compare_outputs, judge_by_noise
 
     ref = [np.arange(20), np.zeros((5, 4), np.float32)]
     near = [np.r_[np.arange(19), 0], np.zeros((4, 4), np.float32)]  # 1 of 20 indices; one box
@@ -184,7 +184,7 @@ def test_compare_outputs_in_place_gives_the_textbook_numbers(dtype):
     """The comparison computes in its float64 copies, without temporaries: bit for bit the
     numbers of the plain formulas (the largest |reference| of all-negative and signed-zero
     outputs too)."""
-    from graphopt.opt import parity
+    from graphopt.opt.verify import parity
 
     rng = np.random.default_rng(5)
     r = rng.standard_normal(1001).astype(dtype)
@@ -209,7 +209,7 @@ def test_compare_outputs_in_place_gives_the_textbook_numbers(dtype):
 def test_compare_outputs_of_finite_values_as_through_the_masks(monkeypatch, dtype):
     """Outputs without NaN or infinity skip the masks: the same numbers as the masked path,
     for every dtype, shape (a scalar too) and tolerance outcome."""
-    from graphopt.opt import parity
+    from graphopt.opt.verify import parity
 
     rng = np.random.default_rng(3)
     cases = []

@@ -9,7 +9,7 @@ from onnx import TensorProto, helper
 import graphopt
 from conftest import const, model, vi
 from graphopt.opt.errors import UsageError
-from graphopt.opt.feeds import candidate_shapes
+from graphopt.opt.verify.feeds import candidate_shapes
 
 
 def detector(h="height", w="width"):
@@ -105,7 +105,7 @@ def test_two_inputs_disagreeing_on_a_shared_dim_are_a_usage_error():
 
 
 def test_zipmap_like_sequence_of_maps_outputs_compare_numerically():
-    from graphopt.opt.parity import compare_outputs
+    from graphopt.opt.verify.parity import compare_outputs
 
     ref = [{0: 0.25, 1: 0.75}, {0: 0.5, 1: 0.5}]
     same = [{0: 0.25, 1: 0.75}, {0: 0.5, 1: 0.5}]
@@ -185,7 +185,7 @@ def test_a_question_mark_dim_is_unknown_not_shared():
 
 @pytest.mark.parametrize("spec", ["x=", "x=-1,4", "x=0,4", "x=,", "=1,2", "x"])
 def test_shape_specs_are_parsed_strictly(spec):
-    from graphopt.opt.parity import parse_shapes
+    from graphopt.opt.verify.parity import parse_shapes
 
     with pytest.raises(UsageError):
         parse_shapes([spec])
@@ -216,7 +216,7 @@ def test_attention_masks_are_padded_so_a_dropped_mask_shows():
     )
     import onnxruntime as ort
 
-    from graphopt.opt.parity import make_inputs
+    from graphopt.opt.verify.parity import make_inputs
 
     sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
     mask = make_inputs(sess, {"x": [2, 16], "attention_mask": [2, 16]}, seed=0)["attention_mask"]

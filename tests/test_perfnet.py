@@ -15,11 +15,12 @@ import graphopt
 from cli_runner import CliRunner
 from conftest import const, model, ops, vi
 from graphopt.cli import app
-from graphopt.opt import perf
-from graphopt.opt.manager import RULES
-from graphopt.opt.parity import check_parity
-from graphopt.opt.perf import Timing, find_slow_rules, ratio_interval
-from graphopt.opt.rewrite import Op, Rule
+from graphopt.opt.optimizer import run_of
+from graphopt.opt.rewrite.engine import Op, Rule
+from graphopt.opt.rewrite.manager import RULES
+from graphopt.opt.verify import perf
+from graphopt.opt.verify.parity import check_parity
+from graphopt.opt.verify.perf import Timing, find_slow_rules, ratio_interval
 
 # ------------------------------------------------------------------------ synthetic timings
 
@@ -337,7 +338,7 @@ def test_the_session_that_timed_the_final_model_saved_its_fast_path(
     # no rule to revert: the model timed first is the model returned, however noisy the timing
     out, report = graphopt.optimize(slow_model(), pipeline="dce")
     assert report.performance["measured"] and not report.performance["reverted"]
-    presaved = report.bundle_context["fast_path"]
+    presaved = run_of(report).context["fast_path"]
     assert presaved.model is out and presaved.path.is_file()
     written = graphopt.write_bundle(out, report, tmp_path / "b")
     fast = json.loads((written / "manifest.json").read_text())["fast_path"]
@@ -357,7 +358,7 @@ def test_the_bundle_checks_the_fast_path_on_the_outputs_the_net_timed(
     from graphopt.targets import bundle
 
     out, report = graphopt.optimize(slow_model(), pipeline="dce")
-    presaved = report.bundle_context["fast_path"]
+    presaved = run_of(report).context["fast_path"]
     assert presaved.outputs is not None and presaved.feeds is report.parity.feeds
     sessions, session = [], bundle._session
 
@@ -409,7 +410,7 @@ def test_fast_path_outputs_off_the_golden_ones_fall_back_to_the_portable_model(
     measuring, monkeypatch, tmp_path
 ):
     out, report = graphopt.optimize(slow_model(), pipeline="dce")
-    presaved = report.bundle_context["fast_path"]
+    presaved = run_of(report).context["fast_path"]
     presaved.outputs = {k: v + 1.0 for k, v in presaved.outputs.items()}  # a wrong fast path
     written = graphopt.write_bundle(out, report, tmp_path / "b")
     manifest = json.loads((written / "manifest.json").read_text())
@@ -425,7 +426,7 @@ def test_a_fast_path_saved_for_another_model_is_not_used(measuring, monkeypatch,
 
     saving = _saving_sessions(monkeypatch)
     out, report = graphopt.optimize(slow_model(), pipeline="dce")
-    assert report.bundle_context["fast_path"].model is out
+    assert run_of(report).context["fast_path"].model is out
     changed = type(out)()
     changed.CopyFrom(out)  # another model object (a caller's edited copy)
     written = graphopt.write_bundle(changed, report, tmp_path / "b")
@@ -441,7 +442,7 @@ def test_the_fast_path_is_the_final_models_after_a_revert(
 
     out, report = graphopt.optimize(slow_model(), pipeline=PIPELINE)
     assert "test-slow-neg" in [r["rule"] for r in report.performance["reverted"]]
-    presaved = report.bundle_context["fast_path"]
+    presaved = run_of(report).context["fast_path"]
     assert presaved is None or presaved.model is out
     written = graphopt.write_bundle(out, report, tmp_path / "b")
     fast = json.loads((written / "manifest.json").read_text())["fast_path"]

@@ -11,9 +11,9 @@ import pytest
 from onnx import helper
 
 from conftest import check_parity, const, model, vi
-from graphopt.opt import manager
 from graphopt.opt.optimizer import optimize
-from graphopt.opt.rewrite import apply_rules
+from graphopt.opt.rewrite import manager
+from graphopt.opt.rewrite.engine import apply_rules
 
 
 def _model() -> onnx.ModelProto:
@@ -78,9 +78,10 @@ def test_replayed_phases_report_what_running_them_again_would(monkeypatch, pipel
 
 
 def test_a_refusal_of_another_rule_since_runs_the_phase_again(monkeypatch):
-    from graphopt.opt.ir import ModelIR
-    from graphopt.opt.manager import PassContext, RuleSetPass, run_pass
-    from graphopt.opt.target import get_target
+    from graphopt.opt.graph.ir import ModelIR
+    from graphopt.opt.rewrite.context import PassContext
+    from graphopt.opt.rewrite.manager import RuleSetPass, run_pass
+    from graphopt.opt.rewrite.target import get_target
 
     ir = ModelIR(_model())
     cx = PassContext(target=get_target("cpu"), level=2, ir=ir)

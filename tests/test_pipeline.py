@@ -7,11 +7,12 @@ from onnx import helper
 import graphopt
 from conftest import const, model, ops, run, vi
 from graphopt.opt.errors import UsageError
-from graphopt.opt.ir import ModelIR
-from graphopt.opt.manager import Fixpoint, PassContext, RuleSetPass, run_pass
-from graphopt.opt.pipeline import parse, preset, to_text
-from graphopt.opt.rewrite import Op, Rule
-from graphopt.opt.target import get_target
+from graphopt.opt.graph.ir import ModelIR
+from graphopt.opt.rewrite.context import PassContext
+from graphopt.opt.rewrite.engine import Op, Rule
+from graphopt.opt.rewrite.manager import Fixpoint, RuleSetPass, run_pass
+from graphopt.opt.rewrite.pipeline import parse, preset, to_text
+from graphopt.opt.rewrite.target import get_target
 
 
 def test_pipeline_text_round_trips():

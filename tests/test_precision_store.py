@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from graphopt.opt.precision import FLUSH_TOLERANCE, STORE_TOLERANCE, require_representable
-from graphopt.opt.rewrite import NoMatch
+from graphopt.opt.numerics.precision import FLUSH_TOLERANCE, STORE_TOLERANCE, require_representable
+from graphopt.opt.rewrite.engine import NoMatch
 
 BF16 = None
 try:

@@ -10,7 +10,7 @@ from onnx import helper
 from cli_runner import CliRunner
 from conftest import const, model, vi
 from graphopt.cli import app
-from graphopt.opt.profile import INSERTED, ModelIndex, region_of
+from graphopt.opt.verify.profile import INSERTED, ModelIndex, region_of
 
 runner = CliRunner()
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

@@ -11,8 +11,9 @@ from onnx import helper
 
 import graphopt
 from conftest import const, model, vi
-from graphopt.opt import optimizer, parity
+from graphopt.opt import optimizer
 from graphopt.opt.errors import GraphoptError
+from graphopt.opt.verify import parity
 
 
 def conv_bn(batch="N"):

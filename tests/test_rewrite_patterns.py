@@ -6,11 +6,12 @@ import pytest
 from onnx import helper
 
 from conftest import check_parity, const, model, vi
-from graphopt.opt.ir import Constant, ModelIR
-from graphopt.opt.manager import PassContext, RuleSetPass, run_pass
-from graphopt.opt.patterns import MAX_COMMUTED, match, roots
-from graphopt.opt.rewrite import PHASES, Alt, Const, Op, Rule, Var, opt, require
-from graphopt.opt.target import get_target
+from graphopt.opt.graph.ir import Constant, ModelIR
+from graphopt.opt.rewrite.context import PassContext
+from graphopt.opt.rewrite.engine import PHASES, Alt, Const, Op, Rule, Var, opt, require
+from graphopt.opt.rewrite.manager import RuleSetPass, run_pass
+from graphopt.opt.rewrite.patterns import MAX_COMMUTED, match, roots
+from graphopt.opt.rewrite.target import get_target
 
 
 def _ir(nodes, inputs, inits=(), opset=17):
@@ -196,7 +197,7 @@ def test_phases_run_in_order_whatever_the_graph_order():
 
 
 def test_unknown_phase_is_refused_at_registration():
-    from graphopt.opt.manager import register_rule
+    from graphopt.opt.rewrite.manager import register_rule
 
     class Bad(Rule):
         name, phase = "test-bad-phase", "later"
@@ -250,7 +251,7 @@ def test_forgetting_a_miss_keeps_everything_else():
 
 
 def test_one_domain_normalization():
-    from graphopt.opt.domains import MS, in_domains, is_default, norm_domain, same_domain
+    from graphopt.opt.graph.domains import MS, in_domains, is_default, norm_domain, same_domain
 
     assert [norm_domain(d) for d in (None, "", "ai.onnx", MS)] == ["", "", "", MS]
     assert is_default("ai.onnx") and not is_default(MS)

@@ -6,7 +6,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from conftest import assert_optimized, codes, const, model, run, vi
-from graphopt.opt.ir import op_histogram
+from graphopt.opt.graph.ir import op_histogram
 
 B, H, S, D = 2, 4, 5, 16
 THETA = 10000.0

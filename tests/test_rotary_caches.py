@@ -7,7 +7,7 @@ from onnx import TensorProto, helper
 from test_rotary import INV_FREQ, apply, run_model
 
 from conftest import assert_optimized, const, model, vi
-from graphopt.opt.ir import op_histogram
+from graphopt.opt.graph.ir import op_histogram
 
 B, H, S, D = 2, 4, 5, 16
 LAYERS = 3

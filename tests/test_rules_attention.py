@@ -8,7 +8,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from conftest import EXAMPLES, assert_optimized, codes, const, model, run, vi
-from graphopt.opt.ir import op_histogram
+from graphopt.opt.graph.ir import op_histogram
 
 N, H = 2, 4
 D = N * H

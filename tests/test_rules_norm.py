@@ -8,8 +8,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from conftest import EXAMPLES, assert_optimized, codes, const, model, run, vi
-from graphopt.opt.ir import op_histogram
-from graphopt.opt.target import TARGETS
+from graphopt.opt.graph.ir import op_histogram
+from graphopt.opt.rewrite.target import TARGETS
 from graphopt.targets.profiles import CPU, CUDA
 
 D = 8

@@ -9,7 +9,8 @@ from onnx import helper
 
 import graphopt
 from conftest import const, model, vi
-from graphopt.opt import perf
+from graphopt.opt.optimizer import run_of
+from graphopt.opt.verify import perf
 from graphopt.targets import bundle
 
 
@@ -28,13 +29,13 @@ def test_the_bundle_reuses_the_original_outputs_of_the_performance_net(tmp_path,
     monkeypatch.setattr(perf, "MIN_BUDGET_S", 1.0)
     out, report = graphopt.optimize(small())
     assert report.performance["measured"], report.performance
-    ran = report.bundle_context["original_outputs"]["ORT_ENABLE_ALL"]
+    ran = run_of(report).context["original_outputs"]["ORT_ENABLE_ALL"]
     assert set(ran) == {"y"}
     levels = []
     real = bundle.Session
 
     def counted(m, *args, level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL, **kw):
-        levels.append((m is report.bundle_context["original"], level))
+        levels.append((m is run_of(report).context["original"], level))
         return real(m, *args, level=level, **kw)
 
     monkeypatch.setattr(bundle, "Session", counted)
@@ -42,7 +43,7 @@ def test_the_bundle_reuses_the_original_outputs_of_the_performance_net(tmp_path,
     assert (True, ort.GraphOptimizationLevel.ORT_ENABLE_ALL) not in levels
     deployed = report.parity_deployed
     assert deployed.ran and deployed.ok, deployed.error
-    report.bundle_context["original_outputs"] = {}  # without them the original is loaded
+    run_of(report).context["original_outputs"] = {}  # without them the original is loaded
     bundle.write_bundle(out, report, tmp_path / "c")
     assert (True, ort.GraphOptimizationLevel.ORT_ENABLE_ALL) in levels
     assert report.parity_deployed.ok

@@ -9,8 +9,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from conftest import const, model, run, vi
-from graphopt.opt import analysis
-from graphopt.opt.ir import Constant, ModelIR, subgraphs
+from graphopt.opt.graph import analysis
+from graphopt.opt.graph.ir import Constant, ModelIR, subgraphs
 
 
 def if_model():

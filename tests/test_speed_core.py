@@ -13,14 +13,15 @@ import pytest
 from onnx import helper, numpy_helper
 
 from conftest import check_parity, const, model, vi
-from graphopt.opt import ir as ir_module
-from graphopt.opt.domains import norm_domain
-from graphopt.opt.io import external_data_files, load_model, save_model
-from graphopt.opt.ir import ModelIR, toposort
-from graphopt.opt.manager import RULES, PassContext, RuleSetPass, run_pass
-from graphopt.opt.patterns import Alt, Var, feasible, match
-from graphopt.opt.rewrite import Const, Op, Rule
-from graphopt.opt.target import get_target
+from graphopt.opt.graph import ir as ir_module
+from graphopt.opt.graph.domains import norm_domain
+from graphopt.opt.graph.io import external_data_files, load_model, save_model
+from graphopt.opt.graph.ir import ModelIR, toposort
+from graphopt.opt.rewrite.context import PassContext
+from graphopt.opt.rewrite.engine import Const, Op, Rule
+from graphopt.opt.rewrite.manager import RULES, RuleSetPass, run_pass
+from graphopt.opt.rewrite.patterns import Alt, Var, feasible, match
+from graphopt.opt.rewrite.target import get_target
 from graphopt.passes.dce import DeadCodeElimination, sweep
 
 
@@ -279,7 +280,8 @@ def test_external_files_of_a_model_just_read_are_not_parsed_again(tmp_path, monk
 def test_the_validity_session_loads_without_copying_weights(monkeypatch):
     """Parity reuses it and runs it once: pre-packing the weights would cost more than it saves
     (the sessions parity makes itself are built the same way)."""
-    from graphopt.opt import optimizer, parity
+    from graphopt.opt import optimizer
+    from graphopt.opt.verify import parity
 
     nodes = [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")]
     w = np.random.default_rng(0).random((16, 16)).astype(np.float32)
@@ -335,7 +337,7 @@ def _custom_domain_model(imported: bool) -> onnx.ModelProto:
 def test_shape_inference_of_an_unimported_custom_domain_fails_without_exporting(
     imported, monkeypatch
 ):
-    from graphopt.opt import analysis
+    from graphopt.opt.graph import analysis
 
     m = _custom_domain_model(imported)
     try:
@@ -442,7 +444,7 @@ def test_nodes_and_initializers_import_as_graphsurgeon_builds_them(monkeypatch):
 
 
 def test_match_nodes_follow_stashes_and_stay_the_callers():
-    from graphopt.opt.rewrite import Match
+    from graphopt.opt.rewrite.engine import Match
 
     _, ir = _chain_model()
     mul, add, relu = ir.graph.nodes[:3]
@@ -455,7 +457,7 @@ def test_match_nodes_follow_stashes_and_stay_the_callers():
 
 
 def test_first_shape_inference_reuses_the_protos_read_unless_a_node_changed(monkeypatch):
-    from graphopt.opt import analysis
+    from graphopt.opt.graph import analysis
 
     nodes = [
         helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0], name="tr"),
@@ -598,7 +600,7 @@ def test_analyses_may_go_deeper_than_the_default_recursion_limit():
 
 
 def test_an_analysis_too_deep_for_the_limit_leaves_the_rewrite_with_a_remark():
-    from graphopt.opt import rewrite
+    from graphopt.opt.rewrite import engine as rewrite
 
     class Deep:
         exclusive = False
@@ -628,7 +630,7 @@ def test_domains_a_rewrite_adds_are_imported_in_the_same_order_in_every_process(
     src = tmp_path / "m.onnx"
     onnx.save(m, src)
     code = (
-        "import onnx, sys; from graphopt.opt.ir import ModelIR; "
+        "import onnx, sys; from graphopt.opt.graph.ir import ModelIR; "
         "m = ModelIR(onnx.load(sys.argv[1])).to_onnx(); "
         "print([o.domain for o in m.opset_import])"
     )

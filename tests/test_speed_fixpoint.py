@@ -9,11 +9,12 @@ import onnx
 from onnx import helper
 
 from conftest import const, model, vi
-from graphopt.opt.ir import ModelIR
-from graphopt.opt.manager import Fixpoint, Pass, PassContext, run_pass
+from graphopt.opt.graph.ir import ModelIR
 from graphopt.opt.optimizer import optimize
-from graphopt.opt.parity import check_parity
-from graphopt.opt.target import get_target
+from graphopt.opt.rewrite.context import Pass, PassContext
+from graphopt.opt.rewrite.manager import Fixpoint, run_pass
+from graphopt.opt.rewrite.target import get_target
+from graphopt.opt.verify.parity import check_parity
 from graphopt.passes.dce import DeadCodeElimination
 
 

@@ -14,12 +14,12 @@ from onnx import TensorProto, helper
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from conftest import const, model, vi
-from graphopt.opt import analysis
-from graphopt.opt import ir as irmod
-from graphopt.opt.domains import norm_domain
-from graphopt.opt.ir import ModelIR, Variable
-from graphopt.opt.patterns import Const, Op, feasible, match
-from graphopt.opt.rewrite import MAX_CANDIDATES, Rule
+from graphopt.opt.graph import analysis, ir
+from graphopt.opt.graph import ir as irmod
+from graphopt.opt.graph.domains import norm_domain
+from graphopt.opt.graph.ir import ModelIR, Variable
+from graphopt.opt.rewrite.engine import MAX_CANDIDATES, Rule
+from graphopt.opt.rewrite.patterns import Const, Op, feasible, match
 
 
 @pytest.mark.parametrize(
@@ -219,9 +219,9 @@ def test_shape_inference_on_a_graph_with_repeated_types_matches_fresh_parsing():
 def _old_node_key(n) -> tuple | None:
     attrs = []
     for k, v in n.attrs.items():
-        if isinstance(v, analysis._PLAIN):
+        if isinstance(v, ir._PLAIN):
             attrs.append((k, type(v), v))
-        elif isinstance(v, list) and all(isinstance(x, analysis._PLAIN) for x in v):
+        elif isinstance(v, list) and all(isinstance(x, ir._PLAIN) for x in v):
             attrs.append((k, list, tuple([(type(x), x) for x in v])))
         else:
             return None
@@ -279,7 +279,7 @@ def _keyed_nodes() -> list:
 
 def test_node_keys_tell_apart_what_the_old_ones_did():
     nodes = _keyed_nodes()
-    new = [analysis._node_key(n) for n in nodes]
+    new = [ir._node_key(n) for n in nodes]
     old = [_old_node_key(n) for n in nodes]
     for i in range(len(nodes)):
         assert (new[i] is None) == (old[i] is None)

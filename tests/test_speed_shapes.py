@@ -9,11 +9,12 @@ import onnx
 from onnx import helper
 
 from conftest import const, model, vi
-from graphopt.opt import analysis
-from graphopt.opt.ir import ModelIR, unlink_all
-from graphopt.opt.manager import PassContext, run_pass
-from graphopt.opt.parity import check_parity
-from graphopt.opt.target import get_target
+from graphopt.opt.graph import analysis
+from graphopt.opt.graph.ir import ModelIR, unlink_all
+from graphopt.opt.rewrite.context import PassContext
+from graphopt.opt.rewrite.manager import run_pass
+from graphopt.opt.rewrite.target import get_target
+from graphopt.opt.verify.parity import check_parity
 from graphopt.passes.fold_constants import FoldConstants
 
 

@@ -1,4 +1,4 @@
-"""The output written whole one weight at a time (opt/spool.py): the very bytes of
+"""The output written whole one weight at a time (opt/graph/spool.py): the very bytes of
 SerializeToString, its sha256, where each weight lies; onnxruntime loading the model from that
 file; and the validity check writing the output once, for the bundle to move into place."""
 
@@ -20,8 +20,8 @@ from conftest import EXAMPLES, const, model, vi
 from graphopt.cli import app
 from graphopt.opt import optimizer
 from graphopt.opt.errors import ModelSaveError
-from graphopt.opt.parity import Session, make_inputs
-from graphopt.opt.spool import SpoolDir, session_skeleton, spool
+from graphopt.opt.graph.spool import SpoolDir, session_skeleton, spool
+from graphopt.opt.verify.parity import Session, make_inputs
 
 EXAMPLE_MODELS = sorted(EXAMPLES.glob("*.onnx"))  # a CNN, a BERT, a super-resolution net, If/Loop
 
@@ -135,8 +135,8 @@ def test_the_bundle_moves_the_spooled_model_beside_it(tmp_path):
 
 def test_the_library_spools_into_the_temporary_folder_and_cleans_up(tmp_path):
     out, report = graphopt.optimize(matmul_model(), check=False)
-    spool_dir = report.serialized.folder
-    assert report.serialized.spooled.path.parent == spool_dir.path
+    spool_dir = optimizer.run_of(report).serialized.folder
+    assert optimizer.run_of(report).serialized.spooled.path.parent == spool_dir.path
     graphopt.write_bundle(out, report, tmp_path / "b")
     assert list(spool_dir.path.iterdir()) == []  # moved into the bundle
     folder = spool_dir.path
@@ -182,7 +182,7 @@ def test_the_hash_is_the_files_whether_pieces_are_hashed_inline_or_on_the_thread
 ):
     """Small pieces are hashed where they are written, large ones on the thread behind the
     write, slice by slice (weights of several slices included): one sha256 of the file."""
-    from graphopt.opt import spool as spool_module
+    from graphopt.opt.graph import spool as spool_module
 
     monkeypatch.setattr(spool_module, "INLINE_HASH", inline)
     monkeypatch.setattr(spool_module, "SLICE", 4096)
@@ -213,7 +213,7 @@ def test_the_spool_folder_is_beside_an_output_whose_folders_do_not_exist_yet(tmp
 
 def test_a_nested_new_output_folder_gets_the_spooled_model_moved_in(tmp_path, monkeypatch):
     from cli_runner import CliRunner
-    from graphopt.opt import spool as spool_module
+    from graphopt.opt.graph import spool as spool_module
 
     src = tmp_path / "m.onnx"
     onnx.save(matmul_model(), src)

@@ -220,8 +220,8 @@ def test_rewrite_in_a_body_never_touches_nested_bodies():
 def test_rules_are_tried_only_on_nodes_of_the_graph_being_rewritten(monkeypatch):
     """A value's readers include nodes of nested bodies; the driver of the enclosing graph must
     not queue them (a rule would then rewrite a body node in the wrong scope)."""
-    from graphopt.opt.manager import RULES
-    from graphopt.opt.rewrite import Op, Rule, applies_only_if
+    from graphopt.opt.rewrite.engine import Op, Rule, applies_only_if
+    from graphopt.opt.rewrite.manager import RULES
 
     seen = []
 

@@ -12,8 +12,8 @@ from onnx import TensorProto, helper
 
 import graphopt
 from conftest import EXAMPLES, assert_optimized, codes, const, model, ops, run, vi
-from graphopt.opt import target as target_mod
-from graphopt.opt.target import get_target, register_target
+from graphopt.opt.rewrite import target as target_mod
+from graphopt.opt.rewrite.target import get_target, register_target
 from graphopt.rules.target_rewrites import _Sym, resolve_reshape, tanh_gelu_error
 from graphopt.targets.profiles import live_cpu_kernels
 

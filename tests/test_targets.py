@@ -11,7 +11,7 @@ import pytest
 
 from cli_runner import CliRunner
 from graphopt.cli import app
-from graphopt.opt.target import TARGETS, get_target
+from graphopt.opt.rewrite.target import TARGETS, get_target
 from graphopt.targets.describe import describe_target
 from graphopt.targets.profiles import DOCUMENTS, pinned_document
 

@@ -16,9 +16,9 @@ import graphopt.targets.bundle as bundle_writer
 from cli_runner import CliRunner
 from conftest import const, model, vi
 from graphopt.cli import app
-from graphopt.opt.io import save_model, staging_dir
-from graphopt.opt.manager import RULES
-from graphopt.opt.rewrite import Op, Rule
+from graphopt.opt.graph.io import save_model, staging_dir
+from graphopt.opt.rewrite.engine import Op, Rule
+from graphopt.opt.rewrite.manager import RULES
 
 runner = CliRunner()
 

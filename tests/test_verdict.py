@@ -1,4 +1,4 @@
-"""The verdict of an optimization (opt/verdict.py): which exit code a report earns, in which
+"""The verdict of an optimization (opt/verify/verdict.py): which exit code a report earns, in which
 order the checks decide, and the warnings a run still owes."""
 
 from types import SimpleNamespace
@@ -6,10 +6,10 @@ from types import SimpleNamespace
 import pytest
 
 from graphopt.opt import errors
-from graphopt.opt.gate import Expectation
-from graphopt.opt.parity import OutputDiff, ParityReport
 from graphopt.opt.remarks import Remark
-from graphopt.opt.verdict import (
+from graphopt.opt.verify.gate import Expectation
+from graphopt.opt.verify.parity import OutputDiff, ParityReport
+from graphopt.opt.verify.verdict import (
     PARITY_NOT_RUN,
     Verdict,
     decide,

@@ -683,7 +683,7 @@ def _duel_pair(res: dict) -> tuple[str, str] | None:
 def _duel(make, feed: dict, spec: dict, mine: str, rival: str) -> dict:
     """Just the two, alternating (the order flips every round) for ``duel_s`` seconds each:
     the median of per-round ratios t(mine) / t(rival) with a bootstrap 95 % interval
-    (``graphopt.opt.perf.ratio_interval``, the performance safety net's estimate).
+    (``graphopt.opt.verify.perf.ratio_interval``, the performance safety net's estimate).
 
     The session created first runs measurably slower here (about 0.5-1 %: where onnxruntime's
     buffers land), so half the rounds run on sessions created mine first, half rival first."""
@@ -691,7 +691,7 @@ def _duel(make, feed: dict, spec: dict, mine: str, rival: str) -> dict:
 
     import numpy as np
 
-    from graphopt.opt.perf import ratio_interval, verdict
+    from graphopt.opt.verify.perf import ratio_interval, verdict
 
     ratios, halves, rounds = [], [], 0
     for first in (0, 1):

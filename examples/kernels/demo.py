@@ -34,7 +34,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 import graphopt
-from graphopt.opt.pipeline import preset, with_kernels
+from graphopt.opt.rewrite.pipeline import preset, with_kernels
 from graphopt.targets.bundle import write_bundle_files
 from graphopt.targets.codegen import gates
 from graphopt.targets.codegen.expr import parse
@@ -365,7 +365,7 @@ def run_model(
 def _write(dest: Path, model, report):
     import shutil
 
-    from graphopt.opt.io import write_model_files
+    from graphopt.opt.graph.io import write_model_files
 
     if dest.exists():
         shutil.rmtree(dest)

@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 
 def largest_tensor(model: Path) -> tuple[int, int]:
     """(bytes of the largest initializer, bytes of all), from metadata only."""
-    from graphopt.opt.io import tensor_nbytes
+    from graphopt.opt.graph.io import tensor_nbytes
 
     proto = onnx.load_model(str(model), load_external_data=False)
     sizes = [tensor_nbytes(t) for t in proto.graph.initializer]

@@ -37,7 +37,7 @@ ORT_ENABLE_ALL with one intra-op thread on the same feeds; its logits (and prese
 are compared with the plain export's, and argmax tokens per position. Timing: paired rounds,
 each running every variant once in an order rotated every round (each run repeated so that it
 lasts at least ``--min-run-ms``); per round, each variant's time over the plain export's; the
-median over rounds with its bootstrap 95 % interval (``graphopt.opt.perf.ratio_interval``),
+median over rounds with its bootstrap 95 % interval (``graphopt.opt.verify.perf.ratio_interval``),
 until ``--rounds`` and ``--min-seconds`` are reached and every interval is narrower than
 ``--precision``, or ``--max-seconds``. Prints a markdown table and writes JSON.
 """
@@ -59,8 +59,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from graphopt.opt.customops import register_libraries
-from graphopt.opt.perf import ratio_interval
+from graphopt.opt.verify.customops import register_libraries
+from graphopt.opt.verify.perf import ratio_interval
 
 #: onnxruntime.transformers model types to try per family, in order. None of its types is a
 #: Llama-style decoder; its own Llama/Mistral/Qwen export scripts optimize with "gpt2" (rotary,

@@ -10,7 +10,7 @@ its MatMuls), in three stages, each a module with typed results:
 2. lift (:mod:`.heads`, :mod:`.masks`): how q/k/v ``[B,S,D]`` are split into heads
    (batch-first, sequence-first, one packed projection, dynamo's 3-D Kᵀ; a cross-attention
    key split may name the query's batch) and ``num_heads``/head size from the Reshape targets
-   (constants or shape glue, resolved symbolically with :mod:`graphopt.opt.dims`); a key and
+   (constants or shape glue, resolved symbolically with :mod:`graphopt.opt.graph.dims`); a key and
    value already per head ``[B,N,T,H]`` (a KV cache's ``Concat(past, new)``, which stays as the
    ``present`` output) go to the kernel as they are, so do a decoder's kv heads repeated for
    grouped-query attention (HF's repeat_kv stays in front of MultiHeadAttention); a query

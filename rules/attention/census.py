@@ -9,13 +9,14 @@ Otherwise the rule never looked at it — its heads are not merged by a Transpos
 its scores are not spelled the way stage 1 reads them — and :func:`census` files the missed
 remark under ``fuse-attention``: stage ``1 (core)``, the scores tensor, code
 ``unrecognized-layout`` and what was found instead.  It runs once, on the finished graph
-(``graphopt.opt.manager.FINAL_CHECKS``), only where fuse-attention ran.
+(``graphopt.opt.rewrite.manager.FINAL_CHECKS``), only where fuse-attention ran.
 """
 
 from __future__ import annotations
 
-from graphopt.opt.ir import Constant, ModelIR, Node, Tensor
-from graphopt.opt.manager import FINAL_CHECKS, PassContext
+from graphopt.opt.graph.ir import Constant, ModelIR, Node, Tensor
+from graphopt.opt.rewrite.context import PassContext
+from graphopt.opt.rewrite.manager import FINAL_CHECKS
 
 RULE = "fuse-attention"
 CORE = "1 (core)"

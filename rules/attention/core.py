@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from graphopt.opt.dims import current as current_dims
-from graphopt.opt.dims import rank
-from graphopt.opt.domains import MS, norm_domain
-from graphopt.opt.ir import Node, Tensor
-from graphopt.opt.rewrite import NoMatch
+from graphopt.opt.graph.dims import current as current_dims
+from graphopt.opt.graph.dims import rank
+from graphopt.opt.graph.domains import MS, norm_domain
+from graphopt.opt.graph.ir import Node, Tensor
+from graphopt.opt.rewrite.engine import NoMatch
 
 from ..activation import inputs, no_match, producer, scalar
 

@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from graphopt.opt.dims import Dims, arith, rank, shape_elements
-from graphopt.opt.dims import current as current_dims
-from graphopt.opt.ir import Node, Tensor, constant_value, dtype_of
-from graphopt.opt.rewrite import Builder
+from graphopt.opt.graph.dims import Dims, arith, rank, shape_elements
+from graphopt.opt.graph.dims import current as current_dims
+from graphopt.opt.graph.ir import Node, Tensor, constant_value, dtype_of
+from graphopt.opt.rewrite.engine import Builder
 
 from ..activation import MS, inputs, producer
 from .heads import PERM_BNSH, HeadSplit, head_count, rotated_split, split_heads

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from graphopt.opt.dims import Dims, Key, rank, shape_elements
-from graphopt.opt.dims import current as current_dims
-from graphopt.opt.ir import Constant, Node, Tensor, Variable, constant_value
+from graphopt.opt.graph.dims import Dims, Key, rank, shape_elements
+from graphopt.opt.graph.dims import current as current_dims
+from graphopt.opt.graph.ir import Constant, Node, Tensor, Variable, constant_value
 
 from ..activation import inputs, producer, scalar
 from .core import past_empty_concat, rotary_of

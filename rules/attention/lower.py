@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from graphopt.opt.dims import same_dim
-from graphopt.opt.ir import Node, Tensor, Variable, constant_value, dtype_of
-from graphopt.opt.rewrite import Builder
+from graphopt.opt.graph.dims import same_dim
+from graphopt.opt.graph.ir import Node, Tensor, Variable, constant_value, dtype_of
+from graphopt.opt.rewrite.engine import Builder
 
 from ..activation import MS, inputs, producer
 from .gqa import lower_gqa

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from graphopt.opt.dims import Dims, Key, pins, rank, shape_elements
-from graphopt.opt.ir import Tensor, constant_value, dtype_of
-from graphopt.opt.rewrite import NoMatch
+from graphopt.opt.graph.dims import Dims, Key, pins, rank, shape_elements
+from graphopt.opt.graph.ir import Tensor, constant_value, dtype_of
+from graphopt.opt.rewrite.engine import NoMatch
 
 from ..activation import inputs, producer, scalar
 from .core import Core

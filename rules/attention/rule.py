@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from graphopt.opt.dims import Dims, rank, shape_elements
-from graphopt.opt.dims import current as current_dims
-from graphopt.opt.ir import Constant, Node, Tensor, constant_value, dtype_of
-from graphopt.opt.manager import register_rule
-from graphopt.opt.patterns import Alt, Op
+from graphopt.opt.graph.dims import Dims, rank, shape_elements
+from graphopt.opt.graph.dims import current as current_dims
+from graphopt.opt.graph.ir import Constant, Node, Tensor, constant_value, dtype_of
 from graphopt.opt.remarks import Remark
-from graphopt.opt.rewrite import Match, NoMatch, Rule, require
+from graphopt.opt.rewrite.engine import Match, NoMatch, Rule, require
+from graphopt.opt.rewrite.manager import register_rule
+from graphopt.opt.rewrite.patterns import Alt, Op
 
 from ..activation import MS, float_type, inputs, lowering, no_match, producer, scalar, split_const
 from .core import Core, match_core, unrecognized

@@ -7,7 +7,7 @@
   fp32/fp16) generators, each emitting an onnxruntime custom-op library;
 * :mod:`.ort_abi`: graphopt's own minimal declarations of the onnxruntime C API (pinned API 16);
 * :mod:`.toolchain`: compilers (gcc, nvcc) and the content-addressed build cache;
-* :mod:`.library`: builds, the session resolver (registered with ``graphopt.opt.customops``)
+* :mod:`.library`: builds, the session resolver (registered with ``graphopt.opt.verify.customops``)
   and the bundle's ``kernels/`` folder;
 * :mod:`.gates`: the numerics, vectorization and benchmark gates a kernel passes before use.
 
@@ -42,7 +42,7 @@ def kernel_pipeline(target: str, level: int, pipeline: str | None, kernels: bool
     ``fuse-elementwise`` added where kernels are on -- ``kernels=True`` adds it to any pipeline,
     ``None`` follows :func:`kernels_by_default` for the presets (a custom pipeline is run as
     written), ``False`` never adds it."""
-    from graphopt.opt.pipeline import preset, with_kernels
+    from graphopt.opt.rewrite.pipeline import preset, with_kernels
 
     if kernels is None:
         kernels = pipeline is None and kernels_by_default(target, level)

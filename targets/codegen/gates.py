@@ -32,8 +32,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from graphopt.opt.parity import compare_outputs
-from graphopt.opt.perf import ratio_interval
+from graphopt.opt.verify.parity import compare_outputs
+from graphopt.opt.verify.perf import ratio_interval
 
 from .expr import evaluate
 from .spec import KernelSpec
@@ -204,7 +204,7 @@ def _warm_up(sess: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> None:
 
 def decided(unfused: list[float], fused: list[float]) -> bool:
     """Whether paired timings settle the benchmark: the bootstrap 95 % interval of the median
-    per-pair ratio (fused / unfused, :func:`~graphopt.opt.perf.ratio_interval`) excludes 1, or
+    per-pair ratio (fused / unfused, :func:`~graphopt.opt.verify.perf.ratio_interval`) excludes 1, or
     lies within ``1 ± BENCH_TIE``."""
     if len(unfused) < BENCH_MIN_PAIRS or not all(u > 0 for u in unfused):
         return False

@@ -2,7 +2,7 @@
 
 * :func:`cpu_library` / :func:`cuda_library`: generate, build (cached, see ``toolchain``) and
   report: which kernel loops gcc vectorized; registers and spills per CUDA kernel and arch.
-* :func:`resolve` is registered with :mod:`graphopt.opt.customops` for domain
+* :func:`resolve` is registered with :mod:`graphopt.opt.verify.customops` for domain
   ``graphopt.fused``: any onnxruntime session graphopt opens on a model with fused nodes gets
   the CPU library of exactly those kernels (the same library whatever the target: a cuda model's
   fused nodes run their CPU semantics here).
@@ -24,8 +24,8 @@ from typing import Any
 
 import onnx
 
-from graphopt.opt.customops import register_domain
 from graphopt.opt.errors import GraphoptError
+from graphopt.opt.verify.customops import register_domain
 
 from . import cpu, cuda
 from .ort_abi import API_INDEX, ORT_API_VERSION

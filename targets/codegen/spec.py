@@ -13,7 +13,7 @@ from functools import cached_property
 
 import onnx
 
-from graphopt.opt.ir import all_graphs
+from graphopt.opt.graph.ir import all_graphs
 
 from .expr import Expr, ExprError, kernel_id, op_type, parse
 
