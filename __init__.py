@@ -5,27 +5,42 @@ numerical parity checks.
     >>> optimized, report = graphopt.optimize("model.onnx", target="cpu", level=2)
     >>> bundle = graphopt.write_bundle(optimized, report)  # model.cpu.graphopt/
     >>> session = graphopt.load_session(bundle)
+
+Importing graphopt imports neither onnx nor onnxruntime: each name below is imported on first
+use, and the passes, rules and targets register themselves when a table is first read
+(:mod:`graphopt.opt.registry`).
 """
 
 from . import _interrupt  # noqa: F401  first: Ctrl-C while the rest imports (the command)
 
 # isort: split
-from . import passes, rules, targets  # noqa: F401  (register passes, rules and targets)
-from .opt.errors import GraphoptError
-from .opt.graph.io import load_model, save_model
-from .opt.optimizer import Report, optimize
-from .targets.bundle import load_session, open_session, run_bundle, write_bundle
+from .opt import registry
+
+registry.PLUGINS[:] = ["graphopt.passes", "graphopt.rules", "graphopt.targets"]
 
 __version__ = "0.1.0"
-__all__ = [
-    "GraphoptError",
-    "Report",
-    "load_model",
-    "load_session",
-    "open_session",
-    "optimize",
-    "run_bundle",
-    "save_model",
-    "write_bundle",
-    "__version__",
-]
+
+#: the public names and the modules they live in
+_API = {
+    "GraphoptError": "graphopt.opt.errors",
+    "Report": "graphopt.opt.report.schema",
+    "load_model": "graphopt.opt.graph.io",
+    "save_model": "graphopt.opt.graph.io",
+    "optimize": "graphopt.opt.optimizer",
+    "load_session": "graphopt.targets.bundle",
+    "open_session": "graphopt.targets.bundle",
+    "run_bundle": "graphopt.targets.bundle",
+    "write_bundle": "graphopt.targets.bundle",
+}
+__all__ = [*sorted(_API), "__version__"]
+
+
+def __getattr__(name: str):
+    if name not in _API:
+        raise AttributeError(f"module 'graphopt' has no attribute {name!r}")
+    import importlib
+
+    registry.load_plugins()
+    value = getattr(importlib.import_module(_API[name]), name)
+    globals()[name] = value
+    return value

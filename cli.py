@@ -24,47 +24,23 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Annotated
 
+import typer
+from typer import Argument, Exit, Option
+
 from . import __version__, _interrupt, flags, render
-from . import optimize as run_optimize
-from .command import App, Argument, Exit, Option
 from .flags import STATE, TARGET, Format, Reference
-from .opt import errors
-from .opt.bisect import BISECT_KIND, default_bisect_dir, write_bisect_result
-from .opt.bisect import bisect as run_bisect
-from .opt.clock import Clock
-from .opt.graph.io import (
-    atomic_write,
-    atomic_write_text,
-    check_output_dir,
-    check_side_outputs,
-    load_model,
-    save_model,
-    validate,
-)
-from .opt.graph.spool import SpoolDir
-from .opt.numerics.reference import upcast_to_float64
-from .opt.optimizer import sparse_collection
-from .opt.report.explain import check_filters, check_rule, node_ops, resolve_explain_op
-from .opt.report.explain import explain as explain_report
-from .opt.report.lint import freeze_initializers as freeze_model
-from .opt.report.lint import lint as lint_model
-from .opt.report.report_html import render_html
-from .opt.rewrite.manager import PASSES, RULES
-from .opt.rewrite.target import TARGETS, get_target
-from .opt.verify import gate as ci
-from .opt.verify import verdict as verdicts
-from .opt.verify.bench import apply_baseline, baseline_payload, measure, parse_regression
-from .opt.verify.feeds import read_feeds
-from .opt.verify.parity import check_parity, parse_shapes, parse_tolerances
 from .progress import progress
 from .render import err, print_json
-from .targets.bundle import BUNDLE_KIND, default_bundle_dir, protected_paths, write_bundle
-from .targets.codegen import kernel_pipeline
 
 __all__ = ["TARGET", "app", "console"]  # TARGET: the --target option (its help names every target)
 
-app = App(
-    "graphopt", help="Optimize ONNX models for a target, prove parity, explain every rewrite."
+app = typer.Typer(
+    name="graphopt",
+    help="Optimize ONNX models for a target, prove parity, explain every rewrite.",
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 
@@ -90,6 +66,8 @@ def main(
 @contextmanager
 def handled() -> Iterator[None]:
     """Turn GraphoptError (and unexpected errors) into one line + exit code."""
+    from .opt import errors
+
     try:
         yield
     except errors.GraphoptError as e:
@@ -126,6 +104,8 @@ def handled() -> Iterator[None]:
 
 def _finite(value: float, flag: str, lo: float | None = 0.0) -> float:
     """A flag's number must be finite (and at least ``lo``)."""
+    from .opt import errors
+
     if not math.isfinite(value) or (lo is not None and value < lo):
         bound = f"a finite number >= {lo:g}" if lo is not None else "a finite number"
         raise errors.UsageError(f"{flag} must be {bound} (got {value})")
@@ -134,11 +114,15 @@ def _finite(value: float, flag: str, lo: float | None = 0.0) -> float:
 
 def _feeds(inputs: Path | None, model):
     """``--inputs`` read for ``model`` (a path or a proto), or None."""
+    from .opt.verify.feeds import read_feeds
+
     return read_feeds(inputs, model) if inputs is not None else None
 
 
 def _write_remarks(path: Path, remarks: list) -> None:
     """``--remarks``: the remark objects as JSON lines."""
+    from .opt.graph.io import atomic_write_text
+
     text = "".join(json.dumps(r.to_dict(), sort_keys=True) + "\n" for r in remarks)
     atomic_write_text(path, text)
 
@@ -184,6 +168,19 @@ def optimize(
     strict_fallback: flags.StrictFallback = False,
 ) -> None:
     """Optimize MODEL for a target; write OUT_DIR/model.onnx and OUT_DIR/report.json."""
+    from .opt import errors
+    from .opt.clock import Clock
+    from .opt.graph.io import atomic_write_text, check_output_dir, check_side_outputs
+    from .opt.graph.spool import SpoolDir
+    from .opt.optimizer import optimize as run_optimize
+    from .opt.optimizer import sparse_collection
+    from .opt.report.report_html import render_html
+    from .opt.verify import gate as ci
+    from .opt.verify import verdict as verdicts
+    from .opt.verify.parity import parse_shapes, parse_tolerances
+    from .targets.bundle import BUNDLE_KIND, default_bundle_dir, protected_paths, write_bundle
+    from .targets.codegen import kernel_pipeline
+
     with handled(), sparse_collection():  # writing the bundle of a large graph too
         clock = Clock.since_process_start()  # report.seconds: every phase of the wait
         src = model.resolve()
@@ -280,6 +277,8 @@ def _manifest(bundle: Path) -> dict | None:
 
 def _conclude(report, results: list, checked: bool) -> None:
     """Warnings a run still owes, then the verdict's line and exit code."""
+    from .opt.verify import verdict as verdicts
+
     for line in verdicts.safety_net_warnings(report) + verdicts.fallback_warnings(report):
         render.warn(line)
     verdict = verdicts.decide(report, results, checked=checked)
@@ -304,6 +303,12 @@ def check(
     debug: flags.Debug = False,
 ) -> None:
     """Compare two models' outputs with onnxruntime; exit 3 when they differ."""
+    from .opt import errors
+    from .opt.graph.io import load_model
+    from .opt.numerics.reference import upcast_to_float64
+    from .opt.rewrite.target import TARGETS
+    from .opt.verify.parity import check_parity, parse_shapes, parse_tolerances
+
     with handled():
         if optimized.is_dir():
             optimized = optimized / "model.onnx"
@@ -356,6 +361,19 @@ def bisect(
     """Find the first rewrite that breaks parity (binary search on --bisect-limit).
 
     Exit 3 when a culprit is found (parity is broken), 0 when parity holds."""
+    from .opt import errors
+    from .opt.bisect import (
+        BISECT_KIND,
+        default_bisect_dir,
+        write_bisect_result,
+    )
+    from .opt.bisect import (
+        bisect as run_bisect,
+    )
+    from .opt.graph.io import check_output_dir, load_model
+    from .opt.verify.parity import parse_shapes
+    from .targets.bundle import protected_paths
+
     with handled():
         protected = protected_paths(model.resolve())
         dest = check_output_dir(output or default_bisect_dir(model), BISECT_KIND, protected)
@@ -400,6 +418,19 @@ def explain(
     """Which rules fired where, which were refused where and why (with a hint for the fix).
 
     A --rule, --node, --code or --op that names nothing exits 2 with the nearest names."""
+    from .opt.graph.io import check_side_outputs, load_model
+    from .opt.optimizer import optimize as run_optimize
+    from .opt.report.explain import (
+        check_filters,
+        check_rule,
+        node_ops,
+        resolve_explain_op,
+    )
+    from .opt.report.explain import (
+        explain as explain_report,
+    )
+    from .opt.verify.parity import parse_shapes
+
     with handled():
         src = model.resolve()
         check_side_outputs({"--remarks": remarks}, models=[src], files=[inputs] if inputs else [])
@@ -440,6 +471,13 @@ def lint(
 ) -> None:
     """Pitfalls of real exports (weights as inputs, custom domains, fp16 saturation...), each
     with its fix."""
+    from .opt import errors
+    from .opt.graph.io import check_side_outputs, load_model, save_model
+    from .opt.optimizer import optimize as run_optimize
+    from .opt.report.lint import freeze_initializers as freeze_model
+    from .opt.report.lint import lint as lint_model
+    from .opt.rewrite.target import get_target
+
     with handled():
         get_target(target)  # an unknown target is a usage error, not "no findings"
         dest = None
@@ -486,6 +524,8 @@ def _refuse_invalid(proto, path: Path) -> None:
     where the model is too broken to look at (a cycle, a recursive function, raw data of the
     wrong size), the checker's reason is the error (exit 1).  Returns when the checker accepts
     the model (the caller raises what it caught)."""
+    from .opt.graph.io import validate
+
     validate(proto, path)
 
 
@@ -512,6 +552,13 @@ def bench(
     debug: flags.Debug = False,
 ) -> None:
     """p50/p95 latency of original and optimized (interleaved); the CI regression gate."""
+    from .opt import errors
+    from .opt.graph.io import atomic_write_text, check_side_outputs, load_model
+    from .opt.optimizer import optimize as run_optimize
+    from .opt.verify import gate as ci
+    from .opt.verify.bench import apply_baseline, baseline_payload, measure, parse_regression
+    from .opt.verify.parity import parse_shapes
+
     with handled():
         limit = _finite(parse_regression(max_regression), "--max-regression", None)
         _finite(min_seconds, "--min-seconds")
@@ -586,6 +633,14 @@ def gate(
     measured until the interval is narrower than --max-regression.  Exit 3 parity, 4 target /
     expectations / an interval too wide to save, 5 the whole interval regressed past the limit.
     Writes nothing but --junit and --save-baseline."""
+    from .opt import errors
+    from .opt.graph.io import check_side_outputs
+    from .opt.optimizer import optimize as run_optimize
+    from .opt.verify import gate as ci
+    from .opt.verify import verdict as verdicts
+    from .opt.verify.bench import parse_regression
+    from .opt.verify.parity import parse_shapes, parse_tolerances
+
     with handled():
         limit = _finite(parse_regression(max_regression), "--max-regression")
         if limit <= 0:
@@ -642,6 +697,10 @@ def gate(
 
 def _gate_outputs(model: Path, report, results, latency, verdict, save_baseline, junit) -> None:
     """``--save-baseline`` (when the verdict has one to save) and ``--junit``."""
+    from .opt.graph.io import atomic_write_text
+    from .opt.verify import gate as ci
+    from .opt.verify import verdict as verdicts
+
     if save_baseline and verdict.baseline:
         atomic_write_text(save_baseline, json.dumps(verdict.baseline, indent=2, sort_keys=True))
     if junit:
@@ -654,6 +713,8 @@ def _gate_outputs(model: Path, report, results, latency, verdict, save_baseline,
 @app.command()
 def rules(fmt: flags.Fmt = Format.text, debug: flags.Debug = False) -> None:
     """List every rule and pass with its level and one line."""
+    from .opt.rewrite.manager import PASSES, RULES
+
     rows = [
         {"name": r.name, "kind": "rule", "root": r.root, "level": r.level, "summary": r.summary}
         for r in RULES.values()
@@ -679,6 +740,9 @@ def targets(
     debug: flags.Debug = False,
 ) -> None:
     """List the targets; `targets show NAME` prints one target's profile and kernel table."""
+    from .opt import errors
+    from .opt.rewrite.target import TARGETS
+
     with handled():
         if action is not None:
             if action != "show" or not name:
@@ -721,6 +785,9 @@ def run(
 ) -> None:
     """Run a bundle with onnxruntime exactly as its manifest and session config say (on the
     machine that wrote it, its machine-specific fast path)."""
+    from .opt import errors
+    from .opt.graph.io import check_side_outputs
+
     with handled():
         from .targets.bundle import describe_value, providers_problem, read_bundle, run_bundle
 
@@ -769,6 +836,11 @@ def profile(
 ) -> None:
     """Where the time goes, node by node (onnxruntime's profiler, the session as the bundle
     deploys), who owns it, and which missed fusions hold the most of it."""
+    from .opt import errors
+    from .opt.graph.io import atomic_write_text, check_side_outputs, load_model
+    from .opt.rewrite.target import get_target
+    from .opt.verify.parity import parse_shapes
+
     with handled():
         from .opt.verify import profile as prof
 
@@ -823,6 +895,7 @@ def _profile_bundle(bundle: Path, target, inputs, shapes, runs) -> tuple[dict, d
     applies), its golden inputs unless ``--inputs``/``--shape``, its report's remarks."""
     import onnx
 
+    from .opt import errors
     from .opt.verify import profile as prof
     from .targets.bundle import GOLDEN_INPUTS, open_session, providers_problem, read_bundle
 
@@ -873,10 +946,48 @@ def _save_outputs(path: Path, outputs: dict) -> None:
     """``run -o``: the outputs as one .npz."""
     import numpy as np
 
+    from .opt import errors
+    from .opt.graph.io import atomic_write
+
     try:
         atomic_write(path, lambda f: np.savez(f, **outputs))
     except OSError as e:
         raise errors.ModelSaveError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def run_args(args: list[str]) -> int:
+    """The exit code of the command line ``args``: typer parses and runs the command; a usage
+    error is one ``error:`` line on stderr and exit 2, Ctrl-C inside the command exit 130."""
+    from .opt import errors
+
+    args = list(args) or ["--help"]
+    try:
+        code = app(args=args, prog_name="graphopt", standalone_mode=False)
+    except Exit as e:
+        return e.exit_code
+    except typer.TyperException as e:  # click's usage errors (typer's own exception tree)
+        ctx = getattr(e, "ctx", None)
+        where = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        got = _given(args, getattr(e, "param", None))
+        sys.stderr.write(f"error: {e.format_message()}{got}{where}\n")
+        return getattr(e, "exit_code", errors.EXIT_USAGE)
+    except (KeyboardInterrupt, typer.Abort):
+        code = _interrupt.EXIT_INTERRUPTED
+    if code == _interrupt.EXIT_INTERRUPTED:  # typer turns Ctrl-C in the command into exit 130
+        sys.stderr.write(_interrupt.MESSAGE)
+    return code if isinstance(code, int) else 0
+
+
+def _given(args: list[str], param) -> str:
+    """`` (got VALUE)``: what the command line gave the flag a usage error is about."""
+    names = getattr(param, "opts", None) or []
+    for i, arg in enumerate(args):
+        for name in names:
+            if arg == name and i + 1 < len(args):
+                return f" (got {args[i + 1]})"
+            if name.startswith("--") and arg.startswith(name + "="):
+                return f" (got {arg.split('=', 1)[1]})"
+    return ""
 
 
 def console() -> None:
@@ -895,7 +1006,7 @@ def console() -> None:
         _tune_malloc()
         _one_blas_thread()
         try:
-            code = app.run(sys.argv[1:])
+            code = run_args(sys.argv[1:])
         finally:
             _interrupt.handle_with(_interrupt.exit_now)  # exiting: nothing to unwind
             gc.freeze()
@@ -908,6 +1019,8 @@ def console() -> None:
 def _cap_memory() -> None:
     """``GRAPHOPT_MEMORY_MB``: the process's address space is capped there (RLIMIT_AS), so a
     run that would exhaust the machine ends with "ran out of memory", exit 1."""
+    from .opt import errors
+
     value = os.environ.get("GRAPHOPT_MEMORY_MB", "").strip()
     if not value:
         return

@@ -11,9 +11,11 @@ from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
-from .command import Option
-from .opt.rewrite.target import TARGETS
+from typer import Option
 
+#: the targets ``--target`` takes, for its help (the profiles register themselves on first use;
+#: a test checks this list against them)
+TARGET_NAMES = ("cpu", "cuda", "tensorrt", "npu")
 #: ``--debug`` anywhere on the command line: errors show their traceback.
 STATE = {"debug": False}
 MAX_THREADS = 1024
@@ -57,7 +59,7 @@ def _set_debug(value: bool) -> bool:
 
 # ------------------------------------------------------------------ shared by several commands
 FORMAT = Option("--format", help="text or json (json: one document on stdout).")
-TARGET = Option("--target", "-t", help=f"Target: {', '.join(TARGETS)}.")
+TARGET = Option("--target", "-t", help=f"Target: {', '.join(TARGET_NAMES)}.")
 DEBUG = Option(
     "--debug", help="Show tracebacks (also accepted before the command).", callback=_set_debug
 )
@@ -323,7 +325,7 @@ ProfileTarget = Annotated[
     Option(
         "--target",
         "-t",
-        help=f"Target of a model file (default cpu; a bundle has its own): {', '.join(TARGETS)}.",
+        help=f"Target of a model file (default cpu; a bundle has its own): {', '.join(TARGET_NAMES)}.",
     ),
 ]
 ProfileRuns = Annotated[

@@ -11,11 +11,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .opt.clock import phase_summary
-from .opt.report.explain import group_misses, levers
-from .opt.rewrite.manager import RULES
-from .opt.rewrite.pipeline import LEVEL_NAMES
-
 
 class _Console:
     """A rich Console made on first use: a run that prints nothing (``--quiet``) does not import
@@ -96,6 +91,9 @@ ACCEPTED_CODES = ("graph-sorted", "dim-param-split")
 
 
 def render_report(report, custom_pipeline: bool = False) -> None:
+    from .opt.clock import phase_summary
+    from .opt.report.explain import group_misses
+
     how = f"pipeline '{report.pipeline}'" if custom_pipeline else f"-O{report.level}"
     took = phase_summary(report.seconds)  # the wait, phase by phase
     out.print(
@@ -137,6 +135,8 @@ def render_report(report, custom_pipeline: bool = False) -> None:
 
 def render_fired(report) -> None:
     """Fired fusions (rules of level 2+) and cleanups with their counts, most first."""
+    from .opt.rewrite.manager import RULES
+
     fired = sorted(
         ((n, st["fired"]) for n, st in report.rules.items() if st["fired"]),
         key=lambda kv: (-kv[1], kv[0]),
@@ -152,6 +152,8 @@ def render_misses(groups: list[dict]) -> None:
     """Missed/failed remarks grouped by (rule, code), one line each: count, rule, code, one
     example node, what to do; at most MAX_MISS_GROUPS lines, then the flags that would let more
     fuse.  The full list is in report.json, --remarks and `graphopt explain`."""
+    from .opt.report.explain import levers
+
     if not groups:
         return
     total = sum(g["count"] for g in groups)
@@ -402,6 +404,8 @@ def render_lint(payload: dict, findings: list) -> None:
 
 
 def render_rules(rows: list[dict]) -> None:
+    from .opt.rewrite.pipeline import LEVEL_NAMES
+
     t = Table(show_edge=False)
     for col in ("name", "kind", "root", "level", "summary"):
         t.add_column(col)

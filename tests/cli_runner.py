@@ -8,6 +8,8 @@ import io
 import os
 from dataclasses import dataclass
 
+from graphopt.cli import run_args
+
 
 @dataclass
 class Result:
@@ -31,7 +33,8 @@ class _Tee(io.StringIO):
 
 
 class CliRunner:
-    def invoke(self, app, args, env: dict[str, str] | None = None) -> Result:
+    def invoke(self, app, args,  # app: graphopt.cli.app, run by run_args
+                env: dict[str, str] | None = None) -> Result:
         both = io.StringIO()
         out, err = _Tee(both), _Tee(both)
         saved = {k: os.environ.get(k) for k in env or {}}
@@ -40,7 +43,7 @@ class CliRunner:
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
                 try:
-                    code = app.run([str(a) for a in args])
+                    code = run_args([str(a) for a in args])
                 except SystemExit as e:
                     code = e.code if isinstance(e.code, int) else 1
                 except Exception as e:  # noqa: BLE001 - reported like an uncaught error

@@ -16,6 +16,7 @@ from cli_runner import CliRunner
 from conftest import ROOT, const, model, vi
 from graphopt import render
 from graphopt.cli import app
+from graphopt.opt import optimizer as optimizer_module
 from graphopt.opt.errors import UsageError
 from graphopt.opt.remarks import Remark
 from graphopt.opt.report.explain import group_misses
@@ -79,7 +80,7 @@ def test_debug_is_accepted_after_the_command(tmp_path, rng, monkeypatch):
     def boom(*_a, **_k):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(cli, "run_optimize", boom)
+    monkeypatch.setattr(optimizer_module, "optimize", boom)
     res = invoke("optimize", p, "-o", tmp_path / "o")
     assert res.exit_code == 1 and "rerun with --debug" in res.stderr
     for args in (("--debug", "optimize", p), ("optimize", p, "--debug")):
@@ -206,7 +207,7 @@ def test_parity_hint_is_not_repeated():
 
 def test_safety_net_reverts_are_loud(tmp_path, rng, monkeypatch):
     p = conv_relu(tmp_path, rng)
-    real = cli.run_optimize
+    real = optimizer_module.optimize
 
     def with_revert(*a, **k):
         out, report = real(*a, **k)
@@ -215,7 +216,7 @@ def test_safety_net_reverts_are_loud(tmp_path, rng, monkeypatch):
         )
         return out, report
 
-    monkeypatch.setattr(cli, "run_optimize", with_revert)
+    monkeypatch.setattr(optimizer_module, "optimize", with_revert)
     res = invoke("optimize", p, "-o", tmp_path / "o", "--format", "json")
     assert res.exit_code == 0
     assert "warning: safety net: reverted" in res.stderr and res.stdout.startswith("{")

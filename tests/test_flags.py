@@ -11,8 +11,8 @@ from onnx import helper
 
 from cli_runner import CliRunner
 from conftest import const, model, vi
-from graphopt import cli
 from graphopt.cli import app
+from graphopt.opt import optimizer as optimizer_module
 from graphopt.opt.remarks import Remark
 
 runner = CliRunner()
@@ -227,7 +227,7 @@ def test_parity_that_could_not_run_exits_3(unrunnable, tmp_path):
 
 
 def test_verify_failure_exits_1_with_its_reason(relu, tmp_path, monkeypatch):
-    real = cli.run_optimize
+    real = optimizer_module.optimize
 
     def with_verify_failure(*args, **kwargs):
         optimized, report = real(*args, **kwargs)
@@ -243,7 +243,7 @@ def test_verify_failure_exits_1_with_its_reason(relu, tmp_path, monkeypatch):
         )
         return optimized, report
 
-    monkeypatch.setattr(cli, "run_optimize", with_verify_failure)
+    monkeypatch.setattr(optimizer_module, "optimize", with_verify_failure)
     res = invoke("optimize", relu, "-o", tmp_path / "o", "-q")
     assert res.exit_code == 1, res.output
     assert "runtime-rejects: onnxruntime refused the model" in one_error_line(res)

@@ -10,10 +10,10 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-import graphopt.cli as cli
 from cli_runner import CliRunner
 from conftest import EXAMPLES, const, model, vi
 from graphopt.cli import app
+from graphopt.opt import optimizer as optimizer_module
 from graphopt.opt.errors import UsageError
 from graphopt.opt.verify.gate import (
     IntervalTooWide,
@@ -233,7 +233,7 @@ def test_gate_baseline_then_pass_then_catch_a_slowed_model(tmp_path, monkeypatch
     assert "gate passed" in res.stdout
     cases = {c.get("name"): c for c in ET.parse(junit).getroot().iter("testcase")}
     assert "latency" in cases and cases["latency"].find("failure") is None
-    monkeypatch.setattr(cli, "run_optimize", _slowed(cli.run_optimize))
+    monkeypatch.setattr(optimizer_module, "optimize", _slowed(optimizer_module.optimize))
     res = runner.invoke(app, [*args, "--baseline", str(base), "--junit", str(junit)])
     assert res.exit_code == 5, res.output
     assert "latency regression" in res.stderr

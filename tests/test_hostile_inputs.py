@@ -20,9 +20,9 @@ from onnx import external_data_helper, helper, numpy_helper
 
 from cli_runner import CliRunner
 from conftest import vi
-from graphopt import cli
 from graphopt.cli import app
 from graphopt.opt.errors import UsageError
+from graphopt.opt.graph import io as graph_io
 from graphopt.opt.graph.io import atomic_write_text
 
 runner = CliRunner()
@@ -109,13 +109,13 @@ def test_a_link_to_a_device_is_refused_and_named(relu, tmp_path):
 def test_what_appears_at_a_side_output_after_the_check_is_not_replaced(relu, tmp_path, monkeypatch):
     """The check is made again when the file is written, not only up front."""
     target = tmp_path / "remarks.jsonl"
-    real_check = cli.check_side_outputs
+    real_check = graph_io.check_side_outputs
 
     def check_then_swap(*a, **k):
         real_check(*a, **k)
         os.mkfifo(target)  # appears after the up-front check
 
-    monkeypatch.setattr(cli, "check_side_outputs", check_then_swap)
+    monkeypatch.setattr(graph_io, "check_side_outputs", check_then_swap)
     args = ["optimize", relu, "-o", tmp_path / "out", "-q", "--remarks", target]
     assert "a FIFO" in one_line(runner.invoke(app, args), 2)
     assert stat.S_ISFIFO(os.stat(target).st_mode)

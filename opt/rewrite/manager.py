@@ -32,6 +32,7 @@ import onnx
 from ..errors import GraphoptError, UsageError
 from ..graph.domains import is_default
 from ..graph.ir import ModelIR, subgraphs
+from ..registry import Registry
 from .context import Pass, PassContext, PassRecord, PhaseRun
 from .engine import PHASES, Rule, apply_rules
 
@@ -240,8 +241,8 @@ def verify(ir: ModelIR, after: str) -> None:
 
 
 # ----------------------------------------------------------------------- registries
-PASSES: dict[str, type[Pass]] = {}
-RULES: dict[str, Rule] = {}
+PASSES: dict[str, type[Pass]] = Registry()
+RULES: dict[str, Rule] = Registry()
 #: checks of the finished graph, run once after the pipeline (``FINAL_CHECKS[rule]``: only when
 #: that rule ran): they file the remarks a rule owes for what it never looked at
 FINAL_CHECKS: dict[str, Callable[[ModelIR, PassContext], None]] = {}

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..errors import UsageError
 from ..graph.domains import norm_domain
+from ..registry import Registry
 
 FLOAT16 = "tensor(float16)"
 FLOAT = "tensor(float)"
@@ -136,7 +137,7 @@ def _kernel_cache(target: Target) -> KernelTable:
     return _CACHE[target.name]
 
 
-TARGETS: dict[str, Target] = {}
+TARGETS: dict[str, Target] = Registry()
 
 
 def register_target(target: Target) -> Target:
