@@ -81,14 +81,7 @@ def handled() -> Iterator[None]:
     except MemoryError:
         if STATE["debug"]:
             raise
-        cap = os.environ.get("GRAPHOPT_MEMORY_MB", "").strip()
-        err.print(
-            "error: ran out of memory"
-            + (f" (GRAPHOPT_MEMORY_MB={cap})" if cap else "")
-            + "; nothing was written",
-            markup=False,
-            soft_wrap=True,
-        )
+        err.print(_out_of_memory(), markup=False, soft_wrap=True)
         raise Exit(errors.EXIT_ERROR) from None
     except Exception as e:  # noqa: BLE001 - last resort: one line, never a traceback by default
         if STATE["debug"]:
@@ -973,9 +966,19 @@ def run_args(args: list[str]) -> int:
         return getattr(e, "exit_code", errors.EXIT_USAGE)
     except (KeyboardInterrupt, typer.Abort):
         code = _interrupt.EXIT_INTERRUPTED
+    except MemoryError:  # while parsing or importing, before the command's own handler
+        sys.stderr.write(_out_of_memory() + "\n")
+        return errors.EXIT_ERROR
     if code == _interrupt.EXIT_INTERRUPTED:  # typer turns Ctrl-C in the command into exit 130
         sys.stderr.write(_interrupt.MESSAGE)
     return code if isinstance(code, int) else 0
+
+
+def _out_of_memory() -> str:
+    """The one line of a run that ran out of memory (under ``GRAPHOPT_MEMORY_MB``, named)."""
+    cap = os.environ.get("GRAPHOPT_MEMORY_MB", "").strip()
+    named = f" (GRAPHOPT_MEMORY_MB={cap})" if cap else ""
+    return f"error: ran out of memory{named}; nothing was written"
 
 
 def _given(args: list[str], param) -> str:
@@ -1026,6 +1029,10 @@ def _cap_memory() -> None:
         return
     try:
         import resource
+
+        import numpy  # noqa: F401  (the libraries' loads reserve address space: before the cap)
+        import onnx  # noqa: F401
+        import onnxruntime  # noqa: F401
 
         limit = int(float(value) * 2**20)
         resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
