@@ -3,8 +3,8 @@ Conv, and Conv [+ Z] + activation into FusedConv.
 
 Folds are computed in float64 and stored in the weight dtype only behind precision guards: into
 fp16/bf16 weights only where the folded layer's measured error is no worse than the unfused
-graph's (``opt/precision.require_refold_no_worse``), or, for Conv+BN on a target that runs
-onnxruntime at level BASIC or above, than onnxruntime's own fold, which it does anyway.  The
+graph's (``opt/numerics/precision.require_refold_no_worse``), or, for Conv+BN on a target that
+runs onnxruntime at level BASIC or above, than onnxruntime's own fold, which it does anyway.  The
 algebra and the measurements behind this: docs/rules.md (Conv algebra), docs/benchmarks.md.
 """
 
