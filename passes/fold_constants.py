@@ -1,58 +1,12 @@
 """Constant folding, shape folding included, with size, arithmetic and quantization guards.
 
 Every node whose inputs are all known at optimization time is evaluated by onnxruntime (all such
-nodes of one round in a single session) and replaced by its value.  ``Shape``/``Size`` of a tensor
-whose shape is static after shape inference are known too, so exporter shape glue
-(Shape→Gather→Unsqueeze→Concat→Reshape) collapses into a constant Reshape target.
-
-Never an accident -- each refusal is a missed remark with its code:
-
-* ``fold-size-limit``: a node whose output would be larger than ``fold-size-limit`` bytes
-  (default 1 MiB) *and* more than twice its distinct constant inputs (ConstantOfShape / Expand /
-  Tile building weights, as in the ONNX zoo's "light" models; a Concat of one constant with
-  itself).  ConstantOfShape, Expand, Tile and Range are sized from their operands *before* they
-  are evaluated, so a 2 GiB ConstantOfShape is never allocated; other ops are sized from their
-  inferred static shapes when known.
-* ``fold-size-budget``: all folds together may not grow the model's constant bytes by more than
-  ``fold-size-limit / 64`` (16 KiB by default) or 1 % of the model's own constant bytes,
-  whichever is larger: a large model's run-time shape glue
-  and masks (torchvision Swin-T's shifted-window masks, ~0.5 MB in a 115 MB model: 1774 → 450
-  nodes) fold, a small one stays within 16 KiB; chains
-  (six Tile x2 in a row) cannot grow the model step by step past the per-node limit, and an
-  optimized model is not bigger than its input for folds.  The growth is counted over the
-  whole optimization, every fixpoint iteration and subgraph body included.  A round's folds
-  are judged by constant *cone* (the nodes joined by the values they compute for each other,
-  or by being all the readers of one constant): by what the cone leaves in the model -- the
-  folded tensors still read after it, minus the constants that die with it -- not by its
-  intermediates, so Swin v2's continuous-position-bias MLP (a small coordinate table through
-  a 0.44 MiB hidden layer into a small bias table) folds.  A cone that does not fit is judged
-  node by node, in order, each fold net of the constants it alone makes dead; what reads a
-  refused node stays too (a Tile blow-up that the cone keeps is refused at the Tile).
-* ``tied-weight``: a fold that only re-lays out or converts a constant (``COPY_OPS``:
-  Transpose, Cast, Reshape, ...) while other nodes still read it would store the tensor
-  twice; past ``fold-size-limit`` it is refused, whatever the budget left, and the missed
-  remark names those readers (a smaller one counts against ``fold-size-budget``, never as a
-  weight built at run time: the weight exists already).  Tied embeddings stay tied: a GPT LM head
-  ``MatMul(x, Transpose(wte))`` on the embedding the token Gather reads keeps its Transpose,
-  which ``fuse-matmul-transpose`` then takes into the MatMul (FusedMatMul or Gemm with
-  transB: the weight read in place).  A copy of a shared constant buys nothing at run time
-  anyway: onnxruntime folds constants itself when it loads the model.
-* Weights built at run time (``ConstantOfShape`` / ``Expand`` / ``Tile`` followed by
-  ``Mul``/``Add``...) are bounded differently, since folding them is what lets Conv+BN, Gemm and
-  the other fusions fire, and the runtime builds them in memory anyway.  A fold whose result
-  reaches a weight slot (Conv/ConvTranspose weight or bias, MatMul/Gemm B or C,
-  BatchNormalization/LayerNormalization parameters), through element-wise and layout ops whose
-  other operands are constant-derived, may be as large as the model's largest initializer (when
-  that exceeds ``fold-size-limit``), and all such folds together may grow the model's constants
-  by at most the bytes of its own initializers (the model at most doubles); both measured on the
-  model as loaded.  Their growth is counted apart from ``fold-size-budget`` (a cone's, when
-  every tensor it leaves builds a weight); beyond either bound the same codes refuse.
-* ``fold-division-by-zero`` / ``fold-integer-overflow``: integer Div and Mod are checked with
-  numpy before evaluation; a zero divisor or INT_MIN / -1 would kill the process (SIGFPE), even
-  in an If branch that never runs, so they are not evaluated.
-* Quantization (``opt/quant``): a DequantizeLinear is never folded, and so nothing computed from
-  its output is; a QuantizeLinear of a float constant folds to its integer constant (exact).
-  Nodes reading or producing int4/uint4/fp8 tensors are not evaluated (numpy has no such types).
+nodes of one round in a single session); ``Shape``/``Size`` of a static shape are known too.  Each
+refusal is a missed remark with its code, so that folding never grows a model by accident, never
+copies a tied weight, never evaluates what would kill the process (integer Div/Mod by zero or
+INT_MIN / -1) and never folds through a DequantizeLinear: ``fold-size-limit``,
+``fold-size-budget``, ``tied-weight``, ``fold-division-by-zero``, ``fold-integer-overflow``.
+What each bound is and how a constant cone is judged: docs/rules.md (fold-constants).
 """
 
 from __future__ import annotations

@@ -6,40 +6,12 @@ presets on cpu and cuda (``graphopt.targets.codegen.kernel_pipeline``; ``--no-ke
 ``GRAPHOPT_NO_KERNELS=1`` turn that off), ``--kernels`` adds it to any pipeline, and
 ``--pipeline`` may name it.
 
-What is fused (the top-level graph; subgraph bodies are left alone in this version):
-
-* element-wise nodes -- unary Relu, Sigmoid, Tanh, Exp, Log, Erf, Abs, Neg, Sqrt, Reciprocal,
-  Softplus, HardSwish, Clip (constant bounds), LeakyRelu, Elu, HardSigmoid, Pow (constant
-  exponent in {±1, ±0.5, 2, 3, 4}); binary Add, Sub, Mul, Div, Max, Min -- in float32 (cpu) or
-  float32/float16 (cuda), whose operands are each either a runtime tensor of the output's exact
-  shape or a constant that is a scalar or holds one value per channel along a single axis, or
-  any other float constant that broadcasts to a *static* output shape of at most
-  ``MAX_BROADCAST_ELEMENTS`` (YOLO's anchor grids): that one is expanded to the output shape and
-  read as one more input (memory traffic like a runtime operand, no index arithmetic);
-* grouped into maximal regions: a producer joins its consumer's region when every reader of its
-  output is in the region and it is not a graph output, so a region has one value leaving it;
-  regions read any number of same-shaped runtime tensors (x·σ(x·s+t) reads x twice, a residual
-  add reads a second tensor);
-* regions of at least 3 nodes (or 2 that gate a tensor by a function of itself, ``x·g(x)``), all
-  per-channel constants along one axis, whose expression is not
-  one op the target runs as a single kernel at the model's opset (HardSwish, Gelu, FastGelu,
-  QuickGelu, Mish: a ``target-has-kernel`` remark instead; ``HardSwish`` spelled
-  Add/Clip/Mul/Div in an opset-11 Paddle export has no single kernel there and is fused).
-
-Each candidate becomes a ``graphopt.fused`` node ``Elementwise_<id>`` carrying ``expr`` (see
-``targets/codegen/expr.py``), ``dtype`` and ``channel_axis`` -- a call of a model-local function
-whose body is the chain in standard ops (``targets/codegen/portable.py``), so a bare onnxruntime
-session runs the model without the kernel library --, but only after its kernel passed the
-gates of ``targets/codegen/gates.py`` at the chain's shape (numerics vs onnxruntime and vs
-float64, loop vectorized, faster than onnxruntime's run of the chain at ORT_ENABLE_ALL with one
-thread).  The benchmark that decides runs the chain *with its direct neighbours* (producers of
-its inputs, readers of its output) in both models when their shapes are known: onnxruntime fuses
-across the chain's boundary (a bias Add into the Gemm before it), and a chain that only looks
-faster alone is refused (``slower-in-context``; measured on a layer-scale tail: 3.5x alone,
-0.98x in the model).  The chain-alone numbers are kept as the per-kernel latency.  On cuda
-the kernels are also built with nvcc and refused if they spill; they are not benchmarked
-without a GPU (an analysis remark says so).  A failed gate is a *missed* remark with
-the numbers; no compiler is a missed ``no-compiler`` remark, never an error.
+Each region of the top-level graph with one value leaving it becomes a ``graphopt.fused`` node
+(a call of a model-local function whose body is the chain in standard ops), kept only after its
+kernel passed the gates of ``targets/codegen/gates.py``, the speed gate run with the chain's
+neighbours because onnxruntime fuses across the chain's boundary.  A failed gate is a missed
+remark with the numbers; no compiler is a ``no-compiler`` remark, never an error.  What is fused,
+the gates and their measurements: docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,11 @@
-"""Convolution fusions (level 2): fold BatchNormalization, per-channel Add and Mul, and Pad.
+"""Convolution fusions (level 2): fold BatchNormalization, per-channel Add and Mul, and Pad into a
+Conv, and Conv [+ Z] + activation into FusedConv.
 
-Algebra (computed in float64, then stored in the weight dtype behind precision guards; into
-fp16/bf16 weights only where the measured error of the folded layer is no worse than the
-unfused graph's, see ``opt/precision.require_refold_no_worse``, or, for Conv+BN on a target
-that runs onnxruntime at level BASIC or above, no worse than onnxruntime's own fold of it):
-
-* Conv+BN:  s = gamma / sqrt(var + eps);  W' = W · s (per output channel);
-            B' = (B − mean) · s + beta
-* Conv+Mul: W' = W · c;  B' = B · c          (c broadcast per output channel only)
-* Conv+Add: B' = B + c                        (c broadcast per output channel only)
-* Pad+Conv: zero constant padding of spatial axes moves into Conv's ``pads``.
-* Conv [+ Z] + activation → com.microsoft.FusedConv where the target has that kernel.
-
-float16 weights are stored with compensated rounding, so that the rounding errors of each output
-channel's row cancel instead of adding up to a systematic error; a float16 Conv fold is made
-and measured in blocks of output channels on the rounding threads (``opt/float16_fold``).
-
-onnxruntime folds Conv+BatchNormalization itself at session level BASIC (``ConvBNFusion``, any
-provider), in the weights' dtype and rounding every step to it (``var + eps``, its square root,
-the scale, then ``W·scale`` and the bias: matched bit for bit with onnxruntime 1.32's saved
-model, see ``opt/float16_fold.runtime_bn_fold``). So an fp16 Conv+BN left unfused runs folded
-anyway, with a per-channel scale rounded to fp16. Measured on torchvision ResNet-50 fp16 with
-randomized BN statistics (logits against a float64 upcast, onnxruntime 1.32 CPU, mean |error|
-over three inputs): original at ORT_DISABLE_ALL 0.73, at ORT_ENABLE_ALL 4.75 (its own fold);
-every Conv+BN folded here with nearest rounding 3.04, with compensated rounding 1.86.
-
-"Per output channel" is checked exactly: after right-aligning the constant with the Conv output
-(rank r), every axis but axis 1 must have size 1 and axis 1 must be 1 or C_out.  A width- or
-height-broadcast constant is refused ("not-per-channel"): folding it would change outputs.
+Folds are computed in float64 and stored in the weight dtype only behind precision guards: into
+fp16/bf16 weights only where the folded layer's measured error is no worse than the unfused
+graph's (``opt/numerics/precision.require_refold_no_worse``), or, for Conv+BN on a target that
+runs onnxruntime at level BASIC or above, than onnxruntime's own fold, which it does anyway.  The
+algebra and the measurements behind this: docs/rules.md (Conv algebra), docs/benchmarks.md.
 """
 
 from __future__ import annotations

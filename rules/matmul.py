@@ -1,19 +1,11 @@
 """MatMul+Add → Gemm (level 2), only where Gemm is legal and safe; a Gemm flattened between two
 Reshapes → MatMul+Add; a per-column scale after a linear layer (layer scale) → its weights.
 
-Gemm is rank-2 only: ``Y = A·B + C`` with A [M,K], B [K,N] and C unidirectionally broadcastable
-to [M,N].  A linear layer on a rank ≥ 3 input becomes ``Reshape(x, [-1, K]) → Gemm → Reshape(·,
-[-1, d1, …, N])`` where the target prefers that (``prefers["linear-bias"] == "gemm"``: onnxruntime
-CPU, where the bias is then added inside the GEMM and a following Gelu stays a plain Gelu
-instead of the slower BiasGelu; measured 1.5 % on Swin-T and ConvNeXt-T) and every dim but the
-first is static, so both targets are constants; an element-wise op between two such layers
-runs on the flat tensor (``reshape-through-unary`` removes the Reshape pair).  The rules that
-would take an attention's MatMuls (this one, the FusedMatMul folds) run in the ``linear`` phase,
-after ``fuse-attention``: q/k/v projections are left to its kernel, which takes their bias; where
-it refused the attention for the target, they flatten like any linear layer.  Otherwise
-MatMul + Add stays, and the remark says why.  In fp16/bf16 the fusion changes where the bias
-is added relative to the accumulation, so it is allowed only when the target declares that its
-Gemm kernel accumulates in fp32.
+A rank ≥ 3 linear layer becomes Reshape → Gemm → Reshape only where the target prefers it
+(``prefers["linear-bias"] == "gemm"``) and every dim but the first is static.  These rules run in
+the ``linear`` phase, after ``fuse-attention``, so q/k/v projections are left to its kernel.  In
+fp16/bf16 the fusion moves where the bias is added relative to the accumulation, so it needs a
+target whose Gemm accumulates in fp32.  Details and measurements: docs/rules.md (Linear layers).
 """
 
 from __future__ import annotations
