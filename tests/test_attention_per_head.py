@@ -151,11 +151,13 @@ def test_key_mixed_across_heads_is_missed_in_stage_2():
 
 
 # ------------------------------------------------------------- fused QKV, multi-query
-def fused_qkv_multi_query(batch="batch"):
+def fused_qkv_multi_query(batch="batch", pick="slice"):
     """Falcon's multi-query attention: one projection [B,S,(N+2)·H] split into [B,S,N+2,H],
     the query heads Slice(0:N), the key head N, the value head N+1 along the head axis, each
     transposed and reshaped to [B,n,S,H] (a Reshape that keeps every dim), rotated, the key
-    and value cached with one head, which the MatMuls broadcast over the N query heads."""
+    and value cached with one head, which the MatMuls broadcast over the N query heads; with
+    ``pick="gather"`` the key and value heads are ``Gather(qkv4, [i], axis=2)`` (the rank kept,
+    as ``fused_qkv[..., [-2], :]`` exports)."""
     rng = np.random.default_rng(5)
     nodes, inits = freqs_mul("position_ids")
     inits += [
@@ -173,8 +175,11 @@ def fused_qkv_multi_query(batch="batch"):
     for r, lo, hi in (("q", 0, NQ), ("k", NQ, NQ + 1), ("v", NQ + 1, NQ + 2)):
         inits += [const(f"{r}_first", [lo], np.int64), const(f"{r}_end", [hi], np.int64)]
         inits.append(const(f"{r}_count", [hi - lo], np.int64))
+        take = mk("Slice", ["qkv4", f"{r}_first", f"{r}_end", "ax2"], [f"{r}_sl"])
+        if pick == "gather" and r != "q":
+            take = mk("Gather", ["qkv4", f"{r}_first"], [f"{r}_sl"], axis=2)
         nodes += [
-            mk("Slice", ["qkv4", f"{r}_first", f"{r}_end", "ax2"], [f"{r}_sl"]),
+            take,
             mk("Transpose", [f"{r}_sl"], [f"{r}_t"], perm=[0, 2, 1, 3]),
             mk("Concat", ["b", f"{r}_count", "s", "h"], [f"{r}_shape"], axis=0),
             mk("Reshape", [f"{r}_t", f"{r}_shape"], [f"{r}_heads"]),
@@ -221,10 +226,11 @@ def test_fused_qkv_multi_query_fuses_with_the_key_head_broadcast(order, request)
     assert run(out, inputs=feeds(1, batch=1, seq=1, past=7, seed=2))[1].parity.ok
 
 
-def test_fused_qkv_multi_query_lowers_to_group_query_attention_with_one_kv_head():
+@pytest.mark.parametrize("pick", ["slice", "gather"])
+def test_fused_qkv_multi_query_lowers_to_group_query_attention_with_one_kv_head(pick):
     """A batch of 1: GroupQueryAttention with kv_num_heads 1 takes the new key and value head
     merged to [B,S,H] and the cache; exact on a prefill and on padded decode steps."""
-    m = fused_qkv_multi_query(batch=1)
+    m = fused_qkv_multi_query(batch=1, pick=pick)
     out, report = assert_optimized(m, inputs=feeds(1, batch=1))
     h = op_histogram(out.graph.node)
     assert h.get(GQA) == 1 and MHA not in h, h

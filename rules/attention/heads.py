@@ -229,6 +229,7 @@ def _head_inputs(node: Node, ins: list[Tensor | None], bnsh: bool = True) -> lis
         and (
             (op == "Slice" and _slices_axis(node, ins, 2))
             or (op == "Split" and node.attrs.get("axis", 0) in (2, -2))
+            or (op == "Gather" and node.attrs.get("axis", 0) in (2, -2) and _head_list(ins[1]))
         )
     ):
         return [ins[0]]  # [B,S,N,H] before the heads' Transpose: some of the heads
@@ -250,6 +251,12 @@ def _head_inputs(node: Node, ins: list[Tensor | None], bnsh: bool = True) -> lis
     if op in ("Slice", "Split", "Concat") and _last_axis_only(node, ins):
         return [i for i in (ins if op == "Concat" else ins[:1]) if i is not None]
     return None
+
+
+def _head_list(indices: Tensor | None) -> bool:
+    """Constant 1-D indices (Falcon's ``fused_qkv[..., [-2], :]``: the rank is kept)."""
+    value = constant_value(indices)
+    return value is not None and value.ndim == 1
 
 
 def _slices_axis(node: Node, ins: list[Tensor | None], axis: int) -> bool:
