@@ -245,6 +245,74 @@ def test_fused_qkv_multi_query_lowers_to_group_query_attention_with_one_kv_head(
         assert run(out, inputs=f)[1].parity.ok
 
 
+def grouped_fused_qkv(kv_groups: int = 2):
+    """Falcon's new decoder architecture: one projection split into ``kv_groups`` groups of
+    ``rep`` query heads, a key and a value head ([B,S,G,rep+2,H]); the query is
+    Reshape(Slice(…, 0:rep, axis 3), [B,S,N,H]) — its source is not [B,S,D] — and the key and
+    value heads are broadcast to every query head (Expand) before the cache of N heads."""
+    rep = NQ // kv_groups
+    rng = np.random.default_rng(11)
+    nodes, inits = freqs_mul("position_ids")
+    inits += [
+        const("Wqkv", rng.standard_normal((HIDDEN, kv_groups * (rep + 2) * H)) * 0.2),
+        const("groups", [0, 0, kv_groups, rep + 2, H], np.int64),
+        const("ax3", [3], np.int64),
+        const("all_q", [0, 0, NQ, H], np.int64),
+        const("rep_shape", [1, 1, 1, rep, 1], np.int64),
+    ]
+    nodes += [
+        mk("MatMul", ["x", "Wqkv"], ["qkv"]),
+        mk("Reshape", ["qkv", "groups"], ["qkv5"]),
+    ]
+    for r, lo, hi in (("q", 0, rep), ("k", rep, rep + 1), ("v", rep + 1, rep + 2)):
+        inits += [const(f"{r}_first", [lo], np.int64), const(f"{r}_end", [hi], np.int64)]
+        nodes.append(mk("Slice", ["qkv5", f"{r}_first", f"{r}_end", "ax3"], [f"{r}_sl"]))
+        src = f"{r}_sl"
+        if r != "q":
+            nodes.append(mk("Expand", [src, "rep_shape"], [f"{r}_rep"]))
+            src = f"{r}_rep"
+        nodes += [
+            mk("Reshape", [src, "all_q"], [f"{r}_4"]),
+            mk("Transpose", [f"{r}_4"], [f"{r}_heads"], perm=[0, 2, 1, 3]),
+        ]
+    for r in "qk":
+        n, i = rope(r, False)
+        nodes, inits = nodes + n, inits + i
+    nodes += [
+        mk("Concat", ["past_key", "k_rot"], ["present_key"], axis=-2),
+        mk("Concat", ["past_value", "v_heads"], ["present_value"], axis=-2),
+        mk("Transpose", ["present_key"], ["kt"], perm=[0, 1, 3, 2]),
+    ]
+    mask_nodes, mask_inits = mask(None, -np.inf)
+    core, core_inits = _core("q_rot", "kt", "present_value", ["bias"], HIDDEN)
+    nodes += mask_nodes + core
+    inits += mask_inits + core_inits
+    inputs = [
+        vi("x", ["batch", "seq", HIDDEN]),
+        vi("attention_mask", ["batch", "total"], 7),
+        vi("position_ids", ["batch", "seq"], 7),
+        vi("past_key", ["batch", NQ, "past", H]),
+        vi("past_value", ["batch", NQ, "past", H]),
+    ]
+    outputs = [
+        vi("y", ["batch", "seq", HIDDEN]),
+        vi("present_key", ["batch", NQ, "total", H]),
+        vi("present_value", ["batch", NQ, "total", H]),
+    ]
+    return _finish(nodes, inputs, outputs, inits, opset=18)
+
+
+def test_query_of_a_grouped_fused_projection_is_walked_per_head():
+    """A query whose split reads [B,S,G,rep,H], not [B,S,D]: kept per head and merged for
+    MultiHeadAttention over the cache (was refused as unknown-shape)."""
+    m = grouped_fused_qkv()
+    out, report = assert_optimized(m, inputs=feeds(NQ))
+    h = op_histogram(out.graph.node)
+    assert h.get(MHA) == 1, h
+    assert codes(report, RULE) == []
+    assert run(out, inputs=feeds(NQ, batch=1, seq=1, past=7, seed=2))[1].parity.ok
+
+
 # -------------------------------------------------- GQA from per-head queries and keys
 @pytest.mark.parametrize(
     "spelling", ["qk-norm", "partial-rotary"], ids=["qk-norm", "partial-rotary-concat"]

@@ -110,7 +110,7 @@ def _cache(x: Tensor, a: Attention, dims: Dims, rotated: bool) -> KvCache | None
         return None
     past, new_heads = inputs(concat)
     split = (rotated_split(new_heads) if rotated else None) or split_heads(new_heads, PERM_BNSH)
-    if split is None or split.layout != "bsd":
+    if split is None or split.layout != "bsd" or rank(split.x) not in (None, 3):
         split = per_head_split(new_heads)  # a norm, partial rotary or a fused QKV's head slice
     if split is None:
         return None

@@ -98,7 +98,9 @@ def lift(root: Node) -> Attention:
         raise no_match()  # that Reshape is the root
     core = match_core(root)
     splits = [
-        split_heads(core.q, PERM_BNSH) or rotated_split(core.q) or per_head_split(core.q),
+        _of_3d(split_heads(core.q, PERM_BNSH))
+        or _of_3d(rotated_split(core.q))
+        or per_head_split(core.q),
         split_heads(core.kt, PERM_BNHS) or already_split(core.kt, PERM_BNHS),
         split_heads(core.v, PERM_BNSH) or already_split(core.v, PERM_BNSH),
     ]
@@ -129,6 +131,14 @@ def lift(root: Node) -> Attention:
             LIFT, "Q, K and V are not the parts 0, 1, 2 of one packed projection", core.softmax, q.x
         )
     return Attention(core, q, k, v, merge)
+
+
+def _of_3d(split: HeadSplit | None) -> HeadSplit | None:
+    """``split`` unless its source is known not to be [B,S,D] (the query of a fused
+    projection's head groups, Falcon's [B,S,G,r,H]: then walked as per-head)."""
+    if split is not None and split.layout == "bsd" and rank(split.x) not in (None, 3):
+        return None
+    return split
 
 
 def _per_head(split: HeadSplit) -> bool:
