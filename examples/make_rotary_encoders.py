@@ -5,7 +5,8 @@
 Needs torch and transformers (measured with torch 2.13, transformers 5.24).  The model is
 transformers' ModernBertModel built from a small config (hidden 256, 4 heads of 64, global
 attention every third layer with RoPE theta 160000, the others local with theta 10000, seeded
-random weights; nothing is downloaded), exported with the TorchScript exporter (opset 17; ``--dynamo``: torch.export, opset 18):
+random weights; nothing is downloaded), exported with the TorchScript exporter (opset 17;
+``--dynamo``: torch.export, opset 18):
 ``input_ids``, ``attention_mask`` (batch, sequence) -> ``last_hidden_state``.  The positions are
 ``arange(sequence)`` computed inside the graph, so every layer gathers its rows of cos/sin
 from tables of ``max_position_embeddings`` rows.  ``--static S`` fixes batch 1 and the
