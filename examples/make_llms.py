@@ -195,6 +195,57 @@ def _qwen3():
     return Qwen3ForCausalLM(cfg)
 
 
+def _falcon():
+    from transformers import FalconConfig, FalconForCausalLM
+
+    cfg = FalconConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        multi_query=True,
+        new_decoder_architecture=False,
+        parallel_attn=True,
+        bias=False,
+        alibi=False,
+        max_position_embeddings=2048,
+    )
+    return FalconForCausalLM(cfg)
+
+
+def _falcon_gqa():
+    from transformers import FalconConfig, FalconForCausalLM
+
+    cfg = FalconConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_kv_heads=2,
+        new_decoder_architecture=True,
+        bias=False,
+        alibi=False,
+        max_position_embeddings=2048,
+    )
+    return FalconForCausalLM(cfg)
+
+
+def _phi(qk_layernorm: bool = False):
+    from transformers import PhiConfig, PhiForCausalLM
+
+    cfg = PhiConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        partial_rotary_factor=0.4,
+        qk_layernorm=qk_layernorm,
+        max_position_embeddings=2048,
+    )
+    return PhiForCausalLM(cfg)
+
+
 @dataclass
 class Family:
     name: str
@@ -210,6 +261,10 @@ FAMILIES = [
     Family("gemma", _gemma, "Gemma: MQA 4/1, head_dim 64, GELU-tanh MLP, (1+w) RMSNorm"),
     Family("gpt_neox", _gpt_neox, "GPT-NeoX: MHA 8 heads, partial rotary (a quarter of the head)"),
     Family("qwen3", _qwen3, "Qwen3: GQA 8/2, q/k RMSNorm before the rotation, RoPE theta 1e6"),
+    Family("falcon", _falcon, "Falcon: multi-query (8/1), fused query_key_value, parallel attn"),
+    Family("falcon_gqa", _falcon_gqa, "Falcon new_decoder_architecture: GQA 8/2, fused QKV"),
+    Family("phi2", _phi, "Phi-2: MHA 8 heads, 40 % partial rotary (12 of 32 dims), LayerNorm"),
+    Family("phi2_qkln", lambda: _phi(True), "Phi-2 with q/k LayerNorm before the rotation"),
 ]
 
 
@@ -252,6 +307,11 @@ def kv_shape(model: nn.Module) -> tuple[int, int]:
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    if cfg.model_type == "falcon":  # multi-query caches one kv head; the new architecture
+        # caches its grouped kv heads broadcast to every query head
+        kv_heads = (
+            1 if cfg.multi_query and not cfg.new_decoder_architecture else cfg.num_attention_heads
+        )
     return kv_heads, head_dim
 
 

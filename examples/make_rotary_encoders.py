@@ -5,7 +5,8 @@
 Needs torch and transformers (measured with torch 2.13, transformers 5.24).  The model is
 transformers' ModernBertModel built from a small config (hidden 256, 4 heads of 64, global
 attention every third layer with RoPE theta 160000, the others local with theta 10000, seeded
-random weights; nothing is downloaded), exported with the TorchScript exporter (opset 17):
+random weights; nothing is downloaded), exported with the TorchScript exporter (opset 17;
+``--dynamo``: torch.export, opset 18):
 ``input_ids``, ``attention_mask`` (batch, sequence) -> ``last_hidden_state``.  The positions are
 ``arange(sequence)`` computed inside the graph, so every layer gathers its rows of cos/sin
 from tables of ``max_position_embeddings`` rows.  ``--static S`` fixes batch 1 and the
@@ -63,6 +64,11 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--static", type=int, default=0, help="batch 1, this sequence length")
+    ap.add_argument(
+        "--dynamo",
+        action="store_true",
+        help="the torch.export exporter (opset 18), written as NAME_dynamo.onnx",
+    )
     args = ap.parse_args()
     quiet_warnings()
     seed_all(0)
@@ -75,6 +81,7 @@ def main() -> int:
     mask = torch.ones(batch, seq, dtype=torch.int64)
     os.makedirs(args.out, exist_ok=True)
     name = f"modernbert_s{args.static}" if args.static else "modernbert"
+    name += "_dynamo" if args.dynamo else ""
     path = os.path.join(args.out, f"{name}.onnx")
     axes = None
     if not args.static:
@@ -88,8 +95,8 @@ def main() -> int:
             input_names=["input_ids", "attention_mask"],
             output_names=["last_hidden_state"],
             dynamic_axes=axes,
-            opset_version=17,
-            dynamo=False,
+            opset_version=18 if args.dynamo else 17,
+            dynamo=args.dynamo,
         )
         # another batch of the same shape (static) or another shape (dynamic)
         if not args.static:

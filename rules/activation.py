@@ -185,7 +185,7 @@ def lowering(
         if domain:
             if runs(op, domain, 1):
                 return op, domain, attrs
-        elif opset >= (min_opset or 1) and runs(op, "", opset):
+        elif opset >= (min_opset or 1) and _onnx_defines(op, opset) and runs(op, "", opset):
             return op, domain, attrs
     names = ", ".join(
         f"{d + '.' if d else ''}{op}" + (f" (opset ≥ {v})" if not d and v else "")
@@ -195,7 +195,9 @@ def lowering(
     newer = [
         (op, o)
         for op, d, v, _ in choices
-        if not d and (o := _kernel_opset(cx, op, max(opset + 1, v or 1), latest, tname))
+        if not d
+        and _onnx_defines(op, latest)
+        and (o := _kernel_opset(cx, op, max(opset + 1, v or 1), latest, tname))
     ]
     if newer:
         op, v = newer[0]
@@ -215,6 +217,18 @@ def lowering(
         dtype=tname,
         opset=opset,
     )
+
+
+def _onnx_defines(op: str, opset: int) -> bool:
+    """Whether ONNX defines the default-domain ``op`` at ``opset``. onnxruntime also registers
+    kernels in the default domain for ops of its own schemas (SimplifiedLayerNormalization,
+    Affine, Crop, Scale, ...: targets/data, tests/test_kernel_tables.py); a model using one
+    fails onnx.checker, so no lowering picks them."""
+    try:
+        onnx.defs.get_schema(op, opset, "")
+    except onnx.defs.SchemaError:
+        return False
+    return True
 
 
 def _kernel_opset(cx, op: str, lo: int, hi: int, tname: str) -> int | None:

@@ -15,6 +15,12 @@ its guards allow and every refusal names the clause that failed:
   (opset ≥ 23).  onnxruntime's ``SimplifiedLayerNormalization`` is registered only in the ONNX
   domain, where onnx.checker rejects it, so it is used only if a target lists it under
   com.microsoft; below opset 23 the norm stays decomposed with ``opset-too-old`` (``--opset 23``).
+  Measured (examples/llm/first_norm_bench.py, onnxruntime 1.32 CPU): the decomposed norm is
+  what onnxruntime's session-time fusion turns into that same SimplifiedLayerNormalization, so
+  it runs as fast as the ONNX-domain op would (which onnx.checker rejects), while a
+  com.microsoft SkipSimplifiedLayerNormalization with a zero skip built at run time, the only
+  valid contrib spelling without a residual, is slower: the first norm of a decoder stays
+  decomposed.
 * ``fuse-skip-rms-norm`` (before ``fuse-rms-norm`` at the same root) — the same RMSNorm of a
   residual sum ``a + b`` of two run-time tensors of one 2-D/3-D shape (a decoder's
   ``h = h + attn; n = RMSNorm(h)``) → ``com.microsoft.SkipSimplifiedLayerNormalization(a, b, γ)``

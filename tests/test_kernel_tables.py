@@ -199,3 +199,29 @@ def test_cuda_table_loads_as_a_target_kernel_table() -> None:
         ),
     ) in table[("Add", "")]
     assert ("FusedGemm", "com.microsoft") not in table
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+def test_no_lowering_picks_an_onnxruntime_defined_default_domain_op(target: str) -> None:
+    """The tables list onnxruntime's own default-domain ops (SimplifiedLayerNormalization is
+    where its CPU fusion puts an RMSNorm), but a model using one fails onnx.checker: the shared
+    lowering never picks them and names the next choice or why there is none."""
+    from types import SimpleNamespace
+
+    from graphopt.opt.rewrite import NoMatch
+    from graphopt.opt.target import TARGETS
+    from graphopt.rules.activation import MS, lowering
+
+    t = TARGETS[target]
+    cx = SimpleNamespace(ir=SimpleNamespace(opset=17), target=t)
+    listed = [op for op in sorted(ORT_DEFINED_DEFAULT_DOMAIN_OPS) if t.has_kernel(op, "", 17)]
+    assert "SimplifiedLayerNormalization" in listed  # the tables do know them
+    for op in listed:
+        with pytest.raises(NoMatch):
+            lowering(cx, [(op, "", None, {})], "tensor(float)", op)
+    choices = [("SimplifiedLayerNormalization", "", None, {})]
+    choices.append(("SkipSimplifiedLayerNormalization", MS, None, {}))
+    assert lowering(cx, choices, "tensor(float)", "RMSNorm")[:2] == (
+        "SkipSimplifiedLayerNormalization",
+        MS,
+    )

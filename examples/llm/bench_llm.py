@@ -23,6 +23,9 @@ For each decoder NAME.onnx of ``--models`` (examples/make_llms.py: ``input_ids``
   next type is tried), ``num_heads`` and ``hidden_size`` from the Hugging Face config in
   ``--hf DIR/NAME`` when there is one, else hidden = the embedding's width and heads =
   hidden / the cache's head size;
+* ``onnxscript``: ``onnxscript.optimizer.optimize`` then onnxscript's
+  ``rewriter.ort_fusions.optimize_for_ort`` (its onnxruntime fusions: SDPA → MultiHeadAttention
+  / GroupQueryAttention, rotary, RMSNorm, skip norms);
 * ``genai``: onnxruntime-genai's model builder output for the same config and weights, when
   ``--genai DIR/NAME/model.onnx`` exists (examples/llm/save_hf.py, then
   ``python -m onnxruntime_genai.models.builder -i HF/NAME -o DIR/NAME -p fp32 -e cpu``).
@@ -71,8 +74,12 @@ MODEL_TYPES = {
     "mistral": ["gpt2"],
     "phi3": ["phi", "gpt2"],
     "gemma": ["gpt2"],
+    "qwen3": ["qwen3", "gpt2"],
+    "gpt_neox": ["gpt_neox", "gpt2"],
+    "phi2": ["phi", "gpt2"],
+    "falcon": ["gpt2"],
 }
-VARIANTS = ["plain", "graphopt", "graphopt-generate", "ort-transformers", "genai"]
+VARIANTS = ["plain", "graphopt", "graphopt-generate", "ort-transformers", "onnxscript", "genai"]
 #: contrib ops worth naming in the table (what each variant fused)
 KEY_OPS = [
     "GroupQueryAttention",
@@ -298,6 +305,20 @@ def ort_transformers_variant(src: Path, out: Path, family: str, heads: int, hidd
     return Variant("ort-transformers", why="; ".join(failures), notes=failures)
 
 
+def onnxscript_variant(src: Path, out: Path) -> Variant:
+    """onnxscript's optimizer, then its onnxruntime fusions."""
+    import onnx_ir as ir
+    import onnxscript.optimizer
+    from onnxscript.rewriter.ort_fusions import optimize_for_ort
+
+    model = onnxscript.optimizer.optimize(ir.load(str(src)))
+    res = optimize_for_ort(model)
+    model, fused = res if isinstance(res, tuple) else (res, {})
+    onnx.save(ir.serde.serialize_model(model), str(out))
+    counts = {k: v for k, v in (fused or {}).items() if v}
+    return Variant("onnxscript", out, notes=[f"ort_fusions: {counts}"])
+
+
 MAKERS: dict[str, Callable[..., Variant]] = {}
 
 
@@ -324,7 +345,9 @@ def _variant_main(kind: str, params: str) -> int:
 
 
 def family_of(name: str) -> str:
-    return name.split("_")[0]
+    """The family of NAME (``gpt_neox_dynamo`` → ``gpt_neox``, ``falcon_gqa`` → ``falcon``)."""
+    known = sorted(MODEL_TYPES, key=len, reverse=True)
+    return next((f for f in known if name == f or name.startswith(f + "_")), name.split("_")[0])
 
 
 def heads_hidden(dec: Decoder, hf: Path | None) -> tuple[int, int, str]:
@@ -336,7 +359,11 @@ def heads_hidden(dec: Decoder, hf: Path | None) -> tuple[int, int, str]:
 
 
 MAKERS.update(
-    {"graphopt-generate": graphopt_generate_variant, "ort-transformers": ort_transformers_variant}
+    {
+        "graphopt-generate": graphopt_generate_variant,
+        "ort-transformers": ort_transformers_variant,
+        "onnxscript": onnxscript_variant,
+    }
 )
 
 
@@ -435,6 +462,9 @@ def bench_model(src: Path, args: argparse.Namespace) -> dict[str, Any]:
     if "ort-transformers" in wanted:
         out = work / f"{name}.ort_transformers.onnx"
         variants.append(isolated("ort-transformers", str(src), str(out), family, heads, hidden))
+    if "onnxscript" in wanted:
+        out = work / f"{name}.onnxscript.onnx"
+        variants.append(isolated("onnxscript", str(src), str(out)))
     if "genai" in wanted and args.genai and "_" not in name:
         path = Path(args.genai) / family / "model.onnx"
         variants.append(

@@ -17,8 +17,13 @@ its MatMuls), in three stages, each a module with typed results:
    rotated by RotaryEmbedding after its split is rotated on [B,S,D] instead (``num_heads``);
    a query with other per-head math between the split and the MatMul (Qwen3's q norm, partial
    rotary's Concat of a rotated and a pass-through slice, scale Muls, Clip, the rotation
-   fused or not — :func:`.heads.per_head_split` walks it back to the split) stays per head
-   as the model computes it and reaches the kernel as [B,S,N·H];
+   fused or not — :func:`.heads.per_head_split` walks it back to the split, also through a
+   Reshape that keeps every dim, a Slice or Split of some heads of a fused projection's
+   [B,S,G,H] (Falcon's query_key_value) and a packed [B,S,3,N,H] unbound by Split/Squeeze or
+   Gather (ModernBERT)) stays per head as the model computes it and reaches the kernel as
+   [B,S,N·H]; so does a key with per-head math beside a value that is a plain split (an
+   encoder's rotated key); one cached key/value head that the MatMuls broadcast over the
+   query heads (multi-query) is repeated for MultiHeadAttention;
    the additive terms (padding, causal,
    relative position bias — a tensor shared by every layer is an input of each fusion) and
    the Where mask summed into
@@ -35,7 +40,9 @@ its MatMuls), in three stages, each a module with typed results:
    ``analysis`` remark per fusion), lowers to ``GroupQueryAttention`` where the target has it
    with ``causal=0`` (cpu; :mod:`.gqa`:
    the new k/v and the past in, the present outputs out, ``causal=0`` and the whole mask as
-   ``attention_bias``, exact for any padding).
+   ``attention_bias``, exact for any padding); a per-head query and a per-head new key or
+   value (q/k norms, partial rotary, a fused projection's head slice) are merged to [B,S,·]
+   for it, and a single broadcast kv head is ``kv_num_heads=1``.
 
 Guards (missed remarks carry ``stage``, ``tensor`` and ``softmax`` in their arguments):
 ``unrecognized-layout`` (a spelling the stages do not know), ``unknown-shape`` (q/k/v not known

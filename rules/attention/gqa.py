@@ -2,9 +2,12 @@
 
 Stage 2 reads the key and value of a recognized attention back to the decoder's cache:
 ``present = Concat(past, new, axis=2)`` (a graph output), the new heads a batch-first split of
-``[B,S,Nkv·H]`` (the key's rotated by a RotaryEmbedding after the split), and HF's repeat_kv
+``[B,S,Nkv·H]`` (the key's rotated by a RotaryEmbedding after the split) or a per-head
+tensor walked back to one (:func:`.heads.per_head_split`: q/k norms, partial rotary, a fused
+projection's head slice; merged to [B,S,Nkv·H] for the kernel), and HF's repeat_kv
 ``Reshape(Expand(Unsqueeze(present, 2), [B,Nkv,rep,T,H]), [B,Nkv·rep,T,H])`` — query head
-``j`` reads kv head ``j // rep``, as the kernel groups them — or no repeat (``Nkv = N``).
+``j`` reads kv head ``j // rep``, as the kernel groups them — or no repeat (``Nkv = N``, or
+one kv head ``[B,1,T,H]`` that the MatMuls broadcast).
 
 Stage 3 builds ``GroupQueryAttention(q, k_new, v_new, past_key, past_value, seqlens_k,
 total_sequence_length, , , , attention_bias; causal=0)`` whose present outputs take the
@@ -41,7 +44,15 @@ from graphopt.opt.graph.ir import Node, Tensor, constant_value, dtype_of
 from graphopt.opt.rewrite.engine import Builder
 
 from ..activation import MS, inputs, producer
-from .heads import PERM_BNSH, HeadSplit, head_count, rotated_split, split_heads
+from .heads import (
+    PERM_BNSH,
+    HeadSplit,
+    head_count,
+    per_head_split,
+    rotated_split,
+    source_axis,
+    split_heads,
+)
 
 if TYPE_CHECKING:
     from .rule import Attention
@@ -74,15 +85,17 @@ def plan_gqa(a: Attention, dims: Dims, declared: bool = False) -> GqaPlan | None
     """The caches when the attention is provably GroupQueryAttention's computation, else None.
     ``declared``: the user declared generation steps (:data:`OPTION`), so the batch or the new
     tokens need not be provably 1."""
-    if a.k.layout != "bnsh" or a.q.layout != "bsd" or a.qkv_bias is not None:
+    if a.k.layout != "bnsh" or a.k.kept or a.qkv_bias is not None:
         return None
-    batch, seq = dims.key(a.q.x, 0), dims.key(a.q.x, 1)
+    if a.q.layout != "bsd" and not a.q.kept:
+        return None
+    batch, seq = dims.key(a.q.x, 0), dims.key(a.q.x, a.axis("q", "seq"))
     if ("int", 1) not in (batch, seq) and not declared:
         return None  # the kernel refuses batch > 1 with a past and several new tokens
     key, value = _cache(a.k.x, a, dims, True), _cache(a.v.x, a, dims, False)
     if key is None or value is None or key.kv_heads != value.kv_heads:
         return None
-    if dims.key(key.new.x, 1) != seq or dims.key(value.new.x, 1) != seq:
+    if any(dims.key(c.new.x, source_axis(c.new.layout, "seq")) != seq for c in (key, value)):
         return None
     if a.v_head_size != a.head_size:
         return None
@@ -97,7 +110,9 @@ def _cache(x: Tensor, a: Attention, dims: Dims, rotated: bool) -> KvCache | None
         return None
     past, new_heads = inputs(concat)
     split = (rotated_split(new_heads) if rotated else None) or split_heads(new_heads, PERM_BNSH)
-    if split is None or split.layout != "bsd":
+    if split is None or split.layout != "bsd" or rank(split.x) not in (None, 3):
+        split = per_head_split(new_heads)  # a norm, partial rotary or a fused QKV's head slice
+    if split is None:
         return None
     if rank(past) != 4 or head_count(split, dims) != (kv_heads, a.head_size):
         return None
@@ -112,8 +127,8 @@ def _unrepeat(x: Tensor, heads: int, dims: Dims) -> tuple[Tensor, int]:
     rs = producer(x, "Reshape")
     ex = producer(inputs(rs)[0], "Expand") if rs is not None else None
     un = producer(inputs(ex)[0], "Unsqueeze") if ex is not None else None
-    if un is None:
-        return x, heads
+    if un is None:  # no repeat, or one head the MatMuls broadcast (multi-query)
+        return x, 1 if dims.key(x, 1) == ("int", 1) else heads
     present = inputs(un)[0]
     axes = constant_value(inputs(un)[1]) if len(inputs(un)) > 1 else un.attrs.get("axes")
     if axes is None or list(np.asarray(axes).reshape(-1)) not in ([2], [-3]) or rank(present) != 4:
@@ -168,17 +183,23 @@ def _expand_elements(shape: Tensor, dims: Dims) -> list | None:
 def lower_gqa(a: Attention, b: Builder, q: Tensor) -> Tensor:
     """GroupQueryAttention for ``a`` (its plan in ``a.gqa``) from the 3-D query ``q`` (already
     rotated); returns the [B,S,N·H] output, the present outputs moved onto the kernel's."""
-    from .lower import attention_bias, rotated  # lower dispatches here: imported on use
+    from .lower import attention_bias, heads_merged, rotated  # lower dispatches here
 
     plan: GqaPlan = a.gqa
     name = a.core.root.name
+    kv_width = plan.key.kv_heads * a.head_size
     k = rotated(b, plan.key.new.rotary, plan.key.new.x, plan.key.kv_heads, f"{name}/k_rotary")
+    if plan.key.new.kept:
+        k = heads_merged(b, k, kv_width, f"{name}/k")
+    v = plan.value.new.x
+    if plan.value.new.kept:
+        v = heads_merged(b, v, kv_width, f"{name}/v")
     total = b.op(
         "Add",
         [_len(b, plan.key.past, 2, f"{name}/past_len"), _len(b, q, 1, f"{name}/new_len")],
         name=f"{name}/total_len",
     )
-    ins = [q, k, plan.value.new.x, plan.key.past, plan.value.past, *_lengths(b, q, total, name)]
+    ins = [q, k, v, plan.key.past, plan.value.past, *_lengths(b, q, total, name)]
     if a.bias is not None:
         ins += [None, None, None, attention_bias(a, b, q, None, total)]
     attrs = {"num_heads": a.num_heads, "kv_num_heads": plan.key.kv_heads, "causal": 0}
@@ -219,5 +240,5 @@ def gqa_nodes(plan: GqaPlan) -> list[Node]:
     the Concats."""
     found: list[Node] = []
     for c in (plan.key, plan.value):
-        found += c.new.nodes + [c.new.reshape]
+        found += c.new.nodes + ([c.new.reshape] if c.new.reshape is not None else [])
     return found

@@ -136,8 +136,15 @@ def _walk_heads_node(t: Tensor | None, bnsh: bool, depth: int, memo: dict) -> ob
         split = split_heads(t, PERM_BNSH)
         if split is not None and split.layout == "bsd":
             return split
-    elif (rs := producer(t, "Reshape")) is not None and rank(inputs(rs)[0]) == 3:
+    elif (rs := producer(t, "Reshape")) is not None and (rank(inputs(rs)[0]) == 3 or rank(t) == 4):
+        if _same_dims(rs):
+            return _walk_heads(inputs(rs)[0], bnsh, depth - 1, memo)
+        # [B,S,N,H] from the projection [B,S,D], or from a fused projection's head groups
+        # [B,S,G,r,H] (Falcon's query_key_value): where it came from does not matter, the
+        # kept tensor's own N and H are what the kernel is given
         return HeadSplit(inputs(rs)[0], rs, "bsd")  # its Transpose is on the walked path
+    elif (part := _packed_part(t)) is not None:
+        return part
     node = t.inputs[0] if isinstance(t, Variable) and t.inputs else None
     if node is None or depth == 0:
         return None  # a graph input or too far: not the heads
@@ -150,7 +157,7 @@ def _walk_heads_node(t: Tensor | None, bnsh: bool, depth: int, memo: dict) -> ob
         if isinstance(inner, HeadSplit) and inner.layout == "bsd" and not inner.nodes:
             return HeadSplit(inner.x, inner.reshape, "bsd", [node])
         return False if inner is not None else None
-    heads_in = _head_inputs(node, ins)
+    heads_in = _head_inputs(node, ins, bnsh)
     if heads_in is None:
         return None  # not a per-head op: ``t`` is a side operand
     roots = [_walk_heads(i, bnsh, depth - 1, memo) for i in heads_in]
@@ -167,9 +174,65 @@ def _walk_heads_node(t: Tensor | None, bnsh: bool, depth: int, memo: dict) -> ob
     return splits[0]
 
 
-def _head_inputs(node: Node, ins: list[Tensor | None]) -> list[Tensor] | None:
+def _packed_part(t: Tensor | None) -> HeadSplit | None:
+    """[B,S,N,H] as one part of a packed projection before the heads' Transpose: ModernBERT's
+    ``Squeeze(Split(Reshape(x, [B,S,3,N,H]), axis=2), axis=2)``, or a Gather on that axis."""
+    if rank(t) != 4:
+        return None
+    node = producer(t, ("Squeeze", "Gather"))
+    if node is None:
+        return None
+    ins = inputs(node)
+    if node.op == "Squeeze":
+        axes = constant_value(ins[1]) if len(ins) > 1 else node.attrs.get("axes")
+        if axes is None or list(np.asarray(axes).reshape(-1)) not in ([2], [-3]):
+            return None
+        node = producer(ins[0], "Split")
+        if node is None:
+            return None
+    elif scalar(ins[1]) is None:
+        return None
+    if node.attrs.get("axis", 0) not in (2, -3):
+        return None
+    rs = producer(inputs(node)[0], "Reshape")
+    if rs is None or rank(rs.outputs[0]) != 5 or rank(inputs(rs)[0]) != 3:
+        return None
+    return HeadSplit(inputs(rs)[0], rs, "bsd")
+
+
+def _same_dims(reshape: Node) -> bool:
+    """Whether a Reshape of a rank-4 tensor provably keeps every dim (Falcon's
+    ``transpose(1, 2).reshape(B, N, S, H)`` after the heads' Transpose)."""
+    x, out = inputs(reshape)[0], reshape.outputs[0]
+    if rank(x) != 4 or rank(out) != 4:
+        return False
+    dims = current_dims()
+    elems = shape_elements(inputs(reshape)[1], dims)
+    if elems is None or len(elems) != 4:
+        return False
+    copy = _copy_key(reshape)
+    want = [dims.key(x, i) for i in range(4)]
+    free = [i for i, e in enumerate(elems) if e == ("int", -1)]
+    if len(free) > 1:
+        return False
+    return all(e in (*copy, w) for i, (e, w) in enumerate(zip(elems, want)) if i not in free)
+
+
+def _head_inputs(node: Node, ins: list[Tensor | None], bnsh: bool = True) -> list[Tensor] | None:
     """The inputs of ``node`` that may carry the heads when it is a per-head op, else None."""
     op = node.op
+    if op == "Reshape" and bnsh and _same_dims(node):
+        return [ins[0]]
+    if (
+        not bnsh
+        and rank(ins[0]) == 4
+        and (
+            (op == "Slice" and _slices_axis(node, ins, 2))
+            or (op == "Split" and node.attrs.get("axis", 0) in (2, -2))
+            or (op == "Gather" and node.attrs.get("axis", 0) in (2, -2) and _head_list(ins[1]))
+        )
+    ):
+        return [ins[0]]  # [B,S,N,H] before the heads' Transpose: some of the heads
     if op == "RotaryEmbedding" or op in _PER_HEAD_UNARY:
         if op == "Clip" and any(scalar(i) is None for i in ins[1:] if i is not None):
             return None
@@ -190,13 +253,24 @@ def _head_inputs(node: Node, ins: list[Tensor | None]) -> list[Tensor] | None:
     return None
 
 
+def _head_list(indices: Tensor | None) -> bool:
+    """Constant 1-D indices (Falcon's ``fused_qkv[..., [-2], :]``: the rank is kept)."""
+    value = constant_value(indices)
+    return value is not None and value.ndim == 1
+
+
+def _slices_axis(node: Node, ins: list[Tensor | None], axis: int) -> bool:
+    """Whether the Slice ``node`` of a rank-4 tensor cuts only ``axis`` (step 1)."""
+    axes = constant_value(ins[3]) if len(ins) > 3 and ins[3] is not None else None
+    steps = constant_value(ins[4]) if len(ins) > 4 and ins[4] is not None else None
+    if axes is None or (steps is not None and np.any(np.asarray(steps) != 1)):
+        return False
+    return list(np.asarray(axes).reshape(-1)) in ([axis - 4], [axis])
+
+
 def _last_axis_only(node: Node, ins: list[Tensor | None]) -> bool:
     if node.op == "Slice":
-        axes = constant_value(ins[3]) if len(ins) > 3 and ins[3] is not None else None
-        steps = constant_value(ins[4]) if len(ins) > 4 and ins[4] is not None else None
-        if axes is None or (steps is not None and np.any(np.asarray(steps) != 1)):
-            return False
-        return list(np.asarray(axes).reshape(-1)) in ([-1], [3])
+        return _slices_axis(node, ins, 3)
     return node.attrs.get("axis", 0 if node.op == "Split" else None) in (-1, 3)
 
 

@@ -40,9 +40,19 @@ def lower(a: Attention, b: Builder) -> Tensor:
     )
     q = rotated(b, a.q.rotary, q, a.num_heads, f"{a.core.root.name}/q_rotary")
     if a.q.layout == "bnsh":
-        q = _heads_merged(a, b, q)
+        q = heads_merged(b, q, a.num_heads * a.head_size, f"{a.core.root.name}/q")
     if a.gqa is not None:
         return _finish(a, b, lower_gqa(a, b, q))
+    name = a.core.root.name
+    if a.k.kept:
+        k = heads_merged(b, k, a.num_heads * a.head_size, f"{name}/k")
+    if a.v.kept:
+        v = heads_merged(b, v, a.num_heads * a.v_head_size, f"{name}/v")
+    if a.kv_broadcast:
+        k, v = (
+            _all_heads(b, k, a.num_heads, f"{name}/k"),
+            _all_heads(b, v, a.num_heads, f"{name}/v"),
+        )
     bias_in = attention_bias(a, b, q, k) if a.bias is not None else None
     if a.op == "Attention":
         attrs = {"q_num_heads": a.num_heads, "kv_num_heads": a.num_heads}
@@ -54,7 +64,6 @@ def lower(a: Attention, b: Builder) -> Tensor:
             ins.pop()
     if a.scale is not None:
         attrs["scale"] = float(a.scale)
-    name = a.core.root.name
     out = b.op(
         a.op, ins, attrs, domain=MS if a.op == "MultiHeadAttention" else "", name=f"{name}/{a.op}"
     )
@@ -76,13 +85,22 @@ def _finish(a: Attention, b: Builder, out: Tensor) -> Tensor:
     return _merged(a, b, out)
 
 
-def _heads_merged(a: Attention, b: Builder, q: Tensor) -> Tensor:
-    """A per-head query [B,N,S,H] as the kernel takes it: [B,S,N·H]."""
-    name = a.core.root.name
-    bsnh = b.op("Transpose", [q], {"perm": [0, 2, 1, 3]}, name=f"{name}/q_heads_first")
-    width = a.num_heads * a.head_size
-    target = b.const(np.array([0, 0, width], dtype=np.int64), "q_width")
-    out = b.op("Reshape", [bsnh, target], name=f"{name}/q_merged")
+def _all_heads(b: Builder, t: Tensor, heads: int, name: str) -> Tensor:
+    """A key or value of one head [B,1,T,H] repeated for every query head (multi-query
+    attention that the MatMuls broadcast): MultiHeadAttention takes as many as the query."""
+    ones = b.const(np.array([1, heads, 1, 1], dtype=np.int64), "all_heads")
+    out = b.op("Expand", [t, ones], name=f"{name}_all_heads")
+    out.dtype = dtype_of(t)
+    if t.shape is not None and len(t.shape) == 4:
+        out.shape = [t.shape[0], heads, t.shape[2], t.shape[3]]
+    return out
+
+
+def heads_merged(b: Builder, q: Tensor, width: int, name: str) -> Tensor:
+    """A per-head tensor [B,N,S,H] as the kernel takes it: [B,S,N·H]."""
+    bsnh = b.op("Transpose", [q], {"perm": [0, 2, 1, 3]}, name=f"{name}_heads_first")
+    target = b.const(np.array([0, 0, width], dtype=np.int64), "heads_width")
+    out = b.op("Reshape", [bsnh, target], name=f"{name}_merged")
     out.dtype = bsnh.dtype = dtype_of(q)
     if q.shape is not None and len(q.shape) == 4:
         bsnh.shape = [q.shape[0], q.shape[2], q.shape[1], q.shape[3]]
@@ -174,7 +192,8 @@ def attention_bias(
         return _tile_windows(a, b, bias, q)
     if plan.direct:
         return bias
-    k_axis = a.axis("k", "seq") if a.k.layout == "bnsh" else 1  # k is batch-first here
+    # k is batch-first here, and a per-head key merged to [B,T,D]
+    k_axis = a.axis("k", "seq") if a.k.layout == "bnsh" and not a.k.kept else 1
     cached = _shared_expand(b, bias, (q, 1), (k, k_axis)) if k is not None else None
     if cached is not None:
         return cached

@@ -71,6 +71,7 @@ class Attention:
     qkv_bias: QkvBias | None = None
     out_direct: bool = False
     gqa: GqaPlan | None = None  # lowered to GroupQueryAttention: the decoder's key/value caches
+    kv_broadcast: bool = False  # one key/value head [B,1,T,H] broadcast over the query heads
 
     def nodes(self) -> list[Node]:
         """Every node of the fusion, consumers first."""
@@ -97,7 +98,9 @@ def lift(root: Node) -> Attention:
         raise no_match()  # that Reshape is the root
     core = match_core(root)
     splits = [
-        split_heads(core.q, PERM_BNSH) or rotated_split(core.q) or per_head_split(core.q),
+        _of_3d(split_heads(core.q, PERM_BNSH))
+        or _of_3d(rotated_split(core.q))
+        or per_head_split(core.q),
         split_heads(core.kt, PERM_BNHS) or already_split(core.kt, PERM_BNHS),
         split_heads(core.v, PERM_BNSH) or already_split(core.v, PERM_BNSH),
     ]
@@ -111,7 +114,9 @@ def lift(root: Node) -> Attention:
                 t,
             )
     q, k, v = splits
-    if (k.layout == "bnsh") != (v.layout == "bnsh"):
+    if _per_head(k) != _per_head(v):
+        k, v = _kept_per_head(k), _kept_per_head(v)
+    if _per_head(k) != _per_head(v):
         raise unrecognized(
             LIFT,
             "one of K and V is split into heads and the other is already [B,N,T,H]",
@@ -126,6 +131,32 @@ def lift(root: Node) -> Attention:
             LIFT, "Q, K and V are not the parts 0, 1, 2 of one packed projection", core.softmax, q.x
         )
     return Attention(core, q, k, v, merge)
+
+
+def _of_3d(split: HeadSplit | None) -> HeadSplit | None:
+    """``split`` unless its source is known not to be [B,S,D] (the query of a fused
+    projection's head groups, Falcon's [B,S,G,r,H]: then walked as per-head)."""
+    if split is not None and split.layout == "bsd" and rank(split.x) not in (None, 3):
+        return None
+    return split
+
+
+def _per_head(split: HeadSplit) -> bool:
+    """Whether the kernel is given ``split`` as [B,N,T,H] (a cache), not as [B,T,D]."""
+    return split.layout == "bnsh" and not split.kept
+
+
+def _kept_per_head(split: HeadSplit) -> HeadSplit:
+    """A key or value [B,N,T,H] computed head by head from a split (rotary or a norm on the
+    key of an encoder) as a per-head tensor the kernel takes back as [B,T,N·H], so that it
+    pairs with the other one's [B,T,D] split; else ``split`` unchanged."""
+    if split.layout != "bnsh" or split.kept:
+        return split
+    kept = per_head_split(split.x)
+    if kept is None:
+        return split
+    kept.nodes = list(split.nodes)
+    return kept
 
 
 def _merged_readers(transpose: Node) -> list[Node]:
@@ -219,7 +250,7 @@ class FuseMultiHeadAttention(Rule):
             e.args_.update(stage=LOWER, tensor=a.q.x.name, softmax=a.core.softmax.name)
             raise
         a.op = op
-        if op == "Attention" and a.k.layout == "bnsh":
+        if op == "Attention" and a.k.layout == "bnsh" and not a.k.kept:
             raise _refused(
                 "no-kernel",
                 LOWER,
@@ -257,7 +288,9 @@ class FuseMultiHeadAttention(Rule):
                 bad[0][1].x,
             )
         (n, h), (nk, hk), (nv, hv) = heads
-        if (nk, hk) != (n, h) or nv != n:
+        if nk == nv == 1 < n and hk == h and a.k.layout == a.v.layout == "bnsh":
+            a.kv_broadcast = True  # multi-query: one key/value head the MatMuls broadcast
+        elif (nk, hk) != (n, h) or nv != n:
             raise _refused(
                 "dynamic-heads", LIFT, f"q, k and v split into different heads: {heads}", a, a.k.x
             )
