@@ -29,7 +29,7 @@ from test_llm_attention import (
 from test_rotary import freqs_mul
 
 from conftest import assert_optimized, codes, const, model, run, vi
-from graphopt.opt.ir import op_histogram
+from graphopt.opt.graph.ir import op_histogram
 
 RULE = "fuse-attention"
 
@@ -37,7 +37,7 @@ RULE = "fuse-attention"
 @pytest.fixture
 def rotary_unfused(monkeypatch):
     """cpu without the rotary fusion: the attention meets the exporter's rotate_half."""
-    from graphopt.opt import target as targets
+    from graphopt.opt.rewrite import target as targets
 
     cpu = targets.TARGETS["cpu"]
     off = cpu.disabled_rules | {"fuse-rotary-embedding"}

@@ -208,8 +208,8 @@ def test_no_lowering_picks_an_onnxruntime_defined_default_domain_op(target: str)
     lowering never picks them and names the next choice or why there is none."""
     from types import SimpleNamespace
 
-    from graphopt.opt.rewrite import NoMatch
-    from graphopt.opt.target import TARGETS
+    from graphopt.opt.rewrite.engine import NoMatch
+    from graphopt.opt.rewrite.target import TARGETS
     from graphopt.rules.activation import MS, lowering
 
     t = TARGETS[target]
