@@ -3,7 +3,8 @@
 ::
 
     scores = MatMul(Q·c_q, Kᵀ·c_k) [÷ c | · c]                        scale = c_q·c_k·c
-    z      = scores [+ bias …] | Where(cond, scores, −big) [+ bias …]
+    capped = scores | tanh(scores ÷ cap) · cap                  (logit soft-capping, Gemma 2)
+    z      = capped [+ bias …] | Where(cond, capped, −big) [+ bias …]
              [→ Swin's window regroup: Reshape(Reshape(z, [b,nW,N,S,T]) + W, [B,N,S,T])]
     P      = Softmax(z) [→ Where(IsNaN(P), 0, P)]        (SDPA exports of transformers ≥ 4.48)
     ctx    = MatMul(P, V) [→ Reshape to itself]
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from graphopt.opt.dims import current as current_dims
 from graphopt.opt.dims import rank
 from graphopt.opt.domains import MS, norm_domain
-from graphopt.opt.ir import Node, Tensor
+from graphopt.opt.ir import Node, Tensor, constant_value
 from graphopt.opt.rewrite import NoMatch
 
 from ..activation import inputs, no_match, producer, scalar
@@ -42,13 +43,22 @@ class Factor:
 
 
 @dataclass
+class SoftCap:
+    """Logit soft-capping ``Mul(Tanh(Div(s, cap) | Mul(s, 1/cap)), cap)`` of the scaled scores."""
+
+    cap: float
+    nodes: list[Node]  # consumers first: the outer Mul, the Tanh, the inner Div or Mul
+
+
+@dataclass
 class WindowRegroup:
-    """Swin's ``merge(split(z) + mask)`` around the per-window mask ``mask``."""
+    """Swin's ``merge(split(z) + mask [+ mask …])`` around the per-window masks ``masks``
+    (Swin v2 adds its mask twice); ``adds`` consumers first."""
 
     split: Node
-    add: Node
+    adds: list[Node]
     merge: Node
-    mask: Tensor
+    masks: list[Tensor]
 
 
 @dataclass
@@ -71,6 +81,7 @@ class Core:
     term_adds: list[Node] = field(default_factory=list)
     where: Node | None = None  # Where(cond, scores, fill) masking
     window: WindowRegroup | None = None
+    softcap: SoftCap | None = None
     nan_guard: tuple[Node, Node] | None = None  # (Where, IsNaN)
     mid_reshape: Node | None = None
 
@@ -80,8 +91,9 @@ class Core:
         found += [self.mid_reshape] if self.mid_reshape is not None else []
         found += [self.pv] + (list(self.nan_guard) if self.nan_guard else []) + [self.softmax]
         if self.window is not None:
-            found += [self.window.merge, self.window.add, self.window.split]
+            found += [self.window.merge, *self.window.adds, self.window.split]
         found += self.term_adds[::-1] + ([self.where] if self.where is not None else [])
+        found += self.softcap.nodes if self.softcap is not None else []
         return found + [f.node for f in self.factors] + [self.qk]
 
 
@@ -169,6 +181,9 @@ def _peel_scores(core: Core, z: Tensor) -> None:
     where = producer(z, "Where")
     if where is not None and is_scores(inputs(where)[1]):
         core.where, z = where, inputs(where)[1]
+    core.softcap = soft_cap(z)
+    if core.softcap is not None:
+        z = inputs(core.softcap.nodes[-1])[0]
     scores, factors = strip_scale(z)
     mm = producer(scores, "MatMul")
     if mm is None:
@@ -185,6 +200,30 @@ def _peel_scores(core: Core, z: Tensor) -> None:
     core.factors = factors + fq + fk
 
 
+def soft_cap(t: Tensor | None) -> SoftCap | None:
+    """``t`` = ``tanh(s / cap) · cap`` (the inner step a Div by ``cap`` or a Mul by ``1/cap``,
+    both positive scalar constants, within fp32 rounding of each other), else None."""
+    outer = producer(t, "Mul")
+    if outer is None:
+        return None
+    for th, c in (inputs(outer), inputs(outer)[::-1]):
+        tanh = producer(th, "Tanh")
+        cap = scalar(c)
+        inner = producer(inputs(tanh)[0], ("Div", "Mul")) if tanh is not None else None
+        if inner is None or cap is None or cap <= 0 or len(th.outputs) != 1:
+            continue
+        a, b = inputs(inner)
+        if inner.op == "Mul" and scalar(a) is not None and scalar(b) is None:
+            a, b = b, a
+        d = scalar(b)
+        if d is None or d <= 0:
+            continue
+        inv = d if inner.op == "Div" else 1.0 / d
+        if abs(inv - cap) <= 1e-6 * cap:
+            return SoftCap(float(cap), [outer, tanh, inner])
+    return None
+
+
 def strip_scale(t: Tensor | None) -> tuple[Tensor | None, list[Factor]]:
     """``t`` = ``u · c`` or ``u / c`` (at most one): (u, [factor])."""
     node = producer(t, ("Mul", "Div"))
@@ -192,6 +231,8 @@ def strip_scale(t: Tensor | None) -> tuple[Tensor | None, list[Factor]]:
         return t, []
     ins = inputs(node)
     if node.op == "Div":
+        if constant_value(ins[1]) is None and rank(ins[1]) not in (None, 0, 1):
+            return t, []  # a computed per-row divisor: a norm (cosine attention), not a scale
         return ins[0], [Factor(ins[1], True, node)]
     for u, c in ((ins[0], ins[1]), (ins[1], ins[0])):
         scaled = producer(u, _SCALED) is not None or _rotated(u)
@@ -237,6 +278,9 @@ def is_scores(t: Tensor | None, depth: int = _MAX_TERMS) -> bool:
     where = producer(t, "Where")
     if where is not None:
         t = inputs(where)[1]
+    cap = soft_cap(t)
+    if cap is not None:
+        t = inputs(cap.nodes[-1])[0]
     mm = producer(strip_scale(t)[0], "MatMul")
     if mm is not None:
         right = strip_scale(inputs(mm)[1])[0]
@@ -246,15 +290,26 @@ def is_scores(t: Tensor | None, depth: int = _MAX_TERMS) -> bool:
 
 
 def _window_regroup(z: Tensor) -> WindowRegroup | None:
-    """``z`` = Reshape(Add(Reshape(z0, 5-D), M5), 4-D) with ``z0`` the (biased) scores."""
+    """``z`` = Reshape(Add(Reshape(z0, 5-D), M5) [+ M5' …], 4-D) with ``z0`` the (biased)
+    scores."""
     merge = producer(z, "Reshape")
-    add = producer(inputs(merge)[0], "Add") if merge is not None else None
-    if add is None or rank(z) != 4:
+    if merge is None or rank(z) != 4:
         return None
-    for s_t, m_t in (inputs(add), inputs(add)[::-1]):
-        split = producer(s_t, "Reshape")
-        if split is not None and rank(s_t) == 5 and is_scores(inputs(split)[0]):
-            return WindowRegroup(split, add, merge, m_t)
+    t, adds, masks = inputs(merge)[0], [], []
+    for _ in range(_MAX_TERMS):
+        add = producer(t, "Add")
+        if add is None:
+            return None
+        for s_t, m_t in (inputs(add), inputs(add)[::-1]):
+            split = producer(s_t, "Reshape")
+            if split is not None and rank(s_t) == 5 and is_scores(inputs(split)[0]):
+                return WindowRegroup(split, [*adds, add], merge, [*masks, m_t])
+        inner = [s for s in inputs(add) if producer(s, "Add") is not None and rank(s) == 5]
+        if len(inner) != 1:
+            return None
+        adds.append(add)
+        masks.append(inputs(add)[1] if inputs(add)[0] is inner[0] else inputs(add)[0])
+        t = inner[0]
     return None
 
 
@@ -267,7 +322,7 @@ def _scores_folded(t: Tensor) -> bool:
             return False
         if node.op == "FusedMatMul" and norm_domain(node.domain) == MS:
             return True
-        if node.op not in ("Add", "Where", "Mul", "Div", "Reshape"):
+        if node.op not in ("Add", "Where", "Mul", "Div", "Reshape", "Tanh"):
             return False
         t = inputs(node)[1] if node.op == "Where" else inputs(node)[0]
     return False

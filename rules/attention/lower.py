@@ -41,6 +41,8 @@ def lower(a: Attention, b: Builder) -> Tensor:
     q = rotated(b, a.q.rotary, q, a.num_heads, f"{a.core.root.name}/q_rotary")
     if a.q.layout == "bnsh":
         q = _heads_merged(a, b, q)
+    if a.head_scale is not None:
+        q = _head_scaled(a, b, q)
     if a.gqa is not None:
         return _finish(a, b, lower_gqa(a, b, q))
     bias_in = attention_bias(a, b, q, k) if a.bias is not None else None
@@ -54,6 +56,8 @@ def lower(a: Attention, b: Builder) -> Tensor:
             ins.pop()
     if a.scale is not None:
         attrs["scale"] = float(a.scale)
+    if a.core.softcap is not None:  # the rule lowers soft-capped scores to Attention only
+        attrs["softcap"] = a.core.softcap.cap
     name = a.core.root.name
     out = b.op(
         a.op, ins, attrs, domain=MS if a.op == "MultiHeadAttention" else "", name=f"{name}/{a.op}"
@@ -74,6 +78,14 @@ def _finish(a: Attention, b: Builder, out: Tensor) -> Tensor:
     if a.core.out_layout == "sbd":
         out = b.op("Transpose", [out], {"perm": [1, 0, 2]}, name=f"{name}/seq_first")
     return _merged(a, b, out)
+
+
+def _head_scaled(a: Attention, b: Builder, q: Tensor) -> Tensor:
+    """``q`` [B,S,N·H] times its head's factor of the scores (each repeated over the head)."""
+    vec = np.repeat(a.head_scale, a.head_size).astype(dtype_of(q))
+    out = b.op("Mul", [q, b.const(vec, "head_scale")], name=f"{a.core.root.name}/q_head_scale")
+    out.dtype, out.shape = dtype_of(q), q.shape
+    return out
 
 
 def _heads_merged(a: Attention, b: Builder, q: Tensor) -> Tensor:
@@ -165,7 +177,7 @@ def attention_bias(
         parts.append(b.op("Where", [cond, zero, value], name=f"{name}/causal_bias"))
     parts += plan.terms
     if plan.window is not None:
-        parts.append(plan.window.mask)
+        parts += plan.window.masks
     bias = parts[0]
     for i, part in enumerate(parts[1:]):
         bias = b.op("Add", [bias, part], name=f"{name}/attention_bias{i or ''}")

@@ -28,9 +28,9 @@ STAGE = "2 (lift)"
 
 @dataclass
 class WindowPlan:
-    """Swin's shifted-window mask: ``mask`` [1, nW, N|1, S, T] with static ``dims`` nW, N, S, T."""
+    """Swin's shifted-window masks: each [1, nW, N|1, S, T] with static ``dims`` nW, N, S, T."""
 
-    mask: Tensor
+    masks: list[Tensor]
     dims: list[int]
 
 
@@ -127,19 +127,20 @@ def _window(core: Core, dims: Dims, qdt) -> WindowPlan:
             w.merge.outputs[0],
             sm,
         )
-    r = rank(w.mask)
-    if r is None or r > 5 or (r == 5 and w.mask.shape[0] != 1) or dtype_of(w.mask) != qdt:
-        raise mask_refused(
-            f"the window mask '{w.mask.name}' is not a {qdt} tensor of rank ≤ 5 "
-            "shared by every image",
-            w.mask,
-            sm,
-        )
+    for mask in w.masks:
+        r = rank(mask)
+        if r is None or r > 5 or (r == 5 and mask.shape[0] != 1) or dtype_of(mask) != qdt:
+            raise mask_refused(
+                f"the window mask '{mask.name}' is not a {qdt} tensor of rank ≤ 5 "
+                "shared by every image",
+                mask,
+                sm,
+            )
     cond = inputs(core.where)[0] if core.where is not None else None
     for t in [*core.terms, cond]:
         if t is not None and (rank(t) is None or (rank(t) >= 4 and t.shape[0] != 1)):
             raise mask_refused(f"the mask '{t.name}' varies over the windows' batch", t, sm)
-    return WindowPlan(w.mask, [e[1] for e in split[1:]])
+    return WindowPlan(list(w.masks), [e[1] for e in split[1:]])
 
 
 def _repeated_constant(t: Tensor | None) -> np.ndarray | None:

@@ -67,6 +67,7 @@ class Attention:
     head_size: int = 0
     v_head_size: int = 0
     scale: float | None = None
+    head_scale: np.ndarray | None = None  # a per-head factor [N] of the scores, folded into Q
     bias: BiasPlan | None = None
     qkv_bias: QkvBias | None = None
     out_direct: bool = False
@@ -111,6 +112,11 @@ def lift(root: Node) -> Attention:
                 t,
             )
     q, k, v = splits
+    if (k.layout == "bnsh") != (v.layout == "bnsh"):  # the split one is given per head too
+        if k.layout == "bnsh":
+            v = already_split(core.v, PERM_BNSH) or v
+        else:
+            k = already_split(core.kt, PERM_BNHS) or k
     if (k.layout == "bnsh") != (v.layout == "bnsh"):
         raise unrecognized(
             LIFT,
@@ -203,14 +209,21 @@ class FuseMultiHeadAttention(Rule):
     def _lowering(self, a: Attention, cx) -> None:
         """Stage 3: the kernel the target has, whether it pays, and the bias it takes."""
         causal = cx.target.kernel_attributes.get("GroupQueryAttention", {}).get("causal")
-        if (causal is None or "0" in causal) and cx.target.has_kernel(
-            "GroupQueryAttention", MS, 1, float_type(a.q.x)
-        ):
-            a.gqa = plan_gqa(a, current_dims(), cx.options.get(OPTION) == "generate")
+        gqa_kernel = cx.target.has_kernel("GroupQueryAttention", MS, 1, float_type(a.q.x))
+        if (causal is None or "0" in causal) and gqa_kernel:
+            a.gqa = plan_gqa(
+                a,
+                current_dims(),
+                cx.options.get(OPTION) == "generate",
+                without_past=a.core.softcap is not None,
+            )
             if a.gqa is not None:
                 a.op = "GroupQueryAttention"
                 _note_declared(a, cx)
                 return
+        if a.core.softcap is not None:
+            self._softcap_lowering(a, cx, gqa_kernel, causal)
+            return
         choices = [("MultiHeadAttention", MS, None, {}), ("Attention", "", 23, {})]
         try:
             op, _, _ = lowering(cx, choices, float_type(a.q.x), "attention", "MatMul")
@@ -230,7 +243,49 @@ class FuseMultiHeadAttention(Rule):
             )
         if op == "MultiHeadAttention":
             self._check_pays(a, cx)
-            a.qkv_bias = _qkv_bias(a, cx)
+            # the kernel adds q's bias before the scores: a per-head scale of q cannot take it
+            a.qkv_bias = _qkv_bias(a, cx) if a.head_scale is None else None
+
+    def _softcap_lowering(self, a: Attention, cx, gqa_kernel: bool, causal) -> None:
+        """Soft-capped scores: the ONNX Attention op (opset ≥ 23: ``softcap`` before the mask,
+        as the model caps them) on [B,S,D] keys, else a miss naming what each kernel lacks.
+        MultiHeadAttention has no softcap."""
+        cap = a.core.softcap.cap
+        t = cx.target.name
+        opset_ok = cx.ir.opset >= 23 and cx.target.has_kernel(
+            "Attention", "", cx.ir.opset, float_type(a.q.x)
+        )
+        if opset_ok and a.k.layout != "bnsh":
+            a.op = "Attention"
+            return
+        if not gqa_kernel:
+            gqa = f"target {t} has no GroupQueryAttention kernel"
+        elif causal is not None and "0" not in causal:
+            gqa = (
+                f"target {t} takes GroupQueryAttention only with causal=1 "
+                f"({cx.target.kernel_attributes_why.get('GroupQueryAttention', '')})"
+            )
+        else:
+            gqa = (
+                "GroupQueryAttention reads a decoder's own keys and values: a cache "
+                "Concat(past, new) with a batch or new-token count provably 1 (or "
+                f"{OPTION}=generate), or the new [B,S,Nkv·H] keys alone, split batch-first"
+            )
+        if cx.ir.opset < 23:
+            onnx_att = f"the ONNX Attention op needs opset ≥ 23 (the model has {cx.ir.opset})"
+        elif a.k.layout == "bnsh":
+            onnx_att = f"the ONNX Attention op is given 3-D keys here, not '{a.k.x.name}' per head"
+        else:
+            onnx_att = f"target {t} has no ONNX Attention kernel at opset {cx.ir.opset}"
+        raise _refused(
+            "no-kernel",
+            LOWER,
+            f"the scores are soft-capped (tanh(s/{cap:g})·{cap:g}) before the mask; "
+            f"MultiHeadAttention has no softcap, {gqa}, and {onnx_att}",
+            a,
+            a.core.softcap.nodes[0].outputs[0],
+            softcap=cap,
+        )
 
     def _check_softmax(self, a: Attention, cx) -> None:
         # before opset 13 a Softmax without axis flattens from axis 1: not a per-row softmax
@@ -317,9 +372,13 @@ class FuseMultiHeadAttention(Rule):
                     a,
                     f.value,
                 )
-        total = 1.0
+        total, per_head = 1.0, []
         for f in a.core.factors:
             s = scalar(f.value)
+            heads = _per_head(constant_value(f.value), a.num_heads) if s is None else None
+            if heads is not None:
+                per_head.append(1.0 / heads if f.divides else heads)
+                continue
             if s is None or s == 0:
                 shape = list(constant_value(f.value).shape)
                 raise _refused(
@@ -327,7 +386,7 @@ class FuseMultiHeadAttention(Rule):
                     "1 (core)",
                     f"the attention scale "
                     f"'{f.value.name}' of shape {shape} is not one non-zero scalar "
-                    "(per-head scales cannot be a kernel attribute)",
+                    f"(nor one per head of {a.num_heads}, [N,1,1])",
                     a,
                     f.value,
                 )
@@ -342,6 +401,18 @@ class FuseMultiHeadAttention(Rule):
                 seen=total,
             )
         default = 1.0 / math.sqrt(a.head_size)
+        if per_head:
+            # cosine attention's learned logit scale: each head's factor multiplies its query
+            a.head_scale = np.prod(per_head, axis=0)
+            if not np.all(np.isfinite(a.head_scale)):
+                raise _refused(
+                    "scale-mismatch",
+                    "1 (core)",
+                    "the per-head attention scale is not finite",
+                    a,
+                    None,
+                )
+            return total  # the kernel's scale then holds the scalar factors alone
         return None if abs(total - default) <= 1e-6 * default else total
 
     # -------------------------------------------------------------------- rewrite
@@ -349,10 +420,21 @@ class FuseMultiHeadAttention(Rule):
         return [lower(m.attention, b)]
 
 
+def _per_head(v: np.ndarray | None, heads: int) -> np.ndarray | None:
+    """The [N] values of a constant factor that is one number per head ([N,1,1] or
+    [1,N,1,1] against the [B,N,S,T] scores), else None."""
+    if v is None or v.ndim > 4 or v.size != heads or heads <= 1:
+        return None
+    shape = (1,) * (4 - v.ndim) + tuple(v.shape)
+    if shape != (1, heads, 1, 1):
+        return None
+    return v.reshape(heads).astype(np.float64)
+
+
 def _note_declared(a: Attention, cx) -> None:
     """An analysis remark when GroupQueryAttention rests on the user's declaration."""
     dims = current_dims()
-    if ("int", 1) in (dims.key(a.q.x, 0), dims.key(a.q.x, 1)):
+    if ("int", 1) in (dims.key(a.q.x, 0), dims.key(a.q.x, 1)) or a.gqa.key.past is None:
         return
     cx.remarks.add(
         Remark(
