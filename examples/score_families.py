@@ -139,7 +139,7 @@ def build_deberta_v2() -> Net:
     )
     return _text_net(
         DebertaV2Model(config),
-        ["input_ids", "attention_mask", "token_type_ids"],
+        ["input_ids", "attention_mask"],
         ["last_hidden_state"],
     )
 

@@ -171,11 +171,13 @@ def attention_bias(
     plan, dt, name = a.bias, dtype_of(a.q.x), a.core.root.name
     parts = []
     if plan.where is not None:
-        cond, fill = plan.where
+        cond, fill, fills_true = plan.where
         zero = b.const(np.zeros((), dtype=dt), "zero")
         value = b.const(np.asarray(fill, dtype=dt), "mask_value")
-        parts.append(b.op("Where", [cond, zero, value], name=f"{name}/causal_bias"))
+        picks = [value, zero] if fills_true else [zero, value]
+        parts.append(b.op("Where", [cond, *picks], name=f"{name}/causal_bias"))
     parts += plan.terms
+    parts += [_unfolded_term(a, b, t) for t in plan.folded]
     if plan.window is not None:
         parts += plan.window.masks
     bias = parts[0]
@@ -196,6 +198,18 @@ def attention_bias(
     ones = b.const(np.ones(2, dtype=np.int64), "bias_prefix")
     shape = b.op("Concat", [ones, *lens], {"axis": 0}, name=f"{name}/bias_shape")
     return b.op("Expand", [bias, shape], name=f"{name}/attention_bias_expand")
+
+
+def _unfolded_term(a: Attention, b: Builder, t: Tensor) -> Tensor:
+    """A term [B·N, S|1, T] of the folded scores as [B, N, S|1, T]."""
+    name = a.core.root.name
+    lead = b.const(np.array([-1, a.num_heads], dtype=np.int64), "unfold_heads")
+    tail = b.op("Shape", [t], {"start": 1}, name=f"{name}/term_dims")
+    tail.dtype = np.dtype(np.int64)
+    shape = b.op("Concat", [lead, tail], {"axis": 0}, name=f"{name}/term_shape")
+    out = b.op("Reshape", [t, shape], name=f"{name}/term_unfolded")
+    out.dtype = dtype_of(t)
+    return out
 
 
 def _tile_windows(a: Attention, b: Builder, bias: Tensor, q: Tensor) -> Tensor:

@@ -41,7 +41,8 @@ class BiasPlan:
     [1, 1, S, T] at run time."""
 
     terms: list[Tensor] = field(default_factory=list)
-    where: tuple[Tensor, float] | None = None  # (cond, fill)
+    folded: list[Tensor] = field(default_factory=list)  # terms [B·N|1, S|1, T] of folded heads
+    where: tuple[Tensor, float, bool] | None = None  # (cond, fill, fill where cond holds)
     window: WindowPlan | None = None
     direct: bool = False
 
@@ -61,9 +62,19 @@ def plan_bias(core: Core, q_seq: Key, k_seq: Key, dims: Dims) -> BiasPlan | None
     qdt = dtype_of(core.q)
     sm = core.softmax.name
     terms = [t for t in core.terms if not is_zero(t)]
-    plan = BiasPlan(terms=terms)
+    folded = [t for t in core.fold.terms if not is_zero(t)] if core.fold is not None else []
+    plan = BiasPlan(terms=terms, folded=folded)
+    for t in folded:
+        if rank(t) != 3 or dtype_of(t) != qdt:
+            raise mask_refused(
+                f"the additive term '{t.name}' of the folded scores is not a {qdt} tensor "
+                "[B·N, S|1, T]",
+                t,
+                sm,
+            )
     if core.where is not None:
-        cond, _, fill = inputs(core.where)
+        cond, a, b = inputs(core.where)
+        fill = a if core.where_fills_true else b
         val = scalar(fill)
         if val is None or val > -1e30:
             raise mask_refused(
@@ -76,7 +87,7 @@ def plan_bias(core: Core, q_seq: Key, k_seq: Key, dims: Dims) -> BiasPlan | None
             raise mask_refused(
                 f"the Where mask condition '{cond.name}' is not a bool tensor of rank ≤ 4", cond, sm
             )
-        plan.where = (cond, val)
+        plan.where = (cond, val, core.where_fills_true)
     for t in terms:
         if rank(t) is None or rank(t) > 4:
             raise mask_refused(
@@ -88,10 +99,13 @@ def plan_bias(core: Core, q_seq: Key, k_seq: Key, dims: Dims) -> BiasPlan | None
             )
     if core.window is not None:
         plan.window = _window(core, dims, qdt)
-    elif not terms and plan.where is None:
+    elif not terms and not folded and plan.where is None:
         return None
     plan.direct = plan.window is not None or (
-        plan.where is None and _provably(terms, 2, q_seq, dims) and _provably(terms, 3, k_seq, dims)
+        plan.where is None
+        and not folded
+        and _provably(terms, 2, q_seq, dims)
+        and _provably(terms, 3, k_seq, dims)
     )
     return plan
 

@@ -97,9 +97,10 @@ def lift(root: Node) -> Attention:
     elif [r.op for r in _merged_readers(root)] == ["Reshape"]:
         raise no_match()  # that Reshape is the root
     core = match_core(root)
+    kperm = PERM_BNSH if core.fold is not None and core.fold.k_plain else PERM_BNHS
     splits = [
         split_heads(core.q, PERM_BNSH) or rotated_split(core.q) or per_head_split(core.q),
-        split_heads(core.kt, PERM_BNHS) or already_split(core.kt, PERM_BNHS),
+        split_heads(core.kt, kperm) or already_split(core.kt, kperm),
         split_heads(core.v, PERM_BNSH) or already_split(core.v, PERM_BNSH),
     ]
     for name, split, t in zip(("Q", "Kᵀ", "V"), splits, (core.q, core.kt, core.v)):
@@ -162,7 +163,8 @@ class FuseMultiHeadAttention(Rule):
 
     def match(self, node, cx):
         a = lift(node)
-        m = Match(node, {f"node{i}": n for i, n in enumerate(a.nodes())})
+        nodes = a.nodes() if a.core.fold is None else _shared_splits_kept(a, cx)
+        m = Match(node, {f"node{i}": n for i, n in enumerate(nodes)})
         m.stash(attention=a)
         return m
 
@@ -197,6 +199,8 @@ class FuseMultiHeadAttention(Rule):
                 a,
                 a.core.mid_reshape.outputs[0],
             )
+        if a.core.fold is not None:
+            self._check_fold(a, dims)
         a.out_direct = _out_direct(a, dims)
         q_seq = dims.key(a.q.x, a.axis("q", "seq"))
         k_seq = dims.key(a.k.x, a.axis("k", "seq"))
@@ -243,8 +247,10 @@ class FuseMultiHeadAttention(Rule):
             )
         if op == "MultiHeadAttention":
             self._check_pays(a, cx)
-            # the kernel adds q's bias before the scores: a per-head scale of q cannot take it
-            a.qkv_bias = _qkv_bias(a, cx) if a.head_scale is None else None
+            # the kernel adds q's bias before the scores: a per-head scale of q cannot take it;
+            # folded heads may keep their splits for other readers, which read the biased sums
+            plain = a.head_scale is None and a.core.fold is None
+            a.qkv_bias = _qkv_bias(a, cx) if plain else None
 
     def _softcap_lowering(self, a: Attention, cx, gqa_kernel: bool, causal) -> None:
         """Soft-capped scores: the ONNX Attention op (opset ≥ 23: ``softcap`` before the mask,
@@ -286,6 +292,40 @@ class FuseMultiHeadAttention(Rule):
             a.core.softcap.nodes[0].outputs[0],
             softcap=cap,
         )
+
+    def _check_fold(self, a: Attention, dims: Dims) -> None:
+        """Folded batch and heads: the scores are unfolded to [B,N,S,T] with the query's heads
+        at axis 1, and P·V [B·N,S,H] back to [B,N,S,H] (then merged by the root)."""
+        z4 = a.core.fold.scores.outputs[0]
+        if dims.key(z4, 1) != ("int", a.num_heads):
+            raise _refused(
+                "reshape-not-identity",
+                LIFT,
+                f"the folded scores are unfolded to {dims.key(z4, 1)} heads at axis 1, not the "
+                f"{a.num_heads} heads of the query",
+                a,
+                z4,
+            )
+        c, mid = a.core, a.core.mid_reshape
+        elems = shape_elements(inputs(mid)[1], dims) if mid is not None else None
+        want = [
+            {dims.key(a.q.x, a.axis("q", "batch")), dims.key(c.q, 0), dims.key(c.probs, 0)},
+            {("int", a.num_heads)},
+            {dims.key(a.q.x, a.axis("q", "seq")), dims.key(c.q, 2), dims.key(c.probs, 2)},
+            {("int", a.v_head_size), dims.key(c.v, 3)},
+        ]
+        minus_one = sum(e == ("int", -1) for e in elems or [])
+        ok = elems is not None and len(elems) == 4 and minus_one <= 1
+        if ok and not all(e in w or e == ("int", -1) for e, w in zip(elems, want)):
+            ok = False
+        if not ok:
+            raise _refused(
+                "reshape-not-identity",
+                LIFT,
+                f"P·V over folded batch and heads is not provably unfolded to [B,N,S,H] ({elems})",
+                a,
+                a.core.ctx,
+            )
 
     def _check_softmax(self, a: Attention, cx) -> None:
         # before opset 13 a Softmax without axis flattens from axis 1: not a per-row softmax
@@ -451,10 +491,31 @@ def _note_declared(a: Attention, cx) -> None:
     )
 
 
+def _shared_splits_kept(a: Attention, cx) -> list[Node]:
+    """The fusion's nodes less the head splits that other nodes still read (the folded heads
+    of bmm-style exports feed position terms too, DeBERTa's c2p); such a split stays."""
+    nodes = a.nodes()
+    splits = {id(n) for s in (a.q, a.k, a.v) for n in [*s.nodes, s.reshape] if n is not None}
+    inside = {id(n) for n in nodes}
+    changed = True
+    while changed:
+        changed = False
+        for n in nodes:
+            if id(n) not in splits or id(n) not in inside:
+                continue
+            for out in n.outputs:
+                readers = [c for c in out.outputs if c.op != "Shape" and id(c) not in inside]
+                if readers or cx.ir.is_graph_output(out):
+                    inside.discard(id(n))
+                    changed = True
+                    break
+    return [n for n in nodes if id(n) in inside]
+
+
 def _mid_is_identity(a: Attention, dims: Dims) -> bool:
     """Whether the Reshape between P·V and the merge provably keeps [B,N,S,H]."""
     mid = a.core.mid_reshape
-    if mid is None:
+    if mid is None or a.core.fold is not None:  # folded: checked by _check_fold
         return True
     c = a.core
     ctx = inputs(mid)[0]
