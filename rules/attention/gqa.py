@@ -78,9 +78,15 @@ def plan_gqa(
     tokens need not be provably 1.  ``without_past``: a decoder's attention over its new keys
     alone (no cache) may lower too (GroupQueryAttention without past_key, at any batch: what
     soft-capped scores need, the one kernel with ``softcap`` before the mask)."""
-    if a.k.layout != "bnsh" or a.q.layout != "bsd" or a.qkv_bias is not None:
-        return None
+    if a.q.layout != "bsd" or a.qkv_bias is not None or a.head_size % 8:
+        return None  # onnxruntime 1.32's kernel: "head_size must be a multiple of 8"
     batch, seq = dims.key(a.q.x, 0), dims.key(a.q.x, 1)
+    if without_past and a.k.layout == a.v.layout == "bsd":  # plain batch-first key and value
+        key, value = (KvCache(None, None, s, a.num_heads) for s in (a.k, a.v))
+        same = all(dims.key(s.x, 1) == seq for s in (a.k, a.v))
+        return GqaPlan(key, value) if same and a.v_head_size == a.head_size else None
+    if a.k.layout != "bnsh":
+        return None
     key, value = _cache(a.k.x, a, dims, True), _cache(a.v.x, a, dims, False)
     if key is None or value is None or key.kv_heads != value.kv_heads:
         return None

@@ -205,10 +205,13 @@ def _unfolded_term(a: Attention, b: Builder, t: Tensor) -> Tensor:
     name = a.core.root.name
     lead = b.const(np.array([-1, a.num_heads], dtype=np.int64), "unfold_heads")
     tail = b.op("Shape", [t], {"start": 1}, name=f"{name}/term_dims")
-    tail.dtype = np.dtype(np.int64)
     shape = b.op("Concat", [lead, tail], {"axis": 0}, name=f"{name}/term_shape")
+    tail.dtype = shape.dtype = np.dtype(np.int64)
+    tail.shape, shape.shape = [2], [4]
     out = b.op("Reshape", [t, shape], name=f"{name}/term_unfolded")
     out.dtype = dtype_of(t)
+    if t.shape is not None and len(t.shape) == 3:
+        out.shape = [None, a.num_heads, t.shape[1], t.shape[2]]
     return out
 
 

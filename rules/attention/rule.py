@@ -273,9 +273,10 @@ class FuseMultiHeadAttention(Rule):
             )
         else:
             gqa = (
-                "GroupQueryAttention reads a decoder's own keys and values: a cache "
+                "GroupQueryAttention reads a decoder's own keys and values (a cache "
                 "Concat(past, new) with a batch or new-token count provably 1 (or "
-                f"{OPTION}=generate), or the new [B,S,Nkv·H] keys alone, split batch-first"
+                f"{OPTION}=generate), or the new [B,S,Nkv·H] keys alone, split batch-first) "
+                "with a head size that is a multiple of 8"
             )
         if cx.ir.opset < 23:
             onnx_att = f"the ONNX Attention op needs opset ≥ 23 (the model has {cx.ir.opset})"
