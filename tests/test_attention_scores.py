@@ -173,14 +173,30 @@ def test_additive_terms_of_any_provenance_sum_into_attention_bias(target):
     assert attention_ops(out) == {"MultiHeadAttention": 1} and codes(report, RULE) == []
 
 
-def folded(term: str):
+def interleaved_heads(g: Graph) -> tuple[str, str, str]:
+    """Bloom's fused projection, q/k/v interleaved per head: Gather(Reshape(x·W, [B,S,N,3,H]),
+    i, axis=3) transposed to [B,N,S,H]."""
+    w = g.const("Wqkv", g.rng.standard_normal((D, 3 * D)) * 0.5)
+    p = g.add("MatMul", ["x", w], "qkv_proj")
+    r = g.add("Reshape", [p, g.const("qkv5", [0, 0, N, 3, H], np.int64)], "qkv5d")
+    out = []
+    for i, name in enumerate("qkv"):
+        t = g.add("Gather", [r, g.const(f"i{i}", i, np.int64)], f"{name}_bsnh", axis=3)
+        out.append(g.add("Transpose", [t], f"{name}_h", perm=[0, 2, 1, 3]))
+    return out[0], out[1], out[2]
+
+
+def folded(term: str, qkv: str = "separate"):
     """bmm-style scores: Q3 [B·N,S,H] = Reshape(Q), Kᵀ3 = Transpose(Reshape(K)), the scores
     [B·N,S,T] plus a folded term, unfolded to [B,N,S,T] for the mask and the Softmax, then
     folded back for P·V (Bloom's baddbmm with ALiBi, DeBERTa's c2p)."""
     g = Graph(3, static=True)
     g.inputs.append(vi("mask_bias", [B, 1, 1, S]))
     fold = g.const("fold3", [-1, S, H], np.int64)
-    q, k, v = g.heads("q"), g.heads("k"), g.heads("v")
+    if qkv == "interleaved":
+        q, k, v = interleaved_heads(g)
+    else:
+        q, k, v = g.heads("q"), g.heads("k"), g.heads("v")
     q3 = g.add("Reshape", [q, fold], "q3")
     k3 = g.add("Reshape", [k, fold], "k3")
     kt3 = g.add("Transpose", [k3], "kt3", perm=[0, 2, 1])
@@ -201,9 +217,15 @@ def folded(term: str):
     return g.finish(p3, v, folded=True)
 
 
-@pytest.mark.parametrize("term", ["slopes", "query-position"])
-def test_batch_and_heads_folded_around_the_softmax_fuse(term):
-    out, report = run(folded(term), target="cuda", inputs=feed(mask_bias=padding_bias()))
+@pytest.mark.parametrize(
+    "term, qkv",
+    [("slopes", "separate"), ("query-position", "separate"), ("slopes", "interleaved")],
+)
+def test_batch_and_heads_folded_around_the_softmax_fuse(term, qkv):
+    """Also with q, k and v interleaved per head in one projection: they reach the kernel per
+    head ([B,S,N·H] for the query, [B,N,T,H] for key and value)."""
+    m = folded(term, qkv)
+    out, report = run(m, target="cuda", inputs=feed(mask_bias=padding_bias()))
     assert report.parity.ran and report.parity.ok, report.parity
     assert attention_ops(out) == {"MultiHeadAttention": 1} and codes(report, RULE) == []
     assert "Softmax" not in op_histogram(out.graph.node)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from graphopt.opt.dims import Dims, rank, shape_elements
+from graphopt.opt.dims import Dims, arith, rank, shape_elements
 from graphopt.opt.dims import current as current_dims
 from graphopt.opt.ir import Constant, Node, Tensor, constant_value, dtype_of
 from graphopt.opt.manager import register_rule
@@ -99,7 +99,10 @@ def lift(root: Node) -> Attention:
     core = match_core(root)
     kperm = PERM_BNSH if core.fold is not None and core.fold.k_plain else PERM_BNHS
     splits = [
-        split_heads(core.q, PERM_BNSH) or rotated_split(core.q) or per_head_split(core.q),
+        split_heads(core.q, PERM_BNSH)
+        or rotated_split(core.q)
+        or per_head_split(core.q)
+        or _query_per_head(core),
         split_heads(core.kt, kperm) or already_split(core.kt, kperm),
         split_heads(core.v, PERM_BNSH) or already_split(core.v, PERM_BNSH),
     ]
@@ -133,6 +136,15 @@ def lift(root: Node) -> Attention:
             LIFT, "Q, K and V are not the parts 0, 1, 2 of one packed projection", core.softmax, q.x
         )
     return Attention(core, q, k, v, merge)
+
+
+def _query_per_head(core: Core) -> HeadSplit | None:
+    """Folded heads only: a query [B,N,S,H] computed some other way (Bloom's per-head
+    interleaved q/k/v: ``Gather(Reshape(x, [B,S,N,3,H]), i, axis=3)``) goes to the kernel as
+    it is, merged to [B,S,N·H]; its key and value then go per head too."""
+    if core.fold is None or rank(core.q) != 4:
+        return None
+    return HeadSplit(core.q, None, "bnsh", [], kept=True)
 
 
 def _merged_readers(transpose: Node) -> list[Node]:
@@ -309,8 +321,10 @@ class FuseMultiHeadAttention(Rule):
             )
         c, mid = a.core, a.core.mid_reshape
         elems = shape_elements(inputs(mid)[1], dims) if mid is not None else None
-        want = [
-            {dims.key(a.q.x, a.axis("q", "batch")), dims.key(c.q, 0), dims.key(c.probs, 0)},
+        heads = ("int", a.num_heads)
+        want = [  # P·V [B·N,S,H] is as many rows as the folded V: B is them over N
+            {dims.key(a.q.x, a.axis("q", "batch")), dims.key(c.q, 0), dims.key(c.probs, 0)}
+            | {arith("Div", dims.key(c.ctx, 0), heads)},
             {("int", a.num_heads)},
             {dims.key(a.q.x, a.axis("q", "seq")), dims.key(c.q, 2), dims.key(c.probs, 2)},
             {("int", a.v_head_size), dims.key(c.v, 3)},
