@@ -64,6 +64,7 @@ from export_utils import (
     write_shapes,
 )
 from make_examples import ESRGAN, check_pixel_shuffle
+from score_families import score_models
 
 # ---------------------------------------------------------------------------- builders
 
@@ -492,6 +493,7 @@ MODELS: dict[str, Spec] = {
     "resnet50_kiai": Spec(torchvision_net("resnet50"), "resnet50", keep_bn=True, kiai=True),
     "bert_base_kiai": Spec(build_bert_base, "bert_base", kiai=True),
 }
+MODELS.update(score_models(Spec))
 
 
 def produce(name: str, out_dir: str, reuse_base: bool) -> dict:

@@ -155,11 +155,12 @@ def attention(
         inits.append(const("c", math.sqrt(H), dtype))
         nodes.append(helper.make_node("Div", ["qk", "c"], ["sc"]))
         s = "sc"
-    elif scale in ("mul", "custom", "per-head"):
+    elif scale in ("mul", "custom", "per-head", "zero"):
         value = {
             "mul": 1 / math.sqrt(H),
             "custom": 0.2,
             "per-head": np.array([0.5, 0.25]).reshape(1, N, 1, 1),
+            "zero": 0.0,
         }[scale]
         inits.append(const("c", value, dtype))
         nodes.append(helper.make_node("Mul", ["c", "qk"], ["sc"]))
@@ -433,8 +434,19 @@ def test_mild_where_mask_is_missed():
     assert "Softmax" in hist(out) and report.parity.ok
 
 
-def test_per_head_scale_is_missed():
+def test_per_head_scale_folds_into_the_query():
+    """One factor per head [1,N,1,1] (cosine attention's logit scale) multiplies each head's
+    query; the kernel's scale is then 1."""
     out, report = run(attention(scale="per-head"))
+    assert codes(report, RULE) == [] and "Softmax" not in hist(out)
+    mha = [n for n in out.graph.node if n.op_type == "MultiHeadAttention"]
+    attrs = {a.name: helper.get_attribute_value(a) for a in mha[0].attribute} if mha else {}
+    assert len(mha) == 1 and attrs["scale"] == 1.0
+    assert report.parity.ok
+
+
+def test_zero_scale_is_missed():
+    out, report = run(attention(scale="zero"))
     assert codes(report, RULE) == ["scale-mismatch"]
     assert report.parity.ok
 

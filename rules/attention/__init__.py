@@ -6,7 +6,11 @@ its MatMuls), in three stages, each a module with typed results:
 1. core (:mod:`.core`): read back from the Transpose that merges the heads —
    ``MatMul(Q·c_q, Kᵀ·c_k) [·c | ÷c]``, additive terms, a ``Where(cond, scores, −big)`` mask,
    Swin's window regroup, ``Softmax`` (with the ``Where(IsNaN(P), 0, P)`` guard of SDPA
-   exports), ``MatMul(P, V)`` [→ a Reshape to itself].
+   exports), ``MatMul(P, V)`` [→ a Reshape to itself]; logit soft-capping
+   ``tanh(s/c)·c`` before the mask (lowered only to a kernel with ``softcap``: GroupQueryAttention,
+   or ONNX Attention at opset ≥ 23); ``masked_fill``'s ``Where(cond, fill, scores)``; batch and
+   heads folded into one axis around the Softmax (bmm-style [B·N,S,T] scores and terms); a
+   per-head score factor [N,1,1] (cosine attention's logit scale) multiplies each head's query.
 2. lift (:mod:`.heads`, :mod:`.masks`): how q/k/v ``[B,S,D]`` are split into heads
    (batch-first, sequence-first, one packed projection, dynamo's 3-D Kᵀ; a cross-attention
    key split may name the query's batch) and ``num_heads``/head size from the Reshape targets

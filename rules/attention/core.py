@@ -3,11 +3,18 @@
 ::
 
     scores = MatMul(Q·c_q, Kᵀ·c_k) [÷ c | · c]                        scale = c_q·c_k·c
-    z      = scores [+ bias …] | Where(cond, scores, −big) [+ bias …]
+    capped = scores | tanh(scores ÷ cap) · cap                  (logit soft-capping, Gemma 2)
+    z      = capped [+ bias …] | Where(cond, capped, −big) [+ bias …]
              [→ Swin's window regroup: Reshape(Reshape(z, [b,nW,N,S,T]) + W, [B,N,S,T])]
     P      = Softmax(z) [→ Where(IsNaN(P), 0, P)]        (SDPA exports of transformers ≥ 4.48)
     ctx    = MatMul(P, V) [→ Reshape to itself]
     out    = Transpose(ctx, (0,2,1,3) | (2,0,1,3))                       the rule's root
+
+Batch and heads may be folded into one axis around the Softmax (bmm-style exports: Bloom,
+DeBERTa): ``z = Reshape(s3 [+ term3 …], [B,N,S,T])``, ``P3 = Reshape(P, [B·N,S,T])``,
+``ctx = Reshape(MatMul(P3, V3), [B,N,S,H])``, with ``s3`` the scaled ``MatMul(Q3, K3ᵀ)`` and
+each of Q3, K3, V3 a Reshape of [B,N,·,H] heads to [B·N,·,H] (:class:`FoldedHeads`); the core
+then names the 4-D heads, and the [B·N,…] terms are unfolded into the bias.
 
 :func:`match_core` returns a typed :class:`Core` or raises: silently (``structure``) when there
 is no Softmax between two MatMuls, else a missed ``unrecognized-layout`` that names stage 1 and
@@ -19,10 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from graphopt.opt.graph.dims import arith, rank, shape_elements
 from graphopt.opt.graph.dims import current as current_dims
-from graphopt.opt.graph.dims import rank
 from graphopt.opt.graph.domains import MS, norm_domain
-from graphopt.opt.graph.ir import Node, Tensor
+from graphopt.opt.graph.ir import Node, Tensor, constant_value
 from graphopt.opt.rewrite.engine import NoMatch
 
 from ..activation import inputs, no_match, producer, scalar
@@ -42,13 +49,35 @@ class Factor:
 
 
 @dataclass
+class FoldedHeads:
+    """Batch and heads folded into one axis around the Softmax: the Reshapes of the scores to
+    [B,N,S,T] and of the probabilities back to [B·N,S,T], and the additive terms of the
+    folded scores (innermost first).  ``k_plain``: the key found is K [B,N,T,H], not Kᵀ."""
+
+    probs: Node
+    scores: Node | None = None
+    terms: list[Tensor] = field(default_factory=list)
+    term_adds: list[Node] = field(default_factory=list)
+    k_plain: bool = False
+
+
+@dataclass
+class SoftCap:
+    """Logit soft-capping ``Mul(Tanh(Div(s, cap) | Mul(s, 1/cap)), cap)`` of the scaled scores."""
+
+    cap: float
+    nodes: list[Node]  # consumers first: the outer Mul, the Tanh, the inner Div or Mul
+
+
+@dataclass
 class WindowRegroup:
-    """Swin's ``merge(split(z) + mask)`` around the per-window mask ``mask``."""
+    """Swin's ``merge(split(z) + mask [+ mask …])`` around the per-window masks ``masks``
+    (Swin v2 adds its mask twice); ``adds`` consumers first."""
 
     split: Node
-    add: Node
+    adds: list[Node]
     merge: Node
-    mask: Tensor
+    masks: list[Tensor]
 
 
 @dataclass
@@ -69,8 +98,11 @@ class Core:
     factors: list[Factor] = field(default_factory=list)
     terms: list[Tensor] = field(default_factory=list)  # additive bias terms, innermost first
     term_adds: list[Node] = field(default_factory=list)
-    where: Node | None = None  # Where(cond, scores, fill) masking
+    where: Node | None = None  # Where(cond, scores, fill) masking, or Where(cond, fill, scores)
+    where_fills_true: bool = False  # the second spelling: the fill where ``cond`` holds
     window: WindowRegroup | None = None
+    softcap: SoftCap | None = None
+    fold: FoldedHeads | None = None
     nan_guard: tuple[Node, Node] | None = None  # (Where, IsNaN)
     mid_reshape: Node | None = None
 
@@ -78,10 +110,15 @@ class Core:
         """The core's nodes, consumers first."""
         found = [self.root]
         found += [self.mid_reshape] if self.mid_reshape is not None else []
-        found += [self.pv] + (list(self.nan_guard) if self.nan_guard else []) + [self.softmax]
+        found += [self.pv] + (list(self.nan_guard) if self.nan_guard else [])
+        found += [self.fold.probs] if self.fold is not None else []
+        found += [self.softmax]
         if self.window is not None:
-            found += [self.window.merge, self.window.add, self.window.split]
+            found += [self.window.merge, *self.window.adds, self.window.split]
         found += self.term_adds[::-1] + ([self.where] if self.where is not None else [])
+        if self.fold is not None:
+            found += [self.fold.scores] + self.fold.term_adds[::-1]
+        found += self.softcap.nodes if self.softcap is not None else []
         return found + [f.node for f in self.factors] + [self.qk]
 
 
@@ -107,9 +144,14 @@ def match_core(root: Node) -> Core:
         raise no_match()
     probs, v = inputs(pv)
     guard = _nan_guard(probs)
-    sm = producer(inputs(guard[0])[2] if guard else probs, "Softmax")
-    if sm is None:
-        raise no_match()
+    p = inputs(guard[0])[2] if guard else probs
+    sm, fold = producer(p, "Softmax"), None
+    if sm is None:  # batch and heads folded around the Softmax: P3 = Reshape(P [B,N,S,T])
+        unfold = producer(p, "Reshape")
+        sm = producer(inputs(unfold)[0], "Softmax") if unfold is not None else None
+        if sm is None or rank(p) != 3 or rank(sm.outputs[0]) != 4:
+            raise no_match()
+        fold = FoldedHeads(unfold)
     # Softmax between two MatMuls: attention; an unknown spelling from here on is a missed remark
     if perm not in _MERGE_LAYOUTS or rank(ctx) not in (None, 4):
         raise no_match()  # not a head merge: e.g. a channel attention over [B, C, HW]
@@ -130,9 +172,118 @@ def match_core(root: Node) -> Core:
         ctx=pv.outputs[0],
         nan_guard=guard,
         mid_reshape=mid,
+        fold=fold,
     )
     _peel_scores(core, z)
+    if fold is not None:
+        _unfold_heads(core)
     return core
+
+
+def _unfolded(t: Tensor | None) -> Tensor | None:
+    """``x`` [B,N,L,H] when ``t`` = Reshape(x, [B·N,L,H]) (the last two dims kept, so the
+    first is batch × heads in row-major order), else None."""
+    rs = producer(t, "Reshape")
+    x = inputs(rs)[0] if rs is not None else None
+    if x is None or rank(x) != 4 or rank(t) != 3 or not keeps_last_two(rs):
+        return None
+    return x
+
+
+def keeps_last_two(rs: Node) -> bool:
+    """Whether the Reshape ``rs`` between 4-D and 3-D provably keeps the last two dims (so it
+    only folds, or unfolds, the first two), read from its output's dims or its target."""
+    x, y = inputs(rs)[0], rs.outputs[0]
+    dims = current_dims()
+    want = [dims.key(x, rank(x) - 2), dims.key(x, rank(x) - 1)]
+    if [dims.key(y, rank(y) - 2), dims.key(y, rank(y) - 1)] == want:
+        return True
+    elems = shape_elements(inputs(rs)[1], dims)
+    if elems is None or len(elems) != rank(y) or elems[-1] != want[1]:
+        return False
+    if elems[-2] == want[0]:
+        return True
+    # [lead…, -1, H]: the -1 is the kept dim when the leading dims fold or unfold exactly
+    if elems[-2] != ("int", -1):
+        return False
+    if rank(x) == 4:  # fold: [B·N, -1, H]
+        return elems[0] == arith("Mul", dims.key(x, 0), dims.key(x, 1))
+    return arith("Mul", elems[0], elems[1]) == dims.key(x, 0)  # unfold: [B, N, -1, T]
+
+
+def _pinned(rs: Node, want: list[set]) -> bool:
+    """Whether each axis of the Reshape ``rs``'s output is provably in ``want`` (its dims or
+    its target's elements), at most one left as -1."""
+    dims = current_dims()
+    y = rs.outputs[0]
+    elems = shape_elements(inputs(rs)[1], dims)
+    if rank(y) != len(want) or (elems is not None and len(elems) != len(want)):
+        return False
+    free = 0
+    for i, w in enumerate(want):
+        seen = {dims.key(y, i)} | ({elems[i]} if elems is not None else set())
+        if seen & w:
+            continue
+        if elems is None or elems[i] != ("int", -1):
+            return False
+        free += 1
+    return free <= 1
+
+
+def _unfold_heads(core: Core) -> None:
+    """Q, Kᵀ (or K) and V of a folded core as the [B,N,·,·] heads they were folded from."""
+    q4, v4 = _unfolded(core.q), _unfolded(core.v)
+    kt4 = _unfolded(core.kt)
+    tr = producer(core.kt, "Transpose")
+    k4 = None
+    if kt4 is None and tr is not None and tuple(tr.attrs.get("perm", ())) == (0, 2, 1):
+        k4 = _unfolded(inputs(tr)[0])
+    for name, t, found in (("Q", core.q, q4), ("Kᵀ", core.kt, kt4 or k4), ("V", core.v, v4)):
+        if found is None:
+            raise unrecognized(
+                "1 (core)",
+                f"batch and heads are folded into one axis around the scores, but {name} "
+                f"'{t.name}' is not a Reshape of [B,N,·,H] heads to [B·N,·,H]",
+                core.softmax,
+                t,
+            )
+    core.q, core.v = q4, v4
+    core.kt = kt4 if kt4 is not None else k4
+    core.fold.k_plain = kt4 is None
+    # the scores [B·N,S,T] unfold to [B,N,S,T] and the probabilities fold back: each axis of
+    # the Reshape's output pinned to those of the heads (one may be -1: the count pins it)
+    dims = current_dims()
+    b, n, s, _ = (dims.key(q4, i) for i in range(4))
+    t = dims.key(core.kt, 2 if core.fold.k_plain else 3)
+    s3 = inputs(core.fold.scores)[0]
+    unfold = [{b}, {n}, {s, dims.key(s3, 1)}, {t, dims.key(s3, 2)}]
+    fold = [{arith("Mul", b, n)}, {s}, {t}]
+    for rs, want in ((core.fold.scores, unfold), (core.fold.probs, fold)):
+        if not (keeps_last_two(rs) or _pinned(rs, want)):
+            raise unrecognized(
+                "1 (core)",
+                f"'{rs.outputs[0].name}' does not provably keep the last two dims of "
+                f"'{inputs(rs)[0].name}' when batch and heads are folded",
+                core.softmax,
+                rs.outputs[0],
+            )
+
+
+def _peel_terms(z: Tensor) -> tuple[Tensor, list[Tensor], list[Node]]:
+    """(scores, terms, Adds) of ``z`` = scores + term [+ term …], innermost first."""
+    terms, adds = [], []
+    for _ in range(_MAX_TERMS):
+        add = producer(z, "Add")
+        if add is None:
+            break
+        a0, a1 = inputs(add)
+        side = 0 if is_scores(a0) else 1 if is_scores(a1) else None
+        if side is None:
+            break
+        z, term = (a0, a1) if side == 0 else (a1, a0)
+        adds.append(add)
+        terms.append(term)
+    return z, terms[::-1], adds[::-1]
 
 
 def _nan_guard(p: Tensor) -> tuple[Node, Node] | None:
@@ -153,22 +304,27 @@ def _peel_scores(core: Core, z: Tensor) -> None:
     core.window = _window_regroup(z)
     if core.window is not None:
         z = inputs(core.window.split)[0]
-    for _ in range(_MAX_TERMS):
-        add = producer(z, "Add")
-        if add is None:
-            break
-        a0, a1 = inputs(add)
-        side = 0 if is_scores(a0) else 1 if is_scores(a1) else None
-        if side is None:
-            break
-        z, term = (a0, a1) if side == 0 else (a1, a0)
-        core.term_adds.append(add)
-        core.terms.append(term)
-    core.term_adds.reverse()
-    core.terms.reverse()
+    z, core.terms, core.term_adds = _peel_terms(z)
     where = producer(z, "Where")
     if where is not None and is_scores(inputs(where)[1]):
         core.where, z = where, inputs(where)[1]
+    elif where is not None and is_scores(inputs(where)[2]):  # masked_fill(cond, fill)
+        core.where, core.where_fills_true, z = where, True, inputs(where)[2]
+    if core.fold is not None:
+        fold = producer(z, "Reshape")
+        if fold is None or rank(inputs(fold)[0]) != 3 or rank(z) != 4:
+            raise unrecognized(
+                "1 (core)",
+                f"the probabilities are folded to [B·N,S,T] after the Softmax, but its scores "
+                f"'{z.name}' are not the [B·N,S,T] scores reshaped to [B,N,S,T]",
+                core.softmax,
+                z,
+            )
+        core.fold.scores = fold
+        z, core.fold.terms, core.fold.term_adds = _peel_terms(inputs(fold)[0])
+    core.softcap = soft_cap(z)
+    if core.softcap is not None:
+        z = inputs(core.softcap.nodes[-1])[0]
     scores, factors = strip_scale(z)
     mm = producer(scores, "MatMul")
     if mm is None:
@@ -185,6 +341,30 @@ def _peel_scores(core: Core, z: Tensor) -> None:
     core.factors = factors + fq + fk
 
 
+def soft_cap(t: Tensor | None) -> SoftCap | None:
+    """``t`` = ``tanh(s / cap) · cap`` (the inner step a Div by ``cap`` or a Mul by ``1/cap``,
+    both positive scalar constants, within fp32 rounding of each other), else None."""
+    outer = producer(t, "Mul")
+    if outer is None:
+        return None
+    for th, c in (inputs(outer), inputs(outer)[::-1]):
+        tanh = producer(th, "Tanh")
+        cap = scalar(c)
+        inner = producer(inputs(tanh)[0], ("Div", "Mul")) if tanh is not None else None
+        if inner is None or cap is None or cap <= 0 or len(th.outputs) != 1:
+            continue
+        a, b = inputs(inner)
+        if inner.op == "Mul" and scalar(a) is not None and scalar(b) is None:
+            a, b = b, a
+        d = scalar(b)
+        if d is None or d <= 0:
+            continue
+        inv = d if inner.op == "Div" else 1.0 / d
+        if abs(inv - cap) <= 1e-6 * cap:
+            return SoftCap(float(cap), [outer, tanh, inner])
+    return None
+
+
 def strip_scale(t: Tensor | None) -> tuple[Tensor | None, list[Factor]]:
     """``t`` = ``u · c`` or ``u / c`` (at most one): (u, [factor])."""
     node = producer(t, ("Mul", "Div"))
@@ -192,6 +372,8 @@ def strip_scale(t: Tensor | None) -> tuple[Tensor | None, list[Factor]]:
         return t, []
     ins = inputs(node)
     if node.op == "Div":
+        if constant_value(ins[1]) is None and rank(ins[1]) not in (None, 0, 1):
+            return t, []  # a computed per-row divisor: a norm (cosine attention), not a scale
         return ins[0], [Factor(ins[1], True, node)]
     for u, c in ((ins[0], ins[1]), (ins[1], ins[0])):
         scaled = producer(u, _SCALED) is not None or _rotated(u)
@@ -236,7 +418,13 @@ def is_scores(t: Tensor | None, depth: int = _MAX_TERMS) -> bool:
     transposed tensor, reached through at most ``depth`` Adds."""
     where = producer(t, "Where")
     if where is not None:
-        t = inputs(where)[1]
+        t = inputs(where)[2] if constant_value(inputs(where)[1]) is not None else inputs(where)[1]
+    cap = soft_cap(t)
+    if cap is not None:
+        t = inputs(cap.nodes[-1])[0]
+    fold = producer(t, "Reshape")
+    if fold is not None and rank(t) == 4 and rank(inputs(fold)[0]) == 3:
+        t = inputs(fold)[0]  # [B·N,S,T] scores unfolded to [B,N,S,T]
     mm = producer(strip_scale(t)[0], "MatMul")
     if mm is not None:
         right = strip_scale(inputs(mm)[1])[0]
@@ -246,15 +434,26 @@ def is_scores(t: Tensor | None, depth: int = _MAX_TERMS) -> bool:
 
 
 def _window_regroup(z: Tensor) -> WindowRegroup | None:
-    """``z`` = Reshape(Add(Reshape(z0, 5-D), M5), 4-D) with ``z0`` the (biased) scores."""
+    """``z`` = Reshape(Add(Reshape(z0, 5-D), M5) [+ M5' …], 4-D) with ``z0`` the (biased)
+    scores."""
     merge = producer(z, "Reshape")
-    add = producer(inputs(merge)[0], "Add") if merge is not None else None
-    if add is None or rank(z) != 4:
+    if merge is None or rank(z) != 4:
         return None
-    for s_t, m_t in (inputs(add), inputs(add)[::-1]):
-        split = producer(s_t, "Reshape")
-        if split is not None and rank(s_t) == 5 and is_scores(inputs(split)[0]):
-            return WindowRegroup(split, add, merge, m_t)
+    t, adds, masks = inputs(merge)[0], [], []
+    for _ in range(_MAX_TERMS):
+        add = producer(t, "Add")
+        if add is None:
+            return None
+        for s_t, m_t in (inputs(add), inputs(add)[::-1]):
+            split = producer(s_t, "Reshape")
+            if split is not None and rank(s_t) == 5 and is_scores(inputs(split)[0]):
+                return WindowRegroup(split, [*adds, add], merge, [*masks, m_t])
+        inner = [s for s in inputs(add) if producer(s, "Add") is not None and rank(s) == 5]
+        if len(inner) != 1:
+            return None
+        adds.append(add)
+        masks.append(inputs(add)[1] if inputs(add)[0] is inner[0] else inputs(add)[0])
+        t = inner[0]
     return None
 
 
@@ -267,7 +466,10 @@ def _scores_folded(t: Tensor) -> bool:
             return False
         if node.op == "FusedMatMul" and norm_domain(node.domain) == MS:
             return True
-        if node.op not in ("Add", "Where", "Mul", "Div", "Reshape"):
+        if node.op not in ("Add", "Where", "Mul", "Div", "Reshape", "Tanh"):
             return False
-        t = inputs(node)[1] if node.op == "Where" else inputs(node)[0]
+        if node.op == "Where":
+            t = inputs(node)[2] if constant_value(inputs(node)[1]) is not None else inputs(node)[1]
+        else:
+            t = inputs(node)[0]
     return False

@@ -67,8 +67,8 @@ OPTION = "decoder_steps"
 class KvCache:
     """One side (key or value) of a decoder's cache feeding the attention."""
 
-    present: Tensor  # Concat(past, new): a graph output
-    past: Tensor
+    present: Tensor | None  # Concat(past, new): a graph output; None without a cache
+    past: Tensor | None
     new: HeadSplit  # the split of the [B,S,Nkv·H] projection (with its rotary, for the key)
     kv_heads: int
 
@@ -81,20 +81,32 @@ class GqaPlan:
     value: KvCache
 
 
-def plan_gqa(a: Attention, dims: Dims, declared: bool = False) -> GqaPlan | None:
+def plan_gqa(
+    a: Attention, dims: Dims, declared: bool = False, without_past: bool = False
+) -> GqaPlan | None:
     """The caches when the attention is provably GroupQueryAttention's computation, else None.
     ``declared``: the user declared generation steps (:data:`OPTION`), so the batch or the new
-    tokens need not be provably 1."""
-    if a.k.layout != "bnsh" or a.k.kept or a.qkv_bias is not None:
-        return None
+    tokens need not be provably 1.  ``without_past``: a decoder's attention over its new keys
+    alone (no cache) may lower too (GroupQueryAttention without past_key, at any batch: what
+    soft-capped scores need, the one kernel with ``softcap`` before the mask)."""
+    if a.qkv_bias is not None or a.head_size % 8:
+        return None  # onnxruntime 1.32's kernel: "head_size must be a multiple of 8"
     if a.q.layout != "bsd" and not a.q.kept:
         return None
     batch, seq = dims.key(a.q.x, 0), dims.key(a.q.x, a.axis("q", "seq"))
-    if ("int", 1) not in (batch, seq) and not declared:
-        return None  # the kernel refuses batch > 1 with a past and several new tokens
+    if without_past and a.k.layout == a.v.layout == "bsd":  # plain batch-first key and value
+        key, value = (KvCache(None, None, s, a.num_heads) for s in (a.k, a.v))
+        same = all(dims.key(s.x, 1) == seq for s in (a.k, a.v))
+        return GqaPlan(key, value) if same and a.v_head_size == a.head_size else None
+    if a.k.layout != "bnsh" or a.k.kept:
+        return None
     key, value = _cache(a.k.x, a, dims, True), _cache(a.v.x, a, dims, False)
     if key is None or value is None or key.kv_heads != value.kv_heads:
         return None
+    if (key.past is None) != (value.past is None) or (key.past is None and not without_past):
+        return None
+    if key.past is not None and ("int", 1) not in (batch, seq) and not declared:
+        return None  # the kernel refuses batch > 1 with a past and several new tokens
     if any(dims.key(c.new.x, source_axis(c.new.layout, "seq")) != seq for c in (key, value)):
         return None
     if a.v_head_size != a.head_size:
@@ -103,18 +115,26 @@ def plan_gqa(a: Attention, dims: Dims, declared: bool = False) -> GqaPlan | None
 
 
 def _cache(x: Tensor, a: Attention, dims: Dims, rotated: bool) -> KvCache | None:
-    """``x`` [B,N,T,H] as present [→ repeat_kv], present = Concat(past, new split)."""
+    """``x`` [B,N,T,H] as present [→ repeat_kv], present = Concat(past, new split); or the new
+    split alone (no cache: present and past None)."""
     present, kv_heads = _unrepeat(x, a.num_heads, dims)
     concat = producer(present, "Concat")
-    if concat is None or len(inputs(concat)) != 2 or concat.attrs.get("axis") not in (2, -2):
+    if concat is None:
+        past, new_heads, present = None, present, None
+    elif len(inputs(concat)) != 2 or concat.attrs.get("axis") not in (2, -2):
         return None
-    past, new_heads = inputs(concat)
+    else:
+        past, new_heads = inputs(concat)
     split = (rotated_split(new_heads) if rotated else None) or split_heads(new_heads, PERM_BNSH)
     if split is None or split.layout != "bsd" or rank(split.x) not in (None, 3):
         split = per_head_split(new_heads)  # a norm, partial rotary or a fused QKV's head slice
     if split is None:
         return None
-    if rank(past) != 4 or head_count(split, dims) != (kv_heads, a.head_size):
+    if head_count(split, dims) != (kv_heads, a.head_size):
+        return None
+    if past is None:
+        return KvCache(None, None, split, kv_heads)
+    if rank(past) != 4:
         return None
     for axis in (1, 3):
         if dims.key(past, axis) != ("int", (kv_heads, a.head_size)[axis // 2]):
@@ -194,22 +214,30 @@ def lower_gqa(a: Attention, b: Builder, q: Tensor) -> Tensor:
     v = plan.value.new.x
     if plan.value.new.kept:
         v = heads_merged(b, v, kv_width, f"{name}/v")
-    total = b.op(
-        "Add",
-        [_len(b, plan.key.past, 2, f"{name}/past_len"), _len(b, q, 1, f"{name}/new_len")],
-        name=f"{name}/total_len",
-    )
+    if plan.key.past is None:
+        total = _len(b, q, 1, f"{name}/new_len")
+    else:
+        total = b.op(
+            "Add",
+            [_len(b, plan.key.past, 2, f"{name}/past_len"), _len(b, q, 1, f"{name}/new_len")],
+            name=f"{name}/total_len",
+        )
     ins = [q, k, v, plan.key.past, plan.value.past, *_lengths(b, q, total, name)]
     if a.bias is not None:
         ins += [None, None, None, attention_bias(a, b, q, None, total)]
     attrs = {"num_heads": a.num_heads, "kv_num_heads": plan.key.kv_heads, "causal": 0}
     if a.scale is not None:
         attrs["scale"] = float(a.scale)
+    if a.core.softcap is not None:
+        attrs["softcap"] = a.core.softcap.cap
     out, pk, pv = b.op(
         "GroupQueryAttention", ins, attrs, domain=MS, outputs=3, name=f"{name}/GroupQueryAttention"
     )
     out.dtype = dtype_of(a.core.root.outputs[0])
     for new, old in ((pk, plan.key.present), (pv, plan.value.present)):
+        if old is None:  # no cache: the present outputs are read by nothing
+            new.dtype = dtype_of(q)
+            continue
         new.dtype, new.shape = old.dtype, old.shape
         b.ir.replace_all_uses(old, new)
     return out

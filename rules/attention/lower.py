@@ -41,6 +41,8 @@ def lower(a: Attention, b: Builder) -> Tensor:
     q = rotated(b, a.q.rotary, q, a.num_heads, f"{a.core.root.name}/q_rotary")
     if a.q.layout == "bnsh":
         q = heads_merged(b, q, a.num_heads * a.head_size, f"{a.core.root.name}/q")
+    if a.head_scale is not None:
+        q = _head_scaled(a, b, q)
     if a.gqa is not None:
         return _finish(a, b, lower_gqa(a, b, q))
     name = a.core.root.name
@@ -64,6 +66,8 @@ def lower(a: Attention, b: Builder) -> Tensor:
             ins.pop()
     if a.scale is not None:
         attrs["scale"] = float(a.scale)
+    if a.core.softcap is not None:  # the rule lowers soft-capped scores to Attention only
+        attrs["softcap"] = a.core.softcap.cap
     out = b.op(
         a.op, ins, attrs, domain=MS if a.op == "MultiHeadAttention" else "", name=f"{name}/{a.op}"
     )
@@ -83,6 +87,14 @@ def _finish(a: Attention, b: Builder, out: Tensor) -> Tensor:
     if a.core.out_layout == "sbd":
         out = b.op("Transpose", [out], {"perm": [1, 0, 2]}, name=f"{name}/seq_first")
     return _merged(a, b, out)
+
+
+def _head_scaled(a: Attention, b: Builder, q: Tensor) -> Tensor:
+    """``q`` [B,S,N·H] times its head's factor of the scores (each repeated over the head)."""
+    vec = np.repeat(a.head_scale, a.head_size).astype(dtype_of(q))
+    out = b.op("Mul", [q, b.const(vec, "head_scale")], name=f"{a.core.root.name}/q_head_scale")
+    out.dtype, out.shape = dtype_of(q), q.shape
+    return out
 
 
 def _all_heads(b: Builder, t: Tensor, heads: int, name: str) -> Tensor:
@@ -177,13 +189,15 @@ def attention_bias(
     plan, dt, name = a.bias, dtype_of(a.q.x), a.core.root.name
     parts = []
     if plan.where is not None:
-        cond, fill = plan.where
+        cond, fill, fills_true = plan.where
         zero = b.const(np.zeros((), dtype=dt), "zero")
         value = b.const(np.asarray(fill, dtype=dt), "mask_value")
-        parts.append(b.op("Where", [cond, zero, value], name=f"{name}/causal_bias"))
+        picks = [value, zero] if fills_true else [zero, value]
+        parts.append(b.op("Where", [cond, *picks], name=f"{name}/causal_bias"))
     parts += plan.terms
+    parts += [_unfolded_term(a, b, t) for t in plan.folded]
     if plan.window is not None:
-        parts.append(plan.window.mask)
+        parts += plan.window.masks
     bias = parts[0]
     for i, part in enumerate(parts[1:]):
         bias = b.op("Add", [bias, part], name=f"{name}/attention_bias{i or ''}")
@@ -203,6 +217,21 @@ def attention_bias(
     ones = b.const(np.ones(2, dtype=np.int64), "bias_prefix")
     shape = b.op("Concat", [ones, *lens], {"axis": 0}, name=f"{name}/bias_shape")
     return b.op("Expand", [bias, shape], name=f"{name}/attention_bias_expand")
+
+
+def _unfolded_term(a: Attention, b: Builder, t: Tensor) -> Tensor:
+    """A term [B·N, S|1, T] of the folded scores as [B, N, S|1, T]."""
+    name = a.core.root.name
+    lead = b.const(np.array([-1, a.num_heads], dtype=np.int64), "unfold_heads")
+    tail = b.op("Shape", [t], {"start": 1}, name=f"{name}/term_dims")
+    shape = b.op("Concat", [lead, tail], {"axis": 0}, name=f"{name}/term_shape")
+    tail.dtype = shape.dtype = np.dtype(np.int64)
+    tail.shape, shape.shape = [2], [4]
+    out = b.op("Reshape", [t, shape], name=f"{name}/term_unfolded")
+    out.dtype = dtype_of(t)
+    if t.shape is not None and len(t.shape) == 3:
+        out.shape = [None, a.num_heads, t.shape[1], t.shape[2]]
+    return out
 
 
 def _tile_windows(a: Attention, b: Builder, bias: Tensor, q: Tensor) -> Tensor:

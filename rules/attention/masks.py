@@ -28,9 +28,9 @@ STAGE = "2 (lift)"
 
 @dataclass
 class WindowPlan:
-    """Swin's shifted-window mask: ``mask`` [1, nW, N|1, S, T] with static ``dims`` nW, N, S, T."""
+    """Swin's shifted-window masks: each [1, nW, N|1, S, T] with static ``dims`` nW, N, S, T."""
 
-    mask: Tensor
+    masks: list[Tensor]
     dims: list[int]
 
 
@@ -41,7 +41,8 @@ class BiasPlan:
     [1, 1, S, T] at run time."""
 
     terms: list[Tensor] = field(default_factory=list)
-    where: tuple[Tensor, float] | None = None  # (cond, fill)
+    folded: list[Tensor] = field(default_factory=list)  # terms [B·N|1, S|1, T] of folded heads
+    where: tuple[Tensor, float, bool] | None = None  # (cond, fill, fill where cond holds)
     window: WindowPlan | None = None
     direct: bool = False
 
@@ -61,9 +62,19 @@ def plan_bias(core: Core, q_seq: Key, k_seq: Key, dims: Dims) -> BiasPlan | None
     qdt = dtype_of(core.q)
     sm = core.softmax.name
     terms = [t for t in core.terms if not is_zero(t)]
-    plan = BiasPlan(terms=terms)
+    folded = [t for t in core.fold.terms if not is_zero(t)] if core.fold is not None else []
+    plan = BiasPlan(terms=terms, folded=folded)
+    for t in folded:
+        if rank(t) != 3 or dtype_of(t) != qdt:
+            raise mask_refused(
+                f"the additive term '{t.name}' of the folded scores is not a {qdt} tensor "
+                "[B·N, S|1, T]",
+                t,
+                sm,
+            )
     if core.where is not None:
-        cond, _, fill = inputs(core.where)
+        cond, a, b = inputs(core.where)
+        fill = a if core.where_fills_true else b
         val = scalar(fill)
         if val is None or val > -1e30:
             raise mask_refused(
@@ -76,7 +87,7 @@ def plan_bias(core: Core, q_seq: Key, k_seq: Key, dims: Dims) -> BiasPlan | None
             raise mask_refused(
                 f"the Where mask condition '{cond.name}' is not a bool tensor of rank ≤ 4", cond, sm
             )
-        plan.where = (cond, val)
+        plan.where = (cond, val, core.where_fills_true)
     for t in terms:
         if rank(t) is None or rank(t) > 4:
             raise mask_refused(
@@ -88,10 +99,13 @@ def plan_bias(core: Core, q_seq: Key, k_seq: Key, dims: Dims) -> BiasPlan | None
             )
     if core.window is not None:
         plan.window = _window(core, dims, qdt)
-    elif not terms and plan.where is None:
+    elif not terms and not folded and plan.where is None:
         return None
     plan.direct = plan.window is not None or (
-        plan.where is None and _provably(terms, 2, q_seq, dims) and _provably(terms, 3, k_seq, dims)
+        plan.where is None
+        and not folded
+        and _provably(terms, 2, q_seq, dims)
+        and _provably(terms, 3, k_seq, dims)
     )
     return plan
 
@@ -127,19 +141,20 @@ def _window(core: Core, dims: Dims, qdt) -> WindowPlan:
             w.merge.outputs[0],
             sm,
         )
-    r = rank(w.mask)
-    if r is None or r > 5 or (r == 5 and w.mask.shape[0] != 1) or dtype_of(w.mask) != qdt:
-        raise mask_refused(
-            f"the window mask '{w.mask.name}' is not a {qdt} tensor of rank ≤ 5 "
-            "shared by every image",
-            w.mask,
-            sm,
-        )
+    for mask in w.masks:
+        r = rank(mask)
+        if r is None or r > 5 or (r == 5 and mask.shape[0] != 1) or dtype_of(mask) != qdt:
+            raise mask_refused(
+                f"the window mask '{mask.name}' is not a {qdt} tensor of rank ≤ 5 "
+                "shared by every image",
+                mask,
+                sm,
+            )
     cond = inputs(core.where)[0] if core.where is not None else None
     for t in [*core.terms, cond]:
         if t is not None and (rank(t) is None or (rank(t) >= 4 and t.shape[0] != 1)):
             raise mask_refused(f"the mask '{t.name}' varies over the windows' batch", t, sm)
-    return WindowPlan(w.mask, [e[1] for e in split[1:]])
+    return WindowPlan(list(w.masks), [e[1] for e in split[1:]])
 
 
 def _repeated_constant(t: Tensor | None) -> np.ndarray | None:

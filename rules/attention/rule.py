@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from graphopt.opt.graph.dims import Dims, rank, shape_elements
+from graphopt.opt.graph.dims import Dims, arith, rank, shape_elements
 from graphopt.opt.graph.dims import current as current_dims
 from graphopt.opt.graph.ir import Constant, Node, Tensor, constant_value, dtype_of
 from graphopt.opt.remarks import Remark
@@ -67,6 +67,7 @@ class Attention:
     head_size: int = 0
     v_head_size: int = 0
     scale: float | None = None
+    head_scale: np.ndarray | None = None  # a per-head factor [N] of the scores, folded into Q
     bias: BiasPlan | None = None
     qkv_bias: QkvBias | None = None
     out_direct: bool = False
@@ -97,11 +98,13 @@ def lift(root: Node) -> Attention:
     elif [r.op for r in _merged_readers(root)] == ["Reshape"]:
         raise no_match()  # that Reshape is the root
     core = match_core(root)
+    kperm = PERM_BNSH if core.fold is not None and core.fold.k_plain else PERM_BNHS
     splits = [
         _of_3d(split_heads(core.q, PERM_BNSH))
         or _of_3d(rotated_split(core.q))
-        or per_head_split(core.q),
-        split_heads(core.kt, PERM_BNHS) or already_split(core.kt, PERM_BNHS),
+        or per_head_split(core.q)
+        or _query_per_head(core),
+        split_heads(core.kt, kperm) or already_split(core.kt, kperm),
         split_heads(core.v, PERM_BNSH) or already_split(core.v, PERM_BNSH),
     ]
     for name, split, t in zip(("Q", "Kᵀ", "V"), splits, (core.q, core.kt, core.v)):
@@ -116,6 +119,11 @@ def lift(root: Node) -> Attention:
     q, k, v = splits
     if _per_head(k) != _per_head(v):
         k, v = _kept_per_head(k), _kept_per_head(v)
+    if _per_head(k) != _per_head(v):  # the split one is given per head too
+        if _per_head(k):
+            v = already_split(core.v, PERM_BNSH) or v
+        else:
+            k = already_split(core.kt, PERM_BNHS) or k
     if _per_head(k) != _per_head(v):
         raise unrecognized(
             LIFT,
@@ -159,6 +167,15 @@ def _kept_per_head(split: HeadSplit) -> HeadSplit:
     return kept
 
 
+def _query_per_head(core: Core) -> HeadSplit | None:
+    """Folded heads only: a query [B,N,S,H] computed some other way (Bloom's per-head
+    interleaved q/k/v: ``Gather(Reshape(x, [B,S,N,3,H]), i, axis=3)``) goes to the kernel as
+    it is, merged to [B,S,N·H]; its key and value then go per head too."""
+    if core.fold is None or rank(core.q) != 4:
+        return None
+    return HeadSplit(core.q, None, "bnsh", [], kept=True)
+
+
 def _merged_readers(transpose: Node) -> list[Node]:
     """The readers of the merged heads, other than Shape."""
     return [r for r in transpose.outputs[0].outputs if r.op != "Shape"]
@@ -187,7 +204,8 @@ class FuseMultiHeadAttention(Rule):
 
     def match(self, node, cx):
         a = lift(node)
-        m = Match(node, {f"node{i}": n for i, n in enumerate(a.nodes())})
+        nodes = a.nodes() if a.core.fold is None else _shared_splits_kept(a, cx)
+        m = Match(node, {f"node{i}": n for i, n in enumerate(nodes)})
         m.stash(attention=a)
         return m
 
@@ -222,6 +240,8 @@ class FuseMultiHeadAttention(Rule):
                 a,
                 a.core.mid_reshape.outputs[0],
             )
+        if a.core.fold is not None:
+            self._check_fold(a, dims)
         a.out_direct = _out_direct(a, dims)
         q_seq = dims.key(a.q.x, a.axis("q", "seq"))
         k_seq = dims.key(a.k.x, a.axis("k", "seq"))
@@ -234,14 +254,21 @@ class FuseMultiHeadAttention(Rule):
     def _lowering(self, a: Attention, cx) -> None:
         """Stage 3: the kernel the target has, whether it pays, and the bias it takes."""
         causal = cx.target.kernel_attributes.get("GroupQueryAttention", {}).get("causal")
-        if (causal is None or "0" in causal) and cx.target.has_kernel(
-            "GroupQueryAttention", MS, 1, float_type(a.q.x)
-        ):
-            a.gqa = plan_gqa(a, current_dims(), cx.options.get(OPTION) == "generate")
+        gqa_kernel = cx.target.has_kernel("GroupQueryAttention", MS, 1, float_type(a.q.x))
+        if (causal is None or "0" in causal) and gqa_kernel:
+            a.gqa = plan_gqa(
+                a,
+                current_dims(),
+                cx.options.get(OPTION) == "generate",
+                without_past=a.core.softcap is not None,
+            )
             if a.gqa is not None:
                 a.op = "GroupQueryAttention"
                 _note_declared(a, cx)
                 return
+        if a.core.softcap is not None:
+            self._softcap_lowering(a, cx, gqa_kernel, causal)
+            return
         choices = [("MultiHeadAttention", MS, None, {}), ("Attention", "", 23, {})]
         try:
             op, _, _ = lowering(cx, choices, float_type(a.q.x), "attention", "MatMul")
@@ -261,7 +288,88 @@ class FuseMultiHeadAttention(Rule):
             )
         if op == "MultiHeadAttention":
             self._check_pays(a, cx)
-            a.qkv_bias = _qkv_bias(a, cx)
+            # the kernel adds q's bias before the scores: a per-head scale of q cannot take it;
+            # folded heads may keep their splits for other readers, which read the biased sums
+            plain = a.head_scale is None and a.core.fold is None
+            a.qkv_bias = _qkv_bias(a, cx) if plain else None
+
+    def _softcap_lowering(self, a: Attention, cx, gqa_kernel: bool, causal) -> None:
+        """Soft-capped scores: the ONNX Attention op (opset ≥ 23: ``softcap`` before the mask,
+        as the model caps them) on [B,S,D] keys, else a miss naming what each kernel lacks.
+        MultiHeadAttention has no softcap."""
+        cap = a.core.softcap.cap
+        t = cx.target.name
+        opset_ok = cx.ir.opset >= 23 and cx.target.has_kernel(
+            "Attention", "", cx.ir.opset, float_type(a.q.x)
+        )
+        if opset_ok and not _per_head(a.k):
+            a.op = "Attention"
+            return
+        if not gqa_kernel:
+            gqa = f"target {t} has no GroupQueryAttention kernel"
+        elif causal is not None and "0" not in causal:
+            gqa = (
+                f"target {t} takes GroupQueryAttention only with causal=1 "
+                f"({cx.target.kernel_attributes_why.get('GroupQueryAttention', '')})"
+            )
+        else:
+            gqa = (
+                "GroupQueryAttention reads a decoder's own keys and values (a cache "
+                "Concat(past, new) with a batch or new-token count provably 1 (or "
+                f"{OPTION}=generate), or the new [B,S,Nkv·H] keys alone, split batch-first) "
+                "with a head size that is a multiple of 8"
+            )
+        if cx.ir.opset < 23:
+            onnx_att = f"the ONNX Attention op needs opset ≥ 23 (the model has {cx.ir.opset})"
+        elif _per_head(a.k):
+            onnx_att = f"the ONNX Attention op is given 3-D keys here, not '{a.k.x.name}' per head"
+        else:
+            onnx_att = f"target {t} has no ONNX Attention kernel at opset {cx.ir.opset}"
+        raise _refused(
+            "no-kernel",
+            LOWER,
+            f"the scores are soft-capped (tanh(s/{cap:g})·{cap:g}) before the mask; "
+            f"MultiHeadAttention has no softcap, {gqa}, and {onnx_att}",
+            a,
+            a.core.softcap.nodes[0].outputs[0],
+            softcap=cap,
+        )
+
+    def _check_fold(self, a: Attention, dims: Dims) -> None:
+        """Folded batch and heads: the scores are unfolded to [B,N,S,T] with the query's heads
+        at axis 1, and P·V [B·N,S,H] back to [B,N,S,H] (then merged by the root)."""
+        z4 = a.core.fold.scores.outputs[0]
+        if dims.key(z4, 1) != ("int", a.num_heads):
+            raise _refused(
+                "reshape-not-identity",
+                LIFT,
+                f"the folded scores are unfolded to {dims.key(z4, 1)} heads at axis 1, not the "
+                f"{a.num_heads} heads of the query",
+                a,
+                z4,
+            )
+        c, mid = a.core, a.core.mid_reshape
+        elems = shape_elements(inputs(mid)[1], dims) if mid is not None else None
+        heads = ("int", a.num_heads)
+        want = [  # P·V [B·N,S,H] is as many rows as the folded V: B is them over N
+            {dims.key(a.q.x, a.axis("q", "batch")), dims.key(c.q, 0), dims.key(c.probs, 0)}
+            | {arith("Div", dims.key(c.ctx, 0), heads)},
+            {("int", a.num_heads)},
+            {dims.key(a.q.x, a.axis("q", "seq")), dims.key(c.q, 2), dims.key(c.probs, 2)},
+            {("int", a.v_head_size), dims.key(c.v, 3)},
+        ]
+        minus_one = sum(e == ("int", -1) for e in elems or [])
+        ok = elems is not None and len(elems) == 4 and minus_one <= 1
+        if ok and not all(e in w or e == ("int", -1) for e, w in zip(elems, want)):
+            ok = False
+        if not ok:
+            raise _refused(
+                "reshape-not-identity",
+                LIFT,
+                f"P·V over folded batch and heads is not provably unfolded to [B,N,S,H] ({elems})",
+                a,
+                a.core.ctx,
+            )
 
     def _check_softmax(self, a: Attention, cx) -> None:
         # before opset 13 a Softmax without axis flattens from axis 1: not a per-row softmax
@@ -350,9 +458,13 @@ class FuseMultiHeadAttention(Rule):
                     a,
                     f.value,
                 )
-        total = 1.0
+        total, per_head = 1.0, []
         for f in a.core.factors:
             s = scalar(f.value)
+            heads = _head_factors(constant_value(f.value), a.num_heads) if s is None else None
+            if heads is not None:
+                per_head.append(1.0 / heads if f.divides else heads)
+                continue
             if s is None or s == 0:
                 shape = list(constant_value(f.value).shape)
                 raise _refused(
@@ -360,7 +472,7 @@ class FuseMultiHeadAttention(Rule):
                     "1 (core)",
                     f"the attention scale "
                     f"'{f.value.name}' of shape {shape} is not one non-zero scalar "
-                    "(per-head scales cannot be a kernel attribute)",
+                    f"(nor one per head of {a.num_heads}, [N,1,1])",
                     a,
                     f.value,
                 )
@@ -375,6 +487,18 @@ class FuseMultiHeadAttention(Rule):
                 seen=total,
             )
         default = 1.0 / math.sqrt(a.head_size)
+        if per_head:
+            # cosine attention's learned logit scale: each head's factor multiplies its query
+            a.head_scale = np.prod(per_head, axis=0)
+            if not np.all(np.isfinite(a.head_scale)):
+                raise _refused(
+                    "scale-mismatch",
+                    "1 (core)",
+                    "the per-head attention scale is not finite",
+                    a,
+                    None,
+                )
+            return total  # the kernel's scale then holds the scalar factors alone
         return None if abs(total - default) <= 1e-6 * default else total
 
     # -------------------------------------------------------------------- rewrite
@@ -382,10 +506,21 @@ class FuseMultiHeadAttention(Rule):
         return [lower(m.attention, b)]
 
 
+def _head_factors(v: np.ndarray | None, heads: int) -> np.ndarray | None:
+    """The [N] values of a constant factor that is one number per head ([N,1,1] or
+    [1,N,1,1] against the [B,N,S,T] scores), else None."""
+    if v is None or v.ndim > 4 or v.size != heads or heads <= 1:
+        return None
+    shape = (1,) * (4 - v.ndim) + tuple(v.shape)
+    if shape != (1, heads, 1, 1):
+        return None
+    return v.reshape(heads).astype(np.float64)
+
+
 def _note_declared(a: Attention, cx) -> None:
     """An analysis remark when GroupQueryAttention rests on the user's declaration."""
     dims = current_dims()
-    if ("int", 1) in (dims.key(a.q.x, 0), dims.key(a.q.x, 1)):
+    if ("int", 1) in (dims.key(a.q.x, 0), dims.key(a.q.x, 1)) or a.gqa.key.past is None:
         return
     cx.remarks.add(
         Remark(
@@ -402,10 +537,31 @@ def _note_declared(a: Attention, cx) -> None:
     )
 
 
+def _shared_splits_kept(a: Attention, cx) -> list[Node]:
+    """The fusion's nodes less the head splits that other nodes still read (the folded heads
+    of bmm-style exports feed position terms too, DeBERTa's c2p); such a split stays."""
+    nodes = a.nodes()
+    splits = {id(n) for s in (a.q, a.k, a.v) for n in [*s.nodes, s.reshape] if n is not None}
+    inside = {id(n) for n in nodes}
+    changed = True
+    while changed:
+        changed = False
+        for n in nodes:
+            if id(n) not in splits or id(n) not in inside:
+                continue
+            for out in n.outputs:
+                readers = [c for c in out.outputs if c.op != "Shape" and id(c) not in inside]
+                if readers or cx.ir.is_graph_output(out):
+                    inside.discard(id(n))
+                    changed = True
+                    break
+    return [n for n in nodes if id(n) in inside]
+
+
 def _mid_is_identity(a: Attention, dims: Dims) -> bool:
     """Whether the Reshape between P·V and the merge provably keeps [B,N,S,H]."""
     mid = a.core.mid_reshape
-    if mid is None:
+    if mid is None or a.core.fold is not None:  # folded: checked by _check_fold
         return True
     c = a.core
     ctx = inputs(mid)[0]

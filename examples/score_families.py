@@ -1,0 +1,229 @@
+"""Transformer families whose attention scores are transformed before the Softmax (small
+configs, random weights, eager attention), registered into make_models.py's ``MODELS``.
+
+- gemma2, gemma2_kv: logit soft-capping ``tanh(s / c) · c`` between the scaled QKᵀ and the
+  mask (Gemma2ForCausalLM; gemma2_kv is one decoder step with a KV cache).
+- bloom: ALiBi, slopes times key positions built from the attention mask, added to the scores
+  (BloomForCausalLM; ``baddbmm`` over [B·N, S, T]).
+- deberta_v2: disentangled content-to-position and position-to-content terms added to the
+  scores (DebertaV2Model).
+- wavlm: a gated relative position bias (WavLMModel; its test shape is 49 frames).
+- swinv2: cosine attention (normalized q and k, a clamped and exponentiated logit scale) with a
+  continuous relative position bias (Swinv2Model).
+
+Each has a ``*_dynamo`` variant (dynamo exporter, opset 18); the others are TorchScript, opset 17.
+"""
+
+from __future__ import annotations
+
+import torch
+from export_utils import (
+    CacheWrapper,
+    Net,
+    Wrapper,
+    cache_names,
+    image_inputs,
+    perturb_constant_params,
+    text_inputs,
+)
+
+VOCAB = 1024
+
+
+def _text_net(model, names: list[str], outputs: list[str], **extra) -> Net:
+    perturb_constant_params(model)
+    axes = {n: {0: "batch", 1: "seq"} for n in names}
+    axes.update({o: {0: "batch", 1: "seq"} for o in outputs})
+    return Net(
+        module=Wrapper(model, names, outputs, **extra),
+        inputs=text_inputs(VOCAB, tuple(names)),
+        output_names=outputs,
+        dynamic_axes=axes,
+    )
+
+
+def gemma2_config():
+    from transformers import Gemma2Config
+
+    return Gemma2Config(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        sliding_window=64,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        attn_implementation="eager",
+    )
+
+
+def build_gemma2() -> Net:
+    from transformers import Gemma2ForCausalLM
+
+    return _text_net(
+        Gemma2ForCausalLM(gemma2_config()),
+        ["input_ids", "attention_mask"],
+        ["logits"],
+        use_cache=False,
+    )
+
+
+def build_gemma2_kv() -> Net:
+    """One decoder step: 1 new token over a past of 128 (test), 4 over 16 (export)."""
+    from transformers import Gemma2ForCausalLM
+
+    config = gemma2_config()
+    model = Gemma2ForCausalLM(config)
+    perturb_constant_params(model)
+    layers, heads, head_dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    past_names = cache_names(layers, "past_key_values")
+    present_names = cache_names(layers, "present")
+
+    def make(batch: int, past: int) -> dict[str, torch.Tensor]:
+        new = 1 if past >= 64 else 4
+        mask = torch.ones(batch, past + new, dtype=torch.int64)
+        out = {
+            "input_ids": torch.randint(0, VOCAB, (batch, new)),
+            "attention_mask": mask,
+        }
+        for name in past_names:
+            out[name] = torch.randn(batch, heads, past, head_dim)
+        return out
+
+    axes = {
+        "input_ids": {0: "batch", 1: "seq"},
+        "attention_mask": {0: "batch", 1: "total_seq"},
+        "logits": {0: "batch", 1: "seq"},
+    }
+    axes.update({n: {0: "batch", 2: "past_seq"} for n in past_names})
+    axes.update({n: {0: "batch", 2: "total_seq"} for n in present_names})
+    return Net(
+        module=CacheWrapper(model, ["input_ids", "attention_mask"], layers),
+        inputs=make,
+        output_names=["logits"] + present_names,
+        dynamic_axes=axes,
+    )
+
+
+def build_bloom() -> Net:
+    from transformers import BloomConfig, BloomForCausalLM
+
+    config = BloomConfig(
+        vocab_size=VOCAB, hidden_size=128, n_layer=2, n_head=4, attn_implementation="eager"
+    )
+    return _text_net(
+        BloomForCausalLM(config), ["input_ids", "attention_mask"], ["logits"], use_cache=False
+    )
+
+
+def build_deberta_v2() -> Net:
+    from transformers import DebertaV2Config, DebertaV2Model
+
+    config = DebertaV2Config(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=256,
+        max_position_embeddings=512,
+        relative_attention=True,
+        position_buckets=64,
+        max_relative_positions=-1,
+        pos_att_type=["p2c", "c2p"],
+        norm_rel_ebd="layer_norm",
+        share_att_key=True,
+        attn_implementation="eager",
+    )
+    return _text_net(
+        DebertaV2Model(config),
+        ["input_ids", "attention_mask"],
+        ["last_hidden_state"],
+    )
+
+
+#: audio samples per WavLM frame (the conv feature extractor's stride) and the receptive field
+HOP, FIELD = 320, 400
+
+
+def build_wavlm() -> Net:
+    """``seq`` is the number of frames: ``(seq - 1) · 320 + 400`` samples."""
+    from transformers import WavLMConfig, WavLMModel
+
+    config = WavLMConfig(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=256,
+        conv_dim=(64,) * 7,
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4,
+        num_buckets=64,
+        max_bucket_distance=200,
+        attn_implementation="eager",
+    )
+    model = WavLMModel(config)
+    perturb_constant_params(model)
+
+    def make(batch: int, frames: int) -> dict[str, torch.Tensor]:
+        return {"input_values": torch.randn(batch, (frames - 1) * HOP + FIELD)}
+
+    return Net(
+        module=Wrapper(model, ["input_values"], ["last_hidden_state"]),
+        inputs=make,
+        output_names=["last_hidden_state"],
+        dynamic_axes={
+            "input_values": {0: "batch", 1: "samples"},
+            "last_hidden_state": {0: "batch", 1: "frames"},
+        },
+        export_shape=(2, 32),
+        test_shape=(1, 49),
+        alt_shape=(2, 40),
+    )
+
+
+def build_swinv2() -> Net:
+    from transformers import Swinv2Config, Swinv2Model
+
+    config = Swinv2Config(
+        image_size=128,
+        patch_size=4,
+        embed_dim=48,
+        depths=[2, 2],
+        num_heads=[2, 4],
+        window_size=8,
+        attn_implementation="eager",
+    )
+    model = Swinv2Model(config)
+    perturb_constant_params(model)
+    outputs = ["last_hidden_state"]
+    return Net(
+        module=Wrapper(model, ["pixel_values"], outputs),
+        inputs=image_inputs(3, 128, "pixel_values"),
+        output_names=outputs,
+        dynamic_axes={n: {0: "batch"} for n in ["pixel_values"] + outputs},
+        export_shape=(2, 0),
+        test_shape=(1, 0),
+        alt_shape=(2, 0),
+    )
+
+
+BUILDERS = {
+    "gemma2": build_gemma2,
+    "gemma2_kv": build_gemma2_kv,
+    "bloom": build_bloom,
+    "deberta_v2": build_deberta_v2,
+    "wavlm": build_wavlm,
+    "swinv2": build_swinv2,
+}
+
+
+def score_models(spec) -> dict:
+    """make_models.py's registry entries: each family, TorchScript and dynamo."""
+    found = {}
+    for name, build in BUILDERS.items():
+        found[name] = spec(build)
+        found[f"{name}_dynamo"] = spec(build, name, "dynamo")
+    return found
