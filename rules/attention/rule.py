@@ -298,15 +298,20 @@ class FuseMultiHeadAttention(Rule):
         a.num_heads, a.head_size, a.v_head_size = int(n), int(h), int(hv)
 
     def _check_pays(self, a: Attention, cx) -> None:
-        """Refuse a static key length below the one from which the target's kernel pays."""
+        """Refuse a static key length below the one from which the target's kernel pays, for
+        an attention whose scores the kernel must add an ``attention_bias`` to (without one it
+        was measured faster at every length: see the target's reason)."""
         bound, why = cx.target.slower_below.get("MultiHeadAttention", (0, ""))
+        if a.bias is None:
+            return
         keys = a.k.x.shape[a.axis("k", "seq")]
         require(
             not isinstance(keys, (int, np.integer)) or keys >= bound,
             "slower-on-target",
             lambda: (
-                f"stage {LOWER}: MultiHeadAttention over {keys} keys is slower than the unfused "
-                f"attention on target {cx.target.name} below {bound} keys: {why}"
+                f"stage {LOWER}: MultiHeadAttention over {keys} keys with an attention_bias is "
+                f"slower than the unfused attention on target {cx.target.name} below {bound} "
+                f"keys: {why}"
             ),
             keys=int(keys) if isinstance(keys, (int, np.integer)) else None,
             bound=bound,
