@@ -250,4 +250,4 @@ def test_ops_are_counted_inside_if_branches(ra, tmp_path):
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
     assert ra.all_ops(path) == {"If": 1, "Softmax": 2}
     row = ra.row_from_report("if", "cpu", _report([]), 0, "", (ra.all_ops(path), ra.all_ops(path)))
-    assert row["layers"] == 2
+    assert row["layers"] == 2 and row["nodes_before"] == 3

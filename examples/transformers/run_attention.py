@@ -16,7 +16,7 @@ models (their If bodies included), tabulate:
 - missed: `fuse-attention*` missed remarks by code, and for the first one its stage and tensor
   (or its message);
 - parity: ok / FAILED / not run, and the exit code when not 0;
-- nodes: before -> after.
+- nodes: before -> after (every graph).
 
 With --latency (cpu only), each model also goes through the benchmark's rivals and its timing
 worker (examples/benchmark/bench.py: one latency process, onnxruntime ORT_ENABLE_ALL,
@@ -176,7 +176,8 @@ def row_from_report(
     ops: tuple[Counter, Counter] | None = None,
 ) -> dict:
     """One table row (a dict, as --json writes it); ``ops``: the op counts of the original and
-    the output over all their graphs (bodies included), else the report's main-graph counts."""
+    the output over all their graphs (bodies included; nodes too), else the report's
+    main-graph counts."""
     row: dict = {"model": name, "target": target, "rc": rc}
     if report is None:
         row["error"] = error or f"exit {rc}, no report.json"
@@ -184,6 +185,7 @@ def row_from_report(
     codes, first = missed_attention(report)
     if ops is not None:
         report = dict(report, ops_before=dict(ops[0]), ops_after=dict(ops[1]))
+        report.update(nodes_before=sum(ops[0].values()), nodes_after=sum(ops[1].values()))
     row.update(
         layers=report.get("ops_before", {}).get("Softmax", 0),
         softmax_after=report.get("ops_after", {}).get("Softmax", 0),
