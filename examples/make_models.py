@@ -423,6 +423,50 @@ def build_whisper_tiny_encoder() -> Net:
     )
 
 
+def audio_net(model) -> Net:
+    """A speech encoder on one second of 16 kHz audio (input_values [batch, 16000]: 49 frames
+    after the convolutional feature extractor), the batch dynamic."""
+    perturb_constant_params(model)
+
+    def make(batch: int, _seq: int) -> dict[str, torch.Tensor]:
+        return {"input_values": torch.randn(batch, 16000)}
+
+    return Net(
+        module=Wrapper(model, ["input_values"], ["last_hidden_state"]),
+        inputs=make,
+        output_names=["last_hidden_state"],
+        dynamic_axes={"input_values": {0: "batch"}, "last_hidden_state": {0: "batch"}},
+        export_shape=(2, 0),
+        test_shape=(1, 0),
+        alt_shape=(2, 0),
+    )
+
+
+def build_wav2vec2() -> Net:
+    """Wav2Vec2 with base widths (768, 12 heads, FFN 3072) and 4 encoder layers (eager
+    attention over 49 frames)."""
+    from transformers import Wav2Vec2Config, Wav2Vec2Model
+
+    config = Wav2Vec2Config(num_hidden_layers=4, attn_implementation="eager")
+    return audio_net(Wav2Vec2Model(config))
+
+
+def build_hubert() -> Net:
+    """HuBERT with base widths and 4 encoder layers (eager attention over 49 frames)."""
+    from transformers import HubertConfig, HubertModel
+
+    config = HubertConfig(num_hidden_layers=4, attn_implementation="eager")
+    return audio_net(HubertModel(config))
+
+
+def build_mobilevit() -> Net:
+    """MobileViT-small (the default config) at 256x256: attention over 256, 64 and 16 patches
+    (2, 4 and 3 layers)."""
+    from transformers import MobileViTConfig, MobileViTModel
+
+    return hf_vision_net(MobileViTModel(MobileViTConfig()), ["last_hidden_state"], 256)
+
+
 def build_esrgan() -> Net:
     """16 RRDB blocks, nf 64, growth 32, x4 by two view/permute pixel shuffles."""
     check_pixel_shuffle()
@@ -466,6 +510,9 @@ MODELS: dict[str, Spec] = {
     "beit": Spec(build_beit),
     "segformer_b0": Spec(build_segformer_b0),
     "esrgan": Spec(build_esrgan),
+    "wav2vec2": Spec(build_wav2vec2),
+    "hubert": Spec(build_hubert),
+    "mobilevit": Spec(build_mobilevit),
     "resnet50_fp16": Spec(
         torchvision_net("resnet50"), "resnet50", "fp16", keep_bn=True, tolerance=FP16_TOL
     ),

@@ -218,3 +218,36 @@ def test_latency_table_has_every_tool_and_why_not(ra):
         "n/a | failed: exit 1: boom | 0.900 [0.880–0.920] vs onnxslim |"
     )
     assert len(lines) == 3
+
+
+def test_each_extra_inputs_file_is_a_row_of_its_own(ra, tmp_path):
+    path = _write_model(tmp_path, "m")
+    assert ra.input_sets(path) == [("m", None)]
+    np.savez(tmp_path / "m.npz", x=np.ones((3, 4), np.float32))
+    np.savez(tmp_path / "m.first.npz", x=np.ones((1, 4), np.float32))
+    assert ra.input_sets(path) == [
+        ("m", tmp_path / "m.npz"),
+        ("m.first", tmp_path / "m.first.npz"),
+    ]
+    cmd = ra.optimize_cmd(path, tmp_path / "out", "cpu", False, tmp_path / "m.first.npz")
+    assert cmd[cmd.index("--inputs") + 1] == str(tmp_path / "m.first.npz")
+
+
+def test_ops_are_counted_inside_if_branches(ra, tmp_path):
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
+    c = helper.make_tensor_value_info("c", TensorProto.BOOL, [1])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])
+
+    def body(name):
+        out = helper.make_tensor_value_info(f"{name}_y", TensorProto.FLOAT, [2])
+        return helper.make_graph(
+            [helper.make_node("Softmax", ["x"], [f"{name}_y"])], name, [], [out]
+        )
+
+    node = helper.make_node("If", ["c"], ["y"], then_branch=body("a"), else_branch=body("b"))
+    graph = helper.make_graph([node], "g", [x, c], [y])
+    path = tmp_path / "if.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    assert ra.all_ops(path) == {"If": 1, "Softmax": 2}
+    row = ra.row_from_report("if", "cpu", _report([]), 0, "", (ra.all_ops(path), ra.all_ops(path)))
+    assert row["layers"] == 2 and row["nodes_before"] == 3

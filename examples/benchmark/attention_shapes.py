@@ -7,9 +7,9 @@ For each case, two models over the same q, k, v [B, S, N·H] inputs: the exporte
 (Reshape, Transpose, MatMul, scale, bias Add, Softmax, MatMul, Transpose, Reshape; onnxruntime
 applies its own fusions to it at ORT_ENABLE_ALL) and one MultiHeadAttention node.  1 intra-op
 thread, ORT_ENABLE_ALL, runs interleaved (A, B, A, B, ...); the table gives medians and the
-ratio fused / unfused.
+ratio fused / unfused, with the bootstrap 95 % interval of the median per-pair ratio.
 
-    python examples/benchmark/attention_shapes.py [--runs 100] [--json out.json]
+    python examples/benchmark/attention_shapes.py [--runs 100] [--only TEXT] [--json out.json]
 """
 
 from __future__ import annotations
@@ -36,6 +36,16 @@ CASES = [
     ("T5-small, relative bias", 1, 128, 8, 64, "heads"),
     ("Whisper-tiny encoder", 1, 1500, 6, 64, "none"),
     ("short sequence, S=16", 1, 16, 12, 64, "keys"),
+    ("Wav2Vec2/HuBERT-base, 49 frames", 1, 49, 12, 64, "none"),
+    ("Wav2Vec2/HuBERT-base, 49 frames, batch 4", 4, 49, 12, 64, "none"),
+    ("MobileViT-S stage 3 (256 patches)", 4, 256, 4, 36, "none"),
+    ("MobileViT-S stage 4 (64 patches)", 4, 64, 4, 48, "none"),
+    ("MobileViT-S stage 5 (16 patches)", 4, 16, 4, 60, "none"),
+    ("Swin-T stage 1 shape, no bias", 64, 49, 3, 32, "none"),
+    ("Swin-T stage 3 shape, no bias", 4, 49, 12, 32, "none"),
+    ("short sequence, S=16, no mask", 1, 16, 12, 64, "none"),
+    ("Wav2Vec2/HuBERT-base shape, padding mask", 1, 49, 12, 64, "keys"),
+    ("Wav2Vec2/HuBERT-base shape, per-head bias", 1, 49, 12, 64, "heads"),
 ]
 
 
@@ -132,6 +142,7 @@ def measure(case, runs):
         ta.append(t1 - t0)
         tf.append(t2 - t1)
     ua, uf = statistics.median(ta) * 1e6, statistics.median(tf) * 1e6
+    lo, hi = ratio_interval(np.asarray(tf) / np.asarray(ta))
     return {
         "case": name,
         "B": b,
@@ -142,25 +153,36 @@ def measure(case, runs):
         "unfused_us": round(ua, 1),
         "fused_us": round(uf, 1),
         "ratio": round(uf / ua, 3),
+        "pair_ratio_ci95": [round(lo, 3), round(hi, 3)],
         "max_rel_err": err,
     }
+
+
+def ratio_interval(ratios: np.ndarray, resamples: int = 2000) -> tuple[float, float]:
+    """Bootstrap 95 % interval of the median of the per-pair ratios (each pair: the two
+    models run back to back)."""
+    boot = np.random.default_rng(0).integers(0, ratios.size, (resamples, ratios.size))
+    low, high = np.percentile(np.median(ratios[boot], axis=1), [2.5, 97.5])
+    return float(low), float(high)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=100)
     ap.add_argument("--json", help="also write the rows as JSON")
+    ap.add_argument("--only", help="run only the cases whose name contains this text")
     args = ap.parse_args()
     print(f"onnxruntime {ort.__version__}, CPU, 1 thread, ORT_ENABLE_ALL, {args.runs} runs\n")
-    print("| case | B | S | N | H | bias | unfused µs | MHA µs | MHA / unfused |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| case | B | S | N | H | bias | unfused µs | MHA µs | MHA / unfused | 95 % |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     rows = []
-    for case in CASES:
+    for case in [c for c in CASES if not args.only or args.only.lower() in c[0].lower()]:
         r = measure(case, args.runs)
         rows.append(r)
         print(
             f"| {r['case']} | {r['B']} | {r['S']} | {r['N']} | {r['H']} | {r['bias']} | "
-            f"{r['unfused_us']:.0f} | {r['fused_us']:.0f} | {r['ratio']:.3f} |",
+            f"{r['unfused_us']:.0f} | {r['fused_us']:.0f} | {r['ratio']:.3f} | "
+            f"{r['pair_ratio_ci95'][0]:.3f}–{r['pair_ratio_ci95'][1]:.3f} |",
             flush=True,
         )
     if args.json:

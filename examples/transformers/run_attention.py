@@ -7,14 +7,16 @@
 For every NAME.onnx with a NAME.json sidecar in MODELS_DIR (as written by
 examples/make_models.py) and every target, run `graphopt optimize MODEL --target T -O 2` in its
 own process, feeding NAME.npz (the test inputs, padded attention masks included) when present,
-else the sidecar's test shapes. From the bundle's report.json, tabulate:
+else the sidecar's test shapes; each NAME.VARIANT.npz beside it is one more row, NAME.VARIANT
+(a merged decoder's first step, the If's other branch). From the bundle's report.json and the
+models (their If bodies included), tabulate:
 
-- layers: Softmax nodes in the original (main graph);
+- layers: Softmax nodes in the original (every graph: an If's branches count);
 - fused: attention ops created, by type (MultiHeadAttention, Attention, GroupQueryAttention...);
 - missed: `fuse-attention*` missed remarks by code, and for the first one its stage and tensor
   (or its message);
 - parity: ok / FAILED / not run, and the exit code when not 0;
-- nodes: before -> after.
+- nodes: before -> after (every graph).
 
 With --latency (cpu only), each model also goes through the benchmark's rivals and its timing
 worker (examples/benchmark/bench.py: one latency process, onnxruntime ORT_ENABLE_ALL,
@@ -60,8 +62,38 @@ def discover(models_dir: Path, names: list[str] | None) -> list[Path]:
     return [found[n] for n in names]
 
 
-def optimize_cmd(model: Path, out: Path, target: str, measure: bool) -> list[str]:
-    """The graphopt command line for one model and target."""
+def input_sets(model: Path) -> list[tuple[str, Path | None]]:
+    """(row name, inputs file) per set of test inputs: NAME.npz (or the sidecar's shapes when
+    there is none), then each NAME.VARIANT.npz as its own row NAME.VARIANT (a merged decoder's
+    first step beside its decoding step)."""
+    main = model.with_suffix(".npz")
+    sets = [(model.stem, main if main.exists() else None)]
+    for extra in sorted(model.parent.glob(f"{model.stem}.*.npz")):
+        sets.append((extra.name[: -len(".npz")], extra))
+    return sets
+
+
+def all_ops(path: Path) -> Counter:
+    """Op counts of the model's graph and of every body inside it (an If's branches), short
+    op names; the weights are not read."""
+    import onnx
+
+    counts: Counter = Counter()
+    graphs = [onnx.load(str(path), load_external_data=False).graph]
+    while graphs:
+        g = graphs.pop()
+        for node in g.node:
+            counts[node.op_type] += 1
+            for a in node.attribute:
+                graphs += ([a.g] if a.HasField("g") else []) + list(a.graphs)
+    return counts
+
+
+def optimize_cmd(
+    model: Path, out: Path, target: str, measure: bool, inputs: Path | None = None
+) -> list[str]:
+    """The graphopt command line for one model and target, fed ``inputs`` (default: NAME.npz
+    when present, else the sidecar's shapes)."""
     cmd = [
         sys.executable,
         "-m",
@@ -76,8 +108,9 @@ def optimize_cmd(model: Path, out: Path, target: str, measure: bool) -> list[str
         "2",
         "--quiet",
     ]
-    inputs = model.with_suffix(".npz")
-    if inputs.exists():
+    if inputs is None and model.with_suffix(".npz").exists():
+        inputs = model.with_suffix(".npz")
+    if inputs is not None:
         cmd += ["--inputs", str(inputs)]
     else:
         shapes = json.loads(model.with_suffix(".json").read_text()).get("inputs", {})
@@ -134,13 +167,25 @@ def parity_cell(report: dict | None, rc: int) -> str:
     return text
 
 
-def row_from_report(name: str, target: str, report: dict | None, rc: int, error: str) -> dict:
-    """One table row (a dict, as --json writes it)."""
+def row_from_report(
+    name: str,
+    target: str,
+    report: dict | None,
+    rc: int,
+    error: str,
+    ops: tuple[Counter, Counter] | None = None,
+) -> dict:
+    """One table row (a dict, as --json writes it); ``ops``: the op counts of the original and
+    the output over all their graphs (bodies included; nodes too), else the report's
+    main-graph counts."""
     row: dict = {"model": name, "target": target, "rc": rc}
     if report is None:
         row["error"] = error or f"exit {rc}, no report.json"
         return row
     codes, first = missed_attention(report)
+    if ops is not None:
+        report = dict(report, ops_before=dict(ops[0]), ops_after=dict(ops[1]))
+        report.update(nodes_before=sum(ops[0].values()), nodes_after=sum(ops[1].values()))
     row.update(
         layers=report.get("ops_before", {}).get("Softmax", 0),
         softmax_after=report.get("ops_after", {}).get("Softmax", 0),
@@ -158,12 +203,21 @@ def row_from_report(name: str, target: str, report: dict | None, rc: int, error:
 
 
 def run_one(
-    model: Path, target: str, work: Path, measure: bool, timeout: float, keep: bool
+    model: Path,
+    target: str,
+    work: Path,
+    measure: bool,
+    timeout: float,
+    keep: bool,
+    name: str | None = None,
+    inputs: Path | None = None,
 ) -> dict:
-    """Optimize one model for one target in a child process and read its report."""
-    out = work / f"{model.stem}.{target}.graphopt"
+    """Optimize one model for one target in a child process (fed ``inputs``) and read its
+    report; the row is called ``name`` (default: the model's)."""
+    name = name or model.stem
+    out = work / f"{name}.{target}.graphopt"
     shutil.rmtree(out, ignore_errors=True)
-    cmd = optimize_cmd(model, out, target, measure)
+    cmd = optimize_cmd(model, out, target, measure, inputs)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         rc, stderr = proc.returncode, proc.stderr
@@ -173,9 +227,11 @@ def run_one(
     error = lines[-1].strip()[:300] if lines else ""
     report_path = out / "report.json"
     report = json.loads(report_path.read_text()) if report_path.exists() else None
+    written = out / "model.onnx"
+    ops = (all_ops(model), all_ops(written)) if report and written.exists() else None
     if not keep:
         shutil.rmtree(out, ignore_errors=True)
-    return row_from_report(model.stem, target, report, rc, error)
+    return row_from_report(name, target, report, rc, error, ops)
 
 
 def _counts(d: dict[str, int]) -> str:
@@ -404,11 +460,15 @@ def main(argv: list[str] | None = None) -> int:
     models = discover(args.models_dir, names)
     args.work.mkdir(parents=True, exist_ok=True)
     rows = []
+    measure = not args.no_measure
     for model in models:
-        for target in targets:
-            row = run_one(model, target, args.work, not args.no_measure, args.timeout, args.keep)
-            print(f"{model.stem} {target}: {json.dumps(row)}", file=sys.stderr, flush=True)
-            rows.append(row)
+        for name, inputs in input_sets(model):
+            for target in targets:
+                row = run_one(
+                    model, target, args.work, measure, args.timeout, args.keep, name, inputs
+                )
+                print(f"{name} {target}: {json.dumps(row)}", file=sys.stderr, flush=True)
+                rows.append(row)
             if args.json:
                 args.json.write_text(json.dumps(rows, indent=1) + "\n")
     if args.latency:

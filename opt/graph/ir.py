@@ -79,11 +79,14 @@ def export_model(root: gs.Graph, consume: bool = False) -> onnx.ModelProto:
     model = onnx.ModelProto(ir_version=onnx.IR_VERSION)
     graph = model.graph
     check_duplicate_node_names(root.nodes, level=gs.logger.G_LOGGER.WARNING)
-    graph.node.extend(OnnxExporter.export_node(n) for n in root.nodes)
+    hoisted = _outer_constants(root)
+    graph.node.extend(_export_scoped_node(n, hoisted) for n in root.nodes)
     graph.name = root.name
     graph.input.extend(OnnxExporter.export_value_info_proto(t, False) for t in root.inputs)
     graph.output.extend(OnnxExporter.export_value_info_proto(t, False) for t in root.outputs)
     tensors = root.tensors()
+    for t in hoisted.values():
+        tensors.setdefault(t.name, t)
     for t in tensors.values():
         if isinstance(t, gs.Constant):
             if isinstance(t._values, SparseValues):
@@ -108,6 +111,95 @@ def export_model(root: gs.Graph, consume: bool = False) -> onnx.ModelProto:
     if root.ir_version is not None:
         model.ir_version = root.ir_version
     return model
+
+
+def _outer_constants(root: gs.Graph) -> dict[int, gs.Constant]:
+    """Constants a subgraph reads that the root graph, or another graph, reads too (optimum's
+    merged decoders: both branches of the If read every weight from the outer graph).  They are
+    written once, as initializers of the root graph, which every body sees; gs would write a
+    copy into each body that reads one.  A hoisted constant whose name a body also gives to
+    another value is renamed, so that no body shadows it."""
+    readers: dict[int, set[int]] = {}
+    found: dict[int, gs.Constant] = {}
+    names: dict[str, set[int]] = {}
+    stack, graphs = [root], 0
+    while stack:
+        g = stack.pop()
+        for node in g.nodes:
+            for t in node.inputs:
+                if isinstance(t, gs.Constant):
+                    readers.setdefault(id(t), set()).add(id(g))
+                    found[id(t)] = t
+            for t in list(node.inputs) + list(node.outputs):
+                names.setdefault(t.name, set()).add(id(t))
+            stack.extend(subgraphs(node))
+        graphs += 1
+    if graphs == 1:
+        return {}
+    hoisted = {key: t for key, t in found.items() if len(readers[key]) > 1}
+    taken = set(names)
+    for t in hoisted.values():
+        if len(names.get(t.name, ())) > 1:
+            base, i = t.name, 1
+            while f"{base}_{i}" in taken:
+                i += 1
+            t.name = f"{base}_{i}"
+            taken.add(t.name)
+    return hoisted
+
+
+def _export_scoped_node(node: Node, hoisted: dict[int, gs.Constant]) -> onnx.NodeProto:
+    """The node's export; a body leaves out the constants the root graph holds."""
+    bodies = subgraphs(node)
+    if not bodies or not hoisted:
+        return OnnxExporter.export_node(node)
+    proto = onnx.helper.make_node(
+        node.op,
+        inputs=[t.name for t in node.inputs],
+        outputs=[t.name for t in node.outputs],
+        name=node.name,
+        domain=node.domain,
+    )
+    for key, value in node.attrs.items():
+        if isinstance(value, gs.Graph):
+            proto.attribute.append(onnx.helper.make_attribute(key, _export_body(value, hoisted)))
+        elif isinstance(value, list) and value and isinstance(value[0], gs.Graph):
+            proto.attribute.append(
+                onnx.helper.make_attribute(key, [_export_body(g, hoisted) for g in value])
+            )
+        else:
+            proto.attribute.extend(OnnxExporter.export_attributes({key: value}))
+    return _restore_node_fields(node, proto)
+
+
+def _export_body(graph: gs.Graph, hoisted: dict[int, gs.Constant]) -> onnx.GraphProto:
+    """``OnnxExporter.export_graph(graph, do_type_check=False)`` without the hoisted constants
+    (and with nested bodies exported the same way)."""
+    tensors = graph.tensors()
+    initializer, sparse = [], []
+    for t in tensors.values():
+        if isinstance(t, gs.Constant) and id(t) not in hoisted:
+            if isinstance(t._values, SparseValues):
+                sparse.append(OnnxExporter.export_sparse_tensor_proto(t))
+            else:
+                initializer.append(OnnxExporter.export_tensor_proto(t))
+    for t in graph.inputs + graph.outputs:
+        tensors.pop(t.name, None)
+    value_info = [
+        OnnxExporter.export_value_info_proto(t, False)
+        for t in tensors.values()
+        if isinstance(t, gs.Variable) and (t.dtype is not None or t.shape is not None)
+    ]
+    return onnx.helper.make_graph(
+        nodes=[_export_scoped_node(n, hoisted) for n in graph.nodes],
+        name=graph.name,
+        inputs=[OnnxExporter.export_value_info_proto(t, False) for t in graph.inputs],
+        outputs=[OnnxExporter.export_value_info_proto(t, False) for t in graph.outputs],
+        initializer=initializer,
+        sparse_initializer=sparse,
+        doc_string=graph.doc_string,
+        value_info=value_info,
+    )
 
 
 class ModelIR:
@@ -182,6 +274,7 @@ class ModelIR:
             _map_external_values(self.graph, base_dir)
         _keep_unsupported_types(model.graph, self.graph)
         _keep_node_annotations(model.graph, self.graph)
+        _unique_node_names(self.graph)
         if split_dims:
             self._split_dims(split_dims)
         self.provenance: dict[str, str] = {}
@@ -647,7 +740,11 @@ _gs_export_node = OnnxExporter.export_node
 
 
 def _export_node(node: Node) -> onnx.NodeProto:
-    proto = _gs_export_node(node)
+    return _restore_node_fields(node, _gs_export_node(node))
+
+
+def _restore_node_fields(node: Node, proto: onnx.NodeProto) -> onnx.NodeProto:
+    """What graphsurgeon's node export drops: TYPE_PROTO attributes, doc_string, metadata."""
     kept = getattr(node, _ATTR_ATTR, None)
     if kept:
         attrs = [kept.get(a.name, a) for a in proto.attribute]
@@ -808,6 +905,26 @@ OnnxExporter.export_tensor_proto = staticmethod(_export_tensor_proto)
 # Nodes carry their doc_string and metadata_props (graphsurgeon drops both) by identity: a
 # proto holding only those fields, restored by _export_node.
 _NOTE_ATTR = "graphopt_annotations"
+
+
+def _unique_node_names(root: gs.Graph) -> None:
+    """A body node named like a node of another graph gets its body's name in front (optimum's
+    merged decoders: both branches of the If are the same decoder, node names and all), so that
+    remarks, provenance and the rules that look a node up by name see one node per name."""
+    seen = {n.name for n in root.nodes if n.name}
+    bodies = [b for n in root.nodes for b in subgraphs(n)]
+    while bodies:
+        body = bodies.pop(0)
+        for node in body.nodes:
+            if node.name in seen:
+                base = f"{body.name or 'body'}/{node.name}"
+                name, i = base, 1
+                while name in seen:
+                    name, i = f"{base}_{i}", i + 1
+                node.name = name
+            if node.name:
+                seen.add(node.name)
+            bodies.extend(subgraphs(node))
 
 
 def _keep_node_annotations(proto: onnx.GraphProto, graph: gs.Graph) -> None:

@@ -41,7 +41,8 @@ class Target:
     measured_slower: dict[str, str] = field(default_factory=dict)
     #: fused ops measured slower than what they replace while a static size stays below a
     #: bound: op -> (bound, the measurement).  For MultiHeadAttention the size is the key
-    #: sequence length; a symbolic length is not refused.
+    #: sequence length of an attention that takes an attention_bias (without one the kernel
+    #: was measured faster at every length); a symbolic length is not refused.
     slower_below: dict[str, tuple[int, str]] = field(default_factory=dict)
     device_available: bool = True
     #: version of the runtime / kernel library the table describes ("1.32.0", "TensorRT 10.15")

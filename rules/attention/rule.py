@@ -176,6 +176,40 @@ def _query_per_head(core: Core) -> HeadSplit | None:
     return HeadSplit(core.q, None, "bnsh", [], kept=True)
 
 
+def _keep_shared_heads(a: Attention, cx) -> Attention:
+    """K and V split into heads that the model also reads as [B,N,T,H] (a decoder's first step
+    returns them as ``present`` without a cache to concatenate to): the kernel takes those
+    [B,N,T,H] tensors as they are, leaving their splits to the model; else the attention as
+    lifted."""
+    if a.k.layout != "bsd" or a.v.layout != "bsd":
+        return a
+    inside = {id(n) for n in a.nodes()}
+    views = [_heads_view(s, inside, cx) for s in (a.k, a.v)]
+    if None in views or not any(shared for _, shared in views):
+        return a
+    a.k, a.v = (
+        HeadSplit(t.outputs[0], None, "bnsh", [n for n in s.nodes if n is not t])
+        for (t, _), s in zip(views, (a.k, a.v))
+    )
+    return a
+
+
+def _heads_view(s: HeadSplit, inside: set[int], cx) -> tuple[Node, bool] | None:
+    """The Transpose making ``s``'s [B,N,T,H] heads from its Reshape, and whether the model
+    reads that tensor outside the attention (a graph output, or another reader)."""
+    best = None
+    for node in s.reshape.outputs[0].outputs:
+        if node.op != "Transpose" or tuple(node.attrs.get("perm", ())) != PERM_BNSH:
+            continue
+        out = node.outputs[0]
+        shared = cx.ir.is_graph_output(out) or any(
+            id(r) not in inside and r.op != "Shape" for r in out.outputs
+        )
+        if best is None or (shared and not best[1]):
+            best = (node, shared)
+    return best
+
+
 def _merged_readers(transpose: Node) -> list[Node]:
     """The readers of the merged heads, other than Shape."""
     return [r for r in transpose.outputs[0].outputs if r.op != "Shape"]
@@ -203,7 +237,7 @@ class FuseMultiHeadAttention(Rule):
     summary = "scaled-dot-product attention → com.microsoft.MultiHeadAttention"
 
     def match(self, node, cx):
-        a = lift(node)
+        a = _keep_shared_heads(lift(node), cx)
         nodes = a.nodes() if a.core.fold is None else _shared_splits_kept(a, cx)
         m = Match(node, {f"node{i}": n for i, n in enumerate(nodes)})
         m.stash(attention=a)
@@ -405,15 +439,20 @@ class FuseMultiHeadAttention(Rule):
         a.num_heads, a.head_size, a.v_head_size = int(n), int(h), int(hv)
 
     def _check_pays(self, a: Attention, cx) -> None:
-        """Refuse a static key length below the one from which the target's kernel pays."""
+        """Refuse a static key length below the one from which the target's kernel pays, for
+        an attention whose scores the kernel must add an ``attention_bias`` to (without one it
+        was measured faster at every length: see the target's reason)."""
         bound, why = cx.target.slower_below.get("MultiHeadAttention", (0, ""))
+        if a.bias is None:
+            return
         keys = a.k.x.shape[a.axis("k", "seq")]
         require(
             not isinstance(keys, (int, np.integer)) or keys >= bound,
             "slower-on-target",
             lambda: (
-                f"stage {LOWER}: MultiHeadAttention over {keys} keys is slower than the unfused "
-                f"attention on target {cx.target.name} below {bound} keys: {why}"
+                f"stage {LOWER}: MultiHeadAttention over {keys} keys with an attention_bias is "
+                f"slower than the unfused attention on target {cx.target.name} below {bound} "
+                f"keys: {why}"
             ),
             keys=int(keys) if isinstance(keys, (int, np.integer)) else None,
             bound=bound,
