@@ -475,7 +475,8 @@ def render_profile(data: dict) -> None:
     out.print(
         f"run {data['run_ms']:.3f} ms (median of {data['runs']} profiled runs; "
         f"{data['unprofiled_run_ms']:.3f} ms with the profiler off); coverage "
-        f"{_pct(data['coverage'])} of the kernel time attributed to model nodes"
+        f"{_pct(data['coverage'])} of the nodes' time ({_pct(data['run_coverage'])} of the "
+        "run) attributed to the model's nodes"
     )
     _profile_ops(data)
     t = Table(title=f"time by region (top {PROFILE_TOP})", show_edge=False)
@@ -507,17 +508,60 @@ def render_profile(data: dict) -> None:
 
 
 def _profile_ops(data: dict) -> None:
-    t = Table(title="time by op type (median of the runs)", show_edge=False)
-    for col in ("op", "count", "ms", "share"):
+    """The op-type table: each op's nodes (kernel and the executor's gap after it), then the
+    rows that belong to no node, their sum against the measured run and the residual."""
+    acc = data["account"]
+    t = Table(
+        title=f"time by op type (median of {data['runs']} profiled runs; "
+        "ms: kernel + the executor's work after it)",
+        show_edge=False,
+    )
+    for col in ("op", "count", "ms", "kernel ms", "share"):
         t.add_column(col, justify="left" if col == "op" else "right")
     for g in data["ops"]:
-        t.add_row(escape(g["op"]), str(g["count"]), f"{g['ms']:.3f}", _pct(g["share"]))
-    t.add_row("sum", str(data["node_count"]), f"{data['kernel_ms']:.3f}", "100.0 %")
+        t.add_row(
+            escape(g["op"]),
+            str(g["count"]),
+            f"{g['ms']:.3f}",
+            f"{g['kernel_ms']:.3f}",
+            _pct(g["share"]),
+        )
+    for o in acc["other"]:
+        t.add_row(escape(o["row"]), "", f"{o['ms']:.3f}", "", _pct(o["share"]))
+    t.add_row(
+        "sum of the rows",
+        str(data["node_count"]),
+        f"{acc['rows_ms']:.3f}",
+        f"{data['kernel_ms']:.3f}",
+        _pct(data["ratio"] or 0.0),
+    )
+    t.add_row(
+        "(residual: run-to-run spread the medians leave out)",
+        "",
+        f"{acc['residual_ms']:+.3f}",
+        "",
+        _pct(acc["residual_share"]),
+    )
+    t.add_row(
+        f"measured run ({acc['measured_by']}, median)",
+        "",
+        f"{acc['measured_ms']:.3f}",
+        "",
+        "100.0 %",
+    )
     out.print(t)
-    out.print(
-        f"sum {data['kernel_ms']:.3f} ms vs the measured run {data['run_ms']:.3f} ms: ratio "
+    line = (
+        f"rows {acc['rows_ms']:.3f} ms vs the measured run {acc['measured_ms']:.3f} ms: ratio "
         f"{data['ratio']:.3f}"
     )
+    if acc.get("profiler_ms") is not None:
+        per = acc["profiler_ms"] / max(1, acc["kernel_events"]) * 1000.0
+        line += (
+            f"; with the profiler off the run takes {data['unprofiled_run_ms']:.3f} ms: the "
+            f"profiler's own cost is {acc['profiler_ms']:.3f} ms (about {per:.1f} µs on each "
+            f"of {acc['kernel_events']} kernels), inside the rows above"
+        )
+    out.print(escape(line), soft_wrap=True)
 
 
 def _profile_compare(cmp: dict) -> None:

@@ -203,6 +203,8 @@ class Profiled:
     session: dict[str, Any]
     inputs: dict[str, list[int]]
     walls: list[float]  # µs of each run after the profiler stopped
+    #: µs of each profiled ``session.run`` as Python timed it (warm-up excluded)
+    profiled_walls: list[float] = field(default_factory=list)
     feeds: dict[str, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
 
 
@@ -236,12 +238,15 @@ def run_profiled(
         except ValueError as e:
             raise UsageError(f"cannot make inputs: {_first_line(e)}") from None
         outputs = [o.name for o in sess.get_outputs()]
+        profiled_walls = []
         for _ in range(runs + 1):
+            t0 = time.perf_counter()
             try:
                 sess.run(outputs, full)
             except Exception as e:  # noqa: BLE001 - onnxruntime raises several unrelated types
                 why = _first_line(e)
                 raise GraphoptError(f"onnxruntime failed to run the model: {why}") from None
+            profiled_walls.append((time.perf_counter() - t0) * 1e6)
         path = sess.end_profiling()
         walls = []  # the same session, its profiler stopped: a run as deployed
         for _ in range(runs):
@@ -261,7 +266,9 @@ def run_profiled(
         if e.get("cat") == "Session" and e.get("name") == "model_run"
     )
     shapes_used = {k: list(np.shape(v)) for k, v in sorted(full.items())}
-    return Profiled(events, run_events[1:], info, shapes_used, walls, full)
+    if len(run_events) != len(profiled_walls):  # a run the profile lost: no wall to pair with
+        profiled_walls = []
+    return Profiled(events, run_events[1:], info, shapes_used, walls, profiled_walls[1:], full)
 
 
 # ------------------------------------------------------------------ the numbers
@@ -273,48 +280,119 @@ def _share(part: float, whole: float) -> float:
     return round(part / whole, 4) if whole > 0 else 0.0
 
 
-def _kernels(profiled: Profiled) -> Iterable[tuple[int, dict]]:
-    """(run index, event) of each kernel event inside a timed run."""
+#: the rows of a run's time that belong to no node, in the order the table prints them
+EXECUTOR_EDGES = "(executor: before the first kernel, after the last)"
+RUN_OUTSIDE_EXECUTOR = "(onnxruntime run: outside the executor)"
+PYTHON_BINDING = "(session.run: outside onnxruntime's run)"
+UNOWNED_ROWS = (EXECUTOR_EDGES, RUN_OUTSIDE_EXECUTOR, PYTHON_BINDING)
+_EXECUTE = "SequentialExecutor::Execute"
+
+
+@dataclass
+class _Run:
+    """One timed run's events: its span, the executor's span, its kernels in start order."""
+
+    ts: int
+    dur: int
+    execute: tuple[int, int] | None = None
+    kernels: list[dict] = field(default_factory=list)
+
+
+def _timeline(profiled: Profiled) -> list[_Run]:
+    """Each timed run with the executor event and the kernel events that lie inside it."""
+    runs = [_Run(ts, dur) for ts, dur in profiled.runs]
     starts = [ts for ts, _ in profiled.runs]
     for e in profiled.events:
         name = e.get("name", "")
-        if e.get("cat") != "Node" or not name.endswith(KERNEL_SUFFIX):
+        is_kernel = e.get("cat") == "Node" and name.endswith(KERNEL_SUFFIX)
+        if not is_kernel and not (e.get("cat") == "Session" and name == _EXECUTE):
             continue
         ts = int(e.get("ts", 0))
         i = bisect.bisect_right(starts, ts) - 1
-        if i >= 0 and ts <= starts[i] + profiled.runs[i][1]:
-            yield i, e
+        if i < 0 or ts > starts[i] + profiled.runs[i][1]:
+            continue
+        if is_kernel:
+            runs[i].kernels.append(e)
+        elif runs[i].execute is None:
+            runs[i].execute = (ts, int(e.get("dur", 0)))
+    for run in runs:
+        run.kernels.sort(key=lambda e: int(e.get("ts", 0)))
+    return runs
+
+
+def _spans(run: _Run) -> tuple[list[tuple[dict, float, float]], float]:
+    """Each kernel of the run with its own time and its span, the time the executor spends on
+    its node: the kernel and the gap after it, up to the next kernel's start (recording the
+    kernel's event, releasing the values it was the last to read, starting the next node).
+    And the executor's time outside every span: before the first kernel and after the last.
+    Kernels that overlap (the parallel executor) share no gap: a gap starts where the latest
+    kernel so far ended."""
+    ex_ts, ex_dur = run.execute or (run.ts, run.dur)
+    out = []
+    edges = 0.0
+    if not run.kernels:
+        return out, float(ex_dur)
+    edges += max(0.0, int(run.kernels[0]["ts"]) - ex_ts)
+    end = ex_ts
+    for j, e in enumerate(run.kernels):
+        ts, dur = int(e["ts"]), int(e.get("dur", 0))
+        end = max(end, ts + dur)
+        if j + 1 < len(run.kernels):
+            gap = max(0.0, int(run.kernels[j + 1]["ts"]) - end)
+        else:
+            gap = 0.0
+            edges += max(0.0, ex_ts + ex_dur - end)
+        out.append((e, float(dur), float(dur) + gap))
+    return out, edges
 
 
 def summarize(
     profiled: Profiled, index: ModelIndex, prov: Provenance, *, top: int | None = None
 ) -> dict[str, Any]:
     """Per node, per op type, per region and per missed remark: the median time over the runs,
-    its share, and the sum against the measured run."""
+    its share of the measured run, and every row of that run that belongs to no node, so the
+    rows add up to the run with the residual shown."""
     n_runs = len(profiled.runs)
     if n_runs == 0:
         raise GraphoptError("onnxruntime's profile has no timed run")
     per_row: dict[tuple[str, str], list[float]] = {}
+    per_kernel: dict[tuple[str, str], list[float]] = {}
     info: dict[tuple[str, str], dict] = {}
-    for i, e in _kernels(profiled):
-        kernel = e["name"][: -len(KERNEL_SUFFIX)]
-        args = e.get("args") or {}
-        node = index.node_of(kernel)
-        key = (node, "") if node is not None else (INSERTED, kernel)
-        times = per_row.setdefault(key, [0.0] * n_runs)
-        times[i] += float(e.get("dur", 0))
-        row = info.setdefault(key, {"kernels": [], "kernel_ops": [], "providers": []})
-        for field_, value in (
-            ("kernels", kernel),
-            ("kernel_ops", args.get("op_name")),
-            ("providers", args.get("provider")),
-        ):
-            if value and value not in row[field_]:
-                row[field_].append(value)
+    unowned = {name: [0.0] * n_runs for name in UNOWNED_ROWS}
+    kernel_runs = [0.0] * n_runs
+    kernel_events = 0
+    walls = profiled.profiled_walls if len(profiled.profiled_walls) == n_runs else []
+    for i, run in enumerate(_timeline(profiled)):
+        spans, edges = _spans(run)
+        unowned[EXECUTOR_EDGES][i] = edges
+        if run.execute is not None:
+            unowned[RUN_OUTSIDE_EXECUTOR][i] = max(0.0, run.dur - run.execute[1])
+        if walls:
+            unowned[PYTHON_BINDING][i] = max(0.0, walls[i] - run.dur)
+        kernel_events += len(spans)
+        for e, dur, span in spans:
+            kernel = e["name"][: -len(KERNEL_SUFFIX)]
+            args = e.get("args") or {}
+            node = index.node_of(kernel)
+            key = (node, "") if node is not None else (INSERTED, kernel)
+            per_row.setdefault(key, [0.0] * n_runs)[i] += span
+            per_kernel.setdefault(key, [0.0] * n_runs)[i] += dur
+            kernel_runs[i] += dur
+            row = info.setdefault(key, {"kernels": [], "kernel_ops": [], "providers": []})
+            for field_, value in (
+                ("kernels", kernel),
+                ("kernel_ops", args.get("op_name")),
+                ("providers", args.get("provider")),
+            ):
+                if value and value not in row[field_]:
+                    row[field_].append(value)
     rows = []
     for key, times in per_row.items():
         node, kernel = key
-        med = statistics.median(times)
+        timing = {
+            "ms": _ms(statistics.median(times)),
+            "kernel_ms": _ms(statistics.median(per_kernel[key])),
+        }
         extra = info[key]
         if node == INSERTED:
             rows.append(
@@ -325,7 +403,7 @@ def summarize(
                     "originals": [],
                     "rule": None,
                     "region": INSERTED,
-                    "ms": _ms(med),
+                    **timing,
                     **extra,
                 }
             )
@@ -339,21 +417,32 @@ def summarize(
                 "originals": originals,
                 "rule": index.rules.get(node),
                 "region": region_of(node),
-                "ms": _ms(med),
+                **timing,
                 **extra,
             }
         )
     rows.sort(key=lambda r: (-r["ms"], r["node"]))
-    kernel_ms = round(sum(r["ms"] for r in rows), 4)
+    node_ms = round(sum(r["ms"] for r in rows), 4)
+    kernel_ms = round(sum(r["kernel_ms"] for r in rows), 4)
     run_ms = _ms(statistics.median(d for _, d in profiled.runs))
+    measured = _ms(statistics.median(walls)) if walls else run_ms
+    other = [
+        {"row": name, "ms": _ms(statistics.median(times))}
+        for name, times in unowned.items()
+        if walls or name != PYTHON_BINDING
+    ]
+    rows_ms = round(node_ms + sum(o["ms"] for o in other), 4)
+    for o in other:
+        o["share"] = _share(o["ms"], measured)
     attributed = sum(r["ms"] for r in rows if r["owner"] == "model")
     for r in rows:
-        r["share"] = _share(r["ms"], kernel_ms)
-    missed = _missed(rows, prov, kernel_ms)
+        r["share"] = _share(r["ms"], measured)
+    missed = _missed(rows, prov, measured)
     by_node = {r["node"]: r for r in rows if r["owner"] == "model"}
     for m in missed:
         for n in m["node_names"]:
             by_node[n].setdefault("missed", []).append(f"{m['rule']}: {m['code']}")
+    unprofiled = _ms(statistics.median(profiled.walls)) if profiled.walls else None
     return {
         "schema": SCHEMA,
         "session": profiled.session,
@@ -361,12 +450,27 @@ def summarize(
         "runs": n_runs,
         "run_ms": run_ms,
         "run_ms_all": [_ms(d) for _, d in profiled.runs],
-        "unprofiled_run_ms": _ms(statistics.median(profiled.walls)),
+        "unprofiled_run_ms": unprofiled,
+        "account": {
+            "measured_ms": measured,
+            "measured_by": "session.run wall time" if walls else "onnxruntime's model_run",
+            "node_ms": node_ms,
+            "other": other,
+            "rows_ms": rows_ms,
+            "residual_ms": round(measured - rows_ms, 4),
+            "residual_share": _share(measured - rows_ms, measured),
+            "profiler_ms": round(measured - unprofiled, 4) if unprofiled is not None else None,
+            "kernel_events": round(kernel_events / n_runs),
+        },
         "kernel_ms": kernel_ms,
-        "ratio": round(kernel_ms / run_ms, 4) if run_ms > 0 else None,
-        "coverage": _share(attributed, kernel_ms),
-        "ops": _group(rows, "op", kernel_ms),
-        "regions": _group(rows, "region", kernel_ms),
+        "kernel_ratio": round(statistics.median(kernel_runs) / 1000.0 / run_ms, 4)
+        if run_ms > 0
+        else None,
+        "ratio": round(rows_ms / measured, 4) if measured > 0 else None,
+        "coverage": _share(attributed, node_ms),
+        "run_coverage": _share(attributed, measured),
+        "ops": _group(rows, "op", measured),
+        "regions": _group(rows, "region", measured),
         "missed": missed,
         "nodes": rows if top is None else rows[:top],
         "node_count": len(rows),
@@ -380,7 +484,16 @@ def _group(rows: list[dict], key: str, total: float) -> list[dict]:
     out = []
     for name, members in groups.items():
         ms = round(sum(r["ms"] for r in members), 4)
-        out.append({key: name, "count": len(members), "ms": ms, "share": _share(ms, total)})
+        kernel = round(sum(r["kernel_ms"] for r in members), 4)
+        out.append(
+            {
+                key: name,
+                "count": len(members),
+                "ms": ms,
+                "kernel_ms": kernel,
+                "share": _share(ms, total),
+            }
+        )
     out.sort(key=lambda g: (-g["ms"], g[key]))
     return out
 
