@@ -476,7 +476,7 @@ def render_profile(data: dict) -> None:
         f"run {data['run_ms']:.3f} ms (median of {data['runs']} profiled runs; "
         f"{data['unprofiled_run_ms']:.3f} ms with the profiler off); coverage "
         f"{_pct(data['coverage'])} of the nodes' time ({_pct(data['run_coverage'])} of the "
-        "run) attributed to the model's nodes"
+        "run's rows) attributed to the model's nodes"
     )
     _profile_ops(data)
     t = Table(title=f"time by region (top {PROFILE_TOP})", show_edge=False)

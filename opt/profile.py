@@ -3,14 +3,24 @@
 onnxruntime's own profiler (``SessionOptions.enable_profiling``) runs the model as it deploys:
 a bundle through :func:`graphopt.targets.bundle.open_session` (its session config, its fast path
 where it matches this machine), a plain model file at ``ORT_ENABLE_ALL`` on the CPU provider.
-One warm-up run, then ``runs`` runs; each kernel event (``cat`` ``Node``, name ``*_kernel_time``)
-is assigned to the run (``model_run`` event) it lies in, and a node's time is the median over the
-runs of its kernels' time in that run.  The sum over the nodes is set against the wall time of
-those same runs (``run_ms``, the median ``model_run``): the share of a run spent inside kernels,
-the rest being the executor's and the profiler's work between them.  The profiler is not free:
-each kernel's event (its shapes, memory and thread statistics) is built inside the time it
-records, a few microseconds that dominate a model of sub-millisecond runs, so the same session
-is also timed with its profiler stopped (``unprofiled_run_ms``) and both are reported.
+One warm-up run, then ``runs`` runs,
+each timed by Python around ``session.run``; each event is assigned to the run (``model_run``
+event) it lies in.  Every microsecond of a run has a row:
+
+- a node's *span*: its kernel (``*_kernel_time``) and the executor's gap after it, up to the next
+  kernel's start (recording the event, releasing the values it read last, starting the next
+  node); a kernel inside another's interval is a node of that one's subgraph (If, Loop), whose
+  own time is its kernel less its body's spans;
+- the executor's edges (``SequentialExecutor::Execute`` before the first kernel, after the last);
+- onnxruntime's run outside the executor (``model_run`` less ``Execute``: feeds, fetches);
+- ``session.run`` outside onnxruntime's run (the Python binding, numpy conversions).
+
+Per run these add up exactly; across runs each row is its mean over the half of the runs
+nearest the median run (see :func:`_central`), and the rows' sum is set against the median
+``session.run`` with the residual shown.  The profiler is not free: each kernel's event (its
+shapes, memory and thread statistics) is built inside the spans it records, a few microseconds
+per node that dominate a model of sub-millisecond runs, so the same session is also timed with
+its profiler stopped (``unprofiled_run_ms``) and the profiler's cost is the difference.
 
 Every kernel is mapped to a node of the portable ``model.onnx`` by name: the node's own name,
 ``fused NAME`` (onnxruntime's fusions), a name that extends a node's or one of its outputs' name
@@ -313,36 +323,63 @@ def _timeline(profiled: Profiled) -> list[_Run]:
             continue
         if is_kernel:
             runs[i].kernels.append(e)
-        elif runs[i].execute is None:
-            runs[i].execute = (ts, int(e.get("dur", 0)))
+        else:  # a subgraph's executor runs inside the run's own: keep the outermost
+            dur = int(e.get("dur", 0))
+            if runs[i].execute is None or dur > runs[i].execute[1]:
+                runs[i].execute = (ts, dur)
     for run in runs:
         run.kernels.sort(key=lambda e: int(e.get("ts", 0)))
     return runs
+
+
+def _nest(kernels: list[dict]) -> list[tuple[dict, list]]:
+    """The run's kernels as a forest: a kernel that lies inside another's interval is a node of
+    that one's subgraph (If, Loop, Scan run their bodies inside their own kernel time)."""
+    roots: list[tuple[dict, list]] = []
+    stack: list[tuple[int, list]] = []  # (end, children) of the kernels still open
+    for e in sorted(kernels, key=lambda e: (int(e["ts"]), -int(e.get("dur", 0)))):
+        ts = int(e["ts"])
+        end = ts + int(e.get("dur", 0))
+        while stack and not (ts < stack[-1][0] and end <= stack[-1][0]):
+            stack.pop()
+        item: tuple[dict, list] = (e, [])
+        (stack[-1][1] if stack else roots).append(item)
+        stack.append((end, item[1]))
+    return roots
+
+
+def _level(items: list[tuple[dict, list]], out: list) -> float:
+    """Appends (event, own kernel time, span) for ``items`` (siblings in start order) and
+    their subgraphs' kernels, and returns the sum of the siblings' spans.  A span is the
+    kernel's own time and the gap after it, up to the next sibling's start; a kernel's own time
+    is its time less its subgraph's kernels' spans.  Overlapping siblings (the parallel
+    executor) share no gap: a gap starts where the latest sibling so far ended."""
+    total = 0.0
+    end = None
+    for j, (e, children) in enumerate(items):
+        ts, dur = int(e["ts"]), int(e.get("dur", 0))
+        end = ts + dur if end is None else max(end, ts + dur)
+        own = max(0.0, dur - _level(children, out))
+        gap = max(0.0, int(items[j + 1][0]["ts"]) - end) if j + 1 < len(items) else 0.0
+        out.append((e, own, own + gap))
+        total += own + gap
+    return total
 
 
 def _spans(run: _Run) -> tuple[list[tuple[dict, float, float]], float]:
     """Each kernel of the run with its own time and its span, the time the executor spends on
     its node: the kernel and the gap after it, up to the next kernel's start (recording the
     kernel's event, releasing the values it was the last to read, starting the next node).
-    And the executor's time outside every span: before the first kernel and after the last.
-    Kernels that overlap (the parallel executor) share no gap: a gap starts where the latest
-    kernel so far ended."""
+    And the executor's time outside every span: before the first kernel and after the last."""
     ex_ts, ex_dur = run.execute or (run.ts, run.dur)
-    out = []
-    edges = 0.0
     if not run.kernels:
-        return out, float(ex_dur)
-    edges += max(0.0, int(run.kernels[0]["ts"]) - ex_ts)
-    end = ex_ts
-    for j, e in enumerate(run.kernels):
-        ts, dur = int(e["ts"]), int(e.get("dur", 0))
-        end = max(end, ts + dur)
-        if j + 1 < len(run.kernels):
-            gap = max(0.0, int(run.kernels[j + 1]["ts"]) - end)
-        else:
-            gap = 0.0
-            edges += max(0.0, ex_ts + ex_dur - end)
-        out.append((e, float(dur), float(dur) + gap))
+        return [], float(ex_dur)
+    out: list[tuple[dict, float, float]] = []
+    roots = _nest(run.kernels)
+    _level(roots, out)
+    first = min(int(e["ts"]) for e, _ in roots)
+    last = max(int(e["ts"]) + int(e.get("dur", 0)) for e, _ in roots)
+    edges = max(0.0, first - ex_ts) + max(0.0, ex_ts + ex_dur - last)
     return out, edges
 
 
@@ -386,13 +423,16 @@ def summarize(
             ):
                 if value and value not in row[field_]:
                     row[field_].append(value)
+    totals = walls or [float(d) for _, d in profiled.runs]
+    central = _central(totals)
+
+    def typical(times: list[float]) -> float:
+        return _ms(sum(times[i] for i in central) / len(central))
+
     rows = []
     for key, times in per_row.items():
         node, kernel = key
-        timing = {
-            "ms": _ms(statistics.median(times)),
-            "kernel_ms": _ms(statistics.median(per_kernel[key])),
-        }
+        timing = {"ms": typical(times), "kernel_ms": typical(per_kernel[key])}
         extra = info[key]
         if node == INSERTED:
             rows.append(
@@ -427,7 +467,7 @@ def summarize(
     run_ms = _ms(statistics.median(d for _, d in profiled.runs))
     measured = _ms(statistics.median(walls)) if walls else run_ms
     other = [
-        {"row": name, "ms": _ms(statistics.median(times))}
+        {"row": name, "ms": typical(times)}
         for name, times in unowned.items()
         if walls or name != PYTHON_BINDING
     ]
@@ -450,10 +490,12 @@ def summarize(
         "runs": n_runs,
         "run_ms": run_ms,
         "run_ms_all": [_ms(d) for _, d in profiled.runs],
+        "central_runs": len(central),
         "unprofiled_run_ms": unprofiled,
         "account": {
             "measured_ms": measured,
             "measured_by": "session.run wall time" if walls else "onnxruntime's model_run",
+            "measured_quartiles_ms": [_ms(q) for q in _quartiles(totals)],
             "node_ms": node_ms,
             "other": other,
             "rows_ms": rows_ms,
@@ -468,13 +510,33 @@ def summarize(
         else None,
         "ratio": round(rows_ms / measured, 4) if measured > 0 else None,
         "coverage": _share(attributed, node_ms),
-        "run_coverage": _share(attributed, measured),
+        "run_coverage": _share(attributed, rows_ms),
         "ops": _group(rows, "op", measured),
         "regions": _group(rows, "region", measured),
         "missed": missed,
         "nodes": rows if top is None else rows[:top],
         "node_count": len(rows),
     }
+
+
+def _central(totals: list[float]) -> list[int]:
+    """The half of the runs whose time lies nearest the median run's: each row's time is its
+    mean over them.  Per-row medians do not add up: on a loaded machine every run is slow in
+    a few nodes, different ones each time, so each node's median leaves that out and their sum
+    fell to 0.55 of the median run (resnet18, 2 busy cores).  A mean over the same runs adds
+    up to those runs' mean; nearest by time, not by rank, because a loaded machine's runs fall
+    in two groups (a thread pool whose other thread lost its core runs 10 times slower), and
+    the runs between the quartiles then mix both."""
+    median = statistics.median(totals)
+    order = sorted(range(len(totals)), key=lambda i: (abs(totals[i] - median), i))
+    return sorted(order[: max(1, (len(order) + 1) // 2)])
+
+
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) < 2:
+        return (values[0],) * 3 if values else (0.0, 0.0, 0.0)
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
 
 
 def _group(rows: list[dict], key: str, total: float) -> list[dict]:
