@@ -113,11 +113,33 @@ def test_unfused_chain_is_the_top_missed_row(rng, tmp_path):
     assert "fuse-conv-bn missed: non-constant-param" in " ".join(res.stdout.split())
 
 
+#: the Trace Event Format's phases (chrome://tracing, Perfetto, speedscope read these)
+_PHASES = set("BEXiIbneCMPOND") | {"s", "t", "f", "(", ")", "R", "c"}
+
+
+def assert_trace_event_format(doc):
+    """The JSON Object Format of the Trace Event Format, checked field by field: strict JSON
+    (no NaN), a traceEvents list, each event with a string name, a known phase, numeric
+    timestamps, integer process and thread ids, complete events with a duration >= 0."""
+    json.dumps(doc, allow_nan=False)
+    assert set(doc) <= {"traceEvents", "displayTimeUnit", "otherData", "systemTraceEvents"}
+    assert doc.get("displayTimeUnit", "ms") in ("ms", "ns")
+    for e in doc["traceEvents"]:
+        assert isinstance(e["name"], str) and e["ph"] in _PHASES, e
+        assert isinstance(e["pid"], int) and isinstance(e["tid"], int), e
+        assert e["ph"] == "M" or isinstance(e["ts"], (int, float)), e
+        if e["ph"] == "X":
+            assert isinstance(e["dur"], (int, float)) and e["dur"] >= 0, e
+        assert isinstance(e.get("args", {}), dict), e
+
+
 def test_trace_and_compare(mobilenet, tmp_path):
     trace = tmp_path / "t.json"
     args = ["--runs", "3", "--trace", trace, "--compare", EXAMPLES / "mobilenet_bn.onnx"]
     data = profiled(mobilenet, *args)
-    events = json.loads(trace.read_text())["traceEvents"]
+    doc = json.loads(trace.read_text())
+    assert_trace_event_format(doc)
+    events = doc["traceEvents"]
     kernels = [e for e in events if "graphopt" in (e.get("args") or {})]
     assert kernels and all(e["ph"] == "X" for e in kernels)
     assert any(e["args"]["graphopt"]["owner"] == "model" for e in kernels)
