@@ -786,12 +786,21 @@ def profile(
         if dirs:
             summary, events, used = _profile_bundle(model, target, inputs, shapes, runs)
         else:
-            get_target(target or "cpu")
+            spec = get_target(target or "cpu")
             proto = load_model(model, check=True, lazy_external=True)
             feeds = _feeds(inputs, proto)
+            providers = list(spec.providers) or ["CPUExecutionProvider"]
+            note = _cpu_in_place_of(providers)
+            if note:  # the model's semantics on this machine's CPU, said so
+                providers = ["CPUExecutionProvider"]
             summary, events, used = prof.profile(
-                prof.plain_opener(model, proto), proto, feeds=feeds, shapes=shapes, runs=runs
+                prof.plain_opener(model, proto, providers),
+                proto,
+                feeds=feeds,
+                shapes=shapes,
+                runs=runs,
             )
+            summary["providers_note"] = note
         summary["model"] = str(model)
         summary["compare"] = None
         if compare is not None:
@@ -833,8 +842,12 @@ def _profile_bundle(bundle: Path, target, inputs, shapes, runs) -> tuple[dict, d
             "profiled as it deploys; give the model file to profile it for another target)"
         )
     why = providers_problem(folder)
+    providers, note = None, None
     if why:
-        raise errors.UsageError(f"the {manifest.get('target')} bundle {why}")
+        cpu_only = _cpu_in_place_of(_bundle_providers(folder))
+        if cpu_only is None:
+            raise errors.UsageError(f"the {manifest.get('target')} bundle {why}")
+        providers, note = ["CPUExecutionProvider"], cpu_only
     portable = folder / manifest.get("model", "model.onnx")
     try:
         proto = onnx.load(str(portable), load_external_data=False)
@@ -858,14 +871,40 @@ def _profile_bundle(bundle: Path, target, inputs, shapes, runs) -> tuple[dict, d
             return None
         return onnx.load(str(folder / info["model"]), load_external_data=False)
 
-    return prof.profile(
-        lambda prefix: open_session(folder, profile=prefix),
+    summary, events, used = prof.profile(
+        lambda prefix: open_session(folder, providers=providers, profile=prefix),
         proto,
         session_model=session_model,
         report=report if isinstance(report, dict) else None,
         feeds=feeds,
         shapes=shapes,
         runs=runs,
+    )
+    summary["providers_note"] = note
+    return summary, events, used
+
+
+def _bundle_providers(folder: Path) -> list[str]:
+    from .targets.bundle import read_bundle
+
+    _, _, config = read_bundle(folder)
+    return list(config.get("providers") or [])
+
+
+def _cpu_in_place_of(wanted: list[str]) -> str | None:
+    """The line ``profile`` says when it runs the CPU provider in place of a device's (a cuda
+    bundle, or ``--target cuda`` for a model file, on a machine without the device); None when
+    every provider wanted is here (or none is wanted: not an onnxruntime target)."""
+    import onnxruntime as ort
+
+    have = ort.get_available_providers()
+    missing = [p for p in wanted if p not in have]
+    if not missing or "CPUExecutionProvider" not in have:
+        return None
+    device = " (no CUDA device)" if "CUDAExecutionProvider" in missing else ""
+    return (
+        f"{', '.join(missing)} not available here{device}; onnxruntime offers "
+        f"{', '.join(have)}: profiled the CPU provider, not the device's kernel times"
     )
 
 

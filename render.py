@@ -472,6 +472,8 @@ def render_profile(data: dict) -> None:
     how = f"{s.get('model')}, {s.get('level')}" + (", fast path" if s.get("fast_path") else "")
     feeds = ", ".join(f"{k}={v}" for k, v in data["inputs"].items())
     out.print(f"[bold]profile[/] {escape(data['model'])} ({escape(how)}); inputs {escape(feeds)}")
+    if data.get("providers_note"):
+        out.print(f"[yellow]{escape(data['providers_note'])}[/]", soft_wrap=True)
     out.print(
         f"run {data['run_ms']:.3f} ms (median of {data['runs']} profiled runs; "
         f"{data['unprofiled_run_ms']:.3f} ms with the profiler off); coverage "

@@ -235,6 +235,7 @@ def run_profiled(
     and read its profile back."""
     with tempfile.TemporaryDirectory(prefix="graphopt-profile-") as tmp:
         sess, info = open_profiled(os.path.join(tmp, "ort"))
+        info = {**info, "providers": sess.get_providers()}
         names_in = [i.name for i in sess.get_inputs()]
         unknown = sorted(set(feeds or {}) - set(names_in))
         if unknown:
@@ -675,9 +676,14 @@ def trace(profiled: Profiled, index: ModelIndex, prov: Provenance, summary: dict
 
 
 # ------------------------------------------------------------------ the whole profile
-def plain_opener(path: Path, model: onnx.ModelProto) -> Callable[[str], tuple]:
-    """A profiling session of a model file as users run it: ORT_ENABLE_ALL, CPU provider."""
+def plain_opener(
+    path: Path, model: onnx.ModelProto, providers: list[str] | None = None
+) -> Callable[[str], tuple]:
+    """A profiling session of a model file as users run it: ORT_ENABLE_ALL, the CPU provider
+    unless ``providers`` says otherwise."""
     from .customops import register_libraries
+
+    providers = list(providers or ["CPUExecutionProvider"])
 
     def open_profiled(prefix: str):
         so = ort.SessionOptions()
@@ -687,7 +693,7 @@ def plain_opener(path: Path, model: onnx.ModelProto) -> Callable[[str], tuple]:
         so.profile_file_prefix = prefix
         register_libraries(so, model)
         try:
-            sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+            sess = ort.InferenceSession(str(path), so, providers=providers)
         except Exception as e:  # noqa: BLE001 - onnxruntime raises several unrelated types
             raise GraphoptError(f"onnxruntime cannot load {path}: {_first_line(e)}") from None
         return sess, {"model": path.name, "level": "ORT_ENABLE_ALL", "fast_path": False}

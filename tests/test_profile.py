@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import onnx
+import onnxruntime as ort
 import pytest
 from onnx import helper
 
@@ -156,6 +157,22 @@ def test_plain_model_profiles_at_enable_all(tmp_path):
     data = profiled(EXAMPLES / "bert_tiny.onnx", "--runs", "2", "--shape", "input_ids=1,8")
     assert data["session"]["level"] == "ORT_ENABLE_ALL" and data["missed"] == []
     assert data["inputs"]["input_ids"] == [1, 8] and data["coverage"] > 0.5
+
+
+@pytest.mark.skipif(
+    "CUDAExecutionProvider" in ort.get_available_providers(), reason="a CUDA device is here"
+)
+def test_cuda_without_a_device_says_it_profiled_the_cpu(tmp_path):
+    b = bundle_of(EXAMPLES / "mobilenet_bn.onnx", tmp_path / "cuda", "--target", "cuda")
+    for src in (b, EXAMPLES / "mobilenet_bn.onnx"):
+        extra = [] if src == b else ["--target", "cuda"]
+        data = profiled(src, "--runs", "2", *extra)
+        assert data["session"]["providers"] == ["CPUExecutionProvider"]
+        assert "profiled the CPU provider" in data["providers_note"]
+        assert "CUDAExecutionProvider not available" in data["providers_note"]
+        res = invoke("profile", src, "--runs", "1", *extra)
+        assert res.exit_code == 0 and "profiled the CPU provider" in " ".join(res.stdout.split())
+    assert profiled(EXAMPLES / "mobilenet_bn.onnx", "--runs", "1")["providers_note"] is None
 
 
 def test_bad_input_exit_codes(mobilenet, tmp_path):
