@@ -58,7 +58,13 @@ from .opt.spool import SpoolDir
 from .opt.target import TARGETS, get_target
 from .progress import progress
 from .render import err, print_json
-from .targets.bundle import BUNDLE_KIND, default_bundle_dir, protected_paths, write_bundle
+from .targets.bundle import (
+    BUNDLE_KIND,
+    default_bundle_dir,
+    dumps_json,
+    protected_paths,
+    write_bundle,
+)
 from .targets.codegen import kernel_pipeline
 
 __all__ = ["TARGET", "app", "console"]  # TARGET: the --target option (its help names every target)
@@ -182,6 +188,8 @@ def optimize(
     decoder_steps: flags.DecoderStepsFlag = None,
     machine_tier: flags.MachineTier = True,
     strict_fallback: flags.StrictFallback = False,
+    profile: flags.OptimizeProfile = False,
+    profile_runs: flags.OptimizeProfileRuns = 10,
 ) -> None:
     """Optimize MODEL for a target; write OUT_DIR/model.onnx and OUT_DIR/report.json."""
     with handled(), sparse_collection():  # writing the bundle of a large graph too
@@ -244,6 +252,9 @@ def optimize(
                 progress=say,
                 fast_path=None if machine_tier else False,
             )
+            if profile:
+                say("profiling the bundle")
+                _add_profile(dest, profile_runs)
         if remarks:
             _write_remarks(remarks, report.remarks)
         results = ci.evaluate_expectations(expectations, report.ops_after)
@@ -258,7 +269,31 @@ def optimize(
         elif not quiet:
             render.render_report(report, custom_pipeline=custom)
             render.render_expectations(results)
+            if payload.get("profile"):
+                render.render_profile_brief(payload["profile"])
         _conclude(report, results, checked=not no_check)
+
+
+#: the hottest nodes ``optimize --profile`` keeps in report.json (the op, region and missed
+#: tables are whole)
+REPORT_PROFILE_NODES = 20
+
+
+def _add_profile(bundle: Path, runs: int) -> None:
+    """``optimize --profile``: profile the written bundle as ``graphopt profile`` does and add
+    the numbers to its report.json; a bundle this machine cannot profile gets the reason."""
+    path = bundle / "report.json"
+    try:
+        summary, _, _ = _profile_bundle(bundle, None, None, None, runs)
+        summary["model"] = str(bundle)
+        summary["nodes"] = summary["nodes"][:REPORT_PROFILE_NODES]
+        summary["ran"] = True
+    except errors.GraphoptError as e:
+        summary = {"schema": "graphopt.profile/1", "ran": False, "why": str(e)}
+        render.warn(f"--profile: not profiled: {e}")
+    data = json.loads(path.read_text())
+    data["profile"] = summary
+    atomic_write_text(path, dumps_json(data))
 
 
 def _written_report(bundle: Path, report, results: list) -> dict:
@@ -576,6 +611,9 @@ def gate(
     seed: flags.Seed = 0,
     tolerance: flags.Tolerances = None,
     junit: flags.JUnit = None,
+    op_baseline: flags.GateOpBaseline = None,
+    save_op_baseline: flags.GateSaveOpBaseline = None,
+    profile_runs: flags.GateProfileRuns = 20,
     fmt: flags.Fmt = Format.text,
     quiet: flags.Quiet = False,
     debug: flags.Debug = False,
@@ -583,9 +621,11 @@ def gate(
     """The CI gate in one call: optimize, parity, --expect, latency against a baseline, JUnit.
 
     Latency is the median of optimized/original over interleaved rounds with a 95 % interval,
-    measured until the interval is narrower than --max-regression.  Exit 3 parity, 4 target /
-    expectations / an interval too wide to save, 5 the whole interval regressed past the limit.
-    Writes nothing but --junit and --save-baseline."""
+    measured until the interval is narrower than --max-regression.  --op-baseline: the
+    optimized model profiled (ORT_ENABLE_ALL, CPU), each op type's interval against the
+    baseline's.  Exit 3 parity, 4 target / expectations / an interval too wide to save, 5 the
+    whole interval (of the latency, or of one op type) regressed past the limit.
+    Writes nothing but --junit, --save-baseline and --save-op-baseline."""
     with handled():
         limit = _finite(parse_regression(max_regression), "--max-regression")
         if limit <= 0:
@@ -593,10 +633,15 @@ def gate(
         _finite(max_seconds, "--max-seconds")
         src = model.resolve()
         check_side_outputs(
-            {"--save-baseline": save_baseline, "--junit": junit},
+            {
+                "--save-baseline": save_baseline,
+                "--junit": junit,
+                "--save-op-baseline": save_op_baseline,
+            },
             models=[src],
-            files=[f for f in (inputs, baseline) if f],
+            files=[f for f in (inputs, baseline, op_baseline) if f],
         )
+        op_base = ci.read_op_baseline(op_baseline) if op_baseline else None
         expectations = ci.parse_expectations(expect)
         feeds = _feeds(inputs, src)
         with progress(quiet) as say:
@@ -623,6 +668,10 @@ def gate(
                 latency = ci.gate_latency(
                     src, optimized, shapes, feeds, seed, **budget, progress=say
                 )
+            ops = None
+            if first.ok and (op_base is not None or save_op_baseline):
+                say("profile: each op type's time")
+                ops = _gate_profile(optimized, report, feeds, profile_runs)
         verdict = ci.gate_verdict(
             latency,
             first.code,
@@ -632,12 +681,40 @@ def gate(
             max_regression=limit,
             meta={"model": str(model), "target": target},
         )
+        op_cmp = None
+        if ops is not None and op_base is not None:
+            op_cmp = ci.compare_op_baseline(ops, op_base, limit)
+            line = ci.op_regression_line(op_cmp)
+            if line:
+                line = f"op-type regression: {line}"
+                verdict.failure = verdict.failure or line
+                verdict.reason = line if not verdict.code else f"{verdict.reason}; {line}"
+                verdict.code = verdict.code or errors.EXIT_PERF
+        if save_op_baseline and ops is not None:
+            atomic_write_text(save_op_baseline, json.dumps(ops, indent=2, sort_keys=True))
         _gate_outputs(model, report, results, latency, verdict, save_baseline, junit)
         if fmt == Format.json:
-            print_json(render.gate_payload(report, results, latency, verdict, model), default=float)
+            payload = render.gate_payload(report, results, latency, verdict, model)
+            print_json(payload | {"op_comparison": op_cmp}, default=float)
         else:
-            render.render_gate(report, results, latency, verdict, model)
+            render.render_gate(report, results, latency, verdict, model, op_cmp)
         _exit(verdict.code, verdict.reason)
+
+
+def _gate_profile(optimized, report, feeds, runs: int) -> dict:
+    """``gate --op-baseline``: the optimized model profiled as a model file is (ORT_ENABLE_ALL,
+    CPU) on the inputs parity ran, its hottest nodes trimmed."""
+    from .opt import profile as prof
+
+    summary, _, _ = prof.profile(
+        prof.plain_opener(None, optimized),
+        optimized,
+        feeds=feeds,
+        shapes=None if feeds else report.parity.inputs,
+        runs=runs,
+    )
+    summary["nodes"] = summary["nodes"][:REPORT_PROFILE_NODES]
+    return summary
 
 
 def _gate_outputs(model: Path, report, results, latency, verdict, save_baseline, junit) -> None:

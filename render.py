@@ -312,7 +312,9 @@ def gate_payload(report, results: list, latency, verdict, model: Path) -> dict[s
     }
 
 
-def render_gate(report, results: list, latency, verdict, model: Path) -> None:
+def render_gate(
+    report, results: list, latency, verdict, model: Path, op_cmp: dict | None = None
+) -> None:
     parity = report.parity
     out.print(
         f"[bold]{model}[/] → {report.target}: parity "
@@ -323,6 +325,22 @@ def render_gate(report, results: list, latency, verdict, model: Path) -> None:
     render_expectations(results)
     if latency is not None:
         out.print(f"latency: {verdict.line}", soft_wrap=True)
+    if op_cmp is not None:
+        worse = op_cmp["regressed"]
+        out.print(
+            f"op types vs the per-op baseline: {len(op_cmp['ops'])} compared, "
+            + (f"[red]{len(worse)} regressed[/]" if worse else "[green]none regressed[/]")
+            + f" (limit {op_cmp['max_regression']:.1%}, floor {op_cmp['floor_ms']:.3f} ms)",
+            soft_wrap=True,
+        )
+        for r in op_cmp["ops"][:5]:
+            mark = "[red]REGRESSED[/] " if r["regressed"] else ""
+            out.print(
+                f"  {mark}{escape(r['op'])}: {r['ms']:.3f} ms [{r['low_ms']:.3f}, "
+                f"{r['high_ms']:.3f}] vs baseline {r['baseline_ms']:.3f} ms "
+                f"[{r['baseline_low_ms']:.3f}, {r['baseline_high_ms']:.3f}]",
+                soft_wrap=True,
+            )
     if not verdict.code:
         out.print("[green]gate passed[/]")
 
@@ -507,6 +525,27 @@ def render_profile(data: dict) -> None:
         out.print("no missed remark names a profiled node")
     if data.get("compare"):
         _profile_compare(data["compare"])
+
+
+def render_profile_brief(data: dict) -> None:
+    """``optimize --profile``: the account in three lines and the top missed rows (the whole
+    profile is in report.json and --html)."""
+    if not data.get("ran", True):
+        return
+    acc = data["account"]
+    out.print(
+        f"[bold]profile[/] ({data['runs']} runs): rows {acc['rows_ms']:.3f} ms vs the measured "
+        f"run {acc['measured_ms']:.3f} ms (ratio {data['ratio']:.3f}, residual "
+        f"{acc['residual_ms']:+.3f} ms); coverage {_pct(data['coverage'])}",
+        soft_wrap=True,
+    )
+    if data.get("providers_note"):
+        out.print(f"[yellow]{escape(data['providers_note'])}[/]", soft_wrap=True)
+    for g in data["ops"][:3]:
+        out.print(f"  {escape(g['op'])}: {g['ms']:.3f} ms ({_pct(g['share'])})")
+    for m in data["missed"][:3]:
+        line = f"{_pct(m['share'])} in {m['nodes']} node(s) that {m['rule']} missed: {m['code']}"
+        out.print(f"  {escape(line)}", soft_wrap=True)
 
 
 def _profile_ops(data: dict) -> None:

@@ -463,6 +463,12 @@ def summarize(
             }
         )
     rows.sort(key=lambda r: (-r["ms"], r["node"]))
+    op_runs: dict[str, list[float]] = {}  # each op type's time in each run (its intervals)
+    for r in rows:
+        key = (r["node"], "") if r["owner"] == "model" else (INSERTED, r["node"])
+        runs_of_op = op_runs.setdefault(r["op"], [0.0] * n_runs)
+        for i, t in enumerate(per_row[key]):
+            runs_of_op[i] += t
     node_ms = round(sum(r["ms"] for r in rows), 4)
     kernel_ms = round(sum(r["kernel_ms"] for r in rows), 4)
     run_ms = _ms(statistics.median(d for _, d in profiled.runs))
@@ -512,12 +518,28 @@ def summarize(
         "ratio": round(rows_ms / measured, 4) if measured > 0 else None,
         "coverage": _share(attributed, node_ms),
         "run_coverage": _share(attributed, rows_ms),
-        "ops": _group(rows, "op", measured),
+        "ops": _with_intervals(_group(rows, "op", measured), op_runs),
         "regions": _group(rows, "region", measured),
         "missed": missed,
         "nodes": rows if top is None else rows[:top],
         "node_count": len(rows),
     }
+
+
+#: the confidence of each op type's interval (``low_ms``, ``high_ms``): a ``gate`` against a
+#: per-op baseline compares them
+OP_CONFIDENCE = 0.95
+
+
+def _with_intervals(groups: list[dict], op_runs: dict[str, list[float]]) -> list[dict]:
+    """Each op type's distribution-free interval of its median time per run (order
+    statistics over the runs; with few runs it is their whole range)."""
+    from .gate import median_interval
+
+    for g in groups:
+        _, low, high = median_interval(np.asarray(op_runs[g["op"]]), OP_CONFIDENCE)
+        g["low_ms"], g["high_ms"] = _ms(low), _ms(high)
+    return groups
 
 
 def _central(totals: list[float]) -> list[int]:
@@ -677,13 +699,15 @@ def trace(profiled: Profiled, index: ModelIndex, prov: Provenance, summary: dict
 
 # ------------------------------------------------------------------ the whole profile
 def plain_opener(
-    path: Path, model: onnx.ModelProto, providers: list[str] | None = None
+    path: Path | None, model: onnx.ModelProto, providers: list[str] | None = None
 ) -> Callable[[str], tuple]:
-    """A profiling session of a model file as users run it: ORT_ENABLE_ALL, the CPU provider
-    unless ``providers`` says otherwise."""
+    """A profiling session of a model file as users run it (``path`` None: ``model`` itself,
+    serialized; under 2 GB): ORT_ENABLE_ALL, the CPU provider unless ``providers`` says
+    otherwise."""
     from .customops import register_libraries
 
     providers = list(providers or ["CPUExecutionProvider"])
+    name = path.name if path is not None else "the optimized model"
 
     def open_profiled(prefix: str):
         so = ort.SessionOptions()
@@ -692,11 +716,12 @@ def plain_opener(
         so.enable_profiling = True
         so.profile_file_prefix = prefix
         register_libraries(so, model)
+        source = str(path) if path is not None else model.SerializeToString()
         try:
-            sess = ort.InferenceSession(str(path), so, providers=providers)
+            sess = ort.InferenceSession(source, so, providers=providers)
         except Exception as e:  # noqa: BLE001 - onnxruntime raises several unrelated types
-            raise GraphoptError(f"onnxruntime cannot load {path}: {_first_line(e)}") from None
-        return sess, {"model": path.name, "level": "ORT_ENABLE_ALL", "fast_path": False}
+            raise GraphoptError(f"onnxruntime cannot load {name}: {_first_line(e)}") from None
+        return sess, {"model": name, "level": "ORT_ENABLE_ALL", "fast_path": False}
 
     return open_profiled
 

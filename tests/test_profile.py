@@ -300,3 +300,76 @@ def test_a_subgraph_kernels_time_is_not_counted_twice():
     assert other[UNOWNED_ROWS[0]] == 0.035 and other[UNOWNED_ROWS[1]] == 0.01
     assert PYTHON_BINDING not in other and acc["measured_by"] == "onnxruntime's model_run"
     assert acc["rows_ms"] == acc["measured_ms"] == 0.2 and acc["profiler_ms"] is None
+
+
+def test_optimize_profile_puts_the_numbers_in_report_and_html(rng, tmp_path):
+    src = unfused_conv_bn(rng, tmp_path)
+    html = tmp_path / "r.html"
+    args = ["--keep-initializer-inputs", "--profile", "--profile-runs", "3", "--html", html]
+    res = invoke("optimize", src, "-o", tmp_path / "b", "--no-measure", *args)
+    assert res.exit_code == 0, res.output
+    assert "profile (3 runs): rows" in " ".join(res.stdout.split())
+    prof = json.loads((tmp_path / "b" / "report.json").read_text())["profile"]
+    assert prof["ran"] and prof["schema"] == "graphopt.profile/1" and prof["runs"] == 3
+    assert (prof["missed"][0]["rule"], prof["missed"][0]["code"]) == (
+        "fuse-conv-bn",
+        "non-constant-param",
+    )
+    acc = prof["account"]
+    assert acc["rows_ms"] == pytest.approx(
+        acc["node_ms"] + sum(o["ms"] for o in acc["other"]), abs=1e-3
+    )
+    assert all(g["low_ms"] <= g["high_ms"] for g in prof["ops"])
+    page = html.read_text()
+    assert 'id="profile-ops"' in page and 'id="profile-missed"' in page
+    assert "non-constant-param" in page and "sum of the rows" in page
+    # the same numbers: the profile JSON the bundle holds is what `graphopt profile` prints
+    assert set(prof) >= set(profiled(tmp_path / "b", "--runs", "2")) - {"compare"}
+
+
+def _ops_doc(ops: dict, measured: float = 10.0) -> dict:
+    return {
+        "schema": "graphopt.profile/1",
+        "account": {"measured_ms": measured},
+        "ops": [
+            {"op": op, "ms": (lo + hi) / 2, "low_ms": lo, "high_ms": hi}
+            for op, (lo, hi) in ops.items()
+        ],
+    }
+
+
+def test_op_baseline_comparison():
+    from graphopt.opt.gate import compare_op_baseline, op_regression_line
+
+    base = _ops_doc({"Conv": (4.0, 5.0), "Relu": (0.01, 0.02)})
+    # within the interval, a tiny op far past its own (under the floor: 1 % of the run), a new
+    # op type with real time (a fusion that stopped firing)
+    now = _ops_doc({"Conv": (4.5, 5.5), "Relu": (0.05, 0.06), "BatchNormalization": (0.5, 0.7)})
+    cmp = compare_op_baseline(now, base, 0.05)
+    assert cmp["regressed"] == ["BatchNormalization"] and cmp["floor_ms"] == 0.1
+    assert op_regression_line(cmp).startswith("BatchNormalization 0.600 ms [0.500, 0.700]")
+    slower = _ops_doc({"Conv": (5.3, 6.0), "Relu": (0.01, 0.02)})
+    assert compare_op_baseline(slower, base, 0.05)["regressed"] == ["Conv"]
+    assert compare_op_baseline(slower, base, 0.10)["regressed"] == []  # 5.3 < 5.0 × 1.10
+
+
+def test_gate_fails_on_one_op_types_regression(tmp_path):
+    src = EXAMPLES / "mobilenet_bn.onnx"
+    saved = tmp_path / "ops.json"
+    common = ["--max-seconds", "1", "--profile-runs", "5", "-q"]
+    res = invoke("gate", src, "--save-op-baseline", saved, *common)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(saved.read_text())
+    assert doc["schema"] == "graphopt.profile/1" and doc["ops"]
+    top = doc["ops"][0]  # a baseline in which the hottest op type took a tenth of its time
+    top["ms"] = top["low_ms"] = top["high_ms"] = round(top["low_ms"] / 10, 4)
+    doctored = tmp_path / "fast.json"
+    doctored.write_text(json.dumps(doc))
+    res = invoke("gate", src, "--op-baseline", doctored, *common, "--format", "json")
+    assert res.exit_code == 5, res.output
+    out = json.loads(res.stdout)
+    assert out["op_comparison"]["regressed"][0] == top["op"]
+    assert out["reason"].startswith(f"op-type regression: {top['op']} ")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema": "graphopt.gate-baseline/1"}))
+    assert invoke("gate", src, "--op-baseline", bad, *common).exit_code == 2
