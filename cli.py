@@ -159,6 +159,8 @@ def optimize(
     decoder_steps: flags.DecoderStepsFlag = None,
     machine_tier: flags.MachineTier = True,
     strict_fallback: flags.StrictFallback = False,
+    profile: flags.OptimizeProfile = False,
+    profile_runs: flags.OptimizeProfileRuns = 10,
 ) -> None:
     """Optimize MODEL for a target; write OUT_DIR/model.onnx and OUT_DIR/report.json."""
     from .opt import errors
@@ -234,6 +236,9 @@ def optimize(
                 progress=say,
                 fast_path=None if machine_tier else False,
             )
+            if profile:
+                say("profiling the bundle")
+                _add_profile(dest, profile_runs)
         if remarks:
             _write_remarks(remarks, report.remarks)
         results = ci.evaluate_expectations(expectations, report.ops_after)
@@ -248,7 +253,35 @@ def optimize(
         elif not quiet:
             render.render_report(report, custom_pipeline=custom)
             render.render_expectations(results)
+            if payload.get("profile"):
+                render.render_profile_brief(payload["profile"])
         _conclude(report, results, checked=not no_check)
+
+
+#: the hottest nodes ``optimize --profile`` keeps in report.json (the op, region and missed
+#: tables are whole)
+REPORT_PROFILE_NODES = 20
+
+
+def _add_profile(bundle: Path, runs: int) -> None:
+    """``optimize --profile``: profile the written bundle as ``graphopt profile`` does and add
+    the numbers to its report.json; a bundle this machine cannot profile gets the reason."""
+    from .opt import errors
+    from .opt.graph.io import atomic_write_text
+    from .targets.bundle import dumps_json
+
+    path = bundle / "report.json"
+    try:
+        summary, _, _ = _profile_bundle(bundle, None, None, None, runs)
+        summary["model"] = str(bundle)
+        summary["nodes"] = summary["nodes"][:REPORT_PROFILE_NODES]
+        summary["ran"] = True
+    except errors.GraphoptError as e:
+        summary = {"schema": "graphopt.profile/1", "ran": False, "why": str(e)}
+        render.warn(f"--profile: not profiled: {e}")
+    data = json.loads(path.read_text())
+    data["profile"] = summary
+    atomic_write_text(path, dumps_json(data))
 
 
 def _written_report(bundle: Path, report, results: list) -> dict:
@@ -616,6 +649,9 @@ def gate(
     seed: flags.Seed = 0,
     tolerance: flags.Tolerances = None,
     junit: flags.JUnit = None,
+    op_baseline: flags.GateOpBaseline = None,
+    save_op_baseline: flags.GateSaveOpBaseline = None,
+    profile_runs: flags.GateProfileRuns = 20,
     fmt: flags.Fmt = Format.text,
     quiet: flags.Quiet = False,
     debug: flags.Debug = False,
@@ -623,11 +659,13 @@ def gate(
     """The CI gate in one call: optimize, parity, --expect, latency against a baseline, JUnit.
 
     Latency is the median of optimized/original over interleaved rounds with a 95 % interval,
-    measured until the interval is narrower than --max-regression.  Exit 3 parity, 4 target /
-    expectations / an interval too wide to save, 5 the whole interval regressed past the limit.
-    Writes nothing but --junit and --save-baseline."""
+    measured until the interval is narrower than --max-regression.  --op-baseline: the
+    optimized model profiled (ORT_ENABLE_ALL, CPU), each op type's interval against the
+    baseline's.  Exit 3 parity, 4 target / expectations / an interval too wide to save, 5 the
+    whole interval (of the latency, or of one op type) regressed past the limit.
+    Writes nothing but --junit, --save-baseline and --save-op-baseline."""
     from .opt import errors
-    from .opt.graph.io import check_side_outputs
+    from .opt.graph.io import atomic_write_text, check_side_outputs
     from .opt.optimizer import optimize as run_optimize
     from .opt.verify import gate as ci
     from .opt.verify import verdict as verdicts
@@ -641,10 +679,15 @@ def gate(
         _finite(max_seconds, "--max-seconds")
         src = model.resolve()
         check_side_outputs(
-            {"--save-baseline": save_baseline, "--junit": junit},
+            {
+                "--save-baseline": save_baseline,
+                "--junit": junit,
+                "--save-op-baseline": save_op_baseline,
+            },
             models=[src],
-            files=[f for f in (inputs, baseline) if f],
+            files=[f for f in (inputs, baseline, op_baseline) if f],
         )
+        op_base = ci.read_op_baseline(op_baseline) if op_baseline else None
         expectations = ci.parse_expectations(expect)
         feeds = _feeds(inputs, src)
         with progress(quiet) as say:
@@ -671,6 +714,10 @@ def gate(
                 latency = ci.gate_latency(
                     src, optimized, shapes, feeds, seed, **budget, progress=say
                 )
+            ops = None
+            if first.ok and (op_base is not None or save_op_baseline):
+                say("profile: each op type's time")
+                ops = _gate_profile(optimized, report, feeds, profile_runs)
         verdict = ci.gate_verdict(
             latency,
             first.code,
@@ -680,12 +727,40 @@ def gate(
             max_regression=limit,
             meta={"model": str(model), "target": target},
         )
+        op_cmp = None
+        if ops is not None and op_base is not None:
+            op_cmp = ci.compare_op_baseline(ops, op_base, limit)
+            line = ci.op_regression_line(op_cmp)
+            if line:
+                line = f"op-type regression: {line}"
+                verdict.failure = verdict.failure or line
+                verdict.reason = line if not verdict.code else f"{verdict.reason}; {line}"
+                verdict.code = verdict.code or errors.EXIT_PERF
+        if save_op_baseline and ops is not None:
+            atomic_write_text(save_op_baseline, json.dumps(ops, indent=2, sort_keys=True))
         _gate_outputs(model, report, results, latency, verdict, save_baseline, junit)
         if fmt == Format.json:
-            print_json(render.gate_payload(report, results, latency, verdict, model), default=float)
+            payload = render.gate_payload(report, results, latency, verdict, model)
+            print_json(payload | {"op_comparison": op_cmp}, default=float)
         else:
-            render.render_gate(report, results, latency, verdict, model)
+            render.render_gate(report, results, latency, verdict, model, op_cmp)
         _exit(verdict.code, verdict.reason)
+
+
+def _gate_profile(optimized, report, feeds, runs: int) -> dict:
+    """``gate --op-baseline``: the optimized model profiled as a model file is (ORT_ENABLE_ALL,
+    CPU) on the inputs parity ran, its hottest nodes trimmed."""
+    from .opt.verify import profile as prof
+
+    summary, _, _ = prof.profile(
+        prof.plain_opener(None, optimized),
+        optimized,
+        feeds=feeds,
+        shapes=None if feeds else report.parity.inputs,
+        runs=runs,
+    )
+    summary["nodes"] = summary["nodes"][:REPORT_PROFILE_NODES]
+    return summary
 
 
 def _gate_outputs(model: Path, report, results, latency, verdict, save_baseline, junit) -> None:
@@ -851,12 +926,21 @@ def profile(
         if dirs:
             summary, events, used = _profile_bundle(model, target, inputs, shapes, runs)
         else:
-            get_target(target or "cpu")
+            spec = get_target(target or "cpu")
             proto = load_model(model, check=True, lazy_external=True)
             feeds = _feeds(inputs, proto)
+            providers = list(spec.providers) or ["CPUExecutionProvider"]
+            note = _cpu_in_place_of(providers)
+            if note:  # the model's semantics on this machine's CPU, said so
+                providers = ["CPUExecutionProvider"]
             summary, events, used = prof.profile(
-                prof.plain_opener(model, proto), proto, feeds=feeds, shapes=shapes, runs=runs
+                prof.plain_opener(model, proto, providers),
+                proto,
+                feeds=feeds,
+                shapes=shapes,
+                runs=runs,
             )
+            summary["providers_note"] = note
         summary["model"] = str(model)
         summary["compare"] = None
         if compare is not None:
@@ -899,8 +983,12 @@ def _profile_bundle(bundle: Path, target, inputs, shapes, runs) -> tuple[dict, d
             "profiled as it deploys; give the model file to profile it for another target)"
         )
     why = providers_problem(folder)
+    providers, note = None, None
     if why:
-        raise errors.UsageError(f"the {manifest.get('target')} bundle {why}")
+        cpu_only = _cpu_in_place_of(_bundle_providers(folder))
+        if cpu_only is None:
+            raise errors.UsageError(f"the {manifest.get('target')} bundle {why}")
+        providers, note = ["CPUExecutionProvider"], cpu_only
     portable = folder / manifest.get("model", "model.onnx")
     try:
         proto = onnx.load(str(portable), load_external_data=False)
@@ -924,14 +1012,40 @@ def _profile_bundle(bundle: Path, target, inputs, shapes, runs) -> tuple[dict, d
             return None
         return onnx.load(str(folder / info["model"]), load_external_data=False)
 
-    return prof.profile(
-        lambda prefix: open_session(folder, profile=prefix),
+    summary, events, used = prof.profile(
+        lambda prefix: open_session(folder, providers=providers, profile=prefix),
         proto,
         session_model=session_model,
         report=report if isinstance(report, dict) else None,
         feeds=feeds,
         shapes=shapes,
         runs=runs,
+    )
+    summary["providers_note"] = note
+    return summary, events, used
+
+
+def _bundle_providers(folder: Path) -> list[str]:
+    from .targets.bundle import read_bundle
+
+    _, _, config = read_bundle(folder)
+    return list(config.get("providers") or [])
+
+
+def _cpu_in_place_of(wanted: list[str]) -> str | None:
+    """The line ``profile`` says when it runs the CPU provider in place of a device's (a cuda
+    bundle, or ``--target cuda`` for a model file, on a machine without the device); None when
+    every provider wanted is here (or none is wanted: not an onnxruntime target)."""
+    import onnxruntime as ort
+
+    have = ort.get_available_providers()
+    missing = [p for p in wanted if p not in have]
+    if not missing or "CPUExecutionProvider" not in have:
+        return None
+    device = " (no CUDA device)" if "CUDAExecutionProvider" in missing else ""
+    return (
+        f"{', '.join(missing)} not available here{device}; onnxruntime offers "
+        f"{', '.join(have)}: profiled the CPU provider, not the device's kernel times"
     )
 
 

@@ -351,3 +351,41 @@ ProfileCompare = Annotated[
 ProfileTrace = Annotated[
     Path | None, Option("--trace", help="Write a Chrome trace (JSON) named by graphopt's nodes.")
 ]
+OptimizeProfile = Annotated[
+    bool,
+    Option(
+        "--profile",
+        help="Profile the written bundle (graphopt profile on its golden inputs): the per-op "
+        "account, coverage and missed rows in report.json and --html.",
+    ),
+]
+OptimizeProfileRuns = Annotated[
+    int,
+    Option(
+        "--profile-runs",
+        min=1,
+        max=MAX_PROFILE_RUNS,
+        help="Profiled runs for --profile, after one warm-up.",
+    ),
+]
+GateOpBaseline = Annotated[
+    Path | None,
+    Option(
+        "--op-baseline",
+        help="A profile JSON (graphopt profile --format json, or --save-op-baseline): exit 5 "
+        "when one op type's time interval lies past its baseline's by --max-regression.",
+    ),
+]
+GateSaveOpBaseline = Annotated[
+    Path | None,
+    Option("--save-op-baseline", help="Write the optimized model's profile as a per-op baseline."),
+]
+GateProfileRuns = Annotated[
+    int,
+    Option(
+        "--profile-runs",
+        min=2,
+        max=MAX_PROFILE_RUNS,
+        help="Profiled runs for --op-baseline / --save-op-baseline, after one warm-up.",
+    ),
+]

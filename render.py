@@ -314,7 +314,9 @@ def gate_payload(report, results: list, latency, verdict, model: Path) -> dict[s
     }
 
 
-def render_gate(report, results: list, latency, verdict, model: Path) -> None:
+def render_gate(
+    report, results: list, latency, verdict, model: Path, op_cmp: dict | None = None
+) -> None:
     parity = report.parity
     out.print(
         f"[bold]{model}[/] → {report.target}: parity "
@@ -325,6 +327,22 @@ def render_gate(report, results: list, latency, verdict, model: Path) -> None:
     render_expectations(results)
     if latency is not None:
         out.print(f"latency: {verdict.line}", soft_wrap=True)
+    if op_cmp is not None:
+        worse = op_cmp["regressed"]
+        out.print(
+            f"op types vs the per-op baseline: {len(op_cmp['ops'])} compared, "
+            + (f"[red]{len(worse)} regressed[/]" if worse else "[green]none regressed[/]")
+            + f" (limit {op_cmp['max_regression']:.1%}, floor {op_cmp['floor_ms']:.3f} ms)",
+            soft_wrap=True,
+        )
+        for r in op_cmp["ops"][:5]:
+            mark = "[red]REGRESSED[/] " if r["regressed"] else ""
+            out.print(
+                f"  {mark}{escape(r['op'])}: {r['ms']:.3f} ms [{r['low_ms']:.3f}, "
+                f"{r['high_ms']:.3f}] vs baseline {r['baseline_ms']:.3f} ms "
+                f"[{r['baseline_low_ms']:.3f}, {r['baseline_high_ms']:.3f}]",
+                soft_wrap=True,
+            )
     if not verdict.code:
         out.print("[green]gate passed[/]")
 
@@ -476,10 +494,13 @@ def render_profile(data: dict) -> None:
     how = f"{s.get('model')}, {s.get('level')}" + (", fast path" if s.get("fast_path") else "")
     feeds = ", ".join(f"{k}={v}" for k, v in data["inputs"].items())
     out.print(f"[bold]profile[/] {escape(data['model'])} ({escape(how)}); inputs {escape(feeds)}")
+    if data.get("providers_note"):
+        out.print(f"[yellow]{escape(data['providers_note'])}[/]", soft_wrap=True)
     out.print(
         f"run {data['run_ms']:.3f} ms (median of {data['runs']} profiled runs; "
         f"{data['unprofiled_run_ms']:.3f} ms with the profiler off); coverage "
-        f"{_pct(data['coverage'])} of the kernel time attributed to model nodes"
+        f"{_pct(data['coverage'])} of the nodes' time ({_pct(data['run_coverage'])} of the "
+        "run's rows) attributed to the model's nodes"
     )
     _profile_ops(data)
     t = Table(title=f"time by region (top {PROFILE_TOP})", show_edge=False)
@@ -510,18 +531,82 @@ def render_profile(data: dict) -> None:
         _profile_compare(data["compare"])
 
 
+def render_profile_brief(data: dict) -> None:
+    """``optimize --profile``: the account in three lines and the top missed rows (the whole
+    profile is in report.json and --html)."""
+    if not data.get("ran", True):
+        return
+    acc = data["account"]
+    out.print(
+        f"[bold]profile[/] ({data['runs']} runs): rows {acc['rows_ms']:.3f} ms vs the measured "
+        f"run {acc['measured_ms']:.3f} ms (ratio {data['ratio']:.3f}, residual "
+        f"{acc['residual_ms']:+.3f} ms); coverage {_pct(data['coverage'])}",
+        soft_wrap=True,
+    )
+    if data.get("providers_note"):
+        out.print(f"[yellow]{escape(data['providers_note'])}[/]", soft_wrap=True)
+    for g in data["ops"][:3]:
+        out.print(f"  {escape(g['op'])}: {g['ms']:.3f} ms ({_pct(g['share'])})")
+    for m in data["missed"][:3]:
+        line = f"{_pct(m['share'])} in {m['nodes']} node(s) that {m['rule']} missed: {m['code']}"
+        out.print(f"  {escape(line)}", soft_wrap=True)
+
+
 def _profile_ops(data: dict) -> None:
-    t = Table(title="time by op type (median of the runs)", show_edge=False)
-    for col in ("op", "count", "ms", "share"):
+    """The op-type table: each op's nodes (kernel and the executor's gap after it), then the
+    rows that belong to no node, their sum against the measured run and the residual."""
+    acc = data["account"]
+    t = Table(
+        title=f"time by op type (median of {data['runs']} profiled runs; "
+        "ms: kernel + the executor's work after it)",
+        show_edge=False,
+    )
+    for col in ("op", "count", "ms", "kernel ms", "share"):
         t.add_column(col, justify="left" if col == "op" else "right")
     for g in data["ops"]:
-        t.add_row(escape(g["op"]), str(g["count"]), f"{g['ms']:.3f}", _pct(g["share"]))
-    t.add_row("sum", str(data["node_count"]), f"{data['kernel_ms']:.3f}", "100.0 %")
+        t.add_row(
+            escape(g["op"]),
+            str(g["count"]),
+            f"{g['ms']:.3f}",
+            f"{g['kernel_ms']:.3f}",
+            _pct(g["share"]),
+        )
+    for o in acc["other"]:
+        t.add_row(escape(o["row"]), "", f"{o['ms']:.3f}", "", _pct(o["share"]))
+    t.add_row(
+        "sum of the rows",
+        str(data["node_count"]),
+        f"{acc['rows_ms']:.3f}",
+        f"{data['kernel_ms']:.3f}",
+        _pct(data["ratio"] or 0.0),
+    )
+    t.add_row(
+        "(residual: run-to-run spread the medians leave out)",
+        "",
+        f"{acc['residual_ms']:+.3f}",
+        "",
+        _pct(acc["residual_share"]),
+    )
+    t.add_row(
+        f"measured run ({acc['measured_by']}, median)",
+        "",
+        f"{acc['measured_ms']:.3f}",
+        "",
+        "100.0 %",
+    )
     out.print(t)
-    out.print(
-        f"sum {data['kernel_ms']:.3f} ms vs the measured run {data['run_ms']:.3f} ms: ratio "
+    line = (
+        f"rows {acc['rows_ms']:.3f} ms vs the measured run {acc['measured_ms']:.3f} ms: ratio "
         f"{data['ratio']:.3f}"
     )
+    if acc.get("profiler_ms") is not None:
+        per = acc["profiler_ms"] / max(1, acc["kernel_events"]) * 1000.0
+        line += (
+            f"; with the profiler off the run takes {data['unprofiled_run_ms']:.3f} ms: the "
+            f"profiler's own cost is {acc['profiler_ms']:.3f} ms (about {per:.1f} µs on each "
+            f"of {acc['kernel_events']} kernels), inside the rows above"
+        )
+    out.print(escape(line), soft_wrap=True)
 
 
 def _profile_compare(cmp: dict) -> None:

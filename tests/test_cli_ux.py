@@ -186,7 +186,8 @@ def test_documented_report_keys_match_a_real_report(tmp_path, rng):
         if line.startswith("| `"):
             documented |= set(re.findall(r"`([a-z_0-9]+)`", line.split("|")[1]))
     p = conv_relu(tmp_path, rng)
-    res = invoke("optimize", p, "-o", tmp_path / "o", "--format", "json", "--expect", "Relu>=0")
+    flags = ["--expect", "Relu>=0", "--profile", "--profile-runs", "2"]  # the keys they add
+    res = invoke("optimize", p, "-o", tmp_path / "o", "--format", "json", *flags)
     assert res.exit_code == 0, res.output
     actual = set(json.loads(res.stdout))
     assert documented == actual

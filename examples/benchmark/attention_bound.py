@@ -31,8 +31,8 @@ import onnxruntime as ort
 
 import graphopt
 from graphopt.opt.graph.ir import op_histogram
-from graphopt.opt.verify.perf import ratio_interval
 from graphopt.opt.rewrite.target import TARGETS, get_target
+from graphopt.opt.verify.perf import ratio_interval
 
 UNBOUNDED = "cpu-without-attention-bound"
 

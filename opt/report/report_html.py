@@ -92,6 +92,79 @@ def _histogram(before: dict[str, int], after: dict[str, int]) -> str:
     )
 
 
+def _pct(share: float) -> str:
+    return f"{share * 100:.1f} %"
+
+
+def _profile_section(prof: dict[str, Any] | None) -> str:
+    """``optimize --profile``: the op-type account summed against the measured run (the
+    residual shown), the mapping coverage, and the missed fusions ranked by measured time."""
+    if not prof:
+        return ""
+    if not prof.get("ran", True):
+        return f"<h2>Profile</h2><p class='muted'>not profiled: {_e(prof.get('why'))}</p>"
+    acc = prof["account"]
+    rows = [
+        [_e(g["op"]), g["count"], f"{g['ms']:.3f}", f"{g['kernel_ms']:.3f}", _pct(g["share"])]
+        for g in prof["ops"]
+    ]
+    rows += [[_e(o["row"]), "", f"{o['ms']:.3f}", "", _pct(o["share"])] for o in acc["other"]]
+    rows.append(
+        [
+            "<b>sum of the rows</b>",
+            prof["node_count"],
+            f"{acc['rows_ms']:.3f}",
+            f"{prof['kernel_ms']:.3f}",
+            _pct(prof["ratio"] or 0.0),
+        ]
+    )
+    rows.append(["residual", "", f"{acc['residual_ms']:+.3f}", "", _pct(acc["residual_share"])])
+    rows.append(
+        [
+            f"<b>measured run</b> ({_e(acc['measured_by'])}, median)",
+            "",
+            f"{acc['measured_ms']:.3f}",
+            "",
+            "100.0 %",
+        ]
+    )
+    missed = [
+        [
+            _pct(m["share"]),
+            f"{m['ms']:.3f}",
+            m["nodes"],
+            f"<code>{_e(m['rule'])}</code>",
+            f"<code>{_e(m['code'])}</code>",
+            _e(m["message"]),
+            _e(", ".join(m["sites"][:3])),
+        ]
+        for m in prof["missed"][:20]
+    ]
+    note = prof.get("providers_note")
+    unprofiled = prof.get("unprofiled_run_ms")
+    return (
+        "<h2>Profile</h2>"
+        f"<p>{prof['runs']} profiled runs of <code>{_e(prof['session'].get('model'))}</code> "
+        f"({_e(prof['session'].get('level'))}); coverage <b>{_pct(prof['coverage'])}</b> of "
+        f"the nodes' time attributed to the model's nodes; with the profiler off the run takes "
+        f"{_e(unprofiled)} ms (the profiler's own cost: {_e(acc.get('profiler_ms'))} ms, "
+        "inside the rows)</p>"
+        + (f"<p class='bad'>{_e(note)}</p>" if note else "")
+        + _table(["op", "count", "ms", "kernel ms", "share"], rows, {1, 2, 3, 4}, "profile-ops")
+        + "<h3>Missed fusions by measured time</h3>"
+        + (
+            _table(
+                ["share", "ms", "nodes", "rule", "code", "why", "at"],
+                missed,
+                {0, 1, 2},
+                "profile-missed",
+            )
+            if missed
+            else "<p class='muted'>no missed remark names a profiled node</p>"
+        )
+    )
+
+
 def _parity_section(p: dict[str, Any] | None) -> str:
     if not p:
         return ""
@@ -221,6 +294,7 @@ pipeline <code>{_e(r["pipeline"])}</code></div>
         )
     }
 <h2>Parity</h2>{_parity_section(r.get("parity"))}{_parity_section(r.get("parity_float64"))}
+{_profile_section(r.get("profile"))}
 <h2>Remarks <span class="muted" id="remarks-count"></span></h2>
 <div class="filters"><select id="f-kind"><option value="">all kinds</option>{opts(kinds)}
 </select><select id="f-rule"><option value="">all rules</option>{opts(rules)}</select>

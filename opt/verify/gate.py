@@ -335,6 +335,79 @@ def compare_baseline(latency: PairedLatency, path: Path, max_regression: float) 
     }
 
 
+#: an op type's change below this share of the baseline run is noise, not a regression of the
+#: model (a 3 µs Reshape 40 % slower)
+OP_FLOOR = 0.01
+
+
+def read_op_baseline(path: Path) -> dict[str, Any]:
+    """A per-op-type baseline: a ``graphopt profile --format json`` document (or the one
+    ``gate --save-op-baseline`` writes), whose op rows carry intervals."""
+    from .profile import SCHEMA as PROFILE_SCHEMA
+
+    try:
+        base = json.loads(Path(path).read_text())
+        if not isinstance(base, dict) or base.get("schema") != PROFILE_SCHEMA:
+            got = base.get("schema") if isinstance(base, dict) else type(base).__name__
+            raise ValueError(f"schema {got!r}, not {PROFILE_SCHEMA}")
+        for g in base["ops"]:
+            float(g["low_ms"]), float(g["high_ms"]), str(g["op"])
+        float(base["account"]["measured_ms"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UsageError(
+            f"--op-baseline {path}: not a graphopt profile with op intervals ({e})"
+        ) from None
+    return base
+
+
+def compare_op_baseline(
+    current: dict[str, Any], base: dict[str, Any], max_regression: float
+) -> dict[str, Any]:
+    """Each op type's time against a per-op baseline.  An op type regressed only when its
+    whole interval lies above the baseline's upper end × (1 + max_regression) and the excess is
+    more than :data:`OP_FLOOR` of the baseline run; an op type the baseline lacks starts from
+    zero (a fusion that stopped firing shows as its ops' time)."""
+    now = {g["op"]: g for g in current["ops"]}
+    before = {g["op"]: g for g in base["ops"]}
+    floor = OP_FLOOR * float(base["account"]["measured_ms"])
+    rows = []
+    for op in sorted(set(now) | set(before)):
+        a, b = now.get(op), before.get(op)
+        low, high = (a["low_ms"], a["high_ms"]) if a else (0.0, 0.0)
+        b_high = float(b["high_ms"]) if b else 0.0
+        limit = b_high * (1.0 + max_regression)
+        rows.append(
+            {
+                "op": op,
+                "ms": a["ms"] if a else 0.0,
+                "low_ms": low,
+                "high_ms": high,
+                "baseline_ms": b["ms"] if b else 0.0,
+                "baseline_low_ms": b["low_ms"] if b else 0.0,
+                "baseline_high_ms": b_high,
+                "regressed": low > limit and low - b_high > floor,
+            }
+        )
+    rows.sort(key=lambda r: (not r["regressed"], -(r["low_ms"] - r["baseline_high_ms"]), r["op"]))
+    return {
+        "max_regression": max_regression,
+        "floor_ms": round(floor, 4),
+        "ops": rows,
+        "regressed": [r["op"] for r in rows if r["regressed"]],
+    }
+
+
+def op_regression_line(cmp: dict[str, Any]) -> str:
+    """One line for the op types that regressed (empty: none did)."""
+    parts = [
+        f"{r['op']} {r['ms']:.3f} ms [{r['low_ms']:.3f}, {r['high_ms']:.3f}] vs baseline "
+        f"{r['baseline_ms']:.3f} [{r['baseline_low_ms']:.3f}, {r['baseline_high_ms']:.3f}]"
+        for r in cmp["ops"]
+        if r["regressed"]
+    ]
+    return "; ".join(parts)
+
+
 def gate_latency(
     original_path: Path,
     optimized,

@@ -3,14 +3,24 @@
 onnxruntime's own profiler (``SessionOptions.enable_profiling``) runs the model as it deploys:
 a bundle through :func:`graphopt.targets.bundle.open_session` (its session config, its fast path
 where it matches this machine), a plain model file at ``ORT_ENABLE_ALL`` on the CPU provider.
-One warm-up run, then ``runs`` runs; each kernel event (``cat`` ``Node``, name ``*_kernel_time``)
-is assigned to the run (``model_run`` event) it lies in, and a node's time is the median over the
-runs of its kernels' time in that run.  The sum over the nodes is set against the wall time of
-those same runs (``run_ms``, the median ``model_run``): the share of a run spent inside kernels,
-the rest being the executor's and the profiler's work between them.  The profiler is not free:
-each kernel's event (its shapes, memory and thread statistics) is built inside the time it
-records, a few microseconds that dominate a model of sub-millisecond runs, so the same session
-is also timed with its profiler stopped (``unprofiled_run_ms``) and both are reported.
+One warm-up run, then ``runs`` runs,
+each timed by Python around ``session.run``; each event is assigned to the run (``model_run``
+event) it lies in.  Every microsecond of a run has a row:
+
+- a node's *span*: its kernel (``*_kernel_time``) and the executor's gap after it, up to the next
+  kernel's start (recording the event, releasing the values it read last, starting the next
+  node); a kernel inside another's interval is a node of that one's subgraph (If, Loop), whose
+  own time is its kernel less its body's spans;
+- the executor's edges (``SequentialExecutor::Execute`` before the first kernel, after the last);
+- onnxruntime's run outside the executor (``model_run`` less ``Execute``: feeds, fetches);
+- ``session.run`` outside onnxruntime's run (the Python binding, numpy conversions).
+
+Per run these add up exactly; across runs each row is its mean over the half of the runs
+nearest the median run (see :func:`_central`), and the rows' sum is set against the median
+``session.run`` with the residual shown.  The profiler is not free: each kernel's event (its
+shapes, memory and thread statistics) is built inside the spans it records, a few microseconds
+per node that dominate a model of sub-millisecond runs, so the same session is also timed with
+its profiler stopped (``unprofiled_run_ms``) and the profiler's cost is the difference.
 
 Every kernel is mapped to a node of the portable ``model.onnx`` by name: the node's own name,
 ``fused NAME`` (onnxruntime's fusions), a name that extends a node's or one of its outputs' name
@@ -203,6 +213,8 @@ class Profiled:
     session: dict[str, Any]
     inputs: dict[str, list[int]]
     walls: list[float]  # µs of each run after the profiler stopped
+    #: µs of each profiled ``session.run`` as Python timed it (warm-up excluded)
+    profiled_walls: list[float] = field(default_factory=list)
     feeds: dict[str, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
 
 
@@ -223,6 +235,7 @@ def run_profiled(
     and read its profile back."""
     with tempfile.TemporaryDirectory(prefix="graphopt-profile-") as tmp:
         sess, info = open_profiled(os.path.join(tmp, "ort"))
+        info = {**info, "providers": sess.get_providers()}
         names_in = [i.name for i in sess.get_inputs()]
         unknown = sorted(set(feeds or {}) - set(names_in))
         if unknown:
@@ -236,12 +249,15 @@ def run_profiled(
         except ValueError as e:
             raise UsageError(f"cannot make inputs: {_first_line(e)}") from None
         outputs = [o.name for o in sess.get_outputs()]
+        profiled_walls = []
         for _ in range(runs + 1):
+            t0 = time.perf_counter()
             try:
                 sess.run(outputs, full)
             except Exception as e:  # noqa: BLE001 - onnxruntime raises several unrelated types
                 why = _first_line(e)
                 raise GraphoptError(f"onnxruntime failed to run the model: {why}") from None
+            profiled_walls.append((time.perf_counter() - t0) * 1e6)
         path = sess.end_profiling()
         walls = []  # the same session, its profiler stopped: a run as deployed
         for _ in range(runs):
@@ -261,7 +277,9 @@ def run_profiled(
         if e.get("cat") == "Session" and e.get("name") == "model_run"
     )
     shapes_used = {k: list(np.shape(v)) for k, v in sorted(full.items())}
-    return Profiled(events, run_events[1:], info, shapes_used, walls, full)
+    if len(run_events) != len(profiled_walls):  # a run the profile lost: no wall to pair with
+        profiled_walls = []
+    return Profiled(events, run_events[1:], info, shapes_used, walls, profiled_walls[1:], full)
 
 
 # ------------------------------------------------------------------ the numbers
@@ -273,48 +291,149 @@ def _share(part: float, whole: float) -> float:
     return round(part / whole, 4) if whole > 0 else 0.0
 
 
-def _kernels(profiled: Profiled) -> Iterable[tuple[int, dict]]:
-    """(run index, event) of each kernel event inside a timed run."""
+#: the rows of a run's time that belong to no node, in the order the table prints them
+EXECUTOR_EDGES = "(executor: before the first kernel, after the last)"
+RUN_OUTSIDE_EXECUTOR = "(onnxruntime run: outside the executor)"
+PYTHON_BINDING = "(session.run: outside onnxruntime's run)"
+UNOWNED_ROWS = (EXECUTOR_EDGES, RUN_OUTSIDE_EXECUTOR, PYTHON_BINDING)
+_EXECUTE = "SequentialExecutor::Execute"
+
+
+@dataclass
+class _Run:
+    """One timed run's events: its span, the executor's span, its kernels in start order."""
+
+    ts: int
+    dur: int
+    execute: tuple[int, int] | None = None
+    kernels: list[dict] = field(default_factory=list)
+
+
+def _timeline(profiled: Profiled) -> list[_Run]:
+    """Each timed run with the executor event and the kernel events that lie inside it."""
+    runs = [_Run(ts, dur) for ts, dur in profiled.runs]
     starts = [ts for ts, _ in profiled.runs]
     for e in profiled.events:
         name = e.get("name", "")
-        if e.get("cat") != "Node" or not name.endswith(KERNEL_SUFFIX):
+        is_kernel = e.get("cat") == "Node" and name.endswith(KERNEL_SUFFIX)
+        if not is_kernel and not (e.get("cat") == "Session" and name == _EXECUTE):
             continue
         ts = int(e.get("ts", 0))
         i = bisect.bisect_right(starts, ts) - 1
-        if i >= 0 and ts <= starts[i] + profiled.runs[i][1]:
-            yield i, e
+        if i < 0 or ts > starts[i] + profiled.runs[i][1]:
+            continue
+        if is_kernel:
+            runs[i].kernels.append(e)
+        else:  # a subgraph's executor runs inside the run's own: keep the outermost
+            dur = int(e.get("dur", 0))
+            if runs[i].execute is None or dur > runs[i].execute[1]:
+                runs[i].execute = (ts, dur)
+    for run in runs:
+        run.kernels.sort(key=lambda e: int(e.get("ts", 0)))
+    return runs
+
+
+def _nest(kernels: list[dict]) -> list[tuple[dict, list]]:
+    """The run's kernels as a forest: a kernel that lies inside another's interval is a node of
+    that one's subgraph (If, Loop, Scan run their bodies inside their own kernel time)."""
+    roots: list[tuple[dict, list]] = []
+    stack: list[tuple[int, list]] = []  # (end, children) of the kernels still open
+    for e in sorted(kernels, key=lambda e: (int(e["ts"]), -int(e.get("dur", 0)))):
+        ts = int(e["ts"])
+        end = ts + int(e.get("dur", 0))
+        while stack and not (ts < stack[-1][0] and end <= stack[-1][0]):
+            stack.pop()
+        item: tuple[dict, list] = (e, [])
+        (stack[-1][1] if stack else roots).append(item)
+        stack.append((end, item[1]))
+    return roots
+
+
+def _level(items: list[tuple[dict, list]], out: list) -> float:
+    """Appends (event, own kernel time, span) for ``items`` (siblings in start order) and
+    their subgraphs' kernels, and returns the sum of the siblings' spans.  A span is the
+    kernel's own time and the gap after it, up to the next sibling's start; a kernel's own time
+    is its time less its subgraph's kernels' spans.  Overlapping siblings (the parallel
+    executor) share no gap: a gap starts where the latest sibling so far ended."""
+    total = 0.0
+    end = None
+    for j, (e, children) in enumerate(items):
+        ts, dur = int(e["ts"]), int(e.get("dur", 0))
+        end = ts + dur if end is None else max(end, ts + dur)
+        own = max(0.0, dur - _level(children, out))
+        gap = max(0.0, int(items[j + 1][0]["ts"]) - end) if j + 1 < len(items) else 0.0
+        out.append((e, own, own + gap))
+        total += own + gap
+    return total
+
+
+def _spans(run: _Run) -> tuple[list[tuple[dict, float, float]], float]:
+    """Each kernel of the run with its own time and its span, the time the executor spends on
+    its node: the kernel and the gap after it, up to the next kernel's start (recording the
+    kernel's event, releasing the values it was the last to read, starting the next node).
+    And the executor's time outside every span: before the first kernel and after the last."""
+    ex_ts, ex_dur = run.execute or (run.ts, run.dur)
+    if not run.kernels:
+        return [], float(ex_dur)
+    out: list[tuple[dict, float, float]] = []
+    roots = _nest(run.kernels)
+    _level(roots, out)
+    first = min(int(e["ts"]) for e, _ in roots)
+    last = max(int(e["ts"]) + int(e.get("dur", 0)) for e, _ in roots)
+    edges = max(0.0, first - ex_ts) + max(0.0, ex_ts + ex_dur - last)
+    return out, edges
 
 
 def summarize(
     profiled: Profiled, index: ModelIndex, prov: Provenance, *, top: int | None = None
 ) -> dict[str, Any]:
     """Per node, per op type, per region and per missed remark: the median time over the runs,
-    its share, and the sum against the measured run."""
+    its share of the measured run, and every row of that run that belongs to no node, so the
+    rows add up to the run with the residual shown."""
     n_runs = len(profiled.runs)
     if n_runs == 0:
         raise GraphoptError("onnxruntime's profile has no timed run")
     per_row: dict[tuple[str, str], list[float]] = {}
+    per_kernel: dict[tuple[str, str], list[float]] = {}
     info: dict[tuple[str, str], dict] = {}
-    for i, e in _kernels(profiled):
-        kernel = e["name"][: -len(KERNEL_SUFFIX)]
-        args = e.get("args") or {}
-        node = index.node_of(kernel)
-        key = (node, "") if node is not None else (INSERTED, kernel)
-        times = per_row.setdefault(key, [0.0] * n_runs)
-        times[i] += float(e.get("dur", 0))
-        row = info.setdefault(key, {"kernels": [], "kernel_ops": [], "providers": []})
-        for field_, value in (
-            ("kernels", kernel),
-            ("kernel_ops", args.get("op_name")),
-            ("providers", args.get("provider")),
-        ):
-            if value and value not in row[field_]:
-                row[field_].append(value)
+    unowned = {name: [0.0] * n_runs for name in UNOWNED_ROWS}
+    kernel_runs = [0.0] * n_runs
+    kernel_events = 0
+    walls = profiled.profiled_walls if len(profiled.profiled_walls) == n_runs else []
+    for i, run in enumerate(_timeline(profiled)):
+        spans, edges = _spans(run)
+        unowned[EXECUTOR_EDGES][i] = edges
+        if run.execute is not None:
+            unowned[RUN_OUTSIDE_EXECUTOR][i] = max(0.0, run.dur - run.execute[1])
+        if walls:
+            unowned[PYTHON_BINDING][i] = max(0.0, walls[i] - run.dur)
+        kernel_events += len(spans)
+        for e, dur, span in spans:
+            kernel = e["name"][: -len(KERNEL_SUFFIX)]
+            args = e.get("args") or {}
+            node = index.node_of(kernel)
+            key = (node, "") if node is not None else (INSERTED, kernel)
+            per_row.setdefault(key, [0.0] * n_runs)[i] += span
+            per_kernel.setdefault(key, [0.0] * n_runs)[i] += dur
+            kernel_runs[i] += dur
+            row = info.setdefault(key, {"kernels": [], "kernel_ops": [], "providers": []})
+            for field_, value in (
+                ("kernels", kernel),
+                ("kernel_ops", args.get("op_name")),
+                ("providers", args.get("provider")),
+            ):
+                if value and value not in row[field_]:
+                    row[field_].append(value)
+    totals = walls or [float(d) for _, d in profiled.runs]
+    central = _central(totals)
+
+    def typical(times: list[float]) -> float:
+        return _ms(sum(times[i] for i in central) / len(central))
+
     rows = []
     for key, times in per_row.items():
         node, kernel = key
-        med = statistics.median(times)
+        timing = {"ms": typical(times), "kernel_ms": typical(per_kernel[key])}
         extra = info[key]
         if node == INSERTED:
             rows.append(
@@ -325,7 +444,7 @@ def summarize(
                     "originals": [],
                     "rule": None,
                     "region": INSERTED,
-                    "ms": _ms(med),
+                    **timing,
                     **extra,
                 }
             )
@@ -339,21 +458,38 @@ def summarize(
                 "originals": originals,
                 "rule": index.rules.get(node),
                 "region": region_of(node),
-                "ms": _ms(med),
+                **timing,
                 **extra,
             }
         )
     rows.sort(key=lambda r: (-r["ms"], r["node"]))
-    kernel_ms = round(sum(r["ms"] for r in rows), 4)
+    op_runs: dict[str, list[float]] = {}  # each op type's time in each run (its intervals)
+    for r in rows:
+        key = (r["node"], "") if r["owner"] == "model" else (INSERTED, r["node"])
+        runs_of_op = op_runs.setdefault(r["op"], [0.0] * n_runs)
+        for i, t in enumerate(per_row[key]):
+            runs_of_op[i] += t
+    node_ms = round(sum(r["ms"] for r in rows), 4)
+    kernel_ms = round(sum(r["kernel_ms"] for r in rows), 4)
     run_ms = _ms(statistics.median(d for _, d in profiled.runs))
+    measured = _ms(statistics.median(walls)) if walls else run_ms
+    other = [
+        {"row": name, "ms": typical(times)}
+        for name, times in unowned.items()
+        if walls or name != PYTHON_BINDING
+    ]
+    rows_ms = round(node_ms + sum(o["ms"] for o in other), 4)
+    for o in other:
+        o["share"] = _share(o["ms"], measured)
     attributed = sum(r["ms"] for r in rows if r["owner"] == "model")
     for r in rows:
-        r["share"] = _share(r["ms"], kernel_ms)
-    missed = _missed(rows, prov, kernel_ms)
+        r["share"] = _share(r["ms"], measured)
+    missed = _missed(rows, prov, measured)
     by_node = {r["node"]: r for r in rows if r["owner"] == "model"}
     for m in missed:
         for n in m["node_names"]:
             by_node[n].setdefault("missed", []).append(f"{m['rule']}: {m['code']}")
+    unprofiled = _ms(statistics.median(profiled.walls)) if profiled.walls else None
     return {
         "schema": SCHEMA,
         "session": profiled.session,
@@ -361,16 +497,69 @@ def summarize(
         "runs": n_runs,
         "run_ms": run_ms,
         "run_ms_all": [_ms(d) for _, d in profiled.runs],
-        "unprofiled_run_ms": _ms(statistics.median(profiled.walls)),
+        "central_runs": len(central),
+        "unprofiled_run_ms": unprofiled,
+        "account": {
+            "measured_ms": measured,
+            "measured_by": "session.run wall time" if walls else "onnxruntime's model_run",
+            "measured_quartiles_ms": [_ms(q) for q in _quartiles(totals)],
+            "node_ms": node_ms,
+            "other": other,
+            "rows_ms": rows_ms,
+            "residual_ms": round(measured - rows_ms, 4),
+            "residual_share": _share(measured - rows_ms, measured),
+            "profiler_ms": round(measured - unprofiled, 4) if unprofiled is not None else None,
+            "kernel_events": round(kernel_events / n_runs),
+        },
         "kernel_ms": kernel_ms,
-        "ratio": round(kernel_ms / run_ms, 4) if run_ms > 0 else None,
-        "coverage": _share(attributed, kernel_ms),
-        "ops": _group(rows, "op", kernel_ms),
-        "regions": _group(rows, "region", kernel_ms),
+        "kernel_ratio": round(statistics.median(kernel_runs) / 1000.0 / run_ms, 4)
+        if run_ms > 0
+        else None,
+        "ratio": round(rows_ms / measured, 4) if measured > 0 else None,
+        "coverage": _share(attributed, node_ms),
+        "run_coverage": _share(attributed, rows_ms),
+        "ops": _with_intervals(_group(rows, "op", measured), op_runs),
+        "regions": _group(rows, "region", measured),
         "missed": missed,
         "nodes": rows if top is None else rows[:top],
         "node_count": len(rows),
     }
+
+
+#: the confidence of each op type's interval (``low_ms``, ``high_ms``): a ``gate`` against a
+#: per-op baseline compares them
+OP_CONFIDENCE = 0.95
+
+
+def _with_intervals(groups: list[dict], op_runs: dict[str, list[float]]) -> list[dict]:
+    """Each op type's distribution-free interval of its median time per run (order
+    statistics over the runs; with few runs it is their whole range)."""
+    from .gate import median_interval
+
+    for g in groups:
+        _, low, high = median_interval(np.asarray(op_runs[g["op"]]), OP_CONFIDENCE)
+        g["low_ms"], g["high_ms"] = _ms(low), _ms(high)
+    return groups
+
+
+def _central(totals: list[float]) -> list[int]:
+    """The half of the runs whose time lies nearest the median run's: each row's time is its
+    mean over them.  Per-row medians do not add up: on a loaded machine every run is slow in
+    a few nodes, different ones each time, so each node's median leaves that out and their sum
+    fell to 0.55 of the median run (resnet18, 2 busy cores).  A mean over the same runs adds
+    up to those runs' mean; nearest by time, not by rank, because a loaded machine's runs fall
+    in two groups (a thread pool whose other thread lost its core runs 10 times slower), and
+    the runs between the quartiles then mix both."""
+    median = statistics.median(totals)
+    order = sorted(range(len(totals)), key=lambda i: (abs(totals[i] - median), i))
+    return sorted(order[: max(1, (len(order) + 1) // 2)])
+
+
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) < 2:
+        return (values[0],) * 3 if values else (0.0, 0.0, 0.0)
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
 
 
 def _group(rows: list[dict], key: str, total: float) -> list[dict]:
@@ -380,7 +569,16 @@ def _group(rows: list[dict], key: str, total: float) -> list[dict]:
     out = []
     for name, members in groups.items():
         ms = round(sum(r["ms"] for r in members), 4)
-        out.append({key: name, "count": len(members), "ms": ms, "share": _share(ms, total)})
+        kernel = round(sum(r["kernel_ms"] for r in members), 4)
+        out.append(
+            {
+                key: name,
+                "count": len(members),
+                "ms": ms,
+                "kernel_ms": kernel,
+                "share": _share(ms, total),
+            }
+        )
     out.sort(key=lambda g: (-g["ms"], g[key]))
     return out
 
@@ -500,9 +698,16 @@ def trace(profiled: Profiled, index: ModelIndex, prov: Provenance, summary: dict
 
 
 # ------------------------------------------------------------------ the whole profile
-def plain_opener(path: Path, model: onnx.ModelProto) -> Callable[[str], tuple]:
-    """A profiling session of a model file as users run it: ORT_ENABLE_ALL, CPU provider."""
+def plain_opener(
+    path: Path | None, model: onnx.ModelProto, providers: list[str] | None = None
+) -> Callable[[str], tuple]:
+    """A profiling session of a model file as users run it (``path`` None: ``model`` itself,
+    serialized; under 2 GB): ORT_ENABLE_ALL, the CPU provider unless ``providers`` says
+    otherwise."""
     from .customops import register_libraries
+
+    providers = list(providers or ["CPUExecutionProvider"])
+    name = path.name if path is not None else "the optimized model"
 
     def open_profiled(prefix: str):
         so = ort.SessionOptions()
@@ -511,11 +716,12 @@ def plain_opener(path: Path, model: onnx.ModelProto) -> Callable[[str], tuple]:
         so.enable_profiling = True
         so.profile_file_prefix = prefix
         register_libraries(so, model)
+        source = str(path) if path is not None else model.SerializeToString()
         try:
-            sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+            sess = ort.InferenceSession(source, so, providers=providers)
         except Exception as e:  # noqa: BLE001 - onnxruntime raises several unrelated types
-            raise GraphoptError(f"onnxruntime cannot load {path}: {_first_line(e)}") from None
-        return sess, {"model": path.name, "level": "ORT_ENABLE_ALL", "fast_path": False}
+            raise GraphoptError(f"onnxruntime cannot load {name}: {_first_line(e)}") from None
+        return sess, {"model": name, "level": "ORT_ENABLE_ALL", "fast_path": False}
 
     return open_profiled
 
