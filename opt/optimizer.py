@@ -38,7 +38,6 @@ from .parity import (
     ReferenceRun,
     Session,
     check_parity,
-    identical_graphs,
     is_lean,
     measure_ranges,
     too_large,
@@ -358,8 +357,6 @@ def optimize(
         # the output's bytes wait for the bundle in memory; through parity and the safety net only
         # where those hold the model whole anyway (not lean), else the bundle serializes it again
         serialized = Serialized(spool or SpoolDir()) if not check or not is_lean(model) else None
-        # no rewrite changed the graph: what it loads as and computes is the original's
-        unchanged = identical_graphs(model, optimized)
         with clock.phase("validity"):
             say("checking that the output is valid")
             budget = max(10.0, 2 * clock.elapsed("passes"))
@@ -372,9 +369,8 @@ def optimize(
                 say,
                 base_dir,
                 budget,
-                keep=check and not is_lean(model) and not unchanged,  # lean: its own pieces
+                keep=check and not is_lean(model),  # lean parity runs its own pieces
                 into=serialized,
-                known=unchanged,
             )
         optimize_s = clock.elapsed("passes") + clock.elapsed("validity")
 
@@ -388,23 +384,13 @@ def optimize(
         )
         with clock.phase("parity"):
             parity, parity_f64 = _parities(
-                model,
-                optimized,
-                check,
-                reference,
-                kw | {"ahead": ahead, "same_graph": unchanged},
-                base_dir,
-                say,
+                model, optimized, check, reference, kw | {"ahead": ahead}, base_dir, say
             )
         if parity.runtime_floor:  # later checks against the same golden outputs: the same floor
             kw["per_output"] = {**(kw["per_output"] or {}), **parity.floor_tolerances()}
         _LOADED.clear()  # the validity check's session, when parity did not take it: its weights go
         # a model too large for one session is not timed: both would be held whole, twice
-        why = (
-            _unmeasured(measure, check, tgt.name, parity)
-            or too_large(model)
-            or (UNCHANGED if unchanged else None)
-        )
+        why = _unmeasured(measure, check, tgt.name, parity) or too_large(model)
         performance: dict[str, Any] = {"measured": False, "why": why}
         original_outputs: dict[str, dict] = {}
         fast_path = None
@@ -474,8 +460,6 @@ def optimize(
             # onnxruntime's optimized form of the returned model, saved and timed by the
             # performance net (perf.Saved; the net keeps it for the model it returns only)
             "fast_path": fast_path,
-            # the bundle's graph is the original's: at one session setting both compute alike
-            "same_graph": unchanged,  # (the net does not run then: the model stays)
         },
     )
     report.seconds = clock.seconds()
@@ -594,7 +578,6 @@ def _invalid(
     runtime: bool = True,
     keep: bool = False,
     into: Serialized | None = None,
-    known: bool = False,
 ) -> str | None:
     """Why ``model`` is not a valid, loadable model (onnx.checker with full shape checks, then an
     onnxruntime session), or None.  The checker reads the model without its weights
@@ -604,16 +587,12 @@ def _invalid(
     the file, or writes the bytes, when it writes the model whole, without external data).
     The session is built as parity builds its own (:data:`CHECK_ONLY`: weights not
     pre-packed); with ``keep`` it is kept for parity (``_loaded_session``), profiling, so that
-    parity's run also tells every node's output shape (the bundle's memory plan); else dropped.
-    ``known``: the answer is already known to be valid (the original's own graph, whose
-    standing is not held against it); the model is only written into the holder."""
+    parity's run also tells every node's output shape (the bundle's memory plan); else dropped."""
     _LOADED.clear()
     spooled = spool(model, into.folder.path) if runtime and into is not None else None
-    data = (
-        serialize(model) if runtime and spooled is None and not (known and into is None) else None
-    )
+    data = serialize(model) if runtime and spooled is None else None
     try:
-        error = None if known else _check(model, base_dir, checker, runtime, keep, data, spooled)
+        error = _check(model, base_dir, checker, runtime, keep, data, spooled)
     except BaseException:
         if spooled is not None:
             remove_path(spooled.path)
@@ -675,19 +654,17 @@ def _keep_valid(
     budget_s: float,
     keep: bool = True,
     into: Serialized | None = None,
-    known: bool = False,
 ):
     """Every output passes onnx.checker (full) and loads in onnxruntime, or the run fails;
     ``keep``: the valid output's session is kept for parity; ``into``: the valid output's bytes
-    (see ``_invalid``); ``known``: ``optimized`` is the original's own graph, valid by the rule
-    below without a check (any clause it fails, the original fails too).
+    (see ``_invalid``).
 
     Checks the original's standing too: a clause the original already fails (its own shapes
     contradict the checker, onnxruntime refuses it) is not held against the output.  When the
     output is invalid, the safety net bisects to the rewrite responsible and reverts it, at most
     three times and within ``budget_s`` seconds; each revert is a failure remark and a warning
     (a firing is a bug in a rule).  If that does not make the output valid, GraphoptError."""
-    error = _invalid(optimized, base_dir, keep=keep, into=into, known=known)
+    error = _invalid(optimized, base_dir, keep=keep, into=into)
     if error is None:
         return optimized, cx
     clauses = {
@@ -789,9 +766,6 @@ def _parities(model, optimized, check: bool, reference: str, kw: dict, base_dir,
             parity, parity_f64 = parity_f64, None
     return parity, parity_f64
 
-
-#: the safety net's ``why`` when no rewrite changed the graph: the two models are one graph
-UNCHANGED = "no rewrite changed the graph: the optimized model is the original's, nothing to time"
 
 #: the safety net's ``why`` when the user turned timing off: the bundle does not time either
 NOT_MEASURED = "not requested (--no-measure)"

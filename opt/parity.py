@@ -128,9 +128,6 @@ class ParityReport:
     #: optimizations (ORT_ENABLE_ALL, as the original is run by default) move the original's
     #: outputs; the optimized model is held to no more than :data:`NOISE_FACTOR` times that
     runtime_floor: dict[str, float] | None = None
-    #: the optimized graph is the original's, node for node: its outputs are the original's run
-    #: (the same graph at the same settings computes the same values; no second session)
-    same_graph: bool = False
 
     def floor_tolerances(self) -> dict[str, Tolerance]:
         """The per-output tolerances the runtime floor widened (for checks of the same model
@@ -1050,30 +1047,6 @@ class ReferenceRun:
         self._thread.join()
 
 
-def identical_graphs(a: onnx.ModelProto, b: onnx.ModelProto) -> bool:
-    """Whether ``b`` computes what ``a`` computes by being the same graph: the same nodes,
-    initializers, inputs and outputs (names and types; doc strings aside), opsets, functions
-    and IR version.  A check whose answer follows from that (parity, loading) need not run
-    twice; onnxruntime's session of a long graph costs minutes."""
-    ga, gb = a.graph, b.graph
-    if len(ga.node) != len(gb.node) or len(ga.initializer) != len(gb.initializer):
-        return False
-    if a.ir_version != b.ir_version or list(a.opset_import) != list(b.opset_import):
-        return False
-
-    def signature(values) -> list[tuple[str, bytes]]:
-        return [(v.name, v.type.SerializeToString(deterministic=True)) for v in values]
-
-    return (
-        signature(ga.input) == signature(gb.input)
-        and signature(ga.output) == signature(gb.output)
-        and list(a.functions) == list(b.functions)
-        and ga.node == gb.node
-        and ga.initializer == gb.initializer
-        and ga.sparse_initializer == gb.sparse_initializer
-    )
-
-
 def check_parity(
     original: onnx.ModelProto,
     optimized: onnx.ModelProto,
@@ -1090,7 +1063,6 @@ def check_parity(
     optimized_session: Session | None = None,
     optimized_base_dir: str | os.PathLike | None = None,
     ahead: ReferenceRun | None = None,
-    same_graph: bool = False,
 ) -> ParityReport:
     """Run both models on the same inputs and compare every output of the original.
 
@@ -1098,9 +1070,7 @@ def check_parity(
     the optimized model is compared with; inputs are still generated from the original.
     ``base_dir``: where external weights resolve (``optimized_base_dir``: the optimized
     model's, when they are elsewhere).  ``ahead``: the original's run, started earlier
-    (:class:`ReferenceRun`); used when it is the run these arguments make.  ``same_graph``:
-    the optimized graph is the original's node for node (:func:`identical_graphs`), so its
-    outputs are the original's and no session of it is made.
+    (:class:`ReferenceRun`); used when it is the run these arguments make.
     """
     opt_dir = base_dir if optimized_base_dir is None else optimized_base_dir
     validate_args(original, shapes, inputs, per_output)
@@ -1123,25 +1093,6 @@ def check_parity(
     shapes_used = {k: list(np.shape(v)) for k, v in feeds.items()}
     if reference is not None:
         ref = open_session(reference, base_dir, lean).run(feeds, names)
-    if same_graph and reference is None:
-        diffs = [
-            replace(d, judged="same-graph")
-            for d in compare_outputs(names, ref, ref, tolerances, per_output)
-        ]
-        return ParityReport(
-            True,
-            True,
-            diffs,
-            shapes_used,
-            seed,
-            reference_name,
-            None,
-            None,
-            pieces,
-            feeds=feeds,
-            reference_outputs=dict(zip(names, ref)),
-            same_graph=True,
-        )
     if lean:  # both sides run lean, as the original did (a whole session would hold its weights)
         optimized_session = None
     try:
