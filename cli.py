@@ -130,7 +130,7 @@ def _exit(code: int, reason: str) -> None:
 # ------------------------------------------------------------------ optimize
 @app.command()
 def optimize(
-    model: Annotated[Path, Argument(help="Input .onnx model (never modified).")],
+    model: Annotated[Path, Argument(readable=False, help="Input .onnx model (never modified).")],
     output: flags.BundleDir = None,
     target: flags.Target = "cpu",
     level: flags.OptLevel = 2,
@@ -317,8 +317,10 @@ def _conclude(report, results: list, checked: bool) -> None:
 # ------------------------------------------------------------------ check, bisect
 @app.command()
 def check(
-    original: Annotated[Path, Argument(help="Reference model.")],
-    optimized: Annotated[Path, Argument(help="Model to compare (a file or a bundle dir).")],
+    original: Annotated[Path, Argument(readable=False, help="Reference model.")],
+    optimized: Annotated[
+        Path, Argument(readable=False, help="Model to compare (a file or a bundle dir).")
+    ],
     shape: flags.Shapes = None,
     inputs: flags.Inputs = None,
     seed: flags.Seed = 0,
@@ -372,7 +374,9 @@ def check(
 
 @app.command()
 def bisect(
-    model: Annotated[Path, Argument(help="Model whose optimization breaks parity.")],
+    model: Annotated[
+        Path, Argument(readable=False, help="Model whose optimization breaks parity.")
+    ],
     output: flags.BisectDir = None,
     target: flags.Target = "cpu",
     level: flags.Level = 2,
@@ -426,7 +430,7 @@ def bisect(
 # ------------------------------------------------------------------ explain, lint
 @app.command()
 def explain(
-    model: Annotated[Path, Argument(help="Model to explain.")],
+    model: Annotated[Path, Argument(readable=False, help="Model to explain.")],
     target: flags.Target = "cpu",
     level: flags.Level = 2,
     pipeline: flags.Pipeline = None,
@@ -487,7 +491,7 @@ def explain(
 
 @app.command()
 def lint(
-    model: Annotated[Path, Argument(help="Model to lint.")],
+    model: Annotated[Path, Argument(readable=False, help="Model to lint.")],
     freeze_initializers: flags.FreezeInitializers = False,
     output: flags.FrozenOut = None,
     target: flags.Target = "cpu",
@@ -558,7 +562,7 @@ def _refuse_invalid(proto, path: Path) -> None:
 # ------------------------------------------------------------------ bench, gate
 @app.command()
 def bench(
-    model: Annotated[Path, Argument(help="Original model.")],
+    model: Annotated[Path, Argument(readable=False, help="Original model.")],
     optimized: flags.OptimizedModel = None,
     target: flags.Target = "cpu",
     level: flags.Level = 2,
@@ -634,7 +638,7 @@ def bench(
 
 @app.command()
 def gate(
-    model: Annotated[Path, Argument(help="Model to gate (never modified).")],
+    model: Annotated[Path, Argument(readable=False, help="Model to gate (never modified).")],
     target: flags.Target = "cpu",
     level: flags.Level = 2,
     pipeline: flags.PipelineText = None,
@@ -841,7 +845,9 @@ def targets(
 
 @app.command()
 def run(
-    bundle: Annotated[Path, Argument(help="A bundle directory written by `optimize`.")],
+    bundle: Annotated[
+        Path, Argument(readable=False, help="A bundle directory written by `optimize`.")
+    ],
     inputs: flags.RunInputs = None,
     output: flags.RunOutput = None,
     provider: flags.Providers = None,
@@ -892,7 +898,7 @@ def run(
 
 @app.command()
 def profile(
-    model: Annotated[Path, Argument(help="A bundle directory, or a model file.")],
+    model: Annotated[Path, Argument(readable=False, help="A bundle directory, or a model file.")],
     target: flags.ProfileTarget = None,
     inputs: flags.ProfileInputs = None,
     shape: flags.Shapes = None,

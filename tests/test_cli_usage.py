@@ -79,3 +79,18 @@ def test_help_and_version_import_neither_onnx_nor_onnxruntime(flag):
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
     assert out.strip().splitlines()[-1] == "0 []", out
+
+
+def test_a_model_path_is_read_by_graphopt_not_checked_by_the_parser(monkeypatch):
+    """The parser does not test a model path for readability (typer's default, a usage error):
+    graphopt reads the model itself, and an unreadable model is an error, exit 1."""
+    import os
+
+    from conftest import EXAMPLES
+
+    real = os.access
+    monkeypatch.setattr(
+        os, "access", lambda p, mode, **k: False if mode == os.R_OK else real(p, mode, **k)
+    )
+    res = runner.invoke(app, ["lint", str(EXAMPLES / "mobilenet_bn.onnx"), "--format", "json"])
+    assert res.exit_code == 0, res.output

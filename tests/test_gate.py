@@ -21,10 +21,10 @@ from graphopt.opt.verify.gate import (
     compare_baseline,
     evaluate_expectations,
     gate_baseline,
-    median_interval,
     paired_rounds,
     parse_expectations,
 )
+from graphopt.opt.verify.perf import median_interval
 
 runner = CliRunner()
 MODEL = str(EXAMPLES / "mobilenet_bn.onnx")

@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import difflib
 import json
-import math
 import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -38,6 +36,7 @@ import numpy as np
 from ..errors import EXIT_PERF, EXIT_TARGET, GraphoptError, UsageError
 from ..graph.domains import is_default
 from .parity import ParityReport
+from .perf import median_interval
 
 _EXPECT = re.compile(r"^\s*([A-Za-z0-9_.]+)\s*(>=|<=|==|!=|>|<)\s*(\d+)\s*$")
 _OPS = {
@@ -238,16 +237,6 @@ class PairedLatency:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "width": self.width}
-
-
-def median_interval(x: np.ndarray, confidence: float) -> tuple[float, float, float]:
-    """Median of ``x`` and its distribution-free confidence interval (order statistics: the
-    number of values below the median is Binomial(n, ½), normal approximation)."""
-    v = np.sort(np.asarray(x, dtype=float))
-    n = len(v)
-    z = NormalDist().inv_cdf(0.5 + confidence / 2)
-    k = max(0, math.floor((n - z * math.sqrt(n)) / 2))
-    return float(np.median(v)), float(v[k]), float(v[n - 1 - k])
 
 
 def paired_rounds(

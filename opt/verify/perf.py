@@ -40,6 +40,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -115,6 +116,16 @@ class Timing:
             "rounds": self.rounds,
             "seconds": round(self.seconds, 3),
         }
+
+
+def median_interval(x: np.ndarray, confidence: float) -> tuple[float, float, float]:
+    """Median of ``x`` and its distribution-free confidence interval (order statistics: the
+    number of values below the median is Binomial(n, ½), normal approximation)."""
+    v = np.sort(np.asarray(x, dtype=float))
+    n = len(v)
+    z = NormalDist().inv_cdf(0.5 + confidence / 2)
+    k = max(0, math.floor((n - z * math.sqrt(n)) / 2))
+    return float(np.median(v)), float(v[k]), float(v[n - 1 - k])
 
 
 def ratio_interval(

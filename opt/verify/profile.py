@@ -534,7 +534,7 @@ OP_CONFIDENCE = 0.95
 def _with_intervals(groups: list[dict], op_runs: dict[str, list[float]]) -> list[dict]:
     """Each op type's distribution-free interval of its median time per run (order
     statistics over the runs; with few runs it is their whole range)."""
-    from .gate import median_interval
+    from .perf import median_interval
 
     for g in groups:
         _, low, high = median_interval(np.asarray(op_runs[g["op"]]), OP_CONFIDENCE)

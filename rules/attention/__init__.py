@@ -64,6 +64,7 @@ numbers).
 """
 
 from . import census, rule  # noqa: F401  (register the rules)
-from .rule import Attention, FuseMultiHeadAttention, lift
+from .lifted import Attention
+from .rule import FuseMultiHeadAttention, lift
 
 __all__ = ["Attention", "FuseMultiHeadAttention", "lift"]

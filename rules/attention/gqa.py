@@ -33,52 +33,25 @@ its ``position_ids`` input, which a left-padded batch sets otherwise.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from graphopt.opt.graph.dims import Dims, arith, rank, shape_elements
-from graphopt.opt.graph.dims import current as current_dims
-from graphopt.opt.graph.ir import Node, Tensor, constant_value, dtype_of
-from graphopt.opt.rewrite.engine import Builder
+from graphopt.opt.graph.ir import Tensor, constant_value
 
-from ..activation import MS, inputs, producer
+from ..activation import inputs, producer
 from .heads import (
     PERM_BNSH,
-    HeadSplit,
     head_count,
     per_head_split,
     rotated_split,
     source_axis,
     split_heads,
 )
-
-if TYPE_CHECKING:
-    from .rule import Attention
-
+from .lifted import Attention, GqaPlan, KvCache
 
 #: the option (``optimize(options={OPTION: "generate"})``) declaring that the model runs as a
 #: generation loop: a step given a non-empty past has one new token or a batch of 1
 OPTION = "decoder_steps"
-
-
-@dataclass
-class KvCache:
-    """One side (key or value) of a decoder's cache feeding the attention."""
-
-    present: Tensor | None  # Concat(past, new): a graph output; None without a cache
-    past: Tensor | None
-    new: HeadSplit  # the split of the [B,S,Nkv·H] projection (with its rotary, for the key)
-    kv_heads: int
-
-
-@dataclass
-class GqaPlan:
-    """The key and value caches of an attention that lowers to GroupQueryAttention."""
-
-    key: KvCache
-    value: KvCache
 
 
 def plan_gqa(
@@ -197,76 +170,3 @@ def _expand_elements(shape: Tensor, dims: Dims) -> list | None:
         return None
     elems = shape_elements(inputs(where)[2], dims)
     return None if elems is None else [("int", 1) if e == ("int", -1) else e for e in elems]
-
-
-# ------------------------------------------------------------------------------ stage 3
-def lower_gqa(a: Attention, b: Builder, q: Tensor) -> Tensor:
-    """GroupQueryAttention for ``a`` (its plan in ``a.gqa``) from the 3-D query ``q`` (already
-    rotated); returns the [B,S,N·H] output, the present outputs moved onto the kernel's."""
-    from .lower import attention_bias, heads_merged, rotated  # lower dispatches here
-
-    plan: GqaPlan = a.gqa
-    name = a.core.root.name
-    kv_width = plan.key.kv_heads * a.head_size
-    k = rotated(b, plan.key.new.rotary, plan.key.new.x, plan.key.kv_heads, f"{name}/k_rotary")
-    if plan.key.new.kept:
-        k = heads_merged(b, k, kv_width, f"{name}/k")
-    v = plan.value.new.x
-    if plan.value.new.kept:
-        v = heads_merged(b, v, kv_width, f"{name}/v")
-    if plan.key.past is None:
-        total = _len(b, q, 1, f"{name}/new_len")
-    else:
-        total = b.op(
-            "Add",
-            [_len(b, plan.key.past, 2, f"{name}/past_len"), _len(b, q, 1, f"{name}/new_len")],
-            name=f"{name}/total_len",
-        )
-    ins = [q, k, v, plan.key.past, plan.value.past, *_lengths(b, q, total, name)]
-    if a.bias is not None:
-        ins += [None, None, None, attention_bias(a, b, q, None, total)]
-    attrs = {"num_heads": a.num_heads, "kv_num_heads": plan.key.kv_heads, "causal": 0}
-    if a.scale is not None:
-        attrs["scale"] = float(a.scale)
-    if a.core.softcap is not None:
-        attrs["softcap"] = a.core.softcap.cap
-    out, pk, pv = b.op(
-        "GroupQueryAttention", ins, attrs, domain=MS, outputs=3, name=f"{name}/GroupQueryAttention"
-    )
-    out.dtype = dtype_of(a.core.root.outputs[0])
-    for new, old in ((pk, plan.key.present), (pv, plan.value.present)):
-        if old is None:  # no cache: the present outputs are read by nothing
-            new.dtype = dtype_of(q)
-            continue
-        new.dtype, new.shape = old.dtype, old.shape
-        b.ir.replace_all_uses(old, new)
-    return out
-
-
-def _len(b: Builder, t: Tensor, axis: int, name: str) -> Tensor:
-    out = b.op("Shape", [t], {"start": axis, "end": axis + 1}, name=name)
-    out.dtype, out.shape = np.dtype(np.int64), [1]
-    return out
-
-
-def _lengths(b: Builder, q: Tensor, total: Tensor, name: str) -> list[Tensor]:
-    """``seqlens_k`` = T − 1 in every row (int32 [B]) and ``total_sequence_length`` (int32 [])."""
-    last = b.op("Sub", [total, b.const(np.array([1], np.int64), "one")], name=f"{name}/last_key")
-    rows = last
-    if current_dims().key(q, 0) != ("int", 1):
-        rows = b.op("Expand", [last, _len(b, q, 0, f"{name}/batch")], name=f"{name}/seqlens")
-    seqlens = b.op("Cast", [rows], {"to": 6}, name=f"{name}/seqlens_k")
-    scalar = b.op("Squeeze", [total, b.const(np.array([0], np.int64), "axis0")], name=f"{name}/t")
-    total32 = b.op("Cast", [scalar], {"to": 6}, name=f"{name}/total_sequence_length")
-    for t in (seqlens, total32):
-        t.dtype = np.dtype(np.int32)
-    return [seqlens, total32]
-
-
-def gqa_nodes(plan: GqaPlan) -> list[Node]:
-    """Nodes of the new key/value splits (consumers first); they die once the kernel replaces
-    the Concats."""
-    found: list[Node] = []
-    for c in (plan.key, plan.value):
-        found += c.new.nodes + ([c.new.reshape] if c.new.reshape is not None else [])
-    return found

@@ -11,19 +11,15 @@ reshaped to [B,S,N,H] and the shape cleanups fold the readers' Reshapes into it)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
+from graphopt.opt.graph.dims import current as current_dims
 from graphopt.opt.graph.dims import same_dim
 from graphopt.opt.graph.ir import Node, Tensor, Variable, constant_value, dtype_of
 from graphopt.opt.rewrite.engine import Builder
 
 from ..activation import MS, inputs, producer
-from .gqa import lower_gqa
-
-if TYPE_CHECKING:
-    from .rule import Attention
+from .lifted import Attention, GqaPlan
 
 
 def lower(a: Attention, b: Builder) -> Tensor:
@@ -318,3 +314,64 @@ def _shape_source(t: Tensor) -> tuple[Tensor, int] | None:
     if node is None or start is None or start.size != 1:
         return None
     return inputs(node)[0], int(start.reshape(-1)[0])
+
+
+def lower_gqa(a: Attention, b: Builder, q: Tensor) -> Tensor:
+    """GroupQueryAttention for ``a`` (its plan in ``a.gqa``) from the 3-D query ``q`` (already
+    rotated); returns the [B,S,N·H] output, the present outputs moved onto the kernel's."""
+    plan: GqaPlan = a.gqa
+    name = a.core.root.name
+    kv_width = plan.key.kv_heads * a.head_size
+    k = rotated(b, plan.key.new.rotary, plan.key.new.x, plan.key.kv_heads, f"{name}/k_rotary")
+    if plan.key.new.kept:
+        k = heads_merged(b, k, kv_width, f"{name}/k")
+    v = plan.value.new.x
+    if plan.value.new.kept:
+        v = heads_merged(b, v, kv_width, f"{name}/v")
+    if plan.key.past is None:
+        total = _len(b, q, 1, f"{name}/new_len")
+    else:
+        total = b.op(
+            "Add",
+            [_len(b, plan.key.past, 2, f"{name}/past_len"), _len(b, q, 1, f"{name}/new_len")],
+            name=f"{name}/total_len",
+        )
+    ins = [q, k, v, plan.key.past, plan.value.past, *_lengths(b, q, total, name)]
+    if a.bias is not None:
+        ins += [None, None, None, attention_bias(a, b, q, None, total)]
+    attrs = {"num_heads": a.num_heads, "kv_num_heads": plan.key.kv_heads, "causal": 0}
+    if a.scale is not None:
+        attrs["scale"] = float(a.scale)
+    if a.core.softcap is not None:
+        attrs["softcap"] = a.core.softcap.cap
+    out, pk, pv = b.op(
+        "GroupQueryAttention", ins, attrs, domain=MS, outputs=3, name=f"{name}/GroupQueryAttention"
+    )
+    out.dtype = dtype_of(a.core.root.outputs[0])
+    for new, old in ((pk, plan.key.present), (pv, plan.value.present)):
+        if old is None:  # no cache: the present outputs are read by nothing
+            new.dtype = dtype_of(q)
+            continue
+        new.dtype, new.shape = old.dtype, old.shape
+        b.ir.replace_all_uses(old, new)
+    return out
+
+
+def _len(b: Builder, t: Tensor, axis: int, name: str) -> Tensor:
+    out = b.op("Shape", [t], {"start": axis, "end": axis + 1}, name=name)
+    out.dtype, out.shape = np.dtype(np.int64), [1]
+    return out
+
+
+def _lengths(b: Builder, q: Tensor, total: Tensor, name: str) -> list[Tensor]:
+    """``seqlens_k`` = T − 1 in every row (int32 [B]) and ``total_sequence_length`` (int32 [])."""
+    last = b.op("Sub", [total, b.const(np.array([1], np.int64), "one")], name=f"{name}/last_key")
+    rows = last
+    if current_dims().key(q, 0) != ("int", 1):
+        rows = b.op("Expand", [last, _len(b, q, 0, f"{name}/batch")], name=f"{name}/seqlens")
+    seqlens = b.op("Cast", [rows], {"to": 6}, name=f"{name}/seqlens_k")
+    scalar = b.op("Squeeze", [total, b.const(np.array([0], np.int64), "axis0")], name=f"{name}/t")
+    total32 = b.op("Cast", [scalar], {"to": 6}, name=f"{name}/total_sequence_length")
+    for t in (seqlens, total32):
+        t.dtype = np.dtype(np.int32)
+    return [seqlens, total32]

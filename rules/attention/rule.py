@@ -9,7 +9,6 @@ the later ``linear`` phase look up.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -23,7 +22,7 @@ from graphopt.opt.rewrite.patterns import Alt, Op
 
 from ..activation import MS, float_type, inputs, lowering, no_match, producer, scalar, split_const
 from .core import Core, match_core, unrecognized
-from .gqa import OPTION, GqaPlan, plan_gqa
+from .gqa import OPTION, plan_gqa
 from .heads import (
     PERM_BNHS,
     PERM_BNSH,
@@ -33,59 +32,14 @@ from .heads import (
     head_count,
     per_head_split,
     rotated_split,
-    source_axis,
     split_heads,
 )
+from .lifted import Attention, QkvBias
 from .lower import lower
-from .masks import BiasPlan, plan_bias
+from .masks import plan_bias
 
 LIFT = "2 (lift)"
 LOWER = "3 (lower)"
-
-
-@dataclass
-class QkvBias:
-    """Bias Adds of the q/k/v projections that move into the kernel's ``bias`` input."""
-
-    sources: tuple[Tensor, Tensor, Tensor]  # the MatMul outputs (packed: the one, three times)
-    vector: np.ndarray
-    adds: tuple[Node, ...]
-
-
-@dataclass
-class Attention:
-    """A recognized attention: its core, how q/k/v are split into heads, the merge Reshape when
-    it is the root, and what the guards decided."""
-
-    core: Core
-    q: HeadSplit
-    k: HeadSplit
-    v: HeadSplit
-    merge_reshape: Node | None = None
-    op: str = "MultiHeadAttention"
-    num_heads: int = 0
-    head_size: int = 0
-    v_head_size: int = 0
-    scale: float | None = None
-    head_scale: np.ndarray | None = None  # a per-head factor [N] of the scores, folded into Q
-    bias: BiasPlan | None = None
-    qkv_bias: QkvBias | None = None
-    out_direct: bool = False
-    gqa: GqaPlan | None = None  # lowered to GroupQueryAttention: the decoder's key/value caches
-    kv_broadcast: bool = False  # one key/value head [B,1,T,H] broadcast over the query heads
-
-    def nodes(self) -> list[Node]:
-        """Every node of the fusion, consumers first."""
-        found = [self.merge_reshape] if self.merge_reshape is not None else []
-        found += self.core.nodes()
-        for s in (self.q, self.k, self.v):
-            found += s.nodes + ([s.reshape] if s.reshape is not None else [])
-        if self.qkv_bias is not None:
-            found += list(self.qkv_bias.adds)
-        return list({id(n): n for n in found}.values())
-
-    def axis(self, role: str, which: str) -> int:
-        return source_axis(getattr(self, role).layout, which)
 
 
 def lift(root: Node) -> Attention:
