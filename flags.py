@@ -325,7 +325,8 @@ ProfileTarget = Annotated[
     Option(
         "--target",
         "-t",
-        help=f"Target of a model file (default cpu; a bundle has its own): {', '.join(TARGET_NAMES)}.",
+        help="Target of a model file (default cpu; a bundle has its own): "
+        f"{', '.join(TARGET_NAMES)}.",
     ),
 ]
 ProfileRuns = Annotated[

@@ -2,7 +2,8 @@
 targets, rules and run, on stdout (``out``); warnings and errors on stderr (``err``).
 
 Only presentation lives here: every number and decision comes from the library (the report,
-:mod:`graphopt.opt.verify.verdict`, :mod:`graphopt.opt.verify.gate`, :mod:`graphopt.opt.report.explain`).
+:mod:`graphopt.opt.verify.verdict`, :mod:`graphopt.opt.verify.gate`,
+:mod:`graphopt.opt.report.explain`).
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def device_note(report) -> str:
     )
 
 
-#: analysis remarks of what graphopt accepts as onnxruntime does (opt/graph/compat.py, opt/verify/feeds.py)
+#: analysis remarks of what graphopt accepts as onnxruntime does (opt/graph/compat.py,
+#: opt/verify/feeds.py)
 ACCEPTED_CODES = ("graph-sorted", "dim-param-split")
 
 

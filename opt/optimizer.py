@@ -224,7 +224,8 @@ def optimize(
     upcast (catches fp16 overflow that CPU kernels hide), or ``both``.  ``opset`` lifts the
     model to that default-domain opset before the pipeline runs (parity still compares with
     the original).  ``measure`` (cpu, with ``check``) runs the performance safety net
-    (:mod:`graphopt.opt.verify.perf`) on the parity inputs; ``GRAPHOPT_NO_MEASURE=1`` turns it off too.
+    (:mod:`graphopt.opt.verify.perf`) on the parity inputs; ``GRAPHOPT_NO_MEASURE=1`` turns it off
+    too.
 
     ``clock`` (:mod:`graphopt.opt.clock`) times the phases (load, passes, validity, parity,
     measure); a caller that goes on (writing the bundle) passes its own and times its phases on
@@ -534,8 +535,8 @@ def _invalid(
     """Why ``model`` is not a valid, loadable model (onnx.checker with full shape checks, then an
     onnxruntime session), or None.  The checker reads the model without its weights
     (:func:`~graphopt.opt.graph.io.check_without_weights`).  With a holder ``into``, the model is
-    written once (:func:`~graphopt.opt.graph.spool.spool`, else serialized), onnxruntime loads it from
-    what was written, and a valid model's written form goes into the holder (the bundle moves
+    written once (:func:`~graphopt.opt.graph.spool.spool`, else serialized), onnxruntime loads it
+    from what was written, and a valid model's written form goes into the holder (the bundle moves
     the file, or writes the bytes, when it writes the model whole, without external data).
     The session is built as parity builds its own (:data:`CHECK_ONLY`: weights not
     pre-packed); with ``keep`` it is kept for parity (``_loaded_session``), profiling, so that
@@ -755,8 +756,8 @@ def _written_form(held: Serialized | None, model: onnx.ModelProto):
 
 
 class _PerfNet:
-    """The performance safety net over one optimization (:mod:`graphopt.opt.verify.perf`): candidates
-    are the pipeline re-run with every rewrite of some rules skipped."""
+    """The performance safety net over one optimization (:mod:`graphopt.opt.verify.perf`):
+    candidates are the pipeline re-run with every rewrite of some rules skipped."""
 
     def __init__(self, original, optimized, cx, execute, limit, base_dir, say) -> None:
         self.original, self.optimized, self.cx = original, optimized, cx

@@ -1,6 +1,7 @@
 """Target rewrites: spell an operation the way the target runs it, driven by the target's data.
 
-No rule here names a target.  Each reads the profile (:class:`graphopt.opt.rewrite.target.Target`): its
+No rule here names a target.  Each reads the profile (:class:`graphopt.opt.rewrite.target.Target`):
+its
 kernel table (``has_kernel``: what the target *lacks*) and ``prefers`` (which spelling it wants),
 so a new target gets the right rewrites by saying what it has and prefers.
 

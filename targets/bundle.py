@@ -479,7 +479,8 @@ def write_bundle_files(
         }
         | {"file": MEMORY_PLAN},
         "latency": None,
-        # the performance safety net (graphopt.opt.verify.perf): the bundle against the original here
+        # the performance safety net (graphopt.opt.verify.perf): the bundle against the original
+        # here
         "performance": getattr(report, "performance", None),
         "verified": {},
         "nodes": nodes,

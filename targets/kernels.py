@@ -93,7 +93,8 @@ def tensor_type(t: Tensor | None) -> str | None:
     """``tensor(float)`` (or ``seq(tensor(float))``) for a tensor of known element type."""
     if t is None or (isinstance(t, Variable) and not t.name):
         return None
-    proto = getattr(t, "graphopt_type_proto", None)  # sequence/optional/map: kept by opt/graph/ir.py
+    # sequence/optional/map: kept by opt/graph/ir.py
+    proto = getattr(t, "graphopt_type_proto", None)
     if proto is not None:
         return _type_proto_string(proto)
     if t.dtype is None:

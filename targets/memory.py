@@ -141,8 +141,8 @@ def measured_view(
     tensors as outputs, its weights handed to onnxruntime as arrays (:func:`_weightless`): the
     model is neither serialized with its weights nor parsed again, and onnxruntime does not
     pre-pack them for a single run.  ``base_dir``: where weights still in external files
-    resolve.  A model too large for one session (:func:`graphopt.opt.verify.parity.too_large`) runs in
-    pieces instead, one piece's weights mapped at a time."""
+    resolve.  A model too large for one session (:func:`graphopt.opt.verify.parity.too_large`) runs
+    in pieces instead, one piece's weights mapped at a time."""
     from graphopt.opt.errors import GraphoptError
     from graphopt.opt.verify.customops import register_libraries
     from graphopt.opt.verify.parity import run_lean, too_large

@@ -33,8 +33,12 @@ class _Tee(io.StringIO):
 
 
 class CliRunner:
-    def invoke(self, app, args,  # app: graphopt.cli.app, run by run_args
-                env: dict[str, str] | None = None) -> Result:
+    def invoke(
+        self,
+        app,
+        args,  # app: graphopt.cli.app, run by run_args
+        env: dict[str, str] | None = None,
+    ) -> Result:
         both = io.StringIO()
         out, err = _Tee(both), _Tee(both)
         saved = {k: os.environ.get(k) for k in env or {}}

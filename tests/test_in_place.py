@@ -1,5 +1,5 @@
-"""Weights left in their model file (opt/graph/io.py, load_model(lazy_external=True) on a large file):
-the model is read without its large weights, each a reference to where its bytes lie in the
+"""Weights left in their model file (opt/graph/io.py, load_model(lazy_external=True) on a large
+file): the model is read without its large weights, each a reference to where its bytes lie in the
 file; what is optimized and written is the same as when the file is read whole."""
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ and both cores work, where the same steps over whole layers spend most of their 
 and page faults.
 
 A block's steps but its probes (widening, scaling, rounding, the compensated rounding,
-onnxruntime's own fold) run natively where the optional C extension (``opt/numerics/_rounding.c``) was
-built at install, and in numpy otherwise: the same values bit for bit.
+onnxruntime's own fold) run natively where the optional C extension (``opt/numerics/_rounding.c``)
+was built at install, and in numpy otherwise: the same values bit for bit.
 """
 
 from __future__ import annotations
@@ -107,8 +107,8 @@ def compensated_rows_started(exact: np.ndarray, nearest: np.ndarray) -> Callable
 
 
 def _compensated_block(exact: np.ndarray, nearest: np.ndarray) -> np.ndarray:
-    """:func:`compensated_rows` of a few rows, at once: natively (``opt/numerics/_rounding.c``, the same
-    values bit for bit, without the interpreter lock; ResNet-50 fp16's folds: 0.16 s of CPU
+    """:func:`compensated_rows` of a few rows, at once: natively (``opt/numerics/_rounding.c``, the
+    same values bit for bit, without the interpreter lock; ResNet-50 fp16's folds: 0.16 s of CPU
     against 0.46 s) where it was built, but for rows whose summed error is not finite."""
     if native is not None and exact.size and nearest.dtype == np.float16:
         out = np.empty_like(nearest)
@@ -404,7 +404,8 @@ def fold_rows(
 
 
 def _native_block(rows, scale, their_scale, out: np.ndarray):
-    """:func:`fold_rows`'s steps for some rows but the probes, natively (``opt/numerics/_rounding.c``:
+    """:func:`fold_rows`'s steps for some rows but the probes, natively
+    (``opt/numerics/_rounding.c``:
     the same values bit for bit, in one pass per row, without the interpreter lock): writes
     the compensated weights into ``out``; returns (the weights, the compensated weights, and
     onnxruntime's fold of them with ``their_scale``, when given, each as float64; the non-zero

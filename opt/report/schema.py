@@ -30,18 +30,20 @@ class Report:
     #: the bundle under its own session settings against the original under the same (set
     #: when the bundle is written and verified)
     parity_deployed: ParityReport | None = None
-    #: the performance safety net (:mod:`graphopt.opt.verify.perf`): measured, ratio, interval, reverted
+    #: the performance safety net (:mod:`graphopt.opt.verify.perf`): measured, ratio, interval,
+    #: reverted
     performance: dict[str, Any] = field(default_factory=lambda: {"measured": False})
     seconds: dict[str, float] = field(default_factory=dict)
     rewrites: int = 0
     applied: list[tuple[int, str, str]] = field(default_factory=list)
     outputs: dict[str, str] = field(default_factory=dict)
-    #: the generation check of a decoder with a KV cache (:mod:`graphopt.opt.verify.generation`), set
-    #: when the bundle is written; None for other models
+    #: the generation check of a decoder with a KV cache (:mod:`graphopt.opt.verify.generation`),
+    #: set when the bundle is written; None for other models
     generation: dict[str, Any] | None = None
     #: what the user declared about how the model is run (e.g. ``decoder_steps``) and the
     #: rewrites relied on; copied into the bundle's manifest
     declared: dict[str, Any] = field(default_factory=dict)
+
     @property
     def converged(self) -> bool:
         return not any(r.code == "did-not-converge" for r in self.remarks)

@@ -746,8 +746,8 @@ def make_inputs(
 
 
 def _check_input_size(name: str, shape: list[int], dtype: np.dtype) -> None:
-    """A drawn input is at most :data:`~graphopt.opt.verify.feeds.MAX_INPUT_BYTES` (a declared dim of
-    2**62 is no size to allocate): a GraphoptError naming the input, its shape and the bound."""
+    """A drawn input is at most :data:`~graphopt.opt.verify.feeds.MAX_INPUT_BYTES` (a declared dim
+    of 2**62 is no size to allocate): a GraphoptError naming the input, its shape and the bound."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes > MAX_INPUT_BYTES:
         raise GraphoptError(

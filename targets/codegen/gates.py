@@ -204,8 +204,8 @@ def _warm_up(sess: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> None:
 
 def decided(unfused: list[float], fused: list[float]) -> bool:
     """Whether paired timings settle the benchmark: the bootstrap 95 % interval of the median
-    per-pair ratio (fused / unfused, :func:`~graphopt.opt.verify.perf.ratio_interval`) excludes 1, or
-    lies within ``1 ± BENCH_TIE``."""
+    per-pair ratio (fused / unfused, :func:`~graphopt.opt.verify.perf.ratio_interval`) excludes 1,
+    or lies within ``1 ± BENCH_TIE``."""
     if len(unfused) < BENCH_MIN_PAIRS or not all(u > 0 for u in unfused):
         return False
     _, low, high = ratio_interval([f / u for u, f in zip(unfused, fused)], resamples=500)

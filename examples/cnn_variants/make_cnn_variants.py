@@ -2,7 +2,7 @@
 
 Run with an environment that has torch, torchvision, onnx and onnxconverter-common::
 
-    python examples/catchup/make_cnn_variants.py --out DIR [--only NAME,...] [--list]
+    python examples/cnn_variants/make_cnn_variants.py --out DIR [--only NAME,...] [--list]
 
 writes NAME.onnx and a NAME.json sidecar (``{"inputs": {"input": [1, 3, 224, 224]}}``, what
 ``examples/benchmark/bench.py`` reads) into DIR for each model (models are not committed;

@@ -398,7 +398,7 @@ def test_native_extension_is_built_where_a_compiler_is_present():
     compiler = (sysconfig.get_config_var("CC") or "").split()
     if not compiler or shutil.which(compiler[0]) is None:
         pytest.skip("no C compiler here: the extension is optional")
-    assert float16_fold.native is not None, "opt/numerics/_rounding.c did not build: see pip's output"
+    assert float16_fold.native is not None, "opt/numerics/_rounding.c did not build: see pip"
 
 
 def test_native_compensated_rounding_refuses_mismatched_buffers():
