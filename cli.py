@@ -905,6 +905,7 @@ def profile(
     runs: flags.ProfileRuns = 10,
     compare: flags.ProfileCompare = None,
     trace: flags.ProfileTrace = None,
+    html: flags.ProfileHtml = None,
     fmt: flags.Fmt = Format.text,
     debug: flags.Debug = False,
 ) -> None:
@@ -922,7 +923,7 @@ def profile(
         dirs = [model] if model.is_dir() else []
         models = [] if dirs else [model.resolve()]
         check_side_outputs(
-            {"--trace": trace},
+            {"--trace": trace, "--html": html},
             models=models + ([compare.resolve()] if compare else []),
             files=[inputs] if inputs else [],
             dirs=dirs,
@@ -961,6 +962,10 @@ def profile(
             summary["compare"] = prof.compare(summary, base) | {"original": base}
         if trace:
             atomic_write_text(trace, json.dumps(events, default=str))
+        if html:
+            from .opt.report.report_html import render_profile_html
+
+            atomic_write_text(html, render_profile_html(summary))
         if fmt == Format.json:
             print_json(summary, default=float)
         else:

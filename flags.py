@@ -349,6 +349,7 @@ ProfileCompare = Annotated[
     Path | None,
     Option("--compare", help="The original model: profiled at ORT_ENABLE_ALL, delta per op."),
 ]
+ProfileHtml = Annotated[Path | None, Option("--html", help="Write the profile as one HTML page.")]
 ProfileTrace = Annotated[
     Path | None, Option("--trace", help="Write a Chrome trace (JSON) named by graphopt's nodes.")
 ]

@@ -624,8 +624,10 @@ def _profile_compare(cmp: dict) -> None:
             escape(r["op"]),
             str(r["count_original"]),
             str(r["count_optimized"]),
-            f"{r['ms_original']:.3f}",
-            f"{r['ms_optimized']:.3f}",
+            f"{r['ms_original']:.3f} [{r['interval_original'][0]:.3f}, "
+            f"{r['interval_original'][1]:.3f}]",
+            f"{r['ms_optimized']:.3f} [{r['interval_optimized'][0]:.3f}, "
+            f"{r['interval_optimized'][1]:.3f}]",
             f"{r['delta_ms']:+.3f}",
         )
     out.print(t)

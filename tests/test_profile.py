@@ -149,8 +149,16 @@ def test_trace_and_compare(mobilenet, tmp_path):
     assert ops["com.microsoft.FusedConv"]["count_original"] == 0
     assert ops["BatchNormalization"]["count_optimized"] == 0 or "BatchNormalization" not in ops
     assert cmp["run_ms_original"] > 0 and cmp["original"]["coverage"] > 0
-    text = invoke("profile", mobilenet, *args)
+    for r in cmp["ops"]:  # each side with the interval of its median per run
+        for side in ("original", "optimized"):
+            low, high = r[f"interval_{side}"]
+            assert low <= r[f"ms_{side}"] <= high or low == high == r[f"ms_{side}"], r
+    page = tmp_path / "p.html"
+    text = invoke("profile", mobilenet, *args, "--html", page)
     assert text.exit_code == 0 and "vs original at ORT_ENABLE_ALL" in text.stdout
+    html = page.read_text()
+    assert "<h1>graphopt profile</h1>" in html and 'id="profile-ops"' in html
+    assert 'id="profile-compare"' in html and "com.microsoft.FusedConv" in html
 
 
 def test_plain_model_profiles_at_enable_all(tmp_path):

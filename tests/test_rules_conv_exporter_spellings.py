@@ -141,7 +141,7 @@ def test_fp16_conv_bn_folds_at_O2_when_no_worse(rng):
 def test_fp16_conv_bn_with_real_statistics_is_refused_with_the_numbers(rng):
     """Non-trivial statistics re-round every weight: each channel's output then errs the same
     way on every input (systematic), which the unfused graph does not: refused at -O2 for a
-    runtime that does not fold Conv+BN itself (onnxruntime does: tests/test_rules_conv_fp16_refold.py)."""
+    runtime that does not fold Conv+BN itself (onnxruntime does: test_rules_conv_fp16_refold)."""
     m = fp16_conv_bn(rng)
     out, report = run(m, target="tensorrt")
     assert ops(out)["BatchNormalization"] == 1

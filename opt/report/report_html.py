@@ -165,6 +165,53 @@ def _profile_section(prof: dict[str, Any] | None) -> str:
     )
 
 
+def _compare_section(cmp: dict[str, Any] | None) -> str:
+    """``profile --compare``: per op type, the original's and the optimized model's time with
+    their intervals and the delta."""
+    if not cmp:
+        return ""
+
+    def span(ms: float, iv: list[float]) -> str:
+        return f"{ms:.3f} [{iv[0]:.3f}, {iv[1]:.3f}]"
+
+    rows = [
+        [
+            _e(r["op"]),
+            r["count_original"],
+            r["count_optimized"],
+            span(r["ms_original"], r["interval_original"]),
+            span(r["ms_optimized"], r["interval_optimized"]),
+            f"{r['delta_ms']:+.3f}",
+        ]
+        for r in cmp["ops"]
+    ]
+    head = ["op", "original", "optimized", "ms original", "ms optimized", "delta ms"]
+    return (
+        f"<h3>Against the original at ORT_ENABLE_ALL: run {cmp['run_ms_original']:.3f} ms → "
+        f"{cmp['run_ms_optimized']:.3f} ms (ratio {_e(cmp['ratio'])})</h3>"
+        + _table(head, rows, {1, 2, 3, 4, 5}, "profile-compare")
+    )
+
+
+def render_profile_html(prof: dict[str, Any]) -> str:
+    """``graphopt profile --html``: the profile as one page (the account, the regions, the
+    missed fusions by time, the comparison with the original)."""
+    regions = [
+        [_e(g["region"]), g["count"], f"{g['ms']:.3f}", _pct(g["share"])]
+        for g in prof["regions"][:30]
+    ]
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>graphopt profile: {_e(prof["model"])}</title>
+<style>{_CSS}</style></head><body>
+<h1>graphopt profile</h1>
+<div class="muted">{_e(prof["model"])}</div>
+{_profile_section(prof)}
+<h3>Regions</h3>{_table(["region", "nodes", "ms", "share"], regions, {1, 2, 3}, "profile-regions")}
+{_compare_section(prof.get("compare"))}
+</body></html>
+"""
+
+
 def _parity_section(p: dict[str, Any] | None) -> str:
     if not p:
         return ""

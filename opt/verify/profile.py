@@ -630,9 +630,16 @@ def _missed(rows: list[dict], prov: Provenance, total: float) -> list[dict]:
     return out
 
 
+def _interval(group: dict | None, ms: float) -> list[float]:
+    """An op type's interval of its median time per run (``[ms, ms]`` where it did not run)."""
+    if not group or "low_ms" not in group:
+        return [ms, ms]
+    return [group["low_ms"], group["high_ms"]]
+
+
 def compare(optimized: dict, original: dict) -> dict[str, Any]:
     """Per op type, the optimized model's time against the original's (``delta_ms`` < 0: time
-    won back), and the two runs."""
+    won back), each with its 95 % interval, and the two runs."""
     a = {g["op"]: g for g in optimized["ops"]}
     b = {g["op"]: g for g in original["ops"]}
     rows = []
@@ -645,6 +652,8 @@ def compare(optimized: dict, original: dict) -> dict[str, Any]:
                 "count_optimized": (a.get(op) or {}).get("count", 0),
                 "ms_original": ms_b,
                 "ms_optimized": ms_a,
+                "interval_original": _interval(b.get(op), ms_b),
+                "interval_optimized": _interval(a.get(op), ms_a),
                 "delta_ms": round(ms_a - ms_b, 4),
             }
         )
