@@ -302,7 +302,7 @@ def _lint_breaks():
             helper.make_model(calls, functions=[f], opset_imports=local),
             "must not be recursive",
         ),
-        "raw-data-size": (raw, "raw_data size (12 bytes)"),
+        "raw-data-size": (raw, "holds 12 bytes of raw data"),
     }
 
 

@@ -107,8 +107,8 @@ def test_unfused_chain_is_the_top_missed_row(rng, tmp_path):
     assert top["ms"] > 0.5 * data["account"]["node_ms"] and top["share"] > 0.3
     assert data["coverage"] >= 0.7  # the rest: NCHWc Reorder nodes around the Conv
     # the rows (nodes, executor, session.run) account for the run: within 10 % on a quiet
-    # machine; 0.6 leaves room for a loaded one or the process's first runs
-    assert 0.6 <= data["ratio"] <= 1.1, data["ratio"]
+    # machine; 0.5 leaves room for a loaded one or the process's first runs
+    assert 0.5 <= data["ratio"] <= 1.1, data["ratio"]
     res = invoke("profile", b, "--runs", "3")
     assert res.exit_code == 0, res.output
     assert "fuse-conv-bn missed: non-constant-param" in " ".join(res.stdout.split())

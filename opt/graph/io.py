@@ -108,6 +108,7 @@ def load_model(
             if digest is not None:
                 _remember_digest(key, digest.result().hexdigest())
     base = path.resolve().parent
+    _check_raw_sizes(model, data, path)
     # one walk over every tensor (a graph of 100k constants: 1.5 s a walk)
     stored = [t for t in _all_tensors(model) if external_data_helper.uses_external_data(t)]
     _check_external_data(stored, base, path)
@@ -386,6 +387,50 @@ def _check_structure(model: onnx.ModelProto, path: Path) -> None:
         raise ModelLoadError(
             f"{path}: IR version {model.ir_version} is newer than this onnx supports "
             f"({onnx.IR_VERSION}); upgrade onnx or re-export the model"
+        )
+
+
+#: tensors outside the top-level initializers are measured only below this size (reading a
+#: bytes field copies it); the top-level ones are measured from the file's field headers
+_MEASURED_BYTES = 1 << 20
+
+
+def _check_raw_sizes(model: onnx.ModelProto, data: bytes | None, path: Path) -> None:
+    """Every tensor's raw data holds exactly what its dims and element type need (a mutated or
+    hand-edited file says otherwise: one line and exit 1, not an error deep in a pass)."""
+    inits = model.graph.initializer
+    lengths = _raw_lengths(data) if data is not None else None
+    if lengths is None or len(lengths) != len(inits):
+        lengths = [None] * len(inits)
+    for tensor, raw in zip(inits, lengths):
+        if raw is not None:
+            _check_raw_size(tensor, raw, path)
+    for graph in _graphs(model.graph):
+        for node in graph.node:
+            for attr in node.attribute:
+                for tensor in [attr.t] if attr.HasField("t") else attr.tensors:
+                    if tensor.HasField("raw_data") and tensor.ByteSize() < _MEASURED_BYTES:
+                        _check_raw_size(tensor, len(tensor.raw_data), path)
+
+
+def _graphs(graph: onnx.GraphProto):
+    """``graph`` and every subgraph inside it (If/Loop/Scan bodies)."""
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.HasField("g") else attr.graphs:
+                yield from _graphs(sub)
+
+
+def _check_raw_size(tensor: onnx.TensorProto, raw: int, path: Path) -> None:
+    if external_data_helper.uses_external_data(tensor) or tensor.data_type in _KEPT_TYPES:
+        return
+    need = _declared_nbytes(tensor)
+    if need is not None and raw != need:
+        kind = onnx.TensorProto.DataType.Name(tensor.data_type)
+        raise ModelLoadError(
+            f"{path}: tensor '{tensor.name}' holds {raw} bytes of raw data; its dims "
+            f"{list(tensor.dims)} and type {kind} need {need}"
         )
 
 
