@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
-from test_rotary import D, apply, freqs_mul
+from test_rules_rotary import D, apply, freqs_mul
 
 import graphopt
 from conftest import const, vi

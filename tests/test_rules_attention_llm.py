@@ -8,8 +8,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
-from test_rotary import D as H  # the rotary helpers rotate heads of this size
-from test_rotary import apply, freqs_mul
+from test_rules_rotary import D as H  # the rotary helpers rotate heads of this size
+from test_rules_rotary import apply, freqs_mul
 
 from conftest import assert_optimized, codes, const, model, run, vi
 from graphopt.opt.graph.ir import op_histogram

@@ -4,7 +4,7 @@ than the positions the model can address, and no bigger a model because of them.
 import numpy as np
 import pytest
 from onnx import TensorProto, helper
-from test_rotary import INV_FREQ, apply, run_model
+from test_rules_rotary import INV_FREQ, apply, run_model
 
 from conftest import assert_optimized, const, model, vi
 from graphopt.opt.graph.ir import op_histogram
@@ -122,7 +122,7 @@ def test_static_sequence_tables_cover_its_positions(rng, batch):
 def test_caches_of_cos_sin_computed_on_the_fly_state_the_growth():
     """cos/sin computed from the positions (no table in the original): the one shared pair of
     caches is all the model grows by, and an analysis remark says how much."""
-    from test_rotary import decoder_rope, freqs_mul
+    from test_rules_rotary import decoder_rope, freqs_mul
 
     m = decoder_rope(freqs_mul())
     out, report = assert_optimized(m)

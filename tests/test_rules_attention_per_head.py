@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from test_llm_attention import (
+from test_rules_attention_llm import (
     GQA,
     HIDDEN,
     MHA,
@@ -26,7 +26,7 @@ from test_llm_attention import (
     node,
     rope,
 )
-from test_rotary import freqs_mul
+from test_rules_rotary import freqs_mul
 
 from conftest import assert_optimized, codes, const, model, run, vi
 from graphopt.opt.graph.ir import op_histogram
