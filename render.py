@@ -559,8 +559,8 @@ def _profile_ops(data: dict) -> None:
     rows that belong to no node, their sum against the measured run and the residual."""
     acc = data["account"]
     t = Table(
-        title=f"time by op type (median of {data['runs']} profiled runs; "
-        "ms: kernel + the executor's work after it)",
+        title=f"time by op type (mean over the {data['central_runs']} of {data['runs']} "
+        "profiled runs nearest the median run; ms: kernel + the executor's work after it)",
         show_edge=False,
     )
     for col in ("op", "count", "ms", "kernel ms", "share"):
@@ -583,7 +583,7 @@ def _profile_ops(data: dict) -> None:
         _pct(data["ratio"] or 0.0),
     )
     t.add_row(
-        "(residual: run-to-run spread the medians leave out)",
+        "(residual: the measured run less the rows)",
         "",
         f"{acc['residual_ms']:+.3f}",
         "",
