@@ -1,72 +1,12 @@
 """The per-target bundle: what will run, how to run it, and what was verified here.
 
-:func:`write_bundle` (``graphopt.write_bundle``, what ``optimize`` calls) writes
-``OUT_DIR/model.onnx`` (+ ``model.onnx.data``), ``report.json`` and, in the same staging
-directory (so the whole bundle appears in one rename):
-
-* ``manifest.json``: every node → the kernel that runs it on the target (provider, op, domain,
-  since-version, dtype; for cuda from the pinned table, for cpu from the live registry), with
-  layout, output shapes and a workspace estimate where cheap, the verified shape range (the
-  parity shapes), latency (measured on this machine for cpu unless timing is off, else
-  null), ``performance`` (the bundle timed against the original by the performance safety
-  net, or why it was not: a target whose device is not here) and a ``verified`` block saying
-  what ran here and what did not (``"device": "not-run"`` when the target's device is not
-  on this machine: a GPU or NPU result is never claimed).
-* ``session_config.json``: how onnxruntime must build the session — graph optimization level
-  (the profile's: ALL on cpu and cuda, whose machine-specific NCHWc layouts are built at load
-  from the portable model.onnx or found in the fast path), providers, and the
-  onnxruntime optimizers to disable, each with its reason: fusions the target measured slower
-  (``Target.measured_slower``, e.g. SkipLayerNormFusion on cpu) and ConvBNFusion when an fp16
-  model keeps a BatchNormalization graphopt's precision guard refused to fold (onnxruntime would
-  fold it in fp16 anyway).  Names are passed both as ``disabled_optimizers`` and as the session
-  config entry ``optimization.disable_specified_optimizers`` (onnxruntime ignores unknown names
-  silently; the ones used here were checked to take effect).
-* ``golden/inputs.npz`` and ``golden/outputs.npz``: the parity inputs and the *original* model's
-  outputs on them (onnxruntime CPU, optimizations disabled).
-* ``memory_plan.json``: activation memory at the parity shapes, with and without buffer reuse
-  (:mod:`graphopt.targets.memory`).
-* ``kernels/`` (models with ``graphopt.fused`` nodes; generated kernels are on by default): the
-  kernels' source, ABI header, ``build.sh``, the library built there, the build log and
-  ``kernels.json`` (:mod:`graphopt.targets.codegen.library`); the manifest's ``kernels``
-  section lists them with their gate numbers (cuda: ptxas resources, ``"device": "not-run"``),
-  and the session config's ``custom_op_libraries`` names the library per provider, which
-  :func:`load_session` registers.
-
-* ``model.machine.onnx`` (cpu bundles by default): the machine-specific fast path, onnxruntime's
-  optimized form of model.onnx (``optimized_model_filepath`` at the session config's level)
-  for the machine that wrote the bundle, its weights in ``model.machine.onnx.data`` (mapped by
-  onnxruntime at load, not parsed); the manifest's ``fast_path`` records what it was built
-  for (onnxruntime version, CPU architecture and ``/proc/cpuinfo`` features, providers, level,
-  disabled optimizers, session entries) and how it was checked (it reloads with optimizations
-  off and agrees with the portable model on the golden inputs), or why there is none
-  (onnxruntime could not save, reload or run it, external data, unknown CPU features, no golden
-  inputs: with ``--no-check`` there is nothing to check it on, so by default none is built;
-  ``write_bundle(..., fast_path=True)`` checks it on seeded random inputs instead).  It is
-  written by the very session that verifies the bundle (the portable model at the session
-  config's level, which ``optimized_model_filepath`` makes onnxruntime save), and checked
-  against that session's outputs: one session of the portable model, not two.  Where the
-  performance safety net timed the final model, it saved the fast path (the same model at the
-  same settings) and timed it loaded back as load_session loads it: the bundle moves it in
-  (``fast_path.saved_by``) and checks the outputs that session gave on the golden inputs
-  instead of running it once more (it only loads it from the bundle's own files, weights not
-  pre-packed, to check that it loads there).
-* the manifest's ``integrity``: per model file its size, the sha256 of every byte (taken once,
-  while model.onnx is written) and a fingerprint (sha256 of the size and sampled blocks,
-  :func:`fingerprint`); the fast path's files, a copy onnxruntime derives here, record the size
-  and fingerprint only (``sha256`` null), so ``verify="full"`` loads the portable model.
-* the manifest's ``latency``: the performance safety net's own times of the final model (it
-  has just timed it at the bundle's session settings, 1 thread), else timed here.
-
-The JSON files are indented two levels deep and hold each deeper entry (a node of the manifest,
-a tensor of the memory plan) on one line (:func:`dumps_json`): the content of an indented dump.
-
-:func:`load_session` builds the session exactly as the manifest and session config say; the
-bundle is checked with it before it is moved into place (golden outputs within the target's
-tolerances, on this machine's CPU when the target's device is absent).  At load it checks the
-size and fingerprint of every model file (``verify="full"``: every sha256, on the portable
-model), and on a machine matching the fast path's record (and the requested settings) it loads
-model.machine.onnx with graph optimizations off; anywhere else, model.onnx at the session
-config's level.
+:func:`write_bundle` (what ``optimize`` calls) writes the portable ``model.onnx``, the cpu fast
+path ``model.machine.onnx``, ``manifest.json``, ``session_config.json``, ``report.json``,
+``golden/``, ``memory_plan.json`` and ``kernels/`` into one staging folder, checks the bundle
+with the session :func:`load_session` builds, then renames it into place. :func:`load_session`
+builds the session exactly as the manifest and session config say, after checking the model
+files' sizes and fingerprints and every library's sha256. The files and their fields:
+docs/bundle.md.
 """
 
 from __future__ import annotations
