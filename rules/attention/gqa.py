@@ -11,9 +11,8 @@ one kv head ``[B,1,T,H]`` that the MatMuls broadcast).
 
 Stage 3 builds ``GroupQueryAttention(q, k_new, v_new, past_key, past_value, seqlens_k,
 total_sequence_length, , , , attention_bias; causal=0)`` whose present outputs take the
-``present`` names.  It is exact for any mask, measured against the exporters' attention with
-onnxruntime 1.32 CPU (right, left and no padding, prefill and decode, sliding windows, −inf and
-finfo.min fills; outputs within 5e-7, present tensors equal): every row's ``seqlens_k`` is
+``present`` names.  It is exact for any mask (checked against the exporters' attention:
+docs/benchmarks.md): every row's ``seqlens_k`` is
 ``T − 1`` (no key is hidden by the kernel's per-row length, so the new tokens are written at
 ``past`` in every row, as the Concat does), ``causal=0`` and the exporter's whole mask
 (causal, padding, window) is the ``attention_bias`` (with the kernel's causal masking a fully
