@@ -3,11 +3,10 @@
 numpy converts float16 one value at a time on machines without AVX-512, while onnxruntime's Cast
 kernel uses the processor's half-precision instructions (about 30x faster: docs/benchmarks.md).
 Both round to nearest even, keep signed zeros and subnormals and overflow to infinity, so the
-results
-are the same bit for bit (checked in tests against numpy on every float16 and on float32 values
-at every rounding tie).  Arrays below :data:`SMALL` values take numpy's cast (a session run costs
-tens of microseconds).  float64 → float16 is not offered: onnxruntime rounds it twice (through
-float32), which differs at ties.  float16 → float64 takes the optional C extension
+results are the same bit for bit (checked in tests against numpy on every float16 and on float32
+values at every rounding tie).  Arrays below :data:`SMALL` values take numpy's cast (a session
+run costs tens of microseconds).  float64 → float16 is not offered: onnxruntime rounds it twice
+(through float32), which differs at ties.  float16 → float64 takes the optional C extension
 (``opt/numerics/_rounding.c``) where it was built: one pass instead of two.
 """
 
