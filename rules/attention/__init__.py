@@ -63,7 +63,7 @@ broadcast the scores to a larger shape (the kernel would fail at run time, not c
 numbers).
 """
 
-from . import census, rule  # noqa: F401  (register the rules)
+from . import census, rule, unfold3d  # noqa: F401  (register the rules)
 from .lifted import Attention
 from .rule import FuseMultiHeadAttention, lift
 

@@ -269,7 +269,7 @@ def _unfold_heads(core: Core) -> None:
             )
 
 
-def _peel_terms(z: Tensor) -> tuple[Tensor, list[Tensor], list[Node]]:
+def peel_terms(z: Tensor) -> tuple[Tensor, list[Tensor], list[Node]]:
     """(scores, terms, Adds) of ``z`` = scores + term [+ term …], innermost first."""
     terms, adds = [], []
     for _ in range(_MAX_TERMS):
@@ -304,7 +304,7 @@ def _peel_scores(core: Core, z: Tensor) -> None:
     core.window = _window_regroup(z)
     if core.window is not None:
         z = inputs(core.window.split)[0]
-    z, core.terms, core.term_adds = _peel_terms(z)
+    z, core.terms, core.term_adds = peel_terms(z)
     where = producer(z, "Where")
     if where is not None and is_scores(inputs(where)[1]):
         core.where, z = where, inputs(where)[1]
@@ -321,7 +321,7 @@ def _peel_scores(core: Core, z: Tensor) -> None:
                 z,
             )
         core.fold.scores = fold
-        z, core.fold.terms, core.fold.term_adds = _peel_terms(inputs(fold)[0])
+        z, core.fold.terms, core.fold.term_adds = peel_terms(inputs(fold)[0])
     core.softcap = soft_cap(z)
     if core.softcap is not None:
         z = inputs(core.softcap.nodes[-1])[0]

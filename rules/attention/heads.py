@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from graphopt.opt.graph.dims import Dims, Key, rank, shape_elements
+from graphopt.opt.graph.dims import Dims, Key, arith, rank, shape_elements
 from graphopt.opt.graph.dims import current as current_dims
 from graphopt.opt.graph.ir import Constant, Node, Tensor, Variable, constant_value
 
@@ -459,9 +459,16 @@ def _heads_sbd(split: Node, merge: Node, x: Tensor, dims: Dims) -> tuple[int, in
     if n[1] * h[1] != width:
         return f"{n[1]}×{h[1]} heads do not split the hidden size {width}"
     seq, batch = dims.key(x, 0), dims.key(x, 1)
-    if ea[0] not in (*_copy_key(split), seq) or ea[1] != ("int", -1):
-        return f"the reshape target {ea} does not keep the sequence dim and fold batch × heads"
-    if eb[2] != seq or eb[0] not in (("int", -1), batch):
+    # [S, -1, H], or [·, B·N, H]: with B·N·H = B·D the count forces the first to be S
+    explicit = ea[1] in (arith("Mul", batch, n), arith("Mul", n, batch))
+    if not explicit and (ea[0] not in (*_copy_key(split), seq) or ea[1] != ("int", -1)):
+        return (
+            f"the reshape target {ea} does not keep the sequence dim {seq} and fold batch "
+            f"{batch} × heads"
+        )
+    # with B·N explicit, the split's first dim is S however it is spelled
+    seqs = {seq} | ({ea[0], dims.key(split.outputs[0], 0)} if explicit else set())
+    if eb[2] not in seqs or eb[0] not in (("int", -1), batch):
         return f"the reshape target {eb} does not unfold batch × heads"
     return n[1], h[1]
 

@@ -1,0 +1,184 @@
+"""Attention computed over folded batch × heads from the split to the merge, made per head.
+
+torch's ``F.multi_head_attention_forward`` when it returns the attention weights (the default of
+``nn.MultiheadAttention``, and WavLM, DETR, …) never has a [B,N,·,·] tensor::
+
+    q3  = Transpose(Reshape(xq [T,B,E], [T,B·N,H]), (1,0,2))        [B·N,T,H] (· scale)
+    kᵀ3 = Transpose(Reshape(xk [S,B,E], [S,B·N,H]), (1,2,0))        [B·N,H,S]
+    v3  = Transpose(Reshape(xv [S,B,E], [S,B·N,H]), (1,0,2))        [B·N,S,H]
+    out = Transpose(MatMul(Softmax(q3·kᵀ3 [+ bias3 …]), v3), (1,0,2))   [T,B·N,H]
+
+``unfold-3d-attention`` rewrites it into the folded spelling that ``fuse-attention`` reads
+(:class:`.core.FoldedHeads`): q3, k3 and v3 each pass through their [B,N,·,H] heads (two
+Reshapes, an identity together), the Softmax runs on the scores unfolded to [B,N,T,S], and P·V
+is unfolded to [B,N,T,H] and merged by ``Transpose(2,0,1,3)`` and a Reshape back to
+[T,B·N,H].  Row-major, the B·N axis of ``Reshape(x [T,B,E], [T,·,H])`` is ``b·N + n`` with
+N = E/H, so each unfold is exact.  It fires only where the three splits say so, with one N,
+and the target has an attention kernel; where fuse-attention then refuses, the per-head form
+stays (the same numbers).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from graphopt.opt.graph.dims import arith, rank, shape_elements
+from graphopt.opt.graph.dims import current as current_dims
+from graphopt.opt.graph.ir import Node, Tensor, dtype_of
+from graphopt.opt.rewrite.engine import Builder, Match, Rule
+from graphopt.opt.rewrite.manager import register_rule
+from graphopt.opt.rewrite.patterns import Op
+
+from ..activation import MS, float_type, inputs, no_match, producer
+from .core import peel_terms, soft_cap, strip_scale
+from .heads import transpose_of
+
+
+def _split3(t: Tensor | None, perm: tuple[int, ...]) -> tuple[Node, Node, int, int] | None:
+    """(Transpose, Reshape, N, H) when ``t`` = ``Transpose(Reshape(x [L,B,E], [L,B·N,H]),
+    perm)`` with E and H static and N = E/H, else None."""
+    tr = transpose_of(t, perm)
+    rs = producer(inputs(tr)[0], "Reshape") if tr is not None else None
+    if rs is None or rank(inputs(rs)[0]) != 3 or rank(rs.outputs[0]) != 3:
+        return None
+    dims = current_dims()
+    x, y = inputs(rs)[0], rs.outputs[0]
+    e, h = dims.key(x, 2), dims.key(y, 2)
+    if e[0] != "int" or h[0] != "int" or h[1] <= 0 or e[1] % h[1]:
+        return None
+    n = ("int", e[1] // h[1])
+    # the Reshape only splits E into heads: it keeps L first, or makes B·N second (then the
+    # element count keeps L)
+    bn = {arith("Mul", dims.key(x, 1), n), arith("Mul", n, dims.key(x, 1))}
+    elems = shape_elements(inputs(rs)[1], dims) or [None, None]
+    copy = {("int", 0)} if not rs.attrs.get("allowzero", 0) else set()
+    keeps_l = dims.key(x, 0) in {dims.key(y, 0), elems[0]} or elems[0] in copy
+    if not keeps_l and not {dims.key(y, 1), elems[1]} & bn:
+        return None
+    return tr, rs, n[1], h[1]
+
+
+def _operand(mm: Node, i: int) -> tuple[Node, int, Tensor]:
+    """The node reading the ``i``-th operand of ``mm`` (a scale Mul/Div, or ``mm``), the
+    input index there, and the operand with its scale stripped."""
+    u, factors = strip_scale(inputs(mm)[i])
+    if not factors:
+        return mm, i, inputs(mm)[i]
+    node = factors[0].node
+    return node, inputs(node).index(u), u
+
+
+def _scores_matmul(z: Tensor) -> Node | None:
+    """The Q·Kᵀ MatMul under the Softmax input ``z``: through bias terms, a Where mask,
+    soft-capping and one scale."""
+    z = peel_terms(z)[0]
+    where = producer(z, "Where")
+    if where is not None:
+        z = inputs(where)[2] if producer(inputs(where)[1], "MatMul") is None else inputs(where)[1]
+    cap = soft_cap(z)
+    if cap is not None:
+        z = inputs(cap.nodes[-1])[0]
+    return producer(strip_scale(z)[0], "MatMul")
+
+
+@register_rule
+class UnfoldThreeDimAttention(Rule):
+    name = "unfold-3d-attention"
+    pattern = Op("Transpose", "ctx")
+    phase = "attention"
+    priority = 1  # before fuse-attention at the same Transpose
+    exclusive = False  # its own checks: the probabilities feed P·V only
+    summary = "attention over [B·N,T,H] (nn.MultiheadAttention with weights) → its per-head form"
+
+    def match(self, node, cx):
+        if tuple(node.attrs.get("perm", ())) != (1, 0, 2) or cx.ir.opset < 13:
+            raise no_match()
+        pv = producer(inputs(node)[0], "MatMul")
+        sm = producer(inputs(pv)[0], "Softmax") if pv is not None else None
+        if sm is None or rank(sm.outputs[0]) != 3 or sm.attrs.get("axis", -1) not in (-1, 2):
+            raise no_match()
+        if len(sm.outputs[0].outputs) != 1 or cx.ir.is_graph_output(sm.outputs[0]):
+            raise no_match()  # the weights are read (averaged over heads, returned)
+        qk = _scores_matmul(inputs(sm)[0])
+        if qk is None:
+            raise no_match()
+        q_at, k_at = _operand(qk, 0), _operand(qk, 1)
+        q = _split3(q_at[2], (1, 0, 2))
+        k = _split3(k_at[2], (1, 2, 0))
+        v = _split3(inputs(pv)[1], (1, 0, 2))
+        if q is None or k is None or v is None or not q[2] == k[2] == v[2] or q[3] != k[3]:
+            raise no_match()
+        dtype = float_type(inputs(q[1])[0])
+        kernels = [("MultiHeadAttention", MS, 1), ("Attention", "", cx.ir.opset)]
+        if not any(cx.target.has_kernel(op, d, v, dtype) for op, d, v in kernels):
+            raise no_match()  # nothing would fuse it: leave it as it is
+        m = Match(node, {"root": node, "pv": pv, "softmax": sm, "kt": k[0]})
+        m.stash(q_at=q_at, k_at=k_at, k_split=k, heads=q[2], v_head=v[3])
+        return m
+
+    def rewrite(self, m, b):
+        n = m.heads
+        pv, sm, root = m.bindings["pv"], m.bindings["softmax"], m.root
+        q_reader, qi, q3 = m.q_at
+        q_reader.inputs[qi] = _through_heads(b, q3, n)
+        k_reader, ki, _ = m.k_at
+        split = m.k_split[1].outputs[0]
+        k3 = b.op("Transpose", [split], {"perm": [1, 0, 2]}, name=f"{root.name}/k")
+        k3.dtype = dtype_of(q3)
+        if split.shape is not None:
+            k3.shape = [split.shape[1], split.shape[0], split.shape[2]]
+        kb = _through_heads(b, k3, n)
+        kt = b.op("Transpose", [kb], {"perm": [0, 2, 1]}, name=f"{root.name}/kt")
+        kt.dtype = dtype_of(q3)
+        if kb.shape is not None:
+            kt.shape = [kb.shape[0], kb.shape[2], kb.shape[1]]
+        k_reader.inputs[ki] = kt
+        pv.inputs[1] = _through_heads(b, inputs(pv)[1], n)
+        z3 = inputs(sm)[0]
+        tail = _tail(b, z3)
+        z4 = _unfold(b, z3, n, tail, "scores")
+        p4 = b.op("Softmax", [z4], {"axis": -1}, like=z4, name=f"{sm.name}/heads")
+        pv.inputs[0] = _fold(b, p4, tail, sm.outputs[0])
+        ctx4 = _unfold(b, pv.outputs[0], n, _tail(b, pv.outputs[0]), "ctx")
+        tbnh = b.op("Transpose", [ctx4], {"perm": [2, 0, 1, 3]}, name=f"{root.name}/merge")
+        tbnh.dtype = dtype_of(ctx4)
+        if ctx4.shape is not None:
+            tbnh.shape = [ctx4.shape[i] for i in (2, 0, 1, 3)]
+        target = b.const(np.array([0, -1, m.v_head], dtype=np.int64), "merge_heads")
+        out = b.op("Reshape", [tbnh, target], like=root.outputs[0], name=f"{root.name}/merged")
+        return [out]
+
+
+def _tail(b: Builder, t: Tensor) -> Tensor:
+    """``Shape(t)[1:]`` of a 3-D tensor."""
+    out = b.op("Shape", [t], {"start": 1}, name=f"{b.anchor}/tail")
+    out.dtype, out.shape = np.dtype(np.int64), [2]
+    return out
+
+
+def _unfold(b: Builder, t: Tensor, heads: int, tail: Tensor, role: str) -> Tensor:
+    """``t`` [B·N,L,M] as [B,N,L,M] (``tail`` = [L,M])."""
+    lead = b.const(np.array([-1, heads], dtype=np.int64), "unfold_heads")
+    target = b.op("Concat", [lead, tail], {"axis": 0}, name=f"{b.anchor}/{role}_target")
+    target.dtype, target.shape = np.dtype(np.int64), [4]
+    out = b.op("Reshape", [t, target], name=f"{b.anchor}/{role}_heads")
+    out.dtype = dtype_of(t)
+    if t.shape is not None:
+        lead = t.shape[0] // heads if isinstance(t.shape[0], int) else None
+        out.shape = [lead, heads, *t.shape[1:]]
+    return out
+
+
+def _fold(b: Builder, t4: Tensor, tail: Tensor, like: Tensor) -> Tensor:
+    """``t4`` [B,N,L,M] as [B·N,L,M] (``tail`` = [L,M])."""
+    lead = b.const(np.array([-1], dtype=np.int64), "fold_heads")
+    target = b.op("Concat", [lead, tail], {"axis": 0}, name=f"{b.anchor}/fold_target")
+    target.dtype, target.shape = np.dtype(np.int64), [3]
+    return b.op("Reshape", [t4, target], like=like, name=f"{b.anchor}/fold_heads")
+
+
+def _through_heads(b: Builder, t: Tensor, heads: int) -> Tensor:
+    """``t`` [B·N,L,H] through its heads [B,N,L,H] and back (an identity the attention rule
+    reads as folded heads)."""
+    tail = _tail(b, t)
+    return _fold(b, _unfold(b, t, heads, tail, "split"), tail, t)

@@ -1,0 +1,129 @@
+"""Attention over folded batch × heads from the split to the merge (torch's
+``F.multi_head_attention_forward`` with weights: nn.MultiheadAttention's default, WavLM, DETR):
+``unfold-3d-attention`` makes it per head and ``fuse-attention`` fuses it.  One class of
+spelling per test; every graph is checked against onnxruntime by graphopt's parity run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from conftest import codes, const, model, run, vi
+from graphopt.opt.graph.ir import op_histogram
+
+B, T, S, N, H = 2, 5, 7, 2, 8
+E = N * H
+
+
+class SeqFirst:
+    """Sequence-first sources x [T,B,E] (and a memory [S,B,E]) through torch's 3-D path."""
+
+    def __init__(self, seed: int = 0, computed: bool = False):
+        self.rng = np.random.default_rng(seed)
+        self.computed = computed
+        self.nodes: list = []
+        self.inits = [const("split", [0, -1, H], np.int64), const("flat", [-1, E], np.int64)]
+        self.inputs = [vi("x", ["tgt", "batch", E])]
+
+    def add(self, op, ins, out, **attrs) -> str:
+        self.nodes.append(helper.make_node(op, ins, [out], name=f"n{len(self.nodes)}", **attrs))
+        return out
+
+    def weight(self, name, shape) -> str:
+        self.inits.append(const(name, self.rng.standard_normal(shape) * 0.4, np.float32))
+        return name
+
+    def split(self, src: str, r: str, perm: list[int]) -> str:
+        """``Transpose(Reshape(src·W + b, [L, B·N, H]), perm)``, the target [0, -1, H] or, as
+        the dynamo exporter computes it, [-1, B·N, H]."""
+        p = self.add("MatMul", [src, self.weight(f"W{r}", (E, E))], f"{r}_mm")
+        p = self.add("Add", [p, self.weight(f"b{r}", (E,))], f"{r}_proj")
+        target = "split" if not self.computed else self._batch_times_heads(src, r)
+        s = self.add("Reshape", [p, target], f"{r}_3d")
+        return self.add("Transpose", [s], f"{r}3", perm=perm)
+
+    def attention(self, kv_src: str = "x", term: str | None = None, read_weights=False):
+        q = self.split("x", "q", [1, 0, 2])
+        q = self.add("Mul", [q, self._scale()], "q_scaled")
+        kt = self.split(kv_src, "k", [1, 2, 0])
+        v = self.split(kv_src, "v", [1, 0, 2])
+        s = self.add("MatMul", [q, kt], "scores")
+        if term is not None:  # baddbmm(term, q, kᵀ)
+            s = self.add("Add", [term, s], "scores_biased")
+        p = self.add("Softmax", [s], "P", axis=-1)
+        ctx = self.add("MatMul", [p, v], "ctx3")
+        t = self.add("Transpose", [ctx], "ctx_seq_first", perm=[1, 0, 2])
+        flat = self.add("Reshape", [t, "flat"], "ctx_flat")
+        y = self.add("MatMul", [flat, self.weight("Wo", (E, E))], "out_flat")
+        self.inits.append(const("out_shape", [-1, B, E], np.int64))
+        outputs = [vi("y", ["tgt", B, E])]
+        self.add("Reshape", [y, "out_shape"], "y")
+        if read_weights:  # need_weights=True: the mean over heads is returned too
+            w4 = self.add("Reshape", [p, self._const("w4_shape", [B, N, T, -1])], "w4")
+            self.add("ReduceMean", [w4], "weights", axes=[1], keepdims=0)
+            outputs.append(vi("weights", [B, "tgt", "tgt"]))
+        return model(self.nodes, self.inputs, outputs, self.inits)
+
+    def _batch_times_heads(self, src: str, r: str) -> str:
+        shape = self.add("Shape", [src], f"{r}_shape")
+        batch = self.add("Gather", [shape, self._const(f"{r}_one", [1])], f"{r}_batch")
+        bn = self.add("Mul", [batch, self._const(f"{r}_heads", [N])], f"{r}_bn")
+        ends = self._const(f"{r}_minus_one", [-1]), self._const(f"{r}_h", [H])
+        return self.add("Concat", [ends[0], bn, ends[1]], f"{r}_target", axis=0)
+
+    def _scale(self) -> str:
+        return self._const("scale", np.float32(H**-0.5), np.float32)
+
+    def _const(self, name, value, dtype=np.int64) -> str:
+        self.inits.append(const(name, value, dtype))
+        return name
+
+
+def feed(seed: int = 1, **extra) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"x": rng.standard_normal((T, B, E)).astype(np.float32), **extra}
+
+
+def fused(m) -> dict:
+    hist = op_histogram(m.graph.node)
+    return {k.split(".")[-1]: v for k, v in hist.items() if k.endswith("MultiHeadAttention")}
+
+
+@pytest.mark.parametrize("target, computed", [("cpu", False), ("cuda", False), ("cuda", True)])
+def test_three_d_self_attention_fuses(target, computed):
+    out, report = run(SeqFirst(computed=computed).attention(), target=target, inputs=feed())
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert fused(out) == {"MultiHeadAttention": 1}, op_histogram(out.graph.node)
+    assert codes(report, "fuse-attention") == []
+    assert "Softmax" not in op_histogram(out.graph.node)
+
+
+def test_a_folded_bias_of_the_scores_becomes_the_attention_bias():
+    """WavLM's gated relative position bias, [B·N,T,T], added by baddbmm."""
+    g = SeqFirst(2)
+    g.inputs.append(vi("rel", [B * N, "tgt", "tgt"]))
+    rel = np.random.default_rng(3).standard_normal((B * N, T, T)).astype(np.float32)
+    out, report = run(g.attention(term="rel"), target="cuda", inputs=feed(rel=rel))
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert fused(out) == {"MultiHeadAttention": 1} and codes(report, "fuse-attention") == []
+
+
+def test_three_d_cross_attention_over_a_memory_of_another_length_fuses():
+    """DETR's decoder: keys and values from an encoder memory [S,B,E]."""
+    g = SeqFirst(4)
+    g.inputs.append(vi("memory", ["src", "batch", E]))
+    memory = np.random.default_rng(5).standard_normal((S, B, E)).astype(np.float32)
+    out, report = run(g.attention(kv_src="memory"), target="cuda", inputs=feed(memory=memory))
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert fused(out) == {"MultiHeadAttention": 1} and codes(report, "fuse-attention") == []
+
+
+def test_attention_weights_that_are_read_keep_it_unfused_and_say_so():
+    """need_weights: the probabilities are averaged over heads and returned, so the Softmax
+    must stay; the census names it."""
+    out, report = run(SeqFirst(6).attention(read_weights=True), target="cuda", inputs=feed())
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert fused(out) == {} and "Softmax" in op_histogram(out.graph.node)
+    assert codes(report, "fuse-attention") == ["unrecognized-layout"]
+    assert codes(report, "unfold-3d-attention", "passed") == []
