@@ -10,6 +10,9 @@ configs, random weights, eager attention), registered into make_models.py's ``MO
 - wavlm: a gated relative position bias (WavLMModel; its test shape is 49 frames).
 - swinv2: cosine attention (normalized q and k, a clamped and exponentiated logit scale) with a
   continuous relative position bias (Swinv2Model).
+- detr_mha: DETR's transformer as its code calls it: ``torch.nn.MultiheadAttention`` with the
+  attention weights left on (its default, the 3-D path over [B·N,T,H]), sequence-first, a key
+  padding mask, and learned object queries cross-attending to the encoder's memory.
 
 Each has a ``*_dynamo`` variant (dynamo exporter, opset 18); the others are TorchScript, opset 17.
 """
@@ -210,6 +213,52 @@ def build_swinv2() -> Net:
     )
 
 
+class DetrStyle(torch.nn.Module):
+    """Encoder self-attention over image features [B,S,C] with a padding mask, then object
+    queries: self-attention, and cross-attention to the memory; post-norm residuals."""
+
+    def __init__(self, channels: int = 32, width: int = 64, heads: int = 4, queries: int = 10):
+        super().__init__()
+        nn = torch.nn
+        self.proj = nn.Linear(channels, width)
+        self.enc = nn.ModuleList([nn.MultiheadAttention(width, heads) for _ in range(2)])
+        self.dec_self = nn.ModuleList([nn.MultiheadAttention(width, heads) for _ in range(2)])
+        self.dec_cross = nn.ModuleList([nn.MultiheadAttention(width, heads) for _ in range(2)])
+        self.norms = nn.ModuleList([nn.LayerNorm(width) for _ in range(6)])
+        self.queries = nn.Parameter(torch.randn(queries, 1, width))
+
+    def forward(self, features, pad_mask):
+        src = self.proj(features).transpose(0, 1)  # [S, B, width]
+        pad = pad_mask == 0
+        for attn, norm in zip(self.enc, self.norms[:2]):
+            src = norm(src + attn(src, src, src, key_padding_mask=pad)[0])
+        tgt = self.queries.expand(-1, features.shape[0], -1)
+        for i, (sa, ca) in enumerate(zip(self.dec_self, self.dec_cross)):
+            tgt = self.norms[2 + 2 * i](tgt + sa(tgt, tgt, tgt)[0])
+            tgt = self.norms[3 + 2 * i](tgt + ca(tgt, src, src, key_padding_mask=pad)[0])
+        return tgt.transpose(0, 1)
+
+
+def build_detr_mha() -> Net:
+    model = DetrStyle()
+    perturb_constant_params(model)
+
+    def make(batch: int, seq: int) -> dict[str, torch.Tensor]:
+        mask = torch.ones(batch, seq, dtype=torch.int64)
+        mask[0, max(1, seq // 2) :] = 0
+        return {"features": torch.randn(batch, seq, 32), "pad_mask": mask}
+
+    return Net(
+        module=model,
+        inputs=make,
+        output_names=["hidden"],
+        # the TorchScript tracer bakes the sequence length into nn.MultiheadAttention's views
+        dynamic_axes={"features": {0: "batch"}, "pad_mask": {0: "batch"}, "hidden": {0: "batch"}},
+        test_shape=(1, 16),
+        alt_shape=(3, 16),
+    )
+
+
 BUILDERS = {
     "gemma2": build_gemma2,
     "gemma2_kv": build_gemma2_kv,
@@ -217,6 +266,7 @@ BUILDERS = {
     "deberta_v2": build_deberta_v2,
     "wavlm": build_wavlm,
     "swinv2": build_swinv2,
+    "detr_mha": build_detr_mha,
 }
 
 

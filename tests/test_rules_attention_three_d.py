@@ -127,3 +127,18 @@ def test_attention_weights_that_are_read_keep_it_unfused_and_say_so():
     assert fused(out) == {} and "Softmax" in op_histogram(out.graph.node)
     assert codes(report, "fuse-attention") == ["unrecognized-layout"]
     assert codes(report, "unfold-3d-attention", "passed") == []
+
+
+def test_a_biased_attention_the_target_runs_slower_fused_is_left_as_it_is():
+    """cpu, 5 static keys with a bias: below the measured bound, so the graph is not changed
+    into the per-head form at all, and the refusal names the Softmax (no census remark)."""
+    g = SeqFirst(7)
+    g.inputs = [vi("x", [T, B, E]), vi("rel", [B * N, T, T])]
+    rel = np.random.default_rng(8).standard_normal((B * N, T, T)).astype(np.float32)
+    out, report = run(g.attention(term="rel"), target="cpu", inputs=feed(rel=rel))
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert codes(report, "unfold-3d-attention") == ["slower-on-target"]
+    assert codes(report, "fuse-attention") == [] and fused(out) == {}
+    assert op_histogram(out.graph.node)["Softmax"] == 1 and "Concat" not in op_histogram(
+        out.graph.node
+    )

@@ -25,7 +25,7 @@ import numpy as np
 from graphopt.opt.graph.dims import arith, rank, shape_elements
 from graphopt.opt.graph.dims import current as current_dims
 from graphopt.opt.graph.ir import Node, Tensor, dtype_of
-from graphopt.opt.rewrite.engine import Builder, Match, Rule
+from graphopt.opt.rewrite.engine import Builder, Match, NoMatch, Rule
 from graphopt.opt.rewrite.manager import register_rule
 from graphopt.opt.rewrite.patterns import Op
 
@@ -112,6 +112,7 @@ class UnfoldThreeDimAttention(Rule):
         kernels = [("MultiHeadAttention", MS, 1), ("Attention", "", cx.ir.opset)]
         if not any(cx.target.has_kernel(op, d, v, dtype) for op, d, v in kernels):
             raise no_match()  # nothing would fuse it: leave it as it is
+        _check_pays(cx, sm, inputs(k[1])[0])
         m = Match(node, {"root": node, "pv": pv, "softmax": sm, "kt": k[0]})
         m.stash(q_at=q_at, k_at=k_at, k_split=k, heads=q[2], v_head=v[3])
         return m
@@ -147,6 +148,28 @@ class UnfoldThreeDimAttention(Rule):
         target = b.const(np.array([0, -1, m.v_head], dtype=np.int64), "merge_heads")
         out = b.op("Reshape", [tbnh, target], like=root.outputs[0], name=f"{root.name}/merged")
         return [out]
+
+
+def _check_pays(cx, sm: Node, keys_src: Tensor) -> None:
+    """fuse-attention's cost bound, asked before the graph is changed: a biased attention over
+    a static key count below the target's bound stays as it is (the same refusal, named
+    here; a bias is any term, mask or Where between the scores and the Softmax)."""
+    bound, why = cx.target.slower_below.get("MultiHeadAttention", (0, ""))
+    z = inputs(sm)[0]
+    biased = bool(peel_terms(z)[1]) or producer(z, "Where") is not None
+    keys = keys_src.shape[0] if keys_src.shape is not None else None
+    if biased and isinstance(keys, (int, np.integer)) and keys < bound:
+        raise NoMatch(
+            "slower-on-target",
+            f"stage 3 (lower): MultiHeadAttention over {keys} keys with an attention_bias is "
+            f"slower than the unfused attention on target {cx.target.name} below {bound} keys: "
+            f"{why}",
+            keys=int(keys),
+            bound=bound,
+            softmax=sm.name,
+            stage="3 (lower)",
+            tensor=keys_src.name,
+        )
 
 
 def _tail(b: Builder, t: Tensor) -> Tensor:
