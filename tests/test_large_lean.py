@@ -388,3 +388,33 @@ def test_a_tied_decoder_keeps_one_copy_of_its_embedding(tmp_path):
     assert sum(parity.tensor_nbytes(t) for t in out.graph.initializer) <= sum(
         parity.tensor_nbytes(t) for t in load_model(path, lazy_external=True).graph.initializer
     )
+
+
+def _chain(n: int, op: str = "Sigmoid") -> onnx.ModelProto:
+    spec = importlib.util.spec_from_file_location("make_chain", EXAMPLES / "scale/make_chain.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.chain(n, op)
+
+
+def test_a_graph_longer_than_one_session_is_built_for_is_checked_in_pieces(tmp_path, monkeypatch):
+    """More main-graph nodes than twice GRAPHOPT_PIECE_NODES: parity runs both models in pieces
+    of at most that many nodes, and the bundle is verified lean, without a fast path, saying
+    why (onnxruntime's session creation grows faster than the node count)."""
+    monkeypatch.setenv("GRAPHOPT_PIECE_NODES", "100")
+    m = _chain(450, "Softsign")
+    assert parity.too_many_nodes(m) and is_lean(m) and parity.too_large(m)
+    plan = Pieces(m).plan({"y"})
+    assert len(plan) == 5 and max(len(p.nodes) for p in plan) == 100
+    out, report = graphopt.optimize(m, level=2, target="cpu", measure=False)
+    assert report.parity.ran and report.parity.ok and report.parity.pieces == 5
+    written = tmp_path / "bundle"
+    graphopt.write_bundle(out, report, written)
+    manifest = json.loads((written / "manifest.json").read_text())
+    assert manifest["verified"]["bundle_session"]["pieces"] == 5
+    assert "450 nodes" in manifest["fast_path"]["why"] and not manifest["fast_path"]["written"]
+    monkeypatch.setenv("GRAPHOPT_PIECE_NODES", "many")
+    with pytest.raises(UsageError, match="GRAPHOPT_PIECE_NODES"):
+        parity.piece_nodes()
+    monkeypatch.delenv("GRAPHOPT_PIECE_NODES")
+    assert not parity.too_many_nodes(m) and not is_lean(m)

@@ -319,6 +319,13 @@ _PROFILE_TYPES = {
 #: holds at most this much, or its one larger tensor (``GRAPHOPT_PIECE_MB`` overrides)
 PIECE_BYTES = 256 << 20
 
+#: main-graph nodes above which a model is checked in pieces of at most :data:`PIECE_NODES`
+#: nodes and no check holds it whole (timing it, the bundle as deployed, its fast path):
+#: onnxruntime's session creation grows faster than the node count (a chain of Sigmoids,
+#: ORT_DISABLE_ALL: 3.0 s at 100k nodes, 17.7 s at 300k), pieces of a fixed size grow with it
+#: (``GRAPHOPT_PIECE_NODES`` overrides the piece size; lean from twice that)
+PIECE_NODES = 100_000
+
 #: session config of parity's sessions (whole or a piece): weights are used where they lie
 #: (mapped from their file, or the model's own bytes) instead of pre-packed copies for the
 #: kernels.  Pre-packing costs a copy of every MatMul weight and, for one run, more time than
@@ -341,12 +348,36 @@ def piece_bytes() -> int:
         raise UsageError(f"GRAPHOPT_PIECE_MB must be a number of MiB (got '{value}')") from None
 
 
+def piece_nodes() -> int:
+    """The node budget of one piece: :data:`PIECE_NODES` or ``GRAPHOPT_PIECE_NODES``."""
+    value = os.environ.get("GRAPHOPT_PIECE_NODES", "").strip()
+    try:
+        return max(2, int(value)) if value else PIECE_NODES
+    except ValueError:
+        raise UsageError(f"GRAPHOPT_PIECE_NODES must be a node count (got '{value}')") from None
+
+
+def too_many_nodes(model: onnx.ModelProto) -> str | None:
+    """Why ``model``'s main graph is too long for one session, or None (:data:`PIECE_NODES`)."""
+    limit = 2 * piece_nodes()
+    if len(model.graph.node) <= limit:
+        return None
+    return (
+        f"its {len(model.graph.node)} nodes are more than one session is built for in linear "
+        f"time ({limit}: twice GRAPHOPT_PIECE_NODES): checked in pieces only"
+    )
+
+
 def is_lean(model: onnx.ModelProto, budget: int | None = None) -> bool:
-    """Whether parity runs ``model`` lean: it keeps its weights in external data and they
-    (sizes from metadata) are more than the piece budget (default :func:`piece_bytes`).  Inline
-    weights are in memory already, and their pieces would be copies: those models run whole
-    (BERT-base, 438 MB inline: parity 3.8-4.6 s whole, 5.0-7.9 s in 6 pieces)."""
+    """Whether parity runs ``model`` lean: its main graph has more nodes than one session is
+    built for in linear time (:func:`too_many_nodes`), or it keeps its weights in external data
+    and they (sizes from metadata) are more than the piece budget (default
+    :func:`piece_bytes`).  Inline weights are in memory already, and their pieces would be
+    copies: those models run whole (BERT-base, 438 MB inline: parity 3.8-4.6 s whole, 5.0-7.9 s
+    in 6 pieces)."""
     budget = piece_bytes() if budget is None else budget
+    if too_many_nodes(model):
+        return True
     if sum(tensor_nbytes(t) for t in model.graph.initializer) <= budget:
         return False
     return has_data_files(model)  # weights left in their model file are inline ones
@@ -362,6 +393,8 @@ def too_large(model: onnx.ModelProto) -> str | None:
     """Why no check may hold ``model`` whole in one onnxruntime session (timing it, running the
     bundle as deployed): more external weights than :data:`WHOLE_PIECES` piece budgets.  None
     when one session may hold it."""
+    if why := too_many_nodes(model):
+        return why
     whole = piece_bytes() * WHOLE_PIECES
     if not is_lean(model, whole):
         return None
@@ -457,8 +490,9 @@ class Pieces:
     """A model run piece by piece, so that memory holds one piece's weights at a time.
 
     The main graph's nodes, in their (topological) order, are cut into consecutive pieces whose
-    initializers (sizes from metadata: nothing is read to plan) stay within ``budget`` bytes; a
-    node whose own weights are more is a piece alone.  Each piece is a model of its nodes, the
+    initializers (sizes from metadata: nothing is read to plan) stay within ``budget`` bytes and
+    that have at most :func:`piece_nodes` nodes; a node whose own weights are more is a piece
+    alone.  Each piece is a model of its nodes, the
     initializers they use (external ones still referenced from their file) and, as inputs, the
     values it takes from the graph or earlier pieces; it runs in its own session (optimizations
     off, :data:`LEAN_CONFIG`), which is freed before the next piece is built, and only the
@@ -472,6 +506,7 @@ class Pieces:
         budget: int = PIECE_BYTES,
     ):
         self.model, self.base_dir, self.budget = model, base_dir, budget
+        self.max_nodes = piece_nodes()
         graph = model.graph
         self.sess = self  # make_inputs reads get_inputs() from here, as from a session
         self._sizes = {t.name: tensor_nbytes(t) for t in graph.initializer}
@@ -521,7 +556,8 @@ class Pieces:
             extra = own + sum(self._sizes[n] for n in mine - held)
             # small weights (shape glue, norms' scales) may overflow the budget by an eighth
             slack = self.budget // 8 if extra <= self.budget // 64 else 0
-            if extra and nodes and size + extra > self.budget + slack:
+            full = extra and size + extra > self.budget + slack
+            if nodes and (full or len(nodes) >= self.max_nodes):
                 groups.append((nodes, size))
                 nodes, held, size = [], set(), 0
                 extra = own + sum(self._sizes[n] for n in mine)
