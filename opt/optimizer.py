@@ -45,12 +45,14 @@ from .rewrite.target import get_target
 from .verify.feeds import split_dims, validate_args
 from .verify.parity import (
     ParityReport,
+    Pieces,
     ReferenceRun,
     Session,
     check_parity,
     is_lean,
     measure_ranges,
     too_large,
+    too_many_nodes,
 )
 
 Progress = Callable[[str], None]
@@ -569,6 +571,12 @@ def _check(model, base_dir, checker, runtime, keep, data, spooled) -> str | None
                 return "onnx.checker: " + (text.splitlines()[0] if text else type(e).__name__)
     if not runtime:
         return None
+    if too_many_nodes(model) and Pieces.cuttable(model):
+        try:  # one session of it would cost more than linear time: each piece loads instead
+            if Pieces(model, base_dir=base_dir).load():
+                return None
+        except GraphoptError as e:
+            return str(e)
     config = CHECK_ONLY  # kept or not: parity runs it once, so weights are not pre-packed
     try:
         if spooled is not None:  # weights mapped from the written file, not copied

@@ -430,10 +430,13 @@ def write_bundle_files(
     manifest["model_sha256"] = manifest["integrity"]["files"]["model.onnx"]["sha256"]
     _kernel_latencies(nodes, kernels)
     (out_dir / MANIFEST).write_text(dumps_json(manifest))
-    refusal = _fast_path_refusal(manifest, session, target, fast_path)
+    whole = too_large(original) if original is not None else None  # no whole-model session
+    refusal = whole or _fast_path_refusal(manifest, session, target, fast_path)
     save_to = None if refusal else out_dir / FAST_MODEL
     say(
-        "bundle: verifying it as load_session runs it"
+        "bundle: verifying model.onnx in pieces"
+        if whole
+        else "bundle: verifying it as load_session runs it"
         + (", saving onnxruntime's optimized model (the fast path)" if save_to else "")
     )
     presaved = _presaved_fast_path(ctx.get("fast_path"), model, session) if save_to else None

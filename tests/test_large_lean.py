@@ -418,3 +418,24 @@ def test_a_graph_longer_than_one_session_is_built_for_is_checked_in_pieces(tmp_p
         parity.piece_nodes()
     monkeypatch.delenv("GRAPHOPT_PIECE_NODES")
     assert not parity.too_many_nodes(m) and not is_lean(m)
+
+
+def test_the_validity_check_of_a_long_graph_loads_it_piece_by_piece(monkeypatch):
+    """Each piece gets a session (its inputs typed from value_info) and none is whole; a piece
+    onnxruntime refuses is the invalid output's reason."""
+    monkeypatch.setenv("GRAPHOPT_PIECE_NODES", "100")
+    m = onnx.shape_inference.infer_shapes(_chain(450))
+    built = []
+    monkeypatch.setattr(parity.Session, "__init__", _counting(parity.Session.__init__, built))
+    assert optimizer._invalid(m) is None
+    assert len(built) == 5 and all(len(b.graph.node) <= 100 for b in built)
+    m.graph.node[300].op_type = "NoSuchOp"
+    assert "NoSuchOp" in optimizer._invalid(m, checker=False)  # refused by its piece
+
+
+def _counting(init, built):
+    def wrapped(self, model, *args, **kw):
+        built.append(model)
+        return init(self, model, *args, **kw)
+
+    return wrapped

@@ -618,6 +618,24 @@ class Pieces:
             values = {n: v for n, v in values.items() if n in later or n in names}
         return [values[n] for n in names]
 
+    def load(self) -> bool:
+        """Build every piece's session and drop it, nothing run: whether onnxruntime loads the
+        model, piece by piece (each piece's inputs typed from the graph's value_info).  False
+        when a value crossing pieces has no declared type (then only a whole session tells);
+        a piece onnxruntime refuses raises its error."""
+        graph = self.model.graph
+        typed = {vi.name: vi for vi in [*graph.value_info, *graph.output, *graph.input]}
+        pieces = self.plan(set(self.output_names()))
+        self.count = len(pieces)
+        for piece in pieces:
+            declared = [typed.get(n) for n in piece.inputs]
+            if any(vi is None or not vi.type.tensor_type.HasField("shape") for vi in declared):
+                return False
+            values = {vi.name: vi for vi in declared}
+            sub = self._model_of(piece, {}, {}, None, declared=values)
+            Session(sub, base_dir=self.base_dir, config=LEAN_CONFIG)
+        return True
+
     def _not_computed(self, names: list[str], feeds: dict) -> dict[str, Any]:
         """Asked-for values no node computes: graph inputs (as fed) and initializers."""
         produced = {o for n in self.model.graph.node for o in n.output if o}
@@ -633,18 +651,25 @@ class Pieces:
         return out
 
     def _model_of(
-        self, piece: _Piece, feeds: dict, values: dict, outputs: list[str] | None = None
+        self,
+        piece: _Piece,
+        feeds: dict,
+        values: dict,
+        outputs: list[str] | None = None,
+        declared: dict[str, onnx.ValueInfoProto] | None = None,
     ) -> onnx.ModelProto:
-        """The piece as a model: its nodes, the initializers they use, typed inputs, ``outputs``
-        (default: what it hands on)."""
+        """The piece as a model: its nodes, the initializers they use, typed inputs (from the
+        ``values`` computed, else ``declared`` or the graph's inputs), ``outputs`` (default:
+        what it hands on)."""
         graph = self.model.graph
         uses = set().union(*(self._uses[i] for i in piece.nodes))
+        declared = {**self._declared, **(declared or {})}
         inputs = []
         for name in piece.inputs:
             if name in values:
                 inputs.append(_value_info(name, values[name]))
-            elif name in self._declared:
-                inputs.append(self._declared[name])
+            elif name in declared:
+                inputs.append(declared[name])
             else:
                 raise GraphoptError(
                     f"onnxruntime failed to run the model: input '{name}' not given"
