@@ -43,10 +43,15 @@ class SeqFirst:
         s = self.add("Reshape", [p, target], f"{r}_3d")
         return self.add("Transpose", [s], f"{r}3", perm=perm)
 
-    def attention(self, kv_src: str = "x", term: str | None = None, read_weights=False):
+    def attention(
+        self, kv_src: str = "x", term: str | None = None, read_weights=False, two_step_k=False
+    ):
         q = self.split("x", "q", [1, 0, 2])
         q = self.add("Mul", [q, self._scale()], "q_scaled")
-        kt = self.split(kv_src, "k", [1, 2, 0])
+        if two_step_k:  # k.transpose(0, 1) then k.transpose(-2, -1), not merged by the exporter
+            kt = self.add("Transpose", [self.split(kv_src, "k", [1, 0, 2])], "kt3", perm=[0, 2, 1])
+        else:
+            kt = self.split(kv_src, "k", [1, 2, 0])
         v = self.split(kv_src, "v", [1, 0, 2])
         s = self.add("MatMul", [q, kt], "scores")
         if term is not None:  # baddbmm(term, q, kᵀ)
@@ -90,9 +95,13 @@ def fused(m) -> dict:
     return {k.split(".")[-1]: v for k, v in hist.items() if k.endswith("MultiHeadAttention")}
 
 
-@pytest.mark.parametrize("target, computed", [("cpu", False), ("cuda", False), ("cuda", True)])
-def test_three_d_self_attention_fuses(target, computed):
-    out, report = run(SeqFirst(computed=computed).attention(), target=target, inputs=feed())
+@pytest.mark.parametrize(
+    "target, computed, two_step_k",
+    [("cpu", False, False), ("cuda", False, False), ("cuda", True, False), ("cpu", False, True)],
+)
+def test_three_d_self_attention_fuses(target, computed, two_step_k):
+    g = SeqFirst(computed=computed)
+    out, report = run(g.attention(two_step_k=two_step_k), target=target, inputs=feed())
     assert report.parity.ran and report.parity.ok, report.parity
     assert fused(out) == {"MultiHeadAttention": 1}, op_histogram(out.graph.node)
     assert codes(report, "fuse-attention") == []

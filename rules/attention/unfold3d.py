@@ -58,6 +58,17 @@ def _split3(t: Tensor | None, perm: tuple[int, ...]) -> tuple[Node, Node, int, i
     return tr, rs, n[1], h[1]
 
 
+def _key_split(t: Tensor | None) -> tuple[tuple[Node, Node, int, int] | None, list[Node]]:
+    """The key's split (:func:`_split3`) under Kᵀ3 = ``Transpose(·, (1,2,0))``, or its two steps
+    ``Transpose(Transpose(·, (1,0,2)), (0,2,1))``; and those Transposes."""
+    found = _split3(t, (1, 2, 0))
+    if found is not None:
+        return found, [found[0]]
+    flip = transpose_of(t, (0, 2, 1))
+    inner = _split3(inputs(flip)[0], (1, 0, 2)) if flip is not None else None
+    return (inner, [flip, inner[0]]) if inner is not None else (None, [])
+
+
 def _operand(mm: Node, i: int) -> tuple[Node, int, Tensor]:
     """The node reading the ``i``-th operand of ``mm`` (a scale Mul/Div, or ``mm``), the
     input index there, and the operand with its scale stripped."""
@@ -104,7 +115,7 @@ class UnfoldThreeDimAttention(Rule):
             raise no_match()
         q_at, k_at = _operand(qk, 0), _operand(qk, 1)
         q = _split3(q_at[2], (1, 0, 2))
-        k = _split3(k_at[2], (1, 2, 0))
+        k, k_transposes = _key_split(k_at[2])
         v = _split3(inputs(pv)[1], (1, 0, 2))
         if q is None or k is None or v is None or not q[2] == k[2] == v[2] or q[3] != k[3]:
             raise no_match()
@@ -113,7 +124,8 @@ class UnfoldThreeDimAttention(Rule):
         if not any(cx.target.has_kernel(op, d, v, dtype) for op, d, v in kernels):
             raise no_match()  # nothing would fuse it: leave it as it is
         _check_pays(cx, sm, inputs(k[1])[0])
-        m = Match(node, {"root": node, "pv": pv, "softmax": sm, "kt": k[0]})
+        kts = {f"kt{i}": t for i, t in enumerate(k_transposes)}
+        m = Match(node, {"root": node, "pv": pv, "softmax": sm, **kts})
         m.stash(q_at=q_at, k_at=k_at, k_split=k, heads=q[2], v_head=v[3])
         return m
 
