@@ -47,7 +47,7 @@ import onnxruntime as ort
 from onnx import numpy_helper
 
 from ..errors import GraphoptError, UsageError
-from ..graph.io import has_data_files, serialize, tensor_nbytes, write_model_files
+from ..graph.io import has_data_files, serialize, skeleton, tensor_nbytes, write_model_files
 from .customops import register_libraries
 from .feeds import MAX_INPUT_BYTES, find_runnable, validate_args
 from .hazards import run_deadline, run_seconds, runtime_hazard
@@ -324,7 +324,7 @@ PIECE_BYTES = 256 << 20
 #: onnxruntime's session creation grows faster than the node count (a chain of Sigmoids,
 #: ORT_DISABLE_ALL: 3.0 s at 100k nodes, 17.7 s at 300k), pieces of a fixed size grow with it
 #: (``GRAPHOPT_PIECE_NODES`` overrides the piece size; lean from twice that)
-PIECE_NODES = 100_000
+PIECE_NODES = 50_000
 
 #: session config of parity's sessions (whole or a piece): weights are used where they lie
 #: (mapped from their file, or the model's own bytes) instead of pre-packed copies for the
@@ -627,6 +627,8 @@ class Pieces:
         typed = {vi.name: vi for vi in [*graph.value_info, *graph.output, *graph.input]}
         pieces = self.plan(set(self.output_names()))
         self.count = len(pieces)
+        if any(n not in typed for p in pieces for n in p.inputs):
+            typed.update(_inferred_types(self.model))  # a written model keeps few annotations
         for piece in pieces:
             declared = [typed.get(n) for n in piece.inputs]
             if any(vi is None or not vi.type.tensor_type.HasField("shape") for vi in declared):
@@ -685,6 +687,17 @@ class Pieces:
         m.opset_import.extend(self.model.opset_import)
         m.functions.extend(self.model.functions)
         return m
+
+
+def _inferred_types(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
+    """The value_info onnx's shape inference gives ``model``'s main graph (its large weights
+    stand-ins: nothing is copied but the graph)."""
+    stripped, _ = skeleton(model)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(stripped)
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError):
+        return {}
+    return {vi.name: vi for vi in inferred.graph.value_info}
 
 
 def _shapes(names: list[str], values: list) -> dict[str, tuple[int, list[int]]]:
