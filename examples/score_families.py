@@ -10,6 +10,9 @@ configs, random weights, eager attention), registered into make_models.py's ``MO
 - wavlm: a gated relative position bias (WavLMModel; its test shape is 49 frames).
 - swinv2: cosine attention (normalized q and k, a clamped and exponentiated logit scale) with a
   continuous relative position bias (Swinv2Model).
+- bmm_encoder: the attention of transformers' eager BART, Marian, Whisper and CLIP before 4.4x
+  (``torch.bmm`` over [B·N,T,H], the padding mask added to the scores viewed as [B,N,T,S], the
+  Softmax over them viewed back), a post-norm encoder of 2 layers written out here.
 - detr_mha: DETR's transformer as its code calls it: ``torch.nn.MultiheadAttention`` with the
   attention weights left on (its default, the 3-D path over [B·N,T,H]), sequence-first, a key
   padding mask, and learned object queries cross-attending to the encoder's memory.
@@ -213,6 +216,62 @@ def build_swinv2() -> Net:
     )
 
 
+class BmmAttention(torch.nn.Module):
+    """BartAttention's forward as transformers 4.2x wrote it (self-attention)."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, width // heads
+        self.scaling = self.head_dim**-0.5
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
+            torch.nn.Linear(width, width) for _ in range(4)
+        )
+
+    def _shape(self, t, seq: int, bsz: int):
+        return t.view(bsz, seq, self.heads, self.head_dim).transpose(1, 2).contiguous()
+
+    def forward(self, x, mask):
+        bsz, tgt, width = x.size()
+        proj_shape = (bsz * self.heads, -1, self.head_dim)
+        q = self._shape(self.q_proj(x) * self.scaling, tgt, bsz).view(*proj_shape)
+        k = self._shape(self.k_proj(x), -1, bsz).view(*proj_shape)
+        v = self._shape(self.v_proj(x), -1, bsz).view(*proj_shape)
+        src = k.size(1)
+        w = torch.bmm(q, k.transpose(1, 2))
+        w = w.view(bsz, self.heads, tgt, src) + mask
+        w = torch.nn.functional.softmax(w.view(bsz * self.heads, tgt, src), dim=-1)
+        out = torch.bmm(w, v).view(bsz, self.heads, tgt, self.head_dim).transpose(1, 2)
+        return self.out_proj(out.reshape(bsz, tgt, width))
+
+
+class BmmEncoder(torch.nn.Module):
+    def __init__(self, width: int = 64, heads: int = 4, layers: int = 2):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, width)
+        self.attn = torch.nn.ModuleList([BmmAttention(width, heads) for _ in range(layers)])
+        self.norms = torch.nn.ModuleList([torch.nn.LayerNorm(width) for _ in range(layers)])
+
+    def forward(self, input_ids, attention_mask):
+        x = self.embed(input_ids)
+        neg = torch.finfo(x.dtype).min
+        mask = (1.0 - attention_mask[:, None, None, :].to(x.dtype)) * neg
+        for attn, norm in zip(self.attn, self.norms):
+            x = norm(x + attn(x, mask))
+        return x
+
+
+def build_bmm_encoder() -> Net:
+    model = BmmEncoder()
+    perturb_constant_params(model)
+    names = ["input_ids", "attention_mask"]
+    return Net(
+        module=model,
+        inputs=text_inputs(VOCAB, tuple(names)),
+        output_names=["hidden"],
+        dynamic_axes={n: {0: "batch", 1: "seq"} for n in [*names, "hidden"]},
+    )
+
+
 class DetrStyle(torch.nn.Module):
     """Encoder self-attention over image features [B,S,C] with a padding mask, then object
     queries: self-attention, and cross-attention to the memory; post-norm residuals."""
@@ -267,6 +326,7 @@ BUILDERS = {
     "wavlm": build_wavlm,
     "swinv2": build_swinv2,
     "detr_mha": build_detr_mha,
+    "bmm_encoder": build_bmm_encoder,
 }
 
 

@@ -151,3 +151,74 @@ def test_a_biased_attention_the_target_runs_slower_fused_is_left_as_it_is():
     assert op_histogram(out.graph.node)["Softmax"] == 1 and "Concat" not in op_histogram(
         out.graph.node
     )
+
+
+# ------------------------------------------- batch-first bmm: the Softmax over folded scores
+class BatchFirstBmm:
+    """transformers' eager bmm attention (BART, Marian, Whisper, CLIP before 4.4x) and Stable
+    Diffusion's einsum over ``(b h) n d``: heads split per head, folded to [B·N,T,H], scores
+    and Softmax over [B·N,T,S], P·V unfolded for the merge; static shapes."""
+
+    def __init__(self, seed: int = 0):
+        self.rng = np.random.default_rng(seed)
+        self.nodes: list = []
+        self.inits = [
+            const("heads4", [0, 0, N, H], np.int64),
+            const("fold3", [B * N, T, H], np.int64),
+            const("unfold4", [B, N, T, T], np.int64),
+            const("fold_scores", [B * N, T, T], np.int64),
+            const("ctx4", [B, N, T, H], np.int64),
+            const("merge", [0, 0, E], np.int64),
+        ]
+        self.inputs = [vi("x", [B, T, E])]
+
+    def add(self, op, ins, out, **attrs) -> str:
+        self.nodes.append(helper.make_node(op, ins, [out], name=f"n{len(self.nodes)}", **attrs))
+        return out
+
+    def folded(self, r: str) -> str:
+        w = f"W{r}"
+        self.inits.append(const(w, self.rng.standard_normal((E, E)) * 0.4, np.float32))
+        p = self.add("MatMul", ["x", w], f"{r}_proj")
+        s = self.add("Reshape", [p, "heads4"], f"{r}_bsnh")
+        t = self.add("Transpose", [s], f"{r}_h", perm=[0, 2, 1, 3])
+        return self.add("Reshape", [t, "fold3"], f"{r}3")
+
+    def attention(self, masked: bool):
+        self.inits.append(const("scale", np.float32(H**-0.5), np.float32))
+        q = self.add("Mul", [self.folded("q"), "scale"], "q3_scaled")
+        kt = self.add("Transpose", [self.folded("k")], "kt3", perm=[0, 2, 1])
+        s = self.add("MatMul", [q, kt], "scores3")
+        if masked:  # view(bsz, heads, tgt, src) + mask, then view back for the Softmax
+            self.inputs.append(vi("mask_bias", [B, 1, 1, T]))
+            s4 = self.add("Add", [self.add("Reshape", [s, "unfold4"], "s4"), "mask_bias"], "m4")
+            s = self.add("Reshape", [s4, "fold_scores"], "masked3")
+        p = self.add("Softmax", [s], "P3", axis=-1)
+        ctx = self.add("MatMul", [p, self.folded("v")], "ctx3")
+        t = self.add(
+            "Transpose", [self.add("Reshape", [ctx, "ctx4"], "c4")], "ct", perm=[0, 2, 1, 3]
+        )
+        self.add("Reshape", [t, "merge"], "y")
+        return model(self.nodes, self.inputs, [vi("y", [B, T, E])], self.inits)
+
+
+@pytest.mark.parametrize("masked, target", [(False, "cpu"), (True, "cuda")])
+def test_a_softmax_over_folded_scores_between_folded_heads_fuses(masked, target):
+    rng = np.random.default_rng(9)
+    x = {"x": rng.standard_normal((B, T, E)).astype(np.float32)}
+    if masked:
+        bias = np.zeros((B, 1, 1, T), np.float32)
+        bias[0, ..., -2:] = np.finfo(np.float32).min
+        x["mask_bias"] = bias
+    out, report = run(BatchFirstBmm(10).attention(masked), target=target, inputs=x)
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert fused(out) == {"MultiHeadAttention": 1}, op_histogram(out.graph.node)
+    assert codes(report, "fuse-attention") == [] and "Softmax" not in op_histogram(out.graph.node)
+    assert codes(report, "unfold-3d-softmax", "passed") == ["fired"]
+
+
+def test_a_masked_softmax_over_folded_scores_the_target_runs_slower_fused_is_left():
+    x = {"x": np.ones((B, T, E), np.float32), "mask_bias": np.zeros((B, 1, 1, T), np.float32)}
+    out, report = run(BatchFirstBmm(11).attention(masked=True), target="cpu", inputs=x)
+    assert report.parity.ok and codes(report, "unfold-3d-softmax") == ["slower-on-target"]
+    assert codes(report, "fuse-attention") == [] and fused(out) == {}

@@ -43,7 +43,7 @@ HERE = Path(__file__).resolve().parent
 BENCH_DIR = HERE.parent / "benchmark"
 
 #: rule-name prefix of the attention fusions whose missed remarks the table counts
-ATTENTION_RULES = ("fuse-attention", "unfold-3d-attention")
+ATTENTION_RULES = ("fuse-attention", "unfold-3d-")
 #: the benchmark tools compared with --latency (graphopt's own rows and the rivals)
 MINE = ["none", "graphopt-O2", "graphopt-O2-bundle"]
 EXIT_CODES = {1: "error", 2: "usage", 3: "parity failed", 4: "cannot run", 5: "regression"}

@@ -156,6 +156,8 @@ def match_core(root: Node) -> Core:
     if perm not in _MERGE_LAYOUTS or rank(ctx) not in (None, 4):
         raise no_match()  # not a head merge: e.g. a channel attention over [B, C, HW]
     z = inputs(sm)[0]
+    if fold is None and rank(sm.outputs[0]) == 3:
+        raise no_match()  # a Softmax over folded scores: unfold-3d-softmax unfolds it first
     if _scores_folded(z):
         raise no_match()  # a FusedMatMul fold took it after this rule refused it
     core = Core(
@@ -180,7 +182,7 @@ def match_core(root: Node) -> Core:
     return core
 
 
-def _unfolded(t: Tensor | None) -> Tensor | None:
+def unfolded(t: Tensor | None) -> Tensor | None:
     """``x`` [B,N,L,H] when ``t`` = Reshape(x, [B·N,L,H]) (the last two dims kept, so the
     first is batch × heads in row-major order), else None."""
     rs = producer(t, "Reshape")
@@ -232,12 +234,12 @@ def _pinned(rs: Node, want: list[set]) -> bool:
 
 def _unfold_heads(core: Core) -> None:
     """Q, Kᵀ (or K) and V of a folded core as the [B,N,·,·] heads they were folded from."""
-    q4, v4 = _unfolded(core.q), _unfolded(core.v)
-    kt4 = _unfolded(core.kt)
+    q4, v4 = unfolded(core.q), unfolded(core.v)
+    kt4 = unfolded(core.kt)
     tr = producer(core.kt, "Transpose")
     k4 = None
     if kt4 is None and tr is not None and tuple(tr.attrs.get("perm", ())) == (0, 2, 1):
-        k4 = _unfolded(inputs(tr)[0])
+        k4 = unfolded(inputs(tr)[0])
     for name, t, found in (("Q", core.q, q4), ("Kᵀ", core.kt, kt4 or k4), ("V", core.v, v4)):
         if found is None:
             raise unrecognized(

@@ -16,6 +16,18 @@ is unfolded to [B,N,T,H] and merged by ``Transpose(2,0,1,3)`` and a Reshape back
 N = E/H, so each unfold is exact.  It fires only where the three splits say so, with one N,
 and the target has an attention kernel; where fuse-attention then refuses, the per-head form
 stays (the same numbers).
+
+The bmm spelling of batch-first exports (transformers' eager BART, Marian, Whisper and CLIP
+before 4.4x, Stable Diffusion's ``einsum('b i d, b j d -> b i j')`` over ``(b h) n d``) folds
+batch and heads after a per-head split and unfolds them before the merge, but normalizes the
+folded scores::
+
+    q3 = Reshape(Transpose(Reshape(x, [B,T,N,H]), (0,2,1,3)), [B·N,T,H])   (k3, v3 alike)
+    P3 = Softmax(q3·k3ᵀ [ → Reshape to [B,N,T,S] + mask → Reshape back])   [B·N,T,S]
+    out = Reshape(MatMul(P3, v3), [B,N,T,H]) → Transpose (0,2,1,3)
+
+``unfold-3d-softmax`` runs that Softmax on the [B,N,T,S] scores (the masked 4-D sum when there
+is one) and folds the probabilities back: the folded spelling again.
 """
 
 from __future__ import annotations
@@ -30,7 +42,7 @@ from graphopt.opt.rewrite.manager import register_rule
 from graphopt.opt.rewrite.patterns import Op
 
 from ..activation import MS, float_type, inputs, no_match, producer
-from .core import peel_terms, soft_cap, strip_scale
+from .core import keeps_last_two, peel_terms, soft_cap, strip_scale, unfolded
 from .heads import transpose_of
 
 
@@ -81,15 +93,30 @@ def _operand(mm: Node, i: int) -> tuple[Node, int, Tensor]:
 
 def _scores_matmul(z: Tensor) -> Node | None:
     """The Q·Kᵀ MatMul under the Softmax input ``z``: through bias terms, a Where mask,
-    soft-capping and one scale."""
-    z = peel_terms(z)[0]
-    where = producer(z, "Where")
-    if where is not None:
-        z = inputs(where)[2] if producer(inputs(where)[1], "MatMul") is None else inputs(where)[1]
-    cap = soft_cap(z)
-    if cap is not None:
-        z = inputs(cap.nodes[-1])[0]
-    return producer(strip_scale(z)[0], "MatMul")
+    soft-capping, one scale, and the Reshapes that unfold the scores for a mask and fold them
+    back."""
+    for _ in range(3):
+        z = peel_terms(z)[0]
+        where = producer(z, "Where")
+        if where is not None:
+            on = (
+                inputs(where)[2]
+                if producer(inputs(where)[1], "MatMul") is None
+                else inputs(where)[1]
+            )
+            z = on
+        cap = soft_cap(z)
+        if cap is not None:
+            z = inputs(cap.nodes[-1])[0]
+        s = strip_scale(z)[0]
+        mm = producer(s, "MatMul")
+        if mm is not None:
+            return mm
+        rs = producer(s, "Reshape")
+        if rs is None or rank(inputs(rs)[0]) not in (3, 4):
+            return None
+        z = inputs(rs)[0]
+    return None
 
 
 @register_rule
@@ -123,7 +150,7 @@ class UnfoldThreeDimAttention(Rule):
         kernels = [("MultiHeadAttention", MS, 1), ("Attention", "", cx.ir.opset)]
         if not any(cx.target.has_kernel(op, d, v, dtype) for op, d, v in kernels):
             raise no_match()  # nothing would fuse it: leave it as it is
-        _check_pays(cx, sm, inputs(k[1])[0])
+        _check_pays(cx, sm, _dim(inputs(k[1])[0], 0), inputs(k[1])[0])
         kts = {f"kt{i}": t for i, t in enumerate(k_transposes)}
         m = Match(node, {"root": node, "pv": pv, "softmax": sm, **kts})
         m.stash(q_at=q_at, k_at=k_at, k_split=k, heads=q[2], v_head=v[3])
@@ -162,21 +189,32 @@ class UnfoldThreeDimAttention(Rule):
         return [out]
 
 
-def _check_pays(cx, sm: Node, keys_src: Tensor) -> None:
+def _dim(t: Tensor | None, axis: int):
+    """The static size of ``t``'s axis, else None."""
+    shape = t.shape if t is not None else None
+    d = shape[axis] if shape is not None and len(shape) > axis else None
+    return int(d) if isinstance(d, (int, np.integer)) else None
+
+
+def _check_pays(cx, sm: Node, keys: int | None, keys_src: Tensor) -> None:
     """fuse-attention's cost bound, asked before the graph is changed: a biased attention over
     a static key count below the target's bound stays as it is (the same refusal, named
-    here; a bias is any term, mask or Where between the scores and the Softmax)."""
+    here; a bias is any term, mask or Where between the scores and the Softmax, also one the
+    exporter added to the unfolded [B,N,S,T] scores)."""
     bound, why = cx.target.slower_below.get("MultiHeadAttention", (0, ""))
     z = inputs(sm)[0]
-    biased = bool(peel_terms(z)[1]) or producer(z, "Where") is not None
-    keys = keys_src.shape[0] if keys_src.shape is not None else None
-    if biased and isinstance(keys, (int, np.integer)) and keys < bound:
+    rs = producer(z, "Reshape")
+    biased = any(
+        bool(peel_terms(t)[1]) or producer(t, "Where") is not None
+        for t in [z] + ([inputs(rs)[0]] if rs is not None else [])
+    )
+    if biased and keys is not None and keys < bound:
         raise NoMatch(
             "slower-on-target",
             f"stage 3 (lower): MultiHeadAttention over {keys} keys with an attention_bias is "
             f"slower than the unfused attention on target {cx.target.name} below {bound} keys: "
             f"{why}",
-            keys=int(keys),
+            keys=keys,
             bound=bound,
             softmax=sm.name,
             stage="3 (lower)",
@@ -184,9 +222,9 @@ def _check_pays(cx, sm: Node, keys_src: Tensor) -> None:
         )
 
 
-def _tail(b: Builder, t: Tensor) -> Tensor:
-    """``Shape(t)[1:]`` of a 3-D tensor."""
-    out = b.op("Shape", [t], {"start": 1}, name=f"{b.anchor}/tail")
+def _tail(b: Builder, t: Tensor, start: int = 1) -> Tensor:
+    """``Shape(t)[start:]``, the last two dims of a 3-D (or, from 2, a 4-D) tensor."""
+    out = b.op("Shape", [t], {"start": start}, name=f"{b.anchor}/tail")
     out.dtype, out.shape = np.dtype(np.int64), [2]
     return out
 
@@ -217,3 +255,86 @@ def _through_heads(b: Builder, t: Tensor, heads: int) -> Tensor:
     reads as folded heads)."""
     tail = _tail(b, t)
     return _fold(b, _unfold(b, t, heads, tail, "split"), tail, t)
+
+
+def _folded_heads(t: Tensor | None) -> int | None:
+    """N when ``t`` [B·N,L,H] is a Reshape of [B,N,L,H] heads with N static, else None."""
+    x = unfolded(t)
+    n = current_dims().key(x, 1) if x is not None else None
+    return n[1] if n is not None and n[0] == "int" and n[1] > 0 else None
+
+
+def _keeps_scores_rows(rs: Node, s3: Tensor, seqs: tuple[set, set]) -> bool:
+    """Whether the Reshape ``rs`` folding the masked [B,N,S,T] sum back to 3-D provably yields
+    the last two dims of the folded scores ``s3`` = Q3·K3ᵀ, S and T (``seqs``: what else they
+    are known as, the heads' sequence axes; the sum has the scores' shape: no exporter writes
+    a mask that broadcasts the scores larger)."""
+    dims = current_dims()
+    y = rs.outputs[0]
+    elems = shape_elements(inputs(rs)[1], dims) or []
+    if rank(y) != 3:
+        return False
+    for i, known in zip((1, 2), seqs):
+        seen = {dims.key(y, i)} | ({elems[i]} if len(elems) == 3 else set())
+        if not seen & (known | {dims.key(s3, i)}):
+            return False
+    return True
+
+
+@register_rule
+class UnfoldFoldedSoftmax(Rule):
+    name = "unfold-3d-softmax"
+    pattern = Op("Softmax", "scores")
+    phase = "attention"
+    exclusive = False  # its own checks: the probabilities feed P·V only
+    summary = "a Softmax over folded [B·N,T,S] scores between folded heads → over [B,N,T,S]"
+
+    def match(self, node, cx):
+        p = node.outputs[0]
+        if rank(p) != 3 or node.attrs.get("axis", -1) not in (-1, 2) or cx.ir.opset < 13:
+            raise no_match()
+        pv = p.outputs[0] if len(p.outputs) == 1 and not cx.ir.is_graph_output(p) else None
+        if pv is None or pv.op != "MatMul" or inputs(pv)[0] is not p:
+            raise no_match()
+        merge = [r for r in pv.outputs[0].outputs if r.op != "Shape"]
+        if len(merge) != 1 or merge[0].op != "Reshape" or rank(merge[0].outputs[0]) != 4:
+            raise no_match()  # P·V is not unfolded to [B,N,S,H] for the heads' merge
+        qk = _scores_matmul(inputs(node)[0])
+        if qk is None:
+            raise no_match()
+        kt = _operand(qk, 1)[2]
+        flip = transpose_of(kt, (0, 2, 1))
+        heads = {
+            _folded_heads(_operand(qk, 0)[2]),
+            _folded_heads(inputs(flip)[0]) if flip is not None else _folded_heads(kt),
+            _folded_heads(inputs(pv)[1]),
+        }
+        if len(heads) != 1 or None in heads:
+            raise no_match()
+        q3 = _operand(qk, 0)[2]
+        dtype = float_type(q3)
+        kernels = [("MultiHeadAttention", MS, 1), ("Attention", "", cx.ir.opset)]
+        if not any(cx.target.has_kernel(op, d, v, dtype) for op, d, v in kernels):
+            raise no_match()
+        k4 = unfolded(inputs(flip)[0] if flip is not None else kt)  # K [B,N,T,H] or Kᵀ
+        _check_pays(cx, node, _dim(k4, 2 if flip is not None else 3), k4)
+        rs = producer(inputs(node)[0], "Reshape")
+        w4 = inputs(rs)[0] if rs is not None else None
+        folded = w4 is not None and rank(w4) == 4
+        dims = current_dims()
+        seqs = ({dims.key(unfolded(q3), 2)}, {dims.key(k4, 2 if flip is not None else 3)})
+        folded = folded and (keeps_last_two(rs) or _keeps_scores_rows(rs, qk.outputs[0], seqs))
+        m = Match(node, {"softmax": node, **({"fold": rs} if folded else {})})
+        m.stash(heads=heads.pop(), unfolded=w4 if folded else None)
+        return m
+
+    def rewrite(self, m, b):
+        sm = m.root
+        z3 = inputs(sm)[0]
+        if m.unfolded is not None:  # the masked [B,N,S,T] sum the exporter folded for it
+            z4, tail = m.unfolded, _tail(b, m.unfolded, 2)
+        else:
+            tail = _tail(b, z3)
+            z4 = _unfold(b, z3, m.heads, tail, "scores")
+        p4 = b.op("Softmax", [z4], {"axis": -1}, like=z4, name=f"{sm.name}/heads")
+        return [_fold(b, p4, tail, sm.outputs[0])]
