@@ -7,6 +7,7 @@ from . import (  # noqa: F401
     cleanup,
     control_flow,
     conv,
+    einsum,
     matmul,
     norm,
     quant,

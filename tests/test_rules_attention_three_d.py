@@ -222,3 +222,49 @@ def test_a_masked_softmax_over_folded_scores_the_target_runs_slower_fused_is_lef
     out, report = run(BatchFirstBmm(11).attention(masked=True), target="cpu", inputs=x)
     assert report.parity.ok and codes(report, "unfold-3d-softmax") == ["slower-on-target"]
     assert codes(report, "fuse-attention") == [] and fused(out) == {}
+
+
+# ------------------------------------------------------ einsum: Stable Diffusion's attention
+def einsum_attention():
+    """``sim = einsum('b i d, b j d -> b i j', q, k) * scale; attn = sim.softmax(-1);
+    out = einsum('b i j, b j d -> b i d', attn, v)`` over ``(b h) n d`` heads."""
+    g = BatchFirstBmm(12)
+    g.inits.append(const("scale", np.float32(H**-0.5), np.float32))
+    q, k, v = g.folded("q"), g.folded("k"), g.folded("v")
+    s = g.add("Einsum", [q, k], "sim", equation="b i d, b j d -> b i j")
+    s = g.add("Mul", [s, "scale"], "sim_scaled")
+    p = g.add("Softmax", [s], "attn", axis=-1)
+    ctx = g.add("Einsum", [p, v], "ctx3", equation="bij,bjd->bid")
+    t = g.add("Transpose", [g.add("Reshape", [ctx, "ctx4"], "c4")], "ct", perm=[0, 2, 1, 3])
+    g.add("Reshape", [t, "merge"], "y")
+    return model(g.nodes, g.inputs, [vi("y", [B, T, E])], g.inits)
+
+
+def test_einsum_attention_becomes_matmuls_and_fuses():
+    x = {"x": np.random.default_rng(13).standard_normal((B, T, E)).astype(np.float32)}
+    out, report = run(einsum_attention(), target="cpu", inputs=x)
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert codes(report, "einsum-to-matmul", "passed") == ["fired", "fired"]
+    assert fused(out) == {"MultiHeadAttention": 1}, op_histogram(out.graph.node)
+    assert "Einsum" not in op_histogram(out.graph.node)
+
+
+@pytest.mark.parametrize(
+    "equation, shapes, lowered",
+    [
+        ("bhqd,bhkd->bhqk", [(2, 3, 4, 5), (2, 3, 6, 5)], True),
+        ("bqhd,bkhd->bhqk", [(2, 4, 3, 5), (2, 6, 3, 5)], True),  # transposes on both sides
+        ("ij,jk->ki", [(4, 5), (5, 6)], True),
+        ("ii,ij->ij", [(4, 4), (4, 5)], False),  # a diagonal
+        ("ij,jk->i", [(4, 5), (5, 6)], False),  # n summed over in one operand
+        ("...ij,...jk->...ik", [(2, 4, 5), (2, 5, 6)], False),  # ellipsis
+    ],
+)
+def test_einsum_equations_that_are_one_batched_matmul_are_lowered(equation, shapes, lowered):
+    nodes = [helper.make_node("Einsum", ["a", "b"], ["y"], name="e", equation=equation)]
+    m = model(nodes, [vi("a", list(shapes[0])), vi("b", list(shapes[1]))], [vi("y", None)])
+    rng = np.random.default_rng(14)
+    feeds = {n: rng.standard_normal(s).astype(np.float32) for n, s in zip("ab", shapes)}
+    out, report = run(m, inputs=feeds)
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert ("Einsum" not in op_histogram(out.graph.node)) == lowered
