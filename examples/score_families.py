@@ -13,6 +13,9 @@ configs, random weights, eager attention), registered into make_models.py's ``MO
 - bmm_encoder: the attention of transformers' eager BART, Marian, Whisper and CLIP before 4.4x
   (``torch.bmm`` over [B·N,T,H], the padding mask added to the scores viewed as [B,N,T,S], the
   Softmax over them viewed back), a post-norm encoder of 2 layers written out here.
+- einsum_unet_block: Stable Diffusion's transformer block as ldm writes its CrossAttention:
+  heads folded to ``(b h) n d``, ``einsum('b i d, b j d -> b i j')`` scores, self-attention
+  over the latent tokens and cross-attention to a text context of another length.
 - detr_mha: DETR's transformer as its code calls it: ``torch.nn.MultiheadAttention`` with the
   attention weights left on (its default, the 3-D path over [B·N,T,H]), sequence-first, a key
   padding mask, and learned object queries cross-attending to the encoder's memory.
@@ -272,6 +275,65 @@ def build_bmm_encoder() -> Net:
     )
 
 
+class EinsumAttention(torch.nn.Module):
+    """ldm's CrossAttention (Stable Diffusion), einops' rearranges written as reshapes."""
+
+    def __init__(self, width: int, context: int, heads: int = 4):
+        super().__init__()
+        self.heads, self.scale = heads, (width // heads) ** -0.5
+        self.to_q = torch.nn.Linear(width, width, bias=False)
+        self.to_k = torch.nn.Linear(context, width, bias=False)
+        self.to_v = torch.nn.Linear(context, width, bias=False)
+        self.to_out = torch.nn.Linear(width, width)
+
+    def forward(self, x, context):
+        h = self.heads
+
+        def fold(t):  # 'b n (h d) -> (b h) n d'
+            b, n, _ = t.shape
+            return t.reshape(b, n, h, -1).permute(0, 2, 1, 3).reshape(b * h, n, -1)
+
+        q, k, v = fold(self.to_q(x)), fold(self.to_k(context)), fold(self.to_v(context))
+        sim = torch.einsum("b i d, b j d -> b i j", q, k) * self.scale
+        out = torch.einsum("b i j, b j d -> b i d", sim.softmax(dim=-1), v)
+        b, n = x.shape[0], x.shape[1]
+        out = out.reshape(b, h, n, -1).permute(0, 2, 1, 3).reshape(b, n, -1)
+        return self.to_out(out)
+
+
+class EinsumBlock(torch.nn.Module):
+    def __init__(self, width: int = 64, context: int = 32):
+        super().__init__()
+        self.attn1 = EinsumAttention(width, width)
+        self.attn2 = EinsumAttention(width, context)
+        self.norm1, self.norm2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+
+    def forward(self, hidden, context):
+        x = self.norm1(hidden)
+        hidden = hidden + self.attn1(x, x)
+        return hidden + self.attn2(self.norm2(hidden), context)
+
+
+def build_einsum_unet_block() -> Net:
+    model = EinsumBlock()
+    perturb_constant_params(model)
+
+    def make(batch: int, seq: int) -> dict[str, torch.Tensor]:
+        return {"hidden": torch.randn(batch, seq, 64), "context": torch.randn(batch, 77, 32)}
+
+    return Net(
+        module=model,
+        inputs=make,
+        output_names=["out"],
+        dynamic_axes={
+            "hidden": {0: "batch", 1: "seq"},
+            "context": {0: "batch"},
+            "out": {0: "batch", 1: "seq"},
+        },
+        test_shape=(1, 256),
+    )
+
+
 class DetrStyle(torch.nn.Module):
     """Encoder self-attention over image features [B,S,C] with a padding mask, then object
     queries: self-attention, and cross-attention to the memory; post-norm residuals."""
@@ -327,6 +389,7 @@ BUILDERS = {
     "swinv2": build_swinv2,
     "detr_mha": build_detr_mha,
     "bmm_encoder": build_bmm_encoder,
+    "einsum_unet_block": build_einsum_unet_block,
 }
 
 

@@ -10,13 +10,11 @@ rules then read those MatMuls; onnxruntime runs an Einsum by the same transposes
 
 Left alone: an ellipsis, a repeated letter (a trace or a diagonal), a letter summed over in
 one operand only, an operand whose rank does not match its letters, more than one letter of a
-class (that needs Reshapes), or shared batch or k dims that are not provably equal (Einsum
-broadcasts them only through an ellipsis).
+class (that needs Reshapes), or a summed dim static and different in the two operands.
 """
 
 from __future__ import annotations
 
-from graphopt.opt.graph.dims import current as current_dims
 from graphopt.opt.graph.dims import rank
 from graphopt.opt.graph.ir import dtype_of
 from graphopt.opt.rewrite.engine import Match, Rule
@@ -79,10 +77,12 @@ class EinsumToMatMul(Rule):
         perms = plan(a, b, out)
         if perms is None:
             raise no_match()
-        dims = current_dims()
-        for c in set(a) & set(b):  # batch and k dims: the same, never broadcast
-            if dims.key(x, a.index(c)) != dims.key(y, b.index(c)):
-                raise no_match()
+        # the summed dim: not provably different (batch dims broadcast in MatMul as they
+        # would have to agree for the Einsum)
+        kc = [c for c in a if c in b and c not in out][0]
+        dx, dy = _static(x, a.index(kc)), _static(y, b.index(kc))
+        if dx is not None and dy is not None and dx != dy:
+            raise no_match()
         m = Match(node, {"einsum": node})
         m.stash(perms=perms)
         return m
@@ -100,6 +100,11 @@ class EinsumToMatMul(Rule):
             prod.shape = node.outputs[0].shape
             return [prod]
         return [b.op("Transpose", [prod], {"perm": po}, like=node.outputs[0], name=f"{name}/out")]
+
+
+def _static(t, axis: int) -> int | None:
+    d = t.shape[axis] if t.shape is not None else None
+    return d if isinstance(d, int) else None
 
 
 def _transposed(b, t, perm: list[int], name: str):

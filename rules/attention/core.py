@@ -201,16 +201,29 @@ def keeps_last_two(rs: Node) -> bool:
     if [dims.key(y, rank(y) - 2), dims.key(y, rank(y) - 1)] == want:
         return True
     elems = shape_elements(inputs(rs)[1], dims)
-    if elems is None or len(elems) != rank(y) or elems[-1] != want[1]:
+    if elems is None or len(elems) != rank(y):
+        return False
+    if elems[-1] == ("int", -1) and elems[-2] == want[0]:  # [lead…, L, -1]: as below
+        elems = elems[:-1] + [want[1]]
+        return _lead_exact(x, elems, dims)
+    if elems[-1] != want[1]:
         return False
     if elems[-2] == want[0]:
         return True
     # [lead…, -1, H]: the -1 is the kept dim when the leading dims fold or unfold exactly
     if elems[-2] != ("int", -1):
         return False
-    if rank(x) == 4:  # fold: [B·N, -1, H]
-        return elems[0] == arith("Mul", dims.key(x, 0), dims.key(x, 1))
-    return arith("Mul", elems[0], elems[1]) == dims.key(x, 0)  # unfold: [B, N, -1, T]
+    return _lead_exact(x, elems, dims)
+
+
+def _lead_exact(x: Tensor, elems: list, dims) -> bool:
+    """Whether the leading elements of a Reshape target fold (4-D ``x`` to [B·N,·,·]) or
+    unfold (3-D ``x`` to [B,N,·,·]) ``x``'s leading dims exactly, so that one -1 among the
+    last two is the dim kept."""
+    if rank(x) == 4:  # fold: [B·N, ·, ·]
+        b, n = dims.key(x, 0), dims.key(x, 1)
+        return elems[0] in (arith("Mul", b, n), arith("Mul", n, b))
+    return dims.key(x, 0) in (arith("Mul", elems[0], elems[1]), arith("Mul", elems[1], elems[0]))
 
 
 def _pinned(rs: Node, want: list[set]) -> bool:
