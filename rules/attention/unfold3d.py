@@ -146,9 +146,7 @@ class UnfoldThreeDimAttention(Rule):
         v = _split3(inputs(pv)[1], (1, 0, 2))
         if q is None or k is None or v is None or not q[2] == k[2] == v[2] or q[3] != k[3]:
             raise no_match()
-        dtype = float_type(inputs(q[1])[0])
-        kernels = [("MultiHeadAttention", MS, 1), ("Attention", "", cx.ir.opset)]
-        if not any(cx.target.has_kernel(op, d, v, dtype) for op, d, v in kernels):
+        if not _has_attention_kernel(cx, inputs(q[1])[0]):
             raise no_match()  # nothing would fuse it: leave it as it is
         _check_pays(cx, sm, _dim(inputs(k[1])[0], 0), inputs(k[1])[0])
         kts = {f"kt{i}": t for i, t in enumerate(k_transposes)}
@@ -187,6 +185,12 @@ class UnfoldThreeDimAttention(Rule):
         target = b.const(np.array([0, -1, m.v_head], dtype=np.int64), "merge_heads")
         out = b.op("Reshape", [tbnh, target], like=root.outputs[0], name=f"{root.name}/merged")
         return [out]
+
+
+def _has_attention_kernel(cx, t: Tensor) -> bool:
+    """Whether the target has a kernel fuse-attention lowers to, for ``t``'s element type."""
+    kernels = [("MultiHeadAttention", MS, 1), ("Attention", "", cx.ir.opset)]
+    return any(cx.target.has_kernel(op, d, v, float_type(t)) for op, d, v in kernels)
 
 
 def _dim(t: Tensor | None, axis: int):
@@ -312,9 +316,7 @@ class UnfoldFoldedSoftmax(Rule):
         if len(heads) != 1 or None in heads:
             raise no_match()
         q3 = _operand(qk, 0)[2]
-        dtype = float_type(q3)
-        kernels = [("MultiHeadAttention", MS, 1), ("Attention", "", cx.ir.opset)]
-        if not any(cx.target.has_kernel(op, d, v, dtype) for op, d, v in kernels):
+        if not _has_attention_kernel(cx, q3):
             raise no_match()
         k4 = unfolded(inputs(flip)[0] if flip is not None else kt)  # K [B,N,T,H] or Kᵀ
         _check_pays(cx, node, _dim(k4, 2 if flip is not None else 3), k4)
