@@ -206,6 +206,7 @@ CUDA = register_target(
         kernel_attributes={
             "FusedConv": {"activation": ("Relu",)},
             "GroupQueryAttention": {"causal": ("1",)},
+            "Attention": {"softcap": ("0",)},
         },
         kernel_attributes_why={
             "FusedConv": "onnxruntime's CUDA FusedConv maps the activation to a cuDNN "
@@ -213,6 +214,9 @@ CUDA = register_target(
             "GroupQueryAttention": "the CUDA kernel runs fp16/bf16 (flash or memory-efficient "
             "attention); causal=0 with a whole-mask attention_bias, which the exact lowering "
             "needs, is not verified on CUDA (no GPU here), so decoders keep MultiHeadAttention",
+            "Attention": "onnxruntime's CUDA Attention-23 (core/providers/cuda/llm/attention.cc) "
+            "hands q/k/v to the contrib attention kernels, whose parameters carry no softcap: "
+            "soft-capped scores are not lowered to it (not verified on a GPU here)",
         },
         expands_functions=True,
         fallback="cpu",
@@ -236,6 +240,11 @@ TENSORRT = register_target(
         prefers_why={
             "pixel-shuffle": "TensorRT's parser maps DepthToSpace to one shuffle layer",
             "relu6": "Clip maps to one IActivationLayer (kCLIP), fusable into the Conv",
+        },
+        kernel_attributes={"Attention": {"softcap": ("0",)}},
+        kernel_attributes_why={
+            "Attention": "onnx-tensorrt's Attention: `qk_matmul_output_mode` and `softcap` "
+            "attributes are unsupported; Q, K, V and attn_mask must be 4-D"
         },
         session={
             "graph_optimization_level": "ORT_ENABLE_BASIC",

@@ -563,7 +563,7 @@ def test_short_static_sequence_without_a_bias_fuses_on_cpu(keys):
 @pytest.mark.parametrize("kw", [{}, {"layout": "packed"}, {"mask": "causal", "packed": True}])
 def test_standard_attention_op_where_the_target_has_no_contrib_kernel(kw):
     """TensorRT's table has the ONNX Attention op (opset 23), not MultiHeadAttention: after an
-    opset upgrade the pattern becomes that."""
+    opset upgrade the pattern becomes that, on 4-D [B,N,S,H] q/k/v (TensorRT takes only those)."""
     m = attention(**kw)
     out, report = run(m, target="tensorrt")
     assert codes(report, RULE) == ["opset-too-old"]
@@ -571,7 +571,10 @@ def test_standard_attention_op_where_the_target_has_no_contrib_kernel(kw):
     h = hist(out)
     assert h["Attention"] == 1 and "Softmax" not in h
     node = next(n for n in out.graph.node if n.op_type == "Attention")
-    assert attr(out, "Attention", "q_num_heads") == N and len(node.input) in (3, 4)
+    assert len(node.input) in (3, 4) and not node.attribute  # heads from the 4-D shapes
+    made = {o: n for n in out.graph.node for o in n.output}
+    for q_k_v in node.input[:3]:
+        assert made[q_k_v].op_type == "Transpose"  # [B,S,N,H] → [B,N,S,H]
 
 
 def test_attention_probabilities_as_output_are_missed():

@@ -92,12 +92,18 @@ def attrs_of(m, op: str) -> dict:
 
 
 # ------------------------------------------------------------------ soft-capped scores
-def soft_capped(cap: float = 2.0, capped_after_mask: bool = False):
+def soft_capped(cap: float = 2.0, capped_after_mask: bool = False, cached: bool = False):
     """Softmax(tanh(q·kᵀ·c / cap)·cap + mask)·v, the mask added after the cap (Gemma 2), or
-    before it (then the cap also bounds the mask: no kernel computes that)."""
+    before it (then the cap also bounds the mask: no kernel computes that). ``cached``: a
+    decoder step, k and v per head after Concat(past, new) (Gemma 2 with its KV cache)."""
     g = Graph()
-    g.inputs.append(vi("mask_bias", ["batch", 1, 1, "seq"]))
+    g.inputs.append(vi("mask_bias", ["batch", 1, 1, "total" if cached else "seq"]))
     q, k, v = g.heads("q"), g.heads("k"), g.heads("v")
+    if cached:
+        for r in ("key", "value"):
+            g.inputs.append(vi(f"past_{r}", ["batch", N, "past", H]))
+        k = g.add("Concat", ["past_key", k], "present_key", axis=2)
+        v = g.add("Concat", ["past_value", v], "present_value", axis=2)
     kt = g.add("Transpose", [k], "kt", perm=[0, 1, 3, 2])
     s = g.add("MatMul", [q, kt], "qk")
     s = g.add("Mul", [s, g.const("scale", 0.3)], "qk_scaled")
@@ -133,6 +139,43 @@ def test_soft_capped_scores_without_a_kernel_are_a_precise_miss():
     assert "soft-capped (tanh(s/2)·2)" in miss.message and "causal=1" in miss.message
     assert miss.args["stage"] == "3 (lower)" and miss.args["softcap"] == 2.0
     assert "Softmax" in op_histogram(out.graph.node) and report.parity.ok
+
+
+def cached_feed() -> dict:
+    rng = np.random.default_rng(5)
+    pasts = {
+        f"past_{r}": rng.standard_normal((B, N, 4, H)).astype(np.float32) for r in ("key", "value")
+    }
+    bias = np.zeros((B, 1, 1, 4 + S), np.float32)
+    bias[0, ..., :2] = np.finfo(np.float32).min  # row 0's first two cached keys are padding
+    return feed(mask_bias=bias, **pasts)
+
+
+def test_soft_capped_scores_over_a_cache_lower_to_4d_onnx_attention():
+    """A decoder step (keys per head from Concat(past, new), the batch not provably 1): no
+    GroupQueryAttention plan; below opset 23 the miss says that an upgrade helps, at 23 the
+    ONNX Attention op takes the cache's [B,N,T,H] keys as they are, with the softcap."""
+    m, feeds = soft_capped(cached=True), cached_feed()
+    _, report = run(m, inputs=feeds)
+    assert codes(report, RULE) == ["opset-too-old"]
+    out, report = run(m, inputs=feeds, opset=23)
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert attention_ops(out) == {"Attention": 1} and codes(report, RULE) == []
+    got = attrs_of(out, "Attention")
+    assert got["softcap"] == pytest.approx(2.0) and got["scale"] == pytest.approx(0.3)
+    node = next(n for n in out.graph.node if n.op_type == "Attention")
+    assert list(node.input[1:3]) == ["present_key", "present_value"]
+
+
+@pytest.mark.parametrize("target", ["cuda", "tensorrt"])
+def test_a_target_whose_attention_takes_no_softcap_keeps_capped_scores(target):
+    """onnxruntime CUDA's Attention-23 and TensorRT's parser take no softcap: a miss that
+    says so, the capped scores computed as the model computes them."""
+    out, report = run(soft_capped(cached=True), target=target, inputs=cached_feed(), opset=23)
+    assert codes(report, RULE) == ["no-kernel"] and report.parity.ok
+    miss = next(r for r in report.remarks if r.rule == RULE and r.kind == "missed")
+    assert f"target {target}'s ONNX Attention takes no softcap" in miss.message
+    assert "Softmax" in op_histogram(out.graph.node)
 
 
 def test_a_cap_over_the_masked_scores_is_not_read_as_softcap():

@@ -153,12 +153,18 @@ def test_kv_cache_present_outputs_keep_their_names(k_form):
     assert list(mha.input[1:3]) == ["present_key", "present_value"]
 
 
-def test_kv_cache_without_multiheadattention_is_refused_in_stage_3():
-    """The ONNX Attention op (TensorRT's table) takes 3-D q/k/v here: a per-head key stays."""
-    _, report = run(kv_cache(), target="tensorrt", opset=23)
-    missed = [r for r in report.remarks if r.rule == RULE and r.kind == "missed"]
-    assert [r.code for r in missed] == ["no-kernel"]
-    assert missed[0].args["stage"] == "3 (lower)" and missed[0].args["tensor"] == "present_key"
+def test_kv_cache_without_multiheadattention_lowers_to_4d_attention():
+    """The ONNX Attention op (TensorRT's table) on [B,N,S,H] heads takes a cache's per-head
+    key and value as they are: ``present_key`` feeds the op and stays a graph output."""
+    shapes = {"x": (2, 3, D), "past_key": (2, N, 5, H), "past_value": (2, N, 5, H)}
+    rng = np.random.default_rng(2)
+    feeds = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    feeds["mask_bias"] = np.where(rng.random((2, 1, 3, 8)) < 0.3, -1e4, 0.0).astype(np.float32)
+    out, report = run(kv_cache(), target="tensorrt", opset=23, inputs=feeds)
+    assert report.parity.ran and report.parity.ok
+    assert not [r for r in report.remarks if r.rule == RULE and r.kind == "missed"]
+    node = next(n for n in out.graph.node if n.op_type == "Attention")
+    assert list(node.input[1:3]) == ["present_key", "present_value"]
 
 
 def test_cross_attention_key_split_with_the_querys_batch():

@@ -1,12 +1,13 @@
 """Stage 3 (lower): build the target's attention kernel for a recognized, lifted attention.
 
 ``com.microsoft.MultiHeadAttention(q, k, v, bias?, , attention_bias?; num_heads[, scale])``, or
-the ONNX ``Attention`` op (opset ≥ 23: 3-D q/k/v, ``q_num_heads``/``kv_num_heads``, the bias as
-``attn_mask``; the q/k/v bias Adds stay in front, the op has no bias input).  Sequence-first
-sources are made batch-first around the kernel; the output replaces the heads' merging Reshape
-(when it provably yields [B,S,D]; else that Reshape is kept after the kernel) or, where the
-merged heads [B,S,N,H] have other readers, the merging Transpose (then the kernel's [B,S,D] is
-reshaped to [B,S,N,H] and the shape cleanups fold the readers' Reshapes into it).
+the ONNX ``Attention`` op (opset ≥ 23: 4-D q/k/v [B,N,S,H], which every runtime that has it takes
+— TensorRT only those — and which carries a cache's [B,Nkv,T,H] keys and grouped heads as they
+are; the bias as ``attn_mask``; the q/k/v bias Adds stay in front, the op has no bias input).
+Sequence-first sources are made batch-first around the kernel; the output replaces the heads'
+merging Reshape (when it provably yields [B,S,D]; else that Reshape is kept after the kernel) or,
+where the merged heads [B,S,N,H] have other readers, the merging Transpose (then the kernel's
+[B,S,D] is reshaped to [B,S,N,H] and the shape cleanups fold the readers' Reshapes into it).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def lower(a: Attention, b: Builder) -> Tensor:
     if a.gqa is not None:
         return _finish(a, b, lower_gqa(a, b, q))
     name = a.core.root.name
+    if a.op == "Attention":
+        return _finish(a, b, _onnx_attention(a, b, q, k, v))
     if a.k.kept:
         k = heads_merged(b, k, a.num_heads * a.head_size, f"{name}/k")
     if a.v.kept:
@@ -52,23 +55,44 @@ def lower(a: Attention, b: Builder) -> Tensor:
             _all_heads(b, v, a.num_heads, f"{name}/v"),
         )
     bias_in = attention_bias(a, b, q, k) if a.bias is not None else None
-    if a.op == "Attention":
-        attrs = {"q_num_heads": a.num_heads, "kv_num_heads": a.num_heads}
-        ins = [q, k, v] + ([bias_in] if bias_in is not None else [])
-    else:
-        attrs = {"num_heads": a.num_heads}
-        ins = [q, k, v, bias, None, bias_in]
-        while ins and ins[-1] is None:
-            ins.pop()
+    attrs = {"num_heads": a.num_heads}
+    ins = [q, k, v, bias, None, bias_in]
+    while ins and ins[-1] is None:
+        ins.pop()
     if a.scale is not None:
         attrs["scale"] = float(a.scale)
-    if a.core.softcap is not None:  # the rule lowers soft-capped scores to Attention only
-        attrs["softcap"] = a.core.softcap.cap
-    out = b.op(
-        a.op, ins, attrs, domain=MS if a.op == "MultiHeadAttention" else "", name=f"{name}/{a.op}"
-    )
+    out = b.op(a.op, ins, attrs, domain=MS, name=f"{name}/{a.op}")
     out.dtype = dtype_of(a.core.root.outputs[0])
     return _finish(a, b, out)
+
+
+def _onnx_attention(a: Attention, b: Builder, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """The ONNX Attention op on [B,N,S,H] heads, from the 3-D query ``q`` and the batch-first
+    key and value (3-D, or per head as the model computes them: a cache's [B,Nkv,T,H] goes
+    as it is, grouped or one head); its [B,N,S,Hv] output merged to [B,S,N·Hv]."""
+    name, dt = a.core.root.name, dtype_of(a.core.root.outputs[0])
+    per_head = a.k.layout == "bnsh" and not a.k.kept
+    if a.bias is None:
+        bias_in = None
+    elif per_head:
+        bias_in = attention_bias(a, b, q, k)
+    else:
+        k_len = _dim(b, k, f"{name}/k_len", axis=2 if a.k.layout == "bnsh" else 1)
+        bias_in = attention_bias(a, b, q, None, k_len=k_len)
+    q4 = heads_split(b, q, a.num_heads, a.head_size, f"{name}/q")
+    k4 = k if a.k.layout == "bnsh" else heads_split(b, k, a.num_heads, a.head_size, f"{name}/k")
+    v4 = v if a.v.layout == "bnsh" else heads_split(b, v, a.num_heads, a.v_head_size, f"{name}/v")
+    attrs: dict = {}
+    if a.scale is not None:
+        attrs["scale"] = float(a.scale)
+    if a.core.softcap is not None:
+        attrs["softcap"] = a.core.softcap.cap
+    ins = [q4, k4, v4] + ([bias_in] if bias_in is not None else [])
+    out = b.op("Attention", ins, attrs, name=f"{name}/Attention")
+    out.dtype = dt
+    if q4.shape is not None:
+        out.shape = [q4.shape[0], a.num_heads, q4.shape[2], a.v_head_size]
+    return heads_merged(b, out, a.num_heads * a.v_head_size, f"{name}/out")
 
 
 def _finish(a: Attention, b: Builder, out: Tensor) -> Tensor:
@@ -113,6 +137,18 @@ def heads_merged(b: Builder, q: Tensor, width: int, name: str) -> Tensor:
     if q.shape is not None and len(q.shape) == 4:
         bsnh.shape = [q.shape[0], q.shape[2], q.shape[1], q.shape[3]]
         out.shape = [q.shape[0], q.shape[2], width]
+    return out
+
+
+def heads_split(b: Builder, x: Tensor, heads: int, size: int, name: str) -> Tensor:
+    """A [B,S,N·H] tensor as per-head [B,N,S,H]."""
+    target = b.const(np.array([0, 0, heads, size], dtype=np.int64), "heads_split")
+    bsnh = b.op("Reshape", [x, target], name=f"{name}_heads")
+    out = b.op("Transpose", [bsnh], {"perm": [0, 2, 1, 3]}, name=f"{name}_heads_first")
+    out.dtype = bsnh.dtype = dtype_of(x)
+    if x.shape is not None and len(x.shape) == 3:
+        bsnh.shape = [x.shape[0], x.shape[1], heads, size]
+        out.shape = [x.shape[0], heads, x.shape[1], size]
     return out
 
 

@@ -265,15 +265,6 @@ class FuseMultiHeadAttention(Rule):
             e.args_.update(stage=LOWER, tensor=a.q.x.name, softmax=a.core.softmax.name)
             raise
         a.op = op
-        if op == "Attention" and a.k.layout == "bnsh" and not a.k.kept:
-            raise _refused(
-                "no-kernel",
-                LOWER,
-                f"key and value [B,N,T,H] ('{a.k.x.name}') need MultiHeadAttention, which target "
-                f"{cx.target.name} has no kernel for",
-                a,
-                a.k.x,
-            )
         if op == "MultiHeadAttention":
             self._check_pays(a, cx)
             # the kernel adds q's bias before the scores: a per-head scale of q cannot take it;
@@ -283,14 +274,15 @@ class FuseMultiHeadAttention(Rule):
 
     def _softcap_lowering(self, a: Attention, cx, gqa_kernel: bool, causal) -> None:
         """Soft-capped scores: the ONNX Attention op (opset ≥ 23: ``softcap`` before the mask,
-        as the model caps them) on [B,S,D] keys, else a miss naming what each kernel lacks.
-        MultiHeadAttention has no softcap."""
+        as the model caps them) where the target's kernel takes ``softcap``, else a miss naming
+        what each kernel lacks. MultiHeadAttention has no softcap."""
         cap = a.core.softcap.cap
         t = cx.target.name
-        opset_ok = cx.ir.opset >= 23 and cx.target.has_kernel(
+        has_onnx = cx.ir.opset >= 23 and cx.target.has_kernel(
             "Attention", "", cx.ir.opset, float_type(a.q.x)
         )
-        if opset_ok and not _per_head(a.k):
+        softcaps = cx.target.kernel_attributes.get("Attention", {}).get("softcap")
+        if has_onnx and softcaps is None:
             a.op = "Attention"
             return
         if not gqa_kernel:
@@ -309,12 +301,20 @@ class FuseMultiHeadAttention(Rule):
             )
         if cx.ir.opset < 23:
             onnx_att = f"the ONNX Attention op needs opset ≥ 23 (the model has {cx.ir.opset})"
-        elif _per_head(a.k):
-            onnx_att = f"the ONNX Attention op is given 3-D keys here, not '{a.k.x.name}' per head"
+        elif has_onnx:
+            onnx_att = (
+                f"target {t}'s ONNX Attention takes no softcap "
+                f"({cx.target.kernel_attributes_why.get('Attention', '')})"
+            )
         else:
             onnx_att = f"target {t} has no ONNX Attention kernel at opset {cx.ir.opset}"
+        upgrade = (
+            cx.ir.opset < 23
+            and softcaps is None
+            and cx.target.has_kernel("Attention", "", 23, float_type(a.q.x))
+        )
         raise _refused(
-            "no-kernel",
+            "opset-too-old" if upgrade else "no-kernel",
             LOWER,
             f"the scores are soft-capped (tanh(s/{cap:g})·{cap:g}) before the mask; "
             f"MultiHeadAttention has no softcap, {gqa}, and {onnx_att}",
