@@ -39,7 +39,7 @@ class HeadSplit:
 
     x: Tensor
     reshape: Node | None  # None for "bnsh": ``x`` is already split
-    layout: str  # "bsd" | "sbd" | "packed" | "bnsh"
+    layout: str  # "bsd" | "sbd" | "packed" | "bnsh" | "bsnh"
     nodes: list[Node] = field(default_factory=list)
     index: int | None = None  # packed: which of q, k, v
     merge: Node | None = None  # sequence-first: the Reshape that unfolds batch × heads
@@ -107,9 +107,12 @@ def per_head_split(t: Tensor | None) -> HeadSplit | None:
     (head) axis (LayerNormalization, SimplifiedLayerNormalization, RMSNormalization, or their
     ReduceMean/Pow/Sqrt/Div spelling), element-wise ops whose other operand does not carry the
     heads (scale Muls, cos/sin, a norm's weight), Clip, and Slice/Split/Concat along the head
-    axis (partial rotary: a rotated slice and the pass-through one concatenated back) — before
-    or after the heads' Transpose, and every path ends at the same split.  The per-head tensor
-    stays as the model computes it; the kernel takes it back as [B,S,N·H]."""
+    axis (partial rotary: a rotated slice and the pass-through one concatenated back; any
+    step, and the pair axis of interleaved rotary stacked, unbound or refolded), a fused
+    rotary over the merged heads, one Split of the heads put back in order by a Concat (a
+    norm per head) — before or after the heads' Transpose, and every path ends at the same
+    split.  The per-head tensor stays as the model computes it; the kernel takes it back as
+    [B,S,N·H]."""
     if rank(t) != 4:
         return None
     found: dict[int, object] = {}
@@ -117,6 +120,20 @@ def per_head_split(t: Tensor | None) -> HeadSplit | None:
     if not isinstance(root, HeadSplit):
         return None
     return HeadSplit(t, None, "bnsh", [], source=root, kept=True)
+
+
+def per_head_key(kt: Tensor | None) -> HeadSplit | None:
+    """Kᵀ as ``Transpose(k, (0,2,3,1))`` of a key [B,T,N,H] computed head by head before the
+    heads' Transpose (an encoder's rotary or q/k norm, with the two Transposes fused into
+    one): ``k`` kept as it is, layout "bsnh"; the kernel takes it back as [B,T,N·H]."""
+    tr = transpose_of(kt, PERM_BNHS)
+    k = inputs(tr)[0] if tr is not None else None
+    if rank(k) != 4:
+        return None
+    root = _walk_heads(k, False, _WALK_DEPTH, {})
+    if not isinstance(root, HeadSplit):
+        return None
+    return HeadSplit(k, None, "bsnh", [tr], source=root, kept=True)
 
 
 def _walk_heads(t: Tensor | None, bnsh: bool, depth: int, memo: dict) -> object:
@@ -139,6 +156,14 @@ def _walk_heads_node(t: Tensor | None, bnsh: bool, depth: int, memo: dict) -> ob
     elif (rs := producer(t, "Reshape")) is not None and (rank(inputs(rs)[0]) == 3 or rank(t) == 4):
         if _same_dims(rs):
             return _walk_heads(inputs(rs)[0], bnsh, depth - 1, memo)
+        if (merged := _merged_rotary(rs)) is not None:
+            inner = _walk_heads(merged, bnsh, depth - 1, memo)
+            if isinstance(inner, HeadSplit):
+                return inner
+        if _keeps_leading(rs):  # GPT-J's interleaved rotary: [B,S,N,H/2,2] flattened back
+            inner = _walk_heads(inputs(rs)[0], bnsh, depth - 1, memo)
+            if isinstance(inner, HeadSplit) or (inner is None and _one_head(t)):
+                return inner  # the split, or cos/sin repeated for every head
         # [B,S,N,H] from the projection [B,S,D], or from a fused projection's head groups
         # [B,S,G,r,H] (Falcon's query_key_value): where it came from does not matter, the
         # kept tensor's own N and H are what the kernel is given
@@ -157,6 +182,8 @@ def _walk_heads_node(t: Tensor | None, bnsh: bool, depth: int, memo: dict) -> ob
         if isinstance(inner, HeadSplit) and inner.layout == "bsd" and not inner.nodes:
             return HeadSplit(inner.x, inner.reshape, "bsd", [node])
         return False if inner is not None else None
+    if node.op == "Concat" and (split := _regathered(node, bnsh, depth)) is not None:
+        return _walk_heads(inputs(split)[0], bnsh, depth - 1, memo)
     heads_in = _head_inputs(node, ins, bnsh)
     if heads_in is None:
         return None  # not a per-head op: ``t`` is a side operand
@@ -174,9 +201,14 @@ def _walk_heads_node(t: Tensor | None, bnsh: bool, depth: int, memo: dict) -> ob
     return splits[0]
 
 
+#: the axis of q/k/v in a packed [B,S,3,N,H] (ModernBERT) or [B,S,N,3,H] (Persimmon, Bloom)
+_PACKED_AXES = (2, -3, 3, -2)
+
+
 def _packed_part(t: Tensor | None) -> HeadSplit | None:
     """[B,S,N,H] as one part of a packed projection before the heads' Transpose: ModernBERT's
-    ``Squeeze(Split(Reshape(x, [B,S,3,N,H]), axis=2), axis=2)``, or a Gather on that axis."""
+    ``Squeeze(Split(Reshape(x, [B,S,3,N,H]), axis=2), axis=2)``, or a Gather on that axis, or
+    the same on axis 3 of ``[B,S,N,3,H]`` (q, k and v interleaved per head)."""
     if rank(t) != 4:
         return None
     node = producer(t, ("Squeeze", "Gather"))
@@ -185,14 +217,15 @@ def _packed_part(t: Tensor | None) -> HeadSplit | None:
     ins = inputs(node)
     if node.op == "Squeeze":
         axes = constant_value(ins[1]) if len(ins) > 1 else node.attrs.get("axes")
-        if axes is None or list(np.asarray(axes).reshape(-1)) not in ([2], [-3]):
+        axes = list(np.asarray(axes).reshape(-1)) if axes is not None else None
+        if axes is None or len(axes) != 1 or axes[0] not in _PACKED_AXES:
             return None
         node = producer(ins[0], "Split")
-        if node is None:
+        if node is None or node.attrs.get("axis", 0) not in (axes[0], axes[0] - 5):
             return None
-    elif scalar(ins[1]) is None:
+    elif scalar(ins[1]) is None or constant_value(ins[1]).ndim:
         return None
-    if node.attrs.get("axis", 0) not in (2, -3):
+    if node.attrs.get("axis", 0) not in _PACKED_AXES:
         return None
     rs = producer(inputs(node)[0], "Reshape")
     if rs is None or rank(rs.outputs[0]) != 5 or rank(inputs(rs)[0]) != 3:
@@ -250,6 +283,101 @@ def _head_inputs(node: Node, ins: list[Tensor | None], bnsh: bool = True) -> lis
         return [ins[0]] if keep and axes is not None and list(axes) in ([-1], [3]) else None
     if op in ("Slice", "Split", "Concat") and _last_axis_only(node, ins):
         return [i for i in (ins if op == "Concat" else ins[:1]) if i is not None]
+    if op in ("Unsqueeze", "Squeeze") and _last_axes(node, ins, op == "Unsqueeze"):
+        return [ins[0]]  # interleaved rotary: a pair axis stacked, or one unbound
+    if op == "Gather" and rank(ins[0]) == 5 and node.attrs.get("axis", 0) in (-1, 4):
+        return [ins[0]] if scalar(ins[1]) is not None else None
+    if op == "Reshape" and _keeps_leading(node):
+        return [ins[0]]
+    return None
+
+
+def _last_axes(node: Node, ins: list[Tensor | None], unsqueeze: bool) -> bool:
+    """An Unsqueeze that appends a last axis to a rank-4 tensor, or a Squeeze of the last
+    axis of a rank-5 one: each head's values stay in that head."""
+    axes = constant_value(ins[1]) if len(ins) > 1 and ins[1] is not None else None
+    axes = node.attrs.get("axes") if axes is None else axes
+    if axes is None:
+        return False
+    axes = [int(a) for a in np.asarray(axes).reshape(-1)]
+    return rank(ins[0]) == (4 if unsqueeze else 5) and axes in ([-1], [4])
+
+
+def _keeps_leading(reshape: Node) -> bool:
+    """Whether a Reshape between rank 4 and 5 provably keeps the leading three dims (batch,
+    sequence and heads in either order) and only refolds the last ones: ``[..., H] →
+    [..., H/2, 2]`` and back."""
+    x, out = inputs(reshape)[0], reshape.outputs[0]
+    if {rank(x), rank(out)} != {4, 5}:
+        return False
+    dims = current_dims()
+    elems = shape_elements(inputs(reshape)[1], dims)
+    if elems is None or len(elems) != rank(out):
+        return False
+    copy = _copy_key(reshape)
+    if any(elems[i] not in (*copy, dims.key(x, i)) for i in range(3)):
+        return False
+    tail = elems[3:]
+    return sum(e == ("int", -1) for e in tail) <= 1 and all(
+        e[0] == "int" and (e[1] > 0 or e[1] == -1) for e in tail
+    )
+
+
+def _regathered(concat: Node, bnsh: bool, depth: int) -> Node | None:
+    """The Split whose parts along the heads axis ``concat`` puts back in order, each part
+    computed from its own heads (StableLM's ``cat([norm_i(h_i) for h_i in split(q, 1, 1)],
+    1)``: a LayerNorm with its own weights per head), or None."""
+    axis = 1 if bnsh else 2
+    if rank(concat.outputs[0]) != 4 or concat.attrs.get("axis") not in (axis, axis - 4):
+        return None
+    parts = [_split_part(i, bnsh, depth) for i in inputs(concat)]
+    split = parts[0][0] if parts and parts[0] is not None else None
+    if split is None or split.attrs.get("axis", 0) not in (axis, axis - 4):
+        return None
+    if [p for p in parts] != [(split, k) for k in range(len(split.outputs))]:
+        return None
+    return split
+
+
+def _merged_rotary(split: Node) -> Tensor | None:
+    """``t`` [B,S,N,R] when ``split`` is ``Reshape(RotaryEmbedding(Reshape(t, [B,S,N·R]),
+    num_heads=N), [B,S,N,R])``: a fused rotary over the merged heads, each head rotated on
+    its own (the rotary fusion's spelling of a rotation before the heads' Transpose)."""
+    rot = rotary_of(inputs(split)[0])
+    if rot is None or rank(inputs(split)[0]) not in (None, 3) or not rot.attrs.get("num_heads"):
+        return None
+    merge = producer(inputs(rot)[0], "Reshape")
+    t = inputs(merge)[0] if merge is not None else None
+    if rank(t) != 4 or rank(split.outputs[0]) != 4:
+        return None
+    dims = current_dims()
+    heads = int(rot.attrs["num_heads"])
+    same = all(dims.key(t, i) == dims.key(split.outputs[0], i) for i in range(4))
+    return t if same and dims.key(t, 2) == ("int", heads) else None
+
+
+def _one_head(t: Tensor) -> bool:
+    """Whether [B,S,N,H] ``t`` has one head, statically: broadcast over the heads."""
+    return t.shape is not None and len(t.shape) == 4 and t.shape[2] == 1
+
+
+def _split_part(t: Tensor | None, bnsh: bool, depth: int) -> tuple[Node, int] | None:
+    """(Split, output index) that ``t`` is computed from through per-head ops with one input
+    carrying the heads, or None."""
+    for _ in range(depth):
+        node = t.inputs[0] if isinstance(t, Variable) and t.inputs else None
+        if node is None:
+            return None
+        if node.op == "Split":
+            return node, [o.name for o in node.outputs].index(t.name)
+        ins = inputs(node)
+        heads = [i for i in (_head_inputs(node, ins, bnsh) or []) if constant_value(i) is None]
+        if node.op in _PER_HEAD_BINARY:
+            axis = 1 if bnsh else 2
+            heads = [i for i in heads if rank(i) == 4 and i.shape and i.shape[axis] != 1]
+        if len(heads) != 1:
+            return None
+        t = heads[0]
     return None
 
 
@@ -260,18 +388,26 @@ def _head_list(indices: Tensor | None) -> bool:
 
 
 def _slices_axis(node: Node, ins: list[Tensor | None], axis: int) -> bool:
-    """Whether the Slice ``node`` of a rank-4 tensor cuts only ``axis`` (step 1)."""
+    """Whether the Slice ``node`` of a rank-4 (or, for the last axis, rank-5) tensor cuts
+    only ``axis`` (step 1; any step on the last axis: interleaved rotary's ``x[..., ::2]``)."""
+    r = rank(ins[0]) or 4
     axes = constant_value(ins[3]) if len(ins) > 3 and ins[3] is not None else None
     steps = constant_value(ins[4]) if len(ins) > 4 and ins[4] is not None else None
-    if axes is None or (steps is not None and np.any(np.asarray(steps) != 1)):
+    last = axis == r - 1
+    if axes is None or (not last and steps is not None and np.any(np.asarray(steps) != 1)):
         return False
-    return list(np.asarray(axes).reshape(-1)) in ([axis - 4], [axis])
+    if r != 4 and not last:
+        return False
+    return list(np.asarray(axes).reshape(-1)) in ([axis - r], [axis])
 
 
 def _last_axis_only(node: Node, ins: list[Tensor | None]) -> bool:
+    last = (rank(ins[0]) or 4) - 1
+    if last not in (3, 4):
+        return False
     if node.op == "Slice":
-        return _slices_axis(node, ins, 3)
-    return node.attrs.get("axis", 0 if node.op == "Split" else None) in (-1, 3)
+        return _slices_axis(node, ins, last)
+    return node.attrs.get("axis", 0 if node.op == "Split" else None) in (-1, last)
 
 
 def already_split(t_in: Tensor | None, perm: tuple[int, ...]) -> HeadSplit | None:
@@ -356,8 +492,8 @@ def head_count(
         return _heads_packed(split.reshape, split.x, dims)
     if split.layout == "sbd":
         return _heads_sbd(split.reshape, split.merge, split.x, dims)
-    if split.layout == "bnsh":
-        n, h = dims.key(split.x, 1), dims.key(split.x, 3)
+    if split.layout in ("bnsh", "bsnh"):
+        n, h = dims.key(split.x, 1 if split.layout == "bnsh" else 2), dims.key(split.x, 3)
         if n[0] != "int" and split.source is not None:  # the heads of the split walked back to
             src = head_count(split.source, dims)
             n = ("int", src[0]) if not isinstance(src, str) else n
@@ -397,22 +533,37 @@ def _heads_bsd(
         return f"the reshape target '{target.name}' is computed at run time and not resolvable"
     if len(elems) != 4:
         return f"the reshape target has {len(elems)} elements, not 4"
-    width = _static_width(x)
+    lead = _leading_axes(x)
+    width = _static_width(x) if lead == (0, 1) else int(x.shape[3])
     n, h = _resolve(elems[2], elems[3], width)
     if n is None or h is None or n <= 0 or h <= 0:
         return f"heads and head size {elems[2:]} are not static"
     if width is not None and n * h != width:
         return f"{n}×{h} heads do not split the hidden size {width}"
-    if not _keeps_batch_seq(reshape, elems, x, dims, batch):
+    if not _keeps_batch_seq(reshape, elems, x, dims, batch, lead):
         return f"the reshape target {elems[:2]} does not keep the batch and sequence dims"
     return n, h
 
 
+def _leading_axes(x: Tensor) -> tuple[int, int]:
+    """The batch and sequence axes of a projection: (0, 1) of [B,S,D], or (0, 2) of a
+    [B,1,S,D] with a static D (GPT-BigCode's TorchScript export unsqueezes its c_attn)."""
+    shape = x.shape
+    if shape is not None and len(shape) == 4 and shape[1] == 1 and isinstance(shape[3], int):
+        return (0, 2)
+    return (0, 1)
+
+
 def _keeps_batch_seq(
-    reshape: Node, elems: list[Key], x: Tensor, dims: Dims, batch: set[Key] | None = None
+    reshape: Node,
+    elems: list[Key],
+    x: Tensor,
+    dims: Dims,
+    batch: set[Key] | None = None,
+    lead: tuple[int, int] = (0, 1),
 ) -> bool:
-    copy = _copy_key(reshape)
-    seq = dims.key(x, 1)
+    copy = _copy_key(reshape) if lead == (0, 1) else ()  # a 0 would copy the unit axis
+    seq = dims.key(x, lead[1])
     s_ok = elems[1] in (*copy, seq, ("int", -1))
     b_ok = (
         elems[0] in (*copy, dims.key(x, 0))
@@ -503,15 +654,18 @@ def batch_keys(t: Tensor, dims: Dims, depth: int = 8) -> set[Key]:
 
 
 def source_axis(layout: str, which: str) -> int:
-    """The batch or sequence axis of a [B,S,D], [S,B,D] or [B,N,S,H] source."""
+    """The batch or sequence axis of a [B,S,D], [S,B,D], [B,N,S,H] or [B,S,N,H] source."""
     if layout == "bnsh":
         return 2 if which == "seq" else 0
+    if layout == "bsnh":
+        return 1 if which == "seq" else 0
     return int((which == "seq") ^ (layout == "sbd"))
 
 
 __all__ = [
     "HeadSplit",
     "already_split",
+    "per_head_key",
     "per_head_split",
     "head_count",
     "rank",

@@ -46,7 +46,7 @@ def lower(a: Attention, b: Builder) -> Tensor:
     if a.op == "Attention":
         return _finish(a, b, _onnx_attention(a, b, q, k, v))
     if a.k.kept:
-        k = heads_merged(b, k, a.num_heads * a.head_size, f"{name}/k")
+        k = heads_merged(b, k, a.num_heads * a.head_size, f"{name}/k", a.k.layout == "bsnh")
     if a.v.kept:
         v = heads_merged(b, v, a.num_heads * a.v_head_size, f"{name}/v")
     if a.kv_broadcast:
@@ -80,7 +80,12 @@ def _onnx_attention(a: Attention, b: Builder, q: Tensor, k: Tensor, v: Tensor) -
         k_len = _dim(b, k, f"{name}/k_len", axis=2 if a.k.layout == "bnsh" else 1)
         bias_in = attention_bias(a, b, q, None, k_len=k_len)
     q4 = heads_split(b, q, a.num_heads, a.head_size, f"{name}/q")
-    k4 = k if a.k.layout == "bnsh" else heads_split(b, k, a.num_heads, a.head_size, f"{name}/k")
+    if a.k.layout == "bsnh":
+        k4 = heads_first(b, k, f"{name}/k")
+    elif a.k.layout == "bnsh":
+        k4 = k
+    else:
+        k4 = heads_split(b, k, a.num_heads, a.head_size, f"{name}/k")
     v4 = v if a.v.layout == "bnsh" else heads_split(b, v, a.num_heads, a.v_head_size, f"{name}/v")
     attrs: dict = {}
     if a.scale is not None:
@@ -128,15 +133,24 @@ def _all_heads(b: Builder, t: Tensor, heads: int, name: str) -> Tensor:
     return out
 
 
-def heads_merged(b: Builder, q: Tensor, width: int, name: str) -> Tensor:
-    """A per-head tensor [B,N,S,H] as the kernel takes it: [B,S,N·H]."""
-    bsnh = b.op("Transpose", [q], {"perm": [0, 2, 1, 3]}, name=f"{name}_heads_first")
+def heads_merged(b: Builder, q: Tensor, width: int, name: str, bsnh: bool = False) -> Tensor:
+    """A per-head tensor [B,N,S,H] (or, with ``bsnh``, [B,S,N,H]) as the kernel takes it:
+    [B,S,N·H]."""
+    first = q if bsnh else heads_first(b, q, name)
     target = b.const(np.array([0, 0, width], dtype=np.int64), "heads_width")
-    out = b.op("Reshape", [bsnh, target], name=f"{name}_merged")
-    out.dtype = bsnh.dtype = dtype_of(q)
-    if q.shape is not None and len(q.shape) == 4:
-        bsnh.shape = [q.shape[0], q.shape[2], q.shape[1], q.shape[3]]
-        out.shape = [q.shape[0], q.shape[2], width]
+    out = b.op("Reshape", [first, target], name=f"{name}_merged")
+    out.dtype = dtype_of(q)
+    if first.shape is not None and len(first.shape) == 4:
+        out.shape = [first.shape[0], first.shape[1], width]
+    return out
+
+
+def heads_first(b: Builder, t: Tensor, name: str) -> Tensor:
+    """[B,S,N,H] ↔ [B,N,S,H]: the heads' Transpose (0,2,1,3)."""
+    out = b.op("Transpose", [t], {"perm": [0, 2, 1, 3]}, name=f"{name}_heads_first")
+    out.dtype = dtype_of(t)
+    if t.shape is not None and len(t.shape) == 4:
+        out.shape = [t.shape[0], t.shape[2], t.shape[1], t.shape[3]]
     return out
 
 

@@ -30,6 +30,7 @@ from .heads import (
     already_split,
     batch_keys,
     head_count,
+    per_head_key,
     per_head_split,
     rotated_split,
     split_heads,
@@ -58,7 +59,7 @@ def lift(root: Node) -> Attention:
         or _of_3d(rotated_split(core.q))
         or per_head_split(core.q)
         or _query_per_head(core),
-        split_heads(core.kt, kperm) or already_split(core.kt, kperm),
+        split_heads(core.kt, kperm) or already_split(core.kt, kperm) or per_head_key(core.kt),
         split_heads(core.v, PERM_BNSH) or already_split(core.v, PERM_BNSH),
     ]
     for name, split, t in zip(("Q", "Kᵀ", "V"), splits, (core.q, core.kt, core.v)):
@@ -201,7 +202,7 @@ class FuseMultiHeadAttention(Rule):
     def check(self, m, cx):
         a: Attention = m.attention
         dims = current_dims()
-        for t in [s.x for s in (a.q, a.k, a.v) if s.layout != "bnsh"]:
+        for t in [s.x for s in (a.q, a.k, a.v) if s.layout not in ("bnsh", "bsnh")]:
             if rank(t) != 3:
                 raise _refused(
                     "unknown-shape",
@@ -610,7 +611,7 @@ def _out_direct(a: Attention, dims: Dims) -> bool:
 
 def _qkv_bias(a: Attention, cx) -> QkvBias | None:
     """The q/k/v projections' constant bias vectors, when each source is MatMul + Add."""
-    if a.k.layout == "bnsh" or a.q.layout == "bnsh":
+    if "bnsh" in (a.k.layout, a.q.layout) or a.k.layout == "bsnh":
         return None  # the kernel adds no bias to a key and value given per head; a per-head
         # query is computed from the biased projection
     hidden = a.num_heads * a.head_size
