@@ -20,9 +20,14 @@ the attention mask (a full cache, as onnxruntime's GroupQueryAttention with loca
 keeps it). Families: llama (GQA 8/2), qwen2 (GQA, q/k/v biases), mistral (GQA, sliding window
 16), phi3 (MHA, fused qkv_proj and gate_up_proj), gemma (MQA, head_dim 64, GELU-tanh, scaled
 embeddings), gpt_neox (MHA, partial rotary: a quarter of each head), qwen3 (GQA, q/k RMSNorm
-before the rotation). Each is written as NAME.onnx (TorchScript, opset 17) and NAME_dynamo.onnx
-(torch.export, opset 18) with NAME.json = {"inputs": {name: shape}} (a prefill of 8 tokens after
-16 cached ones, batch 1).
+before the rotation), and more, one mechanism each (``--list``): interleaved partial rotary
+before the heads' Transpose (gptj, codegen), multi-query with a fused c_attn (gpt_bigcode), a
+LayerNorm per head (stablelm), q/k/v interleaved per head (persimmon), q/k norms over the whole
+projection (olmo2), attention_multiplier (granite), local/global layers (gemma3), NoPE layers
+(smollm3). Cohere and GLM are exported with the dynamo exporter only (TorchScript stops with
+"All tensors must have the same rank"). Each is written as NAME.onnx (TorchScript, opset 17)
+and NAME_dynamo.onnx (torch.export, opset 18) with NAME.json = {"inputs": {name: shape}} (a
+prefill of 8 tokens after 16 cached ones, batch 1).
 
 Each export passes onnx.checker, loads in onnxruntime (CPU) and is compared with torch on two
 steps of a generation: a prefill of 20 tokens with an empty cache (batch 2; longer than the
@@ -246,11 +251,57 @@ def _phi(qk_layernorm: bool = False):
     return PhiForCausalLM(cfg)
 
 
+def _small(cls_name: str, lm_name: str = "", **kw):
+    """A causal LM of transformers' ``cls_name`` family (``lm_name``ForCausalLM when its name
+    differs): 2 layers, hidden 256, 8 heads."""
+    import transformers
+
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        max_position_embeddings=2048,
+    )
+    base.update(kw)
+    cfg = getattr(transformers, f"{cls_name}Config")(**base)
+    return getattr(transformers, f"{lm_name or cls_name}ForCausalLM")(cfg)
+
+
+def _gptj():
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    cfg = GPTJConfig(
+        vocab_size=VOCAB, n_embd=256, n_layer=2, n_head=8, rotary_dim=16, n_positions=2048
+    )
+    return GPTJForCausalLM(cfg)
+
+
+def _codegen():
+    from transformers import CodeGenConfig, CodeGenForCausalLM
+
+    cfg = CodeGenConfig(
+        vocab_size=VOCAB, n_embd=256, n_layer=2, n_head=8, rotary_dim=16, n_positions=2048
+    )
+    return CodeGenForCausalLM(cfg)
+
+
+def _gpt_bigcode():
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+
+    cfg = GPTBigCodeConfig(
+        vocab_size=VOCAB, n_embd=256, n_layer=2, n_head=8, multi_query=True, n_positions=2048
+    )
+    return GPTBigCodeForCausalLM(cfg)
+
+
 @dataclass
 class Family:
     name: str
     build: Callable[[], nn.Module]
     note: str
+    exporters: tuple[str, ...] = ("torchscript", "dynamo")  # the ones that can export it
 
 
 FAMILIES = [
@@ -265,6 +316,75 @@ FAMILIES = [
     Family("falcon_gqa", _falcon_gqa, "Falcon new_decoder_architecture: GQA 8/2, fused QKV"),
     Family("phi2", _phi, "Phi-2: MHA 8 heads, 40 % partial rotary (12 of 32 dims), LayerNorm"),
     Family("phi2_qkln", lambda: _phi(True), "Phi-2 with q/k LayerNorm before the rotation"),
+    Family("gptj", _gptj, "GPT-J: interleaved partial rotary (16 of 32) before the head transpose"),
+    Family("codegen", _codegen, "CodeGen: fused qkv in 4 groups, interleaved partial rotary"),
+    Family("gpt_bigcode", _gpt_bigcode, "GPT-BigCode: multi-query, fused c_attn, no rotary"),
+    Family(
+        "stablelm",
+        lambda: _small(
+            "StableLm", num_key_value_heads=2, partial_rotary_factor=0.25, qk_layernorm=True
+        ),
+        "StableLM: GQA, 25 % rotary, a LayerNorm per head on q and k",
+    ),
+    Family(
+        "persimmon",
+        lambda: _small("Persimmon", qk_layernorm=True, partial_rotary_factor=0.5),
+        "Persimmon: fused qkv [N,3,H], q/k LayerNorm, half rotary",
+    ),
+    Family(
+        "cohere",
+        lambda: _small("Cohere", num_key_value_heads=2, use_qk_norm=True),
+        "Cohere: interleaved rotary, q/k LayerNorm, parallel block",
+        ("dynamo",),
+    ),
+    Family(
+        "olmo2",
+        lambda: _small("Olmo2", num_key_value_heads=2),
+        "OLMo 2: q/k RMSNorm over the whole projection before the head split",
+    ),
+    Family(
+        "granite",
+        lambda: _small(
+            "Granite",
+            num_key_value_heads=2,
+            attention_multiplier=0.05,
+            embedding_multiplier=4.0,
+            residual_multiplier=0.5,
+            logits_scaling=2.0,
+        ),
+        "Granite: GQA, attention_multiplier instead of 1/sqrt(d)",
+    ),
+    Family(
+        "glm",
+        lambda: _small(
+            "Glm", num_key_value_heads=2, pad_token_id=0, head_dim=32, partial_rotary_factor=0.5
+        ),
+        "GLM-4: interleaved half rotary, GQA",
+        ("dynamo",),
+    ),
+    Family(
+        "gemma3",
+        lambda: _small(
+            "Gemma3Text",
+            "Gemma3",
+            num_key_value_heads=2,
+            head_dim=32,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=24,
+        ),
+        "Gemma 3: q/k RMSNorm, local/global layers, query_pre_attn_scalar",
+    ),
+    Family(
+        "nemotron",
+        lambda: _small("Nemotron", num_key_value_heads=2, partial_rotary_factor=0.5),
+        "Nemotron: half rotary, LayerNorm1p, relu2",
+    ),
+    Family(
+        "smollm3",
+        lambda: _small("SmolLM3", num_key_value_heads=2, pad_token_id=0, no_rope_layers=[1, 0]),
+        "SmolLM3: GQA, a NoPE layer",
+    ),
 ]
 
 
@@ -558,7 +678,7 @@ def export_family(fam: Family, out: str, exporters: list[str], fp16: bool) -> li
     vocab = model.config.vocab_size
     net = make_net(model, vocab)
     results = []
-    for exporter in exporters:
+    for exporter in [e for e in exporters if e in fam.exporters]:
         name = fam.name if exporter == "torchscript" else f"{fam.name}_dynamo"
         path = os.path.join(out, f"{name}.onnx")
         t0 = time.perf_counter()
