@@ -334,7 +334,7 @@ def _regathered(concat: Node, bnsh: bool, depth: int) -> Node | None:
     split = parts[0][0] if parts and parts[0] is not None else None
     if split is None or split.attrs.get("axis", 0) not in (axis, axis - 4):
         return None
-    if [p for p in parts] != [(split, k) for k in range(len(split.outputs))]:
+    if parts != [(split, k) for k in range(len(split.outputs))]:
         return None
     return split
 
