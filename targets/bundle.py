@@ -19,7 +19,7 @@ import platform
 import shutil
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from functools import lru_cache
@@ -61,7 +61,7 @@ from graphopt.opt.verify.parity import (
     too_large,
 )
 from graphopt.opt.verify.perf import FAST_MODEL, save_optimized
-from graphopt.targets.kernels import model_opsets, primary_slots, resolve
+from graphopt.targets.kernels import Resolution, model_opsets, primary_slots, resolve
 from graphopt.targets.memory import (
     dtype_name,
     measured_view,
@@ -202,21 +202,30 @@ def dumps_json(obj: Any, depth: int = JSON_DEPTH, indent: int = 2) -> str:
     deeper than ``depth`` on one line: an indented dump goes through Python's pure-Python
     encoder (seconds per 10k nodes), while each line here is one call of the C encoder.
     ``json.loads`` of the text equals ``json.loads`` of the fully indented dump."""
-    return _dumps(obj, depth, indent, 0)
+    return "".join(_chunks(obj, depth, indent, 0))
 
 
-def _dumps(obj: Any, depth: int, indent: int, level: int) -> str:
+def write_json(path: str | os.PathLike, obj: Any, depth: int = JSON_DEPTH) -> None:
+    """:func:`dumps_json`'s text written to ``path`` as it is made: a manifest of a million
+    nodes is never held whole as one string."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(_chunks(obj, depth, 2, 0))
+
+
+def _chunks(obj: Any, depth: int, indent: int, level: int) -> Iterator[str]:
+    """The pieces of :func:`dumps_json`'s text, in order."""
     if level >= depth or not isinstance(obj, (dict, list, tuple)) or not obj:
-        return _ENCODER.encode(obj)
+        yield _ENCODER.encode(obj)
+        return
     pad = " " * (indent * (level + 1))
-    if isinstance(obj, dict):
-        lines = [
-            f"{pad}{_ENCODER.encode(_key(k))}: {_dumps(v, depth, indent, level + 1)}"
-            for k, v in sorted(obj.items())
-        ]
-        return "{\n" + ",\n".join(lines) + "\n" + pad[indent:] + "}"
-    lines = [pad + _dumps(v, depth, indent, level + 1) for v in obj]
-    return "[\n" + ",\n".join(lines) + "\n" + pad[indent:] + "]"
+    items = sorted(obj.items()) if isinstance(obj, dict) else [(None, v) for v in obj]
+    yield "{" if isinstance(obj, dict) else "["
+    for i, (k, v) in enumerate(items):
+        yield (",\n" if i else "\n") + pad
+        if isinstance(obj, dict):
+            yield f"{_ENCODER.encode(_key(k))}: "
+        yield from _chunks(v, depth, indent, level + 1)
+    yield "\n" + pad[indent:] + ("}" if isinstance(obj, dict) else "]")
 
 
 def _key(k: Any) -> str:
@@ -295,7 +304,7 @@ def write_bundle(
         report.seconds = run.clock.seconds()  # report.json: every phase up to here
         report.outputs = {k: str(dest / v) for k, v in files.items()}
         report.outputs["report"] = str(dest / "report.json")
-        (staging / "report.json").write_text(dumps_json(report.to_dict()))
+        write_json(staging / "report.json", report.to_dict())
         check_output_dir(dest, BUNDLE_KIND, protected)  # again: minutes may have passed
         replace_dir(staging, dest)
     except OSError as e:
@@ -358,7 +367,7 @@ def write_bundle_files(
     measured = _measure_unknown(out_dir, model, view, golden, ctx.get("base_dir"), known)
     plan = memory_plan(model, view, verified_shapes)
     plan["measured_shapes"] = measured
-    (out_dir / MEMORY_PLAN).write_text(dumps_json(plan))
+    write_json(out_dir / MEMORY_PLAN, plan)
     session = session_config(target, model)
     kernels = _write_kernels(out_dir, model, target, report)
     if kernels:
@@ -379,7 +388,7 @@ def write_bundle_files(
             "onnxruntime's intra-op pool oversubscribes the cores (measured in "
             "examples/kernels/README.md)"
         )
-    (out_dir / SESSION_CONFIG).write_text(dumps_json(session))
+    write_json(out_dir / SESSION_CONFIG, session)
     nodes, coverage = _node_kernels(target, model, view)
     manifest: dict[str, Any] = {
         "schema": SCHEMA,
@@ -429,7 +438,7 @@ def write_bundle_files(
     }
     manifest["model_sha256"] = manifest["integrity"]["files"]["model.onnx"]["sha256"]
     _kernel_latencies(nodes, kernels)
-    (out_dir / MANIFEST).write_text(dumps_json(manifest))
+    write_json(out_dir / MANIFEST, manifest)
     whole = too_large(original) if original is not None else None  # no whole-model session
     refusal = whole or _fast_path_refusal(manifest, session, target, fast_path)
     save_to = None if refusal else out_dir / FAST_MODEL
@@ -461,7 +470,7 @@ def write_bundle_files(
         manifest["fast_path"]["files"] = kept
     manifest["source_model_sha256"] = source_sha256.result()
     manifest["tiers"] = _tiers(out_dir, manifest)
-    (out_dir / MANIFEST).write_text(dumps_json(manifest))
+    write_json(out_dir / MANIFEST, manifest)
     return files
 
 
@@ -828,10 +837,18 @@ def _node_kernels(target: Target, model: onnx.ModelProto, view) -> tuple[list, d
     opsets = model_opsets(model.opset_import)
     entries, counts = [], {"ok": 0, "fallback": 0, "unsupported": 0}
     unsupported: dict[str, int] = {}
+    # one resolution (and its dict, shared by the entries) per kind of node: a model of a
+    # million nodes has a few dozen kinds
+    resolved: dict[tuple, tuple[Resolution, dict | None]] = {}
+    names = _DtypeNames()
     for idx, node in enumerate(model.graph.node):
         dom = norm_domain(node.domain)
         dtype = _primary(node, view, opsets.get(dom))
-        res = resolve(target, node.op_type, dom, opsets.get(dom), dtype)
+        kind = (node.op_type, dom, opsets.get(dom), dtype)
+        if kind not in resolved:
+            res = resolve(target, *kind)
+            resolved[kind] = res, res.to_dict() if res.runs else None
+        res, kernel = resolved[kind]
         key = (
             "ok"
             if res.status == "ok"
@@ -844,7 +861,7 @@ def _node_kernels(target: Target, model: onnx.ModelProto, view) -> tuple[list, d
         outs = [
             {
                 "name": o,
-                "dtype": dtype_name(view[o][0]) if o in view else None,
+                "dtype": names[view[o][0]] if o in view else None,
                 "shape": view[o][1] if o in view else None,
             }
             for o in node.output
@@ -857,7 +874,7 @@ def _node_kernels(target: Target, model: onnx.ModelProto, view) -> tuple[list, d
                 "op": node.op_type,
                 "domain": dom or "ai.onnx",
                 "status": res.status,
-                "kernel": res.to_dict() if res.runs else None,
+                "kernel": kernel,
                 "why_not": None if res.runs else res.message,
                 "dtype": dtype,
                 "layout": target.layout if node.op_type in SPATIAL_OPS else "row-major",
@@ -877,6 +894,14 @@ def _node_kernels(target: Target, model: onnx.ModelProto, view) -> tuple[list, d
         "per_node_latency": "not measured (null): the bundle records whole-model latency only",
     }
     return entries, coverage
+
+
+class _DtypeNames(dict):
+    """element type -> :func:`dtype_name`, each name made once."""
+
+    def __missing__(self, elem_type: int) -> str:
+        self[elem_type] = name = dtype_name(elem_type)
+        return name
 
 
 def fallback_section(target: Target, remarks) -> dict[str, Any]:

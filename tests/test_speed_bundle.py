@@ -11,7 +11,7 @@ from onnx import helper
 from cli_runner import CliRunner
 from conftest import model, vi
 from graphopt.cli import app
-from graphopt.targets.bundle import dumps_json
+from graphopt.targets.bundle import dumps_json, write_json
 
 VALUES = [
     {
@@ -47,6 +47,12 @@ def test_dumps_json_deep_enough_is_the_indented_dumps():
     value = VALUES[0]
     assert dumps_json(value, depth=99) == json.dumps(value, indent=2, sort_keys=True)
     assert dumps_json(value, depth=0) == json.dumps(value, sort_keys=True)
+
+
+def test_write_json_writes_the_dumped_text(tmp_path):
+    for i, value in enumerate(VALUES):
+        write_json(tmp_path / f"{i}.json", value)
+        assert (tmp_path / f"{i}.json").read_text(encoding="utf-8") == dumps_json(value)
 
 
 def test_bundle_files_have_one_line_per_node(tmp_path):

@@ -380,7 +380,8 @@ def test_a_model_written_with_its_nodes_spliced_in_reads_back_as_the_whole_model
         )
         return m
 
-    whole = onnx.ModelProto.FromString(analysis._with_nodes(shell(False), nodes))
+    serialized = [n.SerializeToString() for n in nodes]
+    whole = onnx.ModelProto.FromString(analysis._with_nodes(shell(False), serialized))
     assert whole == shell(True)
     for n in (0, 1, 127, 128, 300, 16383, 16384, 2**21 + 5, 2**35):
         assert analysis._varint(n) == _VarintBytes(n)

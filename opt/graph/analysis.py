@@ -109,10 +109,11 @@ def _fingerprint(g) -> tuple[tuple, list]:
     return tuple(parts), [nodes, [t for n in nodes for t in n.inputs], list(g.inputs)]
 
 
-def _export_nodes(nodes: Sequence[Node], protos: dict) -> list[onnx.NodeProto]:
-    """The nodes' protos, each taken from ``protos`` (id → node, key, proto: the last
+def _export_nodes(nodes: Sequence[Node], protos: dict) -> list[bytes]:
+    """The nodes' serialized protos, each taken from ``protos`` (id → node, key, bytes: the last
     inference's) when the node is the same object with the same key; ``protos`` is left holding
-    exactly these nodes."""
+    exactly these nodes.  Bytes, not messages: a message object costs over a kilobyte where a
+    node's bytes are tens of them (a million-node graph holds them all between inferences)."""
     out, kept = [], {}
     for n in nodes:
         key = _node_key(n)
@@ -120,7 +121,7 @@ def _export_nodes(nodes: Sequence[Node], protos: dict) -> list[onnx.NodeProto]:
         if key is not None and last is not None and last[0] is n and last[1] == key:
             proto = last[2]
         else:
-            proto = OnnxExporter.export_node(n)
+            proto = _serialized(OnnxExporter.export_node(n))
         if key is not None:
             kept[id(n)] = (n, key, proto, _held(n))
         out.append(proto)
@@ -310,13 +311,14 @@ def _read_type(type_proto: onnx.TypeProto) -> tuple[int, tuple | None] | None:
     return tt.elem_type, tuple(dims)
 
 
-def _with_nodes(model: onnx.ModelProto, nodes: Sequence[onnx.NodeProto]) -> bytes:
-    """The bytes of ``model`` with ``nodes`` as its graph's nodes (in this order): each node's
-    bytes written as they are, not copied into the graph message first (a protobuf message is
-    its fields in any order, a repeated field's entries in theirs).  ``model`` loses its graph."""
+def _with_nodes(model: onnx.ModelProto, nodes: Sequence[bytes]) -> bytes:
+    """The bytes of ``model`` with ``nodes`` (serialized NodeProtos) as its graph's nodes, in
+    this order: each node's bytes written as they are, not parsed into the graph message first
+    (a protobuf message is its fields in any order, a repeated field's entries in theirs).
+    ``model`` loses its graph."""
     graph = model.graph.SerializeToString()
     model.ClearField("graph")
-    body = b"".join([_NODE_TAG + _varint(len(b)) + b for b in map(_serialized, nodes)])
+    body = b"".join([_NODE_TAG + _varint(len(b)) + b for b in nodes])
     body += graph
     return model.SerializeToString() + _GRAPH_TAG + _varint(len(body)) + body
 

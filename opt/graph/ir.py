@@ -1166,16 +1166,16 @@ _ATTRS = object()
 
 
 def read_protos(nodes: Sequence[Node], read: Sequence[onnx.NodeProto]) -> dict:
-    """The protos a graph's nodes were imported from, as :func:`_export_nodes` holds its own
-    exports (id → node, key, proto): an untouched node is not exported for the graph's first
-    inference.  ``read`` is the imported graph's node list, node for node."""
+    """The protos a graph's nodes were imported from, serialized, as :func:`_export_nodes`
+    holds its own exports (id → node, key, bytes): an untouched node is not exported for the
+    graph's first inference.  ``read`` is the imported graph's node list, node for node."""
     if len(nodes) != len(read):
         return {}
     protos = {}
     for n, proto in zip(nodes, read):
         key = _node_key(n)
         if key is not None:
-            protos[id(n)] = (n, key, proto, _held(n))
+            protos[id(n)] = (n, key, proto.SerializeToString(), _held(n))
     return protos
 
 

@@ -510,7 +510,8 @@ class Pieces:
         graph = model.graph
         self.sess = self  # make_inputs reads get_inputs() from here, as from a session
         self._sizes = {t.name: tensor_nbytes(t) for t in graph.initializer}
-        self._uses = [_node_uses(n) for n in graph.node]
+        # tuples, not sets: a set per node of a million-node graph is a gigabyte
+        self._uses = [tuple(_node_uses(n)) for n in graph.node]
         self._declared = {vi.name: vi for vi in graph.input}
         self.count = 0  # pieces of the last run
 
