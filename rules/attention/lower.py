@@ -12,10 +12,12 @@ where the merged heads [B,S,N,H] have other readers, the merging Transpose (then
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from graphopt.opt.graph.dims import current as current_dims
-from graphopt.opt.graph.dims import same_dim
+from graphopt.opt.graph.dims import rank, same_dim
 from graphopt.opt.graph.ir import Node, Tensor, Variable, constant_value, dtype_of
 from graphopt.opt.rewrite.engine import Builder
 
@@ -45,6 +47,8 @@ def lower(a: Attention, b: Builder) -> Tensor:
     name = a.core.root.name
     if a.op == "Attention":
         return _finish(a, b, _onnx_attention(a, b, q, k, v))
+    if _unequal_heads(a):  # MultiHeadAttention's [B,N,T,H] key and value are of one shape
+        a = replace(a, k=replace(a.k, kept=True), v=replace(a.v, kept=True))
     if a.k.kept:
         k = heads_merged(b, k, a.num_heads * a.head_size, f"{name}/k", a.k.layout == "bsnh")
     if a.v.kept:
@@ -64,6 +68,14 @@ def lower(a: Attention, b: Builder) -> Tensor:
     out = b.op(a.op, ins, attrs, domain=MS, name=f"{name}/{a.op}")
     out.dtype = dtype_of(a.core.root.outputs[0])
     return _finish(a, b, out)
+
+
+def _unequal_heads(a: Attention) -> bool:
+    """Per-head [B,N,T,H] key and value whose head sizes differ (DeepSeek's latent attention:
+    a key of nope + rope dims, a value of nope dims): merged to [B,T,N·H], the layout in
+    which MultiHeadAttention takes a value of another width."""
+    per_head = all(s.layout == "bnsh" and not s.kept for s in (a.k, a.v))
+    return per_head and a.head_size != a.v_head_size and not a.kv_broadcast
 
 
 def _onnx_attention(a: Attention, b: Builder, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -251,7 +263,7 @@ def attention_bias(
     if plan.window is not None:
         return _tile_windows(a, b, bias, q)
     if plan.direct:
-        return bias
+        return _four_d(b, bias, max(4 if rank(p) is None else rank(p) for p in parts), name)
     # k is batch-first here, and a per-head key merged to [B,T,D]
     k_axis = a.axis("k", "seq") if a.k.layout == "bnsh" and not a.k.kept else 1
     cached = _shared_expand(b, bias, (q, 1), (k, k_axis)) if k is not None else None
@@ -263,6 +275,21 @@ def attention_bias(
     ones = b.const(np.ones(2, dtype=np.int64), "bias_prefix")
     shape = b.op("Concat", [ones, *lens], {"axis": 0}, name=f"{name}/bias_shape")
     return b.op("Expand", [bias, shape], name=f"{name}/attention_bias_expand")
+
+
+def _four_d(b: Builder, bias: Tensor, r: int, name: str) -> Tensor:
+    """``bias`` of rank ``r`` as 4-D (leading 1s): the kernels take a 4-D attention_bias only,
+    and a learned [N, S, T] table (LeViT) adds to the scores by broadcasting."""
+    if r >= 4:
+        return bias
+    ones = b.const(np.ones(4 - r, dtype=np.int64), "bias_lead")
+    dims = b.op("Shape", [bias], name=f"{name}/bias_dims")
+    shape = b.op("Concat", [ones, dims], {"axis": 0}, name=f"{name}/bias_4d_shape")
+    dims.dtype = shape.dtype = np.dtype(np.int64)
+    dims.shape, shape.shape = [r], [4]
+    out = b.op("Reshape", [bias, shape], name=f"{name}/attention_bias_4d")
+    out.dtype = bias.dtype
+    return out
 
 
 def _unfolded_term(a: Attention, b: Builder, t: Tensor) -> Tensor:

@@ -1,0 +1,87 @@
+"""fuse-attention's lowering where the kernel is stricter than the graph, each checked by
+onnxruntime parity:
+
+- a learned bias table [N, S, T] added to the scores [B, N, S, T] by broadcasting (LeViT's
+  ``attention_biases[:, idxs]``): attention_bias goes in 4-D, [1, N, S, T];
+- per-head key and value [B, N, T, H] of different head sizes (DeepSeek's latent attention:
+  the key is nope + rope dims, the value nope dims only): MultiHeadAttention takes them merged
+  to [B, T, N·H], the layout in which the value may be of another width."""
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from conftest import assert_optimized, const, model, vi
+from graphopt.opt.graph.ir import op_histogram
+
+N, S = 4, 16
+MHA = "com.microsoft.MultiHeadAttention"
+
+
+def mk(op, ins, outs, **attrs):
+    return helper.make_node(op, ins, outs, **attrs)
+
+
+def _heads(r: str, h: int, perm: list[int]) -> list:
+    """``{r}_h``: the projection ``x @ W{r}`` [B,S,N·h] split into heads with ``perm``."""
+    return [
+        mk("MatMul", ["x", f"W{r}"], [f"{r}_p"]),
+        mk("Reshape", [f"{r}_p", f"split{h}"], [f"{r}_4"]),
+        mk("Transpose", [f"{r}_4"], [f"{r}_h"], perm=perm),
+    ]
+
+
+def _attend(k_t: str, v: str, hv: int, bias: str | None) -> list:
+    """Softmax(q·kᵀ·scale (+ bias)) · v, merged to [B,S,N·hv] as ``y``."""
+    nodes = [mk("MatMul", ["q_h", k_t], ["qk"]), mk("Mul", ["qk", "scale"], ["scaled"])]
+    if bias is not None:
+        nodes.append(mk("Add", ["scaled", bias], ["biased"]))
+    nodes += [
+        mk("Softmax", ["biased" if bias is not None else "scaled"], ["p"], axis=-1),
+        mk("MatMul", ["p", v], ["o"]),
+        mk("Transpose", ["o"], ["o_t"], perm=[0, 2, 1, 3]),
+        mk("Reshape", ["o_t", f"merge{hv}"], ["y"]),
+    ]
+    return nodes
+
+
+def _shapes(*sizes: int) -> list:
+    out = []
+    for h in sizes:
+        out += [
+            const(f"split{h}", [0, 0, N, h], np.int64),
+            const(f"merge{h}", [0, 0, N * h], np.int64),
+        ]
+    return out
+
+
+def learned_table(rng):
+    """LeViT: q, k, v from one input; a constant table [N, S, S] biases every batch (128
+    tokens: on cpu, a bias over fewer keys is refused as slower-on-target)."""
+    h, d, s = 8, 32, 128
+    nodes = [*_heads("q", h, [0, 2, 1, 3]), *_heads("k", h, [0, 2, 3, 1])]
+    nodes += [*_heads("v", h, [0, 2, 1, 3]), *_attend("k_h", "v_h", h, "table")]
+    inits = [const(f"W{r}", rng.standard_normal((d, N * h)) * 0.3) for r in "qkv"]
+    inits += [const("scale", np.float32(h**-0.5)), const("table", rng.standard_normal((N, s, s)))]
+    return model(nodes, [vi("x", ["B", s, d])], [vi("y", None)], inits + _shapes(h))
+
+
+def unequal_heads(rng):
+    """Latent attention: the per-head key [B,N,T,48] and value [B,N,T,32] are given as a
+    cache's are; the query is a projection of 48 per head."""
+    hk, hv, d = 48, 32, 64
+    nodes = [*_heads("q", hk, [0, 2, 1, 3]), mk("Transpose", ["key"], ["k_t"], perm=[0, 1, 3, 2])]
+    nodes += _attend("k_t", "value", hv, "mask")
+    inits = [const("Wq", rng.standard_normal((d, N * hk)) * 0.2)]
+    inits += [const("scale", np.float32(hk**-0.5)), const("mask", np.zeros((1, 1, 1, S)))]
+    inputs = [vi("x", ["B", 3, d]), vi("key", ["B", N, S, hk]), vi("value", ["B", N, S, hv])]
+    return model(nodes, inputs, [vi("y", None)], inits + _shapes(hk, hv))
+
+
+@pytest.mark.parametrize("build", [learned_table, unequal_heads])
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+def test_the_kernel_gets_the_layout_it_takes(build, target, rng):
+    m = build(rng)
+    out, report = assert_optimized(m, target=target, measure=False)
+    ops = op_histogram(out.graph.node)
+    assert ops.get(MHA) == 1 and "Softmax" not in ops, (ops, report.remarks)
