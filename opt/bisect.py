@@ -84,7 +84,9 @@ def bisect(
         nonlocal runs
         runs += 1
         say(f"parity run {runs}: first {'all' if limit is None else limit} rewrites")
-        return optimize(model, bisect_limit=limit, check=True, measure=False, **optimize_kw)
+        return optimize(
+            model, bisect_limit=limit, check=True, measure=False, parity_net=False, **optimize_kw
+        )
 
     full_model, full = attempt(None)
     total = len(full.applied)

@@ -222,6 +222,7 @@ def optimize(
     spool: SpoolDir | None = None,
     in_place: bool = False,
     keep_weight_inputs: bool = False,
+    parity_net: bool = True,
 ) -> tuple[onnx.ModelProto, Report]:
     """Optimize a model for a target; return the optimized model and the report.
 
@@ -240,7 +241,8 @@ def optimize(
     model to that default-domain opset before the pipeline runs (parity still compares with
     the original).  ``measure`` (cpu, with ``check``) runs the performance safety net
     (:mod:`graphopt.opt.verify.perf`) on the parity inputs; ``GRAPHOPT_NO_MEASURE=1`` turns it off
-    too.
+    too.  ``parity_net``: when parity fails, bisect to the rewrite responsible and revert it
+    (:func:`_keep_equal`; off for ``graphopt bisect``, which asks about the failure itself).
 
     ``clock`` (:mod:`graphopt.opt.clock`) times the phases (load, passes, validity, parity,
     measure); a caller that goes on (writing the bundle) passes its own and times its phases on
@@ -353,6 +355,14 @@ def optimize(
             parity, parity_f64 = _parities(
                 model, optimized, check, reference, kw | {"ahead": ahead}, base_dir, say
             )
+            if parity_net and parity.ran and not parity.ok and reference != "float64":
+                budget = max(20.0, 3 * (optimize_s + clock.elapsed("parity")))
+                net = (execute, bisect_limit, kw | {"ahead": ahead}, say, budget)
+                optimized, cx, reverted = _keep_equal(model, optimized, cx, parity, *net)
+                if reverted:
+                    parity, parity_f64 = _parities(
+                        model, optimized, check, reference, kw | {"ahead": ahead}, base_dir, say
+                    )
         if parity.runtime_floor:  # later checks against the same golden outputs: the same floor
             kw["per_output"] = {**(kw["per_output"] or {}), **parity.floor_tolerances()}
         _LOADED.clear()  # the validity check's session, when parity did not take it: its weights go
@@ -689,6 +699,55 @@ def _keep_valid(
             f"the model was invalid after {rule} at '{node}' ({why}); that rewrite was reverted",
         )
     return optimized, cx
+
+
+def _keep_equal(original, optimized, cx, parity, execute, limit, kw: dict, say, budget_s: float):
+    """Parity failed (an output out of tolerance, or the optimized model does not run where the
+    original does): bisect to the rewrite responsible, as :func:`_keep_valid` does, and revert
+    it, at most three times and within ``budget_s`` seconds; each revert is a failure remark
+    and a warning (a firing is a bug in a rule).  Returns the model, its context and whether
+    anything was reverted (the caller checks parity again; still failing, the run fails)."""
+    deadline = time.perf_counter() + budget_s
+    quick = kw | {"localize_on_failure": False}
+
+    def equal(model) -> bool:
+        return _guarded(functools.partial(check_parity, original, model, **quick)).ok
+
+    if is_lean(original) or not equal(execute(0)[0]):
+        return optimized, cx, False  # too large to rerun, or no rewrite is to blame
+    why = parity.error or "outputs out of tolerance"
+    skip: frozenset = frozenset()
+    reverted = []
+    for _ in range(3):
+        if not cx.applied or time.perf_counter() > deadline:
+            break
+        say("the optimized model does not match the original; finding the rewrite responsible")
+        lo, hi = 1, len(cx.applied)
+        while lo < hi and time.perf_counter() < deadline:
+            mid = (lo + hi) // 2
+            if equal(execute(mid, skip)[0]):
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo < hi:
+            break
+        _, rule, node = cx.applied[lo - 1]
+        reverted.append((rule, node, why))
+        skip = skip | {(rule, node)}
+        optimized, cx = execute(limit, skip)
+        if equal(optimized):
+            break
+        why = "outputs still differ"
+    for rule, node, why in reverted:
+        cx.remark(
+            "failure",
+            "safety-net",
+            rule,
+            "parity-failure",
+            [node],
+            f"parity failed after {rule} at '{node}' ({why}); that rewrite was reverted",
+        )
+    return optimized, cx, bool(reverted)
 
 
 @contextmanager

@@ -97,7 +97,7 @@ def test_bisect_cli_writes_pair(wrong_rule, rng, tmp_path):
 def test_parity_localizes_first_divergence(wrong_rule, rng):
     import graphopt
 
-    _, report = graphopt.optimize(many_rewrites(rng), pipeline=PIPELINE)
+    _, report = graphopt.optimize(many_rewrites(rng), pipeline=PIPELINE, parity_net=False)
     assert not report.parity.ok
     assert report.parity.first_divergence["tensor"] == "a"
     assert report.parity.first_divergence["op"] == "Add"
@@ -129,3 +129,29 @@ def test_bisect_inside_a_subgraph_returns_whole_models(wrong_rule, rng):
     assert result.found and result.culprit["node"] == "t_n"
     assert result.before is not None and result.after is not None
     assert "If" in [n.op_type for n in result.before.graph.node]
+
+
+def test_the_parity_safety_net_reverts_the_wrong_rewrite(wrong_rule, rng):
+    """A rewrite that breaks parity is found by bisection and reverted: parity holds, the
+    harmless rewrites stay, and a failure remark names the rule and the node."""
+    import graphopt
+
+    optimized, report = graphopt.optimize(many_rewrites(rng), pipeline=PIPELINE)
+    assert report.parity.ok
+    assert "Abs" not in {n.op_type for n in optimized.graph.node}
+    assert "Identity" not in {n.op_type for n in optimized.graph.node}
+    [net] = [r for r in report.remarks if r.pass_name == "safety-net"]
+    assert (net.kind, net.rule, net.code) == ("failure", "test-wrong-relu-to-abs", "parity-failure")
+    assert net.nodes == ("relu",) or list(net.nodes) == ["relu"]
+
+
+def test_the_parity_safety_net_warns_on_the_command_line(wrong_rule, rng, tmp_path):
+    import onnx
+
+    p = tmp_path / "m.onnx"
+    onnx.save(many_rewrites(rng), p)
+    res = CliRunner().invoke(
+        app, ["optimize", str(p), "--pipeline", PIPELINE, "-o", str(tmp_path / "b")]
+    )
+    assert res.exit_code == 0, res.output
+    assert "safety net: parity failed after test-wrong-relu-to-abs at 'relu'" in res.output

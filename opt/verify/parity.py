@@ -1177,7 +1177,14 @@ def check_parity(
             feeds=feeds,
         )
     shapes = {} if isinstance(opt_sess, Pieces) else None
-    got = opt_sess.run(feeds, names, shapes) if shapes is not None else opt_sess.run(feeds, names)
+    try:
+        got = (
+            opt_sess.run(feeds, names, shapes) if shapes is not None else opt_sess.run(feeds, names)
+        )
+    except GraphoptError as e:  # the original ran on these inputs, the optimized one does not
+        return ParityReport(
+            False, True, [], shapes_used, seed, reference_name, f"optimized model: {e}", feeds=feeds
+        )
     if isinstance(opt_sess, Session):  # a profiling session saw the shapes of every node
         shapes = opt_sess.node_shapes(optimized) or None
     del opt_sess

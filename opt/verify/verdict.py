@@ -107,12 +107,14 @@ def parity_not_run_warnings(report, checked: bool) -> list[str]:
 
 
 def safety_net_warnings(report) -> list[str]:
-    """One line per rewrite the safety net reverted because it made the model invalid (the run
-    succeeds, loudly)."""
+    """One line per rewrite the safety net reverted because it made the model invalid or broke
+    parity (the run succeeds, loudly)."""
     return [
         f"safety net: {r.message}"
         for r in report.remarks
-        if r.kind == "failure" and r.pass_name == "safety-net" and r.code == "invalid-output"
+        if r.kind == "failure"
+        and r.pass_name == "safety-net"
+        and r.code in ("invalid-output", "parity-failure")
     ]
 
 
