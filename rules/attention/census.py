@@ -1,15 +1,15 @@
 """No attention is missed in silence: once the pipeline is done, every Softmax still in the
 graph that is an attention's gets a ``fuse-attention`` remark.
 
-A Softmax over the last axis whose scores come from a MatMul product (through at most
-:data:`SCORE_STEPS` scale, bias, mask, cast, soft-capping or layout nodes) and whose
-probabilities are the left operand of a MatMul is an attention.  When ``fuse-attention`` fused
-it, it is gone; when it refused it, that refusal names this Softmax (its ``softmax`` argument).
-Otherwise the rule never looked at it — its heads are not merged by a Transpose after P·V, or
-its scores are not spelled the way stage 1 reads them — and :func:`census` files the missed
-remark under ``fuse-attention``: stage ``1 (core)``, the scores tensor, code
-``unrecognized-layout`` and what was found instead.  It runs once, on the finished graph
-(``graphopt.opt.rewrite.manager.FINAL_CHECKS``), only where fuse-attention ran.
+A Softmax over the last axis whose scores come from a MatMul product of two computed operands
+(through at most :data:`SCORE_STEPS` scale, bias, mask, clamp, cast, soft-capping, sink or
+layout nodes) and whose probabilities are the left operand of a MatMul is an attention.  When
+``fuse-attention`` fused it, it is gone; when it refused it, that refusal names this Softmax
+(its ``softmax`` argument).  Otherwise the rule never looked at it — its heads are not merged
+by a Transpose after P·V, or its scores are not spelled the way stage 1 reads them — and
+:func:`census` files the missed remark under ``fuse-attention``: stage ``1 (core)``, the scores
+tensor, code ``unrecognized-layout`` and what was found instead.  It runs once, on the finished
+graph (``graphopt.opt.rewrite.manager.FINAL_CHECKS``), only where fuse-attention ran.
 """
 
 from __future__ import annotations
@@ -22,26 +22,39 @@ RULE = "fuse-attention"
 UNFOLD = ("unfold-3d-attention", "unfold-3d-softmax")  # refuse before changing the graph
 CORE = "1 (core)"
 #: nodes between the scores' MatMul and the Softmax that the census follows back
-SCORE_STEPS = 8
-#: ops a score transform may be made of (scale, bias, mask, cast, soft-capping, layout)
+SCORE_STEPS = 16
+#: ops a score transform may be made of: scale, bias, mask, clamp (Max with the lowest
+#: value), cast, soft-capping, a sink logit concatenated and the row maximum subtracted
+#: (GPT-OSS), layout and banding (Longformer's chunks: Pad, Slice, ScatterND)
 SCORE_OPS = frozenset(
-    {"Add", "Sub", "Mul", "Div", "Where", "Cast", "Tanh", "Reshape", "Transpose", "Clip"}
+    {
+        *("Add", "Sub", "Mul", "Div", "Neg", "Where", "Cast", "Tanh", "Clip", "Max", "Min"),
+        *("Reshape", "Transpose", "Squeeze", "Unsqueeze", "Expand", "Concat", "Slice", "Pad"),
+        "ScatterND",
+    }
 )
-#: ops that may stand between the probabilities and the P·V MatMul
-PROB_OPS = frozenset({"Where", "Cast", "Dropout", "Reshape", "Identity"})
+#: nodes between the probabilities and the P·V MatMul that the census follows
+PROB_STEPS = 10
+#: ops that may stand between the probabilities and the P·V MatMul (a sink's column sliced
+#: off, a head mask, banded probabilities padded back into chunks)
+PROB_OPS = frozenset(
+    {"Where", "Cast", "Dropout", "Reshape", "Identity", "Slice", "Transpose", "Pad", "Mul"}
+)
 MATMULS = frozenset({"MatMul", "FusedMatMul", "Einsum"})
 
 
 def scores_matmul(softmax: Node) -> tuple[Node, list[str]] | None:
     """The MatMul whose product the Softmax's scores are, and the ops on the way, else None."""
     frontier: list[tuple[Tensor, list[str]]] = [(softmax.inputs[0], [])]
+    seen: set[int] = set()
     for _ in range(SCORE_STEPS + 1):
         nxt = []
         for t, path in frontier:
-            if isinstance(t, Constant) or not t.inputs:
+            if isinstance(t, Constant) or not t.inputs or id(t) in seen:
                 continue
+            seen.add(id(t))
             p = t.inputs[0]
-            if p.op in MATMULS:
+            if p.op in MATMULS and _computed_operands(p):
                 return p, path
             if p.op in SCORE_OPS:
                 nxt += [(i, [p.op, *path]) for i in p.inputs[:3] if i is not None and i.name]
@@ -49,10 +62,15 @@ def scores_matmul(softmax: Node) -> tuple[Node, list[str]] | None:
     return None
 
 
+def _computed_operands(mm: Node) -> bool:
+    """Whether two operands of the product are computed (q·kᵀ), not one a weight (logits)."""
+    return sum(not isinstance(t, Constant) for t in mm.inputs if t is not None) >= 2
+
+
 def pv_matmul(softmax: Node) -> Node | None:
     """The MatMul that reads the probabilities as its left operand (through PROB_OPS)."""
     frontier = [softmax.outputs[0]]
-    for _ in range(4):
+    for _ in range(PROB_STEPS):
         nxt = []
         for t in frontier:
             for r in t.outputs:

@@ -1,0 +1,135 @@
+"""No attention is missed in silence: spellings the rule does not fuse still get a
+``fuse-attention`` missed remark (the census), and a Softmax over a product with a weight (a
+classifier, a router) gets none.  Parity holds on each."""
+
+import numpy as np
+from onnx import helper
+
+from conftest import codes, const, model, run, vi
+from graphopt.opt.graph.ir import op_histogram
+
+B, N, S, H = 2, 4, 8, 16
+D = N * H
+
+
+def mk(op, ins, outs, **attrs):
+    return helper.make_node(op, ins, outs, name=f"{op.lower()}_{outs[0]}", **attrs)
+
+
+def _heads(rng) -> tuple[list, list]:
+    """q_h, v_h [B,N,S,H] and k_t [B,N,H,S] from projections of ``x``."""
+    nodes, inits = [], [const("split", [0, 0, N, H], np.int64)]
+    for r, perm in (("q", [0, 2, 1, 3]), ("k", [0, 2, 3, 1]), ("v", [0, 2, 1, 3])):
+        nodes += [
+            mk("MatMul", ["x", f"W{r}"], [f"{r}_p"]),
+            mk("Reshape", [f"{r}_p", "split"], [f"{r}_4"]),
+            mk("Transpose", [f"{r}_4"], [f"{r}_h" if r != "k" else "k_t"], perm=perm),
+        ]
+        inits.append(const(f"W{r}", rng.standard_normal((D, D)) * 0.2))
+    return nodes, inits
+
+
+def _merged(p: str) -> list:
+    return [
+        mk("MatMul", [p, "v_h"], ["o"]),
+        mk("Transpose", ["o"], ["o_t"], perm=[0, 2, 1, 3]),
+        mk("Reshape", ["o_t", "merge"], ["y"]),
+    ]
+
+
+def sinks(rng):
+    """GPT-OSS: a learned sink logit per head joins each row of scores before the Softmax
+    (the row maximum taken out first), and its column is sliced off the probabilities."""
+    nodes, inits = _heads(rng)
+    nodes += [
+        mk("MatMul", ["q_h", "k_t"], ["qk"]),
+        mk("Mul", ["qk", "scale"], ["s"]),
+        mk("Shape", ["s"], ["s_shape"], end=3),
+        mk("Concat", ["s_shape", "one"], ["sink_shape"], axis=0),
+        mk("Expand", ["sink", "sink_shape"], ["sinks"]),
+        mk("Concat", ["s", "sinks"], ["with_sink"], axis=-1),
+        mk("ReduceMax", ["with_sink"], ["row_max"], axes=[-1], keepdims=1),
+        mk("Sub", ["with_sink", "row_max"], ["stable"]),
+        mk("Softmax", ["stable"], ["p_all"], axis=-1),
+        mk("Slice", ["p_all", "zero", "minus_one", "last"], ["p"]),
+        *_merged("p"),
+    ]
+    inits += [
+        const("scale", np.float32(H**-0.5)),
+        const("sink", rng.standard_normal((1, N, 1, 1))),
+        const("one", [1], np.int64),
+        const("last", [-1], np.int64),
+        const("zero", [0], np.int64),
+        const("minus_one", [-1], np.int64),
+        const("merge", [0, 0, D], np.int64),
+    ]
+    return model(nodes, [vi("x", [B, S, D])], [vi("y", None)], inits)
+
+
+def clamped(rng):
+    """XGLM: scores folded to [B·N,S,T] around a mask Add and a clamp at the lowest float
+    (``torch.max(s, finfo.min)``), the probabilities unfolded and folded again for P·V."""
+    nodes, inits = _heads(rng)
+    nodes += [
+        mk("Reshape", ["q_h", "fold"], ["q3"]),
+        mk("Transpose", ["k_t"], ["k_h"], perm=[0, 1, 3, 2]),
+        mk("Reshape", ["k_h", "fold"], ["k3"]),
+        mk("Transpose", ["k3"], ["k3_t"], perm=[0, 2, 1]),
+        mk("Reshape", ["v_h", "fold"], ["v3"]),
+        mk("MatMul", ["q3", "k3_t"], ["s3"]),
+        mk("Reshape", ["s3", "unfold"], ["s4"]),
+        mk("Add", ["s4", "mask"], ["masked"]),
+        mk("Max", ["masked", "lowest"], ["clamped"]),
+        mk("Reshape", ["clamped", "fold_scores"], ["z3"]),
+        mk("Softmax", ["z3"], ["p3"], axis=-1),
+        mk("Reshape", ["p3", "unfold"], ["p4"]),
+        mk("Reshape", ["p4", "fold_scores"], ["p3b"]),
+        mk("MatMul", ["p3b", "v3"], ["o3"]),
+        mk("Reshape", ["o3", "ctx4"], ["o4"]),
+        mk("Transpose", ["o4"], ["o_t"], perm=[0, 2, 1, 3]),
+        mk("Reshape", ["o_t", "merge"], ["y"]),
+    ]
+    causal = np.triu(np.full((S, S), np.finfo(np.float32).min), 1)[None, None]
+    inits += [
+        const("fold", [B * N, -1, H], np.int64),
+        const("unfold", [B, N, S, S], np.int64),
+        const("fold_scores", [B * N, S, S], np.int64),
+        const("ctx4", [B, N, S, H], np.int64),
+        const("merge", [0, 0, D], np.int64),
+        const("mask", causal),
+        const("lowest", np.float32(np.finfo(np.float32).min)),
+    ]
+    return model(nodes, [vi("x", [B, S, D])], [vi("y", None)], inits)
+
+
+def classifier(rng):
+    """Softmax over logits of a weight, then a product with another weight: not attention."""
+    nodes = [
+        mk("MatMul", ["x", "W"], ["logits"]),
+        mk("Softmax", ["logits"], ["p"], axis=-1),
+        mk("MatMul", ["p", "E"], ["y"]),
+    ]
+    inits = [const("W", rng.standard_normal((D, 8))), const("E", rng.standard_normal((8, D)))]
+    return model(nodes, [vi("x", [B, S, D])], [vi("y", None)], inits)
+
+
+def test_an_attention_with_sinks_is_missed_with_a_remark(rng):
+    out, report = run(sinks(rng), target="cuda")
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert op_histogram(out.graph.node).get("Softmax") == 1
+    assert codes(report, "fuse-attention") == ["unrecognized-layout"]
+    [miss] = [r for r in report.remarks if r.rule == "fuse-attention" and r.kind == "missed"]
+    assert "Concat" in miss.message and miss.args["softmax"]
+
+
+def test_a_clamped_folded_attention_is_missed_with_a_remark(rng):
+    out, report = run(clamped(rng), target="cuda")
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert "Softmax" in op_histogram(out.graph.node)
+    assert codes(report, "fuse-attention") == ["unrecognized-layout"]
+
+
+def test_a_softmax_over_a_weight_product_is_not_an_attention(rng):
+    out, report = run(classifier(rng), target="cuda")
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert codes(report, "fuse-attention") == []
