@@ -704,9 +704,11 @@ def _keep_valid(
 def _keep_equal(original, optimized, cx, parity, execute, limit, kw: dict, say, budget_s: float):
     """Parity failed (an output out of tolerance, or the optimized model does not run where the
     original does): bisect to the rewrite responsible, as :func:`_keep_valid` does, and revert
-    it, at most three times and within ``budget_s`` seconds; each revert is a failure remark
-    and a warning (a firing is a bug in a rule).  Returns the model, its context and whether
-    anything was reverted (the caller checks parity again; still failing, the run fails)."""
+    it, at most three times and within ``budget_s`` seconds; when that is not enough, every
+    rewrite of the rules found is reverted (a rule wrong at three nodes is wrong at all of its
+    kind).  Each revert is a failure remark and a warning (a firing is a bug in a rule).
+    Returns the model, its context and whether anything was reverted (the caller checks parity
+    again; still failing, the run fails)."""
     deadline = time.perf_counter() + budget_s
     quick = kw | {"localize_on_failure": False}
 
@@ -717,7 +719,7 @@ def _keep_equal(original, optimized, cx, parity, execute, limit, kw: dict, say, 
         return optimized, cx, False  # too large to rerun, or no rewrite is to blame
     why = parity.error or "outputs out of tolerance"
     skip: frozenset = frozenset()
-    reverted = []
+    reverted, fixed = [], False
     for _ in range(3):
         if not cx.applied or time.perf_counter() > deadline:
             break
@@ -735,9 +737,17 @@ def _keep_equal(original, optimized, cx, parity, execute, limit, kw: dict, say, 
         reverted.append((rule, node, why))
         skip = skip | {(rule, node)}
         optimized, cx = execute(limit, skip)
-        if equal(optimized):
+        fixed = equal(optimized)
+        if fixed:
             break
         why = "outputs still differ"
+    rules = {rule for rule, _, _ in reverted}
+    if reverted and not fixed and time.perf_counter() < deadline:
+        rest = [(r, n) for _, r, n in cx.applied if r in rules]
+        candidate = execute(limit, skip | set(rest))
+        if equal(candidate[0]):
+            optimized, cx = candidate
+            reverted += [(r, n, "its rule broke parity at the nodes above") for r, n in rest]
     for rule, node, why in reverted:
         cx.remark(
             "failure",

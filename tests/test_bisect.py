@@ -155,3 +155,17 @@ def test_the_parity_safety_net_warns_on_the_command_line(wrong_rule, rng, tmp_pa
     )
     assert res.exit_code == 0, res.output
     assert "safety net: parity failed after test-wrong-relu-to-abs at 'relu'" in res.output
+
+
+def test_a_rule_wrong_at_more_nodes_than_three_reverts_is_reverted_whole(wrong_rule, rng):
+    nodes = [helper.make_node("Relu", [f"x{i}"], [f"r{i}"], name=f"relu{i}") for i in range(5)]
+    nodes.append(helper.make_node("Concat", [f"r{i}" for i in range(5)], ["y"], axis=0))
+    inputs = [vi(f"x{i}", [4, 4]) for i in range(5)]
+    m = model(nodes, inputs, [vi("y", [20, 4])])
+    import graphopt
+
+    optimized, report = graphopt.optimize(m, pipeline="test-wrong-relu-to-abs")
+    assert report.parity.ok
+    assert "Abs" not in {n.op_type for n in optimized.graph.node}
+    net = [r for r in report.remarks if r.pass_name == "safety-net"]
+    assert sorted(r.nodes[0] for r in net) == [f"relu{i}" for i in range(5)]

@@ -173,6 +173,11 @@ def parse_tolerances(specs: list[str] | None) -> dict[str, Tolerance]:
     return out
 
 
+class RunFailed(GraphoptError):
+    """onnxruntime refused to run a model it had loaded (a kernel's check on its inputs): not
+    a run cut short by the time limit, nor one a hazard kept from running."""
+
+
 class Session:
     """An onnxruntime session over a model proto, spilled to a temp dir when over 2 GB."""
 
@@ -300,9 +305,7 @@ class Session:
                         f"onnxruntime's run of the model did not end within {run_seconds():.0f} s "
                         "(GRAPHOPT_RUN_SECONDS); it was cut short"
                     ) from None
-                raise GraphoptError(
-                    f"onnxruntime failed to run the model: {_first_line(e)}"
-                ) from None
+                raise RunFailed(f"onnxruntime failed to run the model: {_first_line(e)}") from None
 
 
 #: what onnxruntime names the casts it inserts around a node it runs in another type
@@ -1181,7 +1184,7 @@ def check_parity(
         got = (
             opt_sess.run(feeds, names, shapes) if shapes is not None else opt_sess.run(feeds, names)
         )
-    except GraphoptError as e:  # the original ran on these inputs, the optimized one does not
+    except RunFailed as e:  # the original ran on these inputs, the optimized one does not
         return ParityReport(
             False, True, [], shapes_used, seed, reference_name, f"optimized model: {e}", feeds=feeds
         )
