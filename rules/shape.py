@@ -8,6 +8,7 @@ left to keep the output's name (still one node instead of two).
 * ``slices-to-split``: Slices that cut one axis of a tensor into consecutive pieces → one Split.
 * ``collapse-reshape-chain``: Reshape/Squeeze/Unsqueeze/Flatten feeding a Reshape with a constant
   target, or any such chain whose final shape is static → one Reshape (or nothing).
+* ``reshape-round-trip``: a Reshape back to the target its input was reshaped to → nothing.
 * ``fuse-casts``: Cast∘Cast → one Cast when the middle type holds every value exactly.
 * ``shape-through-transpose``: a dim read from a Transpose's shape is read from its input, so a
   Transpose kept alive only to be measured (T5's key length) can go.
@@ -191,6 +192,46 @@ class ReshapeThroughUnary(Rule):
                 name=f"{m.u.name}/unreshaped",
             )
         ]
+
+
+#: ops whose output has their (first) input's shape
+SHAPE_KEEPING = frozenset({"Softmax", "LogSoftmax", "Cast", "Identity", *UNARY_ELEMENTWISE})
+
+
+@register_rule
+class ReshapeRoundTrip(Rule):
+    """``Reshape(t, b)`` or ``Reshape(Reshape(t, a), b)`` → ``t`` when ``t`` was itself made by
+    a Reshape to the very same target ``b`` (then shape-keeping ops: Softmax, Cast, unary
+    element-wise).  The eager bmm attention of XGLM unfolds its probabilities to [B,N,S,T] and
+    folds them straight back with the target that folded its scores.  ``b`` is computed (the
+    same tensor: the same values at run time) or a constant, without zeros unless both
+    Reshapes take them literally (``allowzero``); a computed 0 is an empty dim."""
+
+    name = "reshape-round-trip"
+    root = "Reshape"
+    level = 1
+    summary = "Reshape back to the target its input was reshaped to → nothing"
+    pattern = Op("Reshape", "t", "b", name="outer")
+
+    def structure(self, m, cx):
+        zero = m.outer.attrs.get("allowzero", 0)  # 1: a 0 is a 0, not a copy of the input's dim
+        target = constant_value(m.b)
+        applies_only_if(target is not None or isinstance(m.b, Variable))
+        applies_only_if(zero or target is None or 0 not in target.tolist())
+        src, inner = m.t, None
+        if src.inputs and src.inputs[0].op == "Reshape" and len(src.outputs) == 1:
+            inner = src.inputs[0]
+            src = inner.inputs[0]
+        made = src
+        while made.inputs and made.inputs[0].op in SHAPE_KEEPING:
+            made = made.inputs[0].inputs[0]
+        rs = made.inputs[0] if made.inputs else None
+        applies_only_if(rs is not None and rs.op == "Reshape" and rs.inputs[1] is m.b)
+        applies_only_if(rs.attrs.get("allowzero", 0) == zero and not cx.ir.is_graph_output(m.t))
+        m.stash(source=src)
+
+    def rewrite(self, m, b):
+        return [m.source]
 
 
 @register_rule

@@ -1,6 +1,7 @@
 """No attention is missed in silence: spellings the rule does not fuse still get a
-``fuse-attention`` missed remark (the census), and a Softmax over a product with a weight (a
-classifier, a router) gets none.  Parity holds on each."""
+``fuse-attention`` missed remark (the census), a Softmax over a product with a weight (a
+classifier, a router) gets none, and XGLM's clamped bmm attention fuses.  Parity holds on
+each."""
 
 import numpy as np
 from onnx import helper
@@ -68,7 +69,8 @@ def sinks(rng):
 
 def clamped(rng):
     """XGLM: scores folded to [B·N,S,T] around a mask Add and a clamp at the lowest float
-    (``torch.max(s, finfo.min)``), the probabilities unfolded and folded again for P·V."""
+    (``torch.max(s, finfo.min)``), the probabilities unfolded and folded again for P·V with
+    the target that folded the scores."""
     nodes, inits = _heads(rng)
     nodes += [
         mk("Reshape", ["q_h", "fold"], ["q3"]),
@@ -80,6 +82,7 @@ def clamped(rng):
         mk("Reshape", ["s3", "unfold"], ["s4"]),
         mk("Add", ["s4", "mask"], ["masked"]),
         mk("Max", ["masked", "lowest"], ["clamped"]),
+        mk("Shape", ["s3"], ["fold_scores"]),  # computed: the round trip is read by identity
         mk("Reshape", ["clamped", "fold_scores"], ["z3"]),
         mk("Softmax", ["z3"], ["p3"], axis=-1),
         mk("Reshape", ["p3", "unfold"], ["p4"]),
@@ -91,15 +94,14 @@ def clamped(rng):
     ]
     causal = np.triu(np.full((S, S), np.finfo(np.float32).min), 1)[None, None]
     inits += [
-        const("fold", [B * N, -1, H], np.int64),
-        const("unfold", [B, N, S, S], np.int64),
-        const("fold_scores", [B * N, S, S], np.int64),
-        const("ctx4", [B, N, S, H], np.int64),
+        const("fold", [-1, S, H], np.int64),
+        const("unfold", [-1, N, S, S], np.int64),
+        const("ctx4", [-1, N, S, H], np.int64),
         const("merge", [0, 0, D], np.int64),
         const("mask", causal),
         const("lowest", np.float32(np.finfo(np.float32).min)),
     ]
-    return model(nodes, [vi("x", [B, S, D])], [vi("y", None)], inits)
+    return model(nodes, [vi("x", ["batch", S, D])], [vi("y", None)], inits)
 
 
 def classifier(rng):
@@ -119,14 +121,18 @@ def test_an_attention_with_sinks_is_missed_with_a_remark(rng):
     assert op_histogram(out.graph.node).get("Softmax") == 1
     assert codes(report, "fuse-attention") == ["unrecognized-layout"]
     [miss] = [r for r in report.remarks if r.rule == "fuse-attention" and r.kind == "missed"]
-    assert "Concat" in miss.message and miss.args["softmax"]
+    assert "head_sink" in miss.message and miss.args["softmax"]
 
 
-def test_a_clamped_folded_attention_is_missed_with_a_remark(rng):
+def test_a_clamped_folded_attention_fuses(rng):
+    """The clamp at the lowest float changes no finite score; the probabilities' unfold and
+    fold back with the scores' own computed target is no Reshape at all."""
     out, report = run(clamped(rng), target="cuda")
     assert report.parity.ran and report.parity.ok, report.parity
-    assert "Softmax" in op_histogram(out.graph.node)
-    assert codes(report, "fuse-attention") == ["unrecognized-layout"]
+    ops = op_histogram(out.graph.node)
+    assert ops.get("com.microsoft.MultiHeadAttention") == 1 and "Max" not in ops, ops
+    assert codes(report, "fuse-attention") == []
+    assert report.rules["reshape-round-trip"]["fired"] == 1
 
 
 def test_a_softmax_over_a_weight_product_is_not_an_attention(rng):

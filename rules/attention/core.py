@@ -105,6 +105,7 @@ class Core:
     fold: FoldedHeads | None = None
     nan_guard: tuple[Node, Node] | None = None  # (Where, IsNaN)
     mid_reshape: Node | None = None
+    clamp: Node | None = None  # Max(masked scores, lowest float): absorbed, see unclamped
 
     def nodes(self) -> list[Node]:
         """The core's nodes, consumers first."""
@@ -115,6 +116,7 @@ class Core:
         found += [self.softmax]
         if self.window is not None:
             found += [self.window.merge, *self.window.adds, self.window.split]
+        found += [self.clamp] if self.clamp is not None else []
         found += self.term_adds[::-1] + ([self.where] if self.where is not None else [])
         if self.fold is not None:
             found += [self.fold.scores] + self.fold.term_adds[::-1]
@@ -301,6 +303,25 @@ def peel_terms(z: Tensor) -> tuple[Tensor, list[Tensor], list[Node]]:
     return z, terms[::-1], adds[::-1]
 
 
+#: a clamp at or below this (``torch.max(scores, finfo.min)``) changes no score but −inf
+CLAMP_FLOOR = -1e30
+
+
+def unclamped(z: Tensor) -> tuple[Tensor, Node | None]:
+    """``z`` = Max(s, c) with a scalar ``c`` ≤ :data:`CLAMP_FLOOR` (XGLM, older OPT): (s, the
+    Max), else (z, None).  Such a clamp keeps every finite score and turns −inf into the lowest
+    float: the Softmax is the same unless a whole row is −inf, which the clamp makes uniform;
+    the masks of the models that clamp are built from the lowest float, never −inf."""
+    mx = producer(z, "Max")
+    if mx is None or len(mx.inputs) != 2:
+        return z, None
+    for i in (0, 1):
+        c = scalar(inputs(mx)[1 - i])
+        if c is not None and c <= CLAMP_FLOOR:
+            return inputs(mx)[i], mx
+    return z, None
+
+
 def _nan_guard(p: Tensor) -> tuple[Node, Node] | None:
     """``Where(IsNaN(P), 0, P)``: (Where, IsNaN), or None."""
     guard = producer(p, "Where")
@@ -319,6 +340,7 @@ def _peel_scores(core: Core, z: Tensor) -> None:
     core.window = _window_regroup(z)
     if core.window is not None:
         z = inputs(core.window.split)[0]
+    z, core.clamp = unclamped(z)
     z, core.terms, core.term_adds = peel_terms(z)
     where = producer(z, "Where")
     if where is not None and is_scores(inputs(where)[1]):

@@ -42,7 +42,7 @@ from graphopt.opt.rewrite.manager import register_rule
 from graphopt.opt.rewrite.patterns import Op
 
 from ..activation import MS, float_type, inputs, no_match, producer
-from .core import keeps_last_two, peel_terms, soft_cap, strip_scale, unfolded
+from .core import keeps_last_two, peel_terms, soft_cap, strip_scale, unclamped, unfolded
 from .heads import transpose_of
 
 
@@ -96,7 +96,7 @@ def _scores_matmul(z: Tensor) -> Node | None:
     soft-capping, one scale, and the Reshapes that unfold the scores for a mask and fold them
     back."""
     for _ in range(3):
-        z = peel_terms(z)[0]
+        z = peel_terms(unclamped(z)[0])[0]
         where = producer(z, "Where")
         if where is not None:
             on = (
