@@ -108,6 +108,15 @@ def census(ir: ModelIR, cx: PassContext) -> None:
             continue  # not an attention
         qk, path = found
         steps = " → ".join(path) if path else "nothing"
+        sink = _sink(node)
+        why = (
+            f"the scores get a sink column before the Softmax (Concat of '{sink.name}' on the "
+            "last axis) that is sliced off after it: a learned logit per head, which "
+            "GroupQueryAttention's head_sink would take and fuse-attention does not lower"
+            if sink is not None
+            else "not the P·V and head-merging Transpose fuse-attention reads an attention "
+            "back from"
+        )
         cx.remark(
             "missed",
             "attention-census",
@@ -115,12 +124,32 @@ def census(ir: ModelIR, cx: PassContext) -> None:
             "unrecognized-layout",
             [node.name],
             f"stage {CORE}: the Softmax '{node.name}' over the product of {qk.op} '{qk.name}' "
-            f"(then {steps}) feeds {pv.op} '{pv.name}', which is followed by {_merge(pv)}: not "
-            "the P·V and head-merging Transpose fuse-attention reads an attention back from",
+            f"(then {steps}) feeds {pv.op} '{pv.name}', which is followed by {_merge(pv)}: " + why,
             stage=CORE,
             tensor=node.inputs[0].name,
             softmax=node.name,
         )
+
+
+def _sink(softmax: Node) -> Tensor | None:
+    """The sink column of attention sinks (GPT-OSS): the Softmax's scores are
+    ``Concat([scores, sink], -1)`` (the row maximum perhaps subtracted first), the sink one
+    column wide; None otherwise."""
+    z = softmax.inputs[0]
+    sub = z.inputs[0] if z.inputs and z.inputs[0].op == "Sub" else None
+    if sub is not None:
+        z = sub.inputs[0]
+    cat = z.inputs[0] if z.inputs and z.inputs[0].op == "Concat" else None
+    if cat is None or len(cat.inputs) != 2 or cat.attrs.get("axis") not in (-1, 3):
+        return None
+    sink = cat.inputs[1]
+    last = sink.shape[-1] if sink.shape else None
+    if isinstance(last, int) and last != 1:
+        return None
+    p = softmax.outputs[0]  # its column is sliced off the probabilities (through Casts)
+    while len(p.outputs) == 1 and p.outputs[0].op == "Cast":
+        p = p.outputs[0].outputs[0]
+    return sink if any(r.op == "Slice" for r in p.outputs) else None
 
 
 FINAL_CHECKS[RULE] = census
