@@ -219,8 +219,9 @@ def library_cases(w: World) -> list[Case]:
             )
     kern = w.bundle("substituted", kernels=True)
     libs = sorted((kern / "kernels" / "cpu").glob("*.so"))
-    if not libs:
-        raise SystemExit("the gated model made no kernel library (is a C compiler missing?)")
+    if not libs:  # no C compiler, or the kernel's speed gate refused it on this machine
+        print("skipped: the substituted-library cases (the gated model made no kernel library)")
+        return cases
     lib = libs[0]
     tmp = lib.with_name(lib.name + ".new")
     shutil.copy(w.evil, tmp)
