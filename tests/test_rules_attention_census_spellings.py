@@ -139,3 +139,16 @@ def test_a_softmax_over_a_weight_product_is_not_an_attention(rng):
     out, report = run(classifier(rng), target="cuda")
     assert report.parity.ran and report.parity.ok, report.parity
     assert codes(report, "fuse-attention") == []
+
+
+def test_an_attention_whose_fusion_was_withheld_gets_no_census_remark(rng):
+    """A fusion the bisect limit (or a safety net's skip) withheld is not a spelling the rule
+    missed: the net's own remark says why, so the census says nothing."""
+    from test_rules_attention_bias_heads import learned_table
+
+    m = learned_table(rng)
+    _, fused = run(m, target="cuda")
+    assert codes(fused, "fuse-attention", "passed")
+    out, report = run(m, target="cuda", bisect_limit=0)
+    assert "Softmax" in op_histogram(out.graph.node)
+    assert codes(report, "fuse-attention") == []

@@ -76,8 +76,11 @@ class PassContext:
     ir: ModelIR | None = None
     #: max |value| of each tensor of the original model on calibration inputs (``--inputs``)
     ranges: dict[str, float] | None = None
-    #: (rule, node) rewrites not to apply: reverted because the runtime rejected the result
+    #: (rule, node) rewrites not to apply: reverted by a safety net (invalid output, broken
+    #: parity, slower on the target)
     skip: frozenset[tuple[str, str]] = frozenset()
+    #: per rule, the nodes of each match that ``skip`` (or the bisect limit) withheld
+    withheld: dict[str, list[list]] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
     #: the input model (None when passes run on an IR alone)
     original: Original | None = None

@@ -376,7 +376,10 @@ def _try_rule(
     stats = cx.rule_stats(rule.name)
     try:
         m = _first_passing(ir, rule, node, cx, pass_name)
-        if m is None or not cx.take_bisect_step(rule.name, node.name):
+        if m is None:
+            return None
+        if not cx.take_bisect_step(rule.name, node.name):
+            cx.withheld.setdefault(rule.name, []).append(m.nodes())
             return None
         with dims.unshared():  # the graph changes as the rewrite is built
             applied = _apply(ir, rule, m, cx, pass_name)

@@ -99,6 +99,8 @@ def census(ir: ModelIR, cx: PassContext) -> None:
     that the rule neither fused nor refused."""
     refusals = [m for r in (RULE, *UNFOLD) for m in cx.misses.get(r, ())]
     said = {m.args.get("softmax") for m in refusals}
+    # a fusion a safety net reverted has its own remark (slower-on-target, parity-failure)
+    said |= {n.name for r in (RULE, *UNFOLD) for ns in cx.withheld.get(r, ()) for n in ns}
     for node in ir.graph.nodes:
         if node.op != "Softmax" or node.domain or node.name in said or not _last_axis(node):
             continue
