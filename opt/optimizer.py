@@ -667,16 +667,12 @@ def _keep_valid(
         if not cx.applied or time.perf_counter() > deadline:
             break
         say("the optimized model is invalid; finding the rewrite responsible")
-        lo, hi = 1, len(cx.applied)
-        while lo < hi and time.perf_counter() < deadline:
-            mid = (lo + hi) // 2
-            if _invalid(execute(mid, skip)[0], base_dir, **clauses) is None:
-                lo = mid + 1
-            else:
-                hi = mid
-        if lo < hi:
+        found = _first_bad(
+            cx, lambda n, s=skip: _invalid(execute(n, s)[0], base_dir, **clauses) is None, deadline
+        )
+        if found is None:
             break
-        _, rule, node = cx.applied[lo - 1]
+        rule, node = found
         reverted.append((rule, node, error))
         skip = skip | {(rule, node)}
         optimized, cx = execute(limit, skip)
@@ -699,6 +695,22 @@ def _keep_valid(
             f"the model was invalid after {rule} at '{node}' ({why}); that rewrite was reverted",
         )
     return optimized, cx
+
+
+def _first_bad(cx, good: Callable[[int], bool], deadline: float) -> tuple[str, str] | None:
+    """(rule, node) of the first of ``cx.applied`` whose prefix is not ``good`` (the full list
+    is bad), by bisection; None when the deadline cut the search short."""
+    lo, hi = 1, len(cx.applied)
+    while lo < hi and time.perf_counter() < deadline:
+        mid = (lo + hi) // 2
+        if good(mid):
+            lo = mid + 1
+        else:
+            hi = mid
+    if lo < hi:
+        return None
+    _, rule, node = cx.applied[lo - 1]
+    return rule, node
 
 
 def _keep_equal(original, optimized, cx, parity, execute, limit, kw: dict, say, budget_s: float):
@@ -724,16 +736,10 @@ def _keep_equal(original, optimized, cx, parity, execute, limit, kw: dict, say, 
         if not cx.applied or time.perf_counter() > deadline:
             break
         say("the optimized model does not match the original; finding the rewrite responsible")
-        lo, hi = 1, len(cx.applied)
-        while lo < hi and time.perf_counter() < deadline:
-            mid = (lo + hi) // 2
-            if equal(execute(mid, skip)[0]):
-                lo = mid + 1
-            else:
-                hi = mid
-        if lo < hi:
+        found = _first_bad(cx, lambda n, s=skip: equal(execute(n, s)[0]), deadline)
+        if found is None:
             break
-        _, rule, node = cx.applied[lo - 1]
+        rule, node = found
         reverted.append((rule, node, why))
         skip = skip | {(rule, node)}
         optimized, cx = execute(limit, skip)
