@@ -415,19 +415,22 @@ class MaeNoShuffle(torch.nn.Module):
         return self.model(pixel_values=pixel_values, noise=noise)["last_hidden_state"]
 
 
+#: the small ViT encoder of the vision families (64x64 images in 8x8 patches)
+VIT = dict(
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=256,
+    image_size=64,
+    patch_size=8,
+    attn_implementation="eager",
+)
+
+
 def b_vitmae():
     from transformers import ViTMAEConfig, ViTMAEModel
 
-    cfg = ViTMAEConfig(
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=256,
-        image_size=64,
-        patch_size=8,
-        mask_ratio=0.0,
-        attn_implementation="eager",
-    )
+    cfg = ViTMAEConfig(**VIT, mask_ratio=0.0)
     model = ViTMAEModel(cfg)
     perturb_constant_params(model)
     return Net(
@@ -532,15 +535,7 @@ def b_marian():
 def b_siglip_vision():
     from transformers import SiglipVisionConfig, SiglipVisionModel
 
-    cfg = SiglipVisionConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        image_size=64,
-        patch_size=8,
-        attn_implementation="eager",
-    )
+    cfg = SiglipVisionConfig(**VIT)
     outputs = ["last_hidden_state", "pooler_output"]
     return make_models.hf_vision_net(SiglipVisionModel(cfg), outputs, 64)
 
