@@ -445,14 +445,35 @@ def _split_packed(t: Tensor | None, perm: tuple[int, ...]) -> HeadSplit | None:
 
 
 def _split_sbd(t: Tensor | None, perm: tuple[int, ...]) -> HeadSplit | None:
-    """``Reshape(Transpose(Reshape(x, [S,-1,H]), (1,0,2)), [B,N,S,H])`` [→ (0,1,3,2) for K]."""
-    t, chain = _untranspose_k(t, perm)
-    merge = producer(t, "Reshape")
-    tr = transpose_of(inputs(merge)[0], (1, 0, 2)) if merge is not None else None
+    """``Reshape(Transpose(Reshape(x, [S,-1,H]), (1,0,2)), [B,N,S,H])`` [→ (0,1,3,2) for K];
+    or, for K, dynamo's 3-D Kᵀ ``Reshape(Transpose(Reshape(x, [S,-1,H]), (1,2,0)), [B,N,H,T])``
+    (``nn.MultiheadAttention``; the (1,2,0) also as (1,0,2) then (0,2,1))."""
+    merge = producer(t, "Reshape") if perm == PERM_BNHS else None
+    flips = _sbd_kt(merge)
+    if flips:
+        chain, tr = [merge] + flips[:-1], flips[-1]
+    else:
+        t, chain = _untranspose_k(t, perm)
+        merge = producer(t, "Reshape")
+        tr = transpose_of(inputs(merge)[0], (1, 0, 2)) if merge is not None else None
+        chain = chain + [merge]
     rs = producer(inputs(tr)[0], "Reshape") if tr is not None else None
     if rs is None:
         return None
-    return HeadSplit(inputs(rs)[0], rs, "sbd", chain + [merge, tr], merge=merge)
+    return HeadSplit(inputs(rs)[0], rs, "sbd", chain + [tr], merge=merge)
+
+
+def _sbd_kt(merge: Node | None) -> list[Node]:
+    """The Transposes, consumers first, that turn a sequence-first split [S,B·N,H] into the
+    [B·N,H,S] under ``merge`` (a Kᵀ unfolded to [B,N,H,T]); [] when it is not one."""
+    if merge is None:
+        return []
+    one = transpose_of(inputs(merge)[0], (1, 2, 0))
+    if one is not None:
+        return [one]
+    flip = transpose_of(inputs(merge)[0], (0, 2, 1))
+    tr = transpose_of(inputs(flip)[0], (1, 0, 2)) if flip is not None else None
+    return [flip, tr] if tr is not None else []
 
 
 def _k_through_3d(t: Tensor | None) -> tuple[list[Node], Tensor] | None:
@@ -599,6 +620,8 @@ def _heads_sbd(split: Node, merge: Node, x: Tensor, dims: Dims) -> tuple[int, in
     eb = shape_elements(inputs(merge)[1], dims)
     if ea is None or eb is None:
         return "a sequence-first reshape target is computed at run time and not resolvable"
+    if _sbd_kt(merge) and len(eb) == 4:
+        eb = [eb[0], eb[1], eb[3], eb[2]]  # Kᵀ unfolded as [B,N,H,T]
     if len(ea) != 3 or len(eb) != 4:
         return f"the sequence-first reshape targets have {len(ea)} and {len(eb)} elements, not 3, 4"
     width = _static_width(x)

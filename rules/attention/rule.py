@@ -123,12 +123,22 @@ def _kept_per_head(split: HeadSplit) -> HeadSplit:
 
 
 def _query_per_head(core: Core) -> HeadSplit | None:
-    """Folded heads only: a query [B,N,S,H] computed some other way (Bloom's per-head
-    interleaved q/k/v: ``Gather(Reshape(x, [B,S,N,3,H]), i, axis=3)``) goes to the kernel as
-    it is, merged to [B,S,N·H]; its key and value then go per head too."""
-    if core.fold is None or rank(core.q) != 4:
+    """A query [B,N,S,H] computed some other way goes to the kernel as it is, merged to
+    [B,S,N·H]: with folded heads (Bloom's per-head interleaved q/k/v:
+    ``Gather(Reshape(x, [B,S,N,3,H]), i, axis=3)``; its key and value then go per head too),
+    or a constant (learned queries of a pooling head, folded with a static batch)."""
+    if rank(core.q) != 4 or (core.fold is None and not _unbroadcast_constant(core.q, core.kt)):
         return None
     return HeadSplit(core.q, None, "bnsh", [], kept=True)
+
+
+def _unbroadcast_constant(q: Tensor, kt: Tensor) -> bool:
+    """Whether ``q`` is a constant [B,N,S,H] whose batch and heads are those of Kᵀ (a query
+    the MatMul broadcasts over them would not fit the kernel)."""
+    if not isinstance(q, Constant) or rank(kt) != 4:
+        return False
+    dims = current_dims()
+    return all(dims.key(kt, i) == ("int", int(q.shape[i])) for i in (0, 1))
 
 
 def _keep_shared_heads(a: Attention, cx) -> Attention:
