@@ -31,6 +31,12 @@ class Remark:
         return d
 
 
+def _stage(remark: Remark) -> int | None:
+    """The stage number a staged rule's miss names (``stage`` "2 (lift)" → 2), else None."""
+    head = str(remark.args.get("stage", "")).split(" ", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
 class RemarkLog:
     """Collects remarks, keeping the last outcome per (rule, anchor node)."""
 
@@ -38,8 +44,15 @@ class RemarkLog:
         self._by_key: dict[tuple[str, str, str], Remark] = {}
 
     def add(self, remark: Remark) -> None:
+        """Record ``remark`` as the outcome at its anchor; a miss that got less far through a
+        staged rule's stages than the miss already there does not replace it (a later round
+        retrying the node on a graph other rules have since rewritten for their own ends)."""
         anchor = remark.nodes[0] if remark.nodes else ""
         key = (remark.rule, anchor, remark.code if remark.kind in ("analysis", "failure") else "")
+        old = self._by_key.get(key)
+        if old is not None and old.kind == remark.kind == "missed":
+            if (_stage(old) or 0) > (_stage(remark) or 0) and _stage(remark) is not None:
+                return
         self._by_key.pop(key, None)
         self._by_key[key] = remark
 

@@ -250,6 +250,24 @@ def test_forgetting_a_miss_keeps_everything_else():
     ]
 
 
+def test_a_later_miss_that_got_less_far_keeps_the_staged_one():
+    """A staged rule's refusal at stage 3 stays when a later round, on a graph other rules have
+    since rewritten, refuses the same node at stage 1; a later refusal as far or further wins."""
+    from graphopt.opt.remarks import Remark, RemarkLog
+
+    def miss(code, stage):
+        return Remark("missed", "rules", "test-staged", code, ("root",), code, {"stage": stage})
+
+    log = RemarkLog()
+    log.add(miss("no-kernel", "3 (lower)"))
+    log.add(miss("unrecognized-layout", "1 (core)"))
+    assert [r.code for r in log] == ["no-kernel"]
+    log.add(miss("slower-on-target", "3 (lower)"))
+    assert [r.code for r in log] == ["slower-on-target"]
+    log.add(Remark("missed", "rules", "test-staged", "plain", ("root",), "no stage"))
+    assert [r.code for r in log] == ["plain"]
+
+
 def test_one_domain_normalization():
     from graphopt.opt.graph.domains import MS, in_domains, is_default, norm_domain, same_domain
 

@@ -38,9 +38,10 @@ def _merged(p: str) -> list:
     ]
 
 
-def sinks(rng):
+def sinks(rng, merged: bool = True):
     """GPT-OSS: a learned sink logit per head joins each row of scores before the Softmax
-    (the row maximum taken out first), and its column is sliced off the probabilities."""
+    (the row maximum taken out first), and its column is sliced off the probabilities; the
+    heads merged after P·V, or (``merged`` False) P·V [B,N,S,H] the output."""
     nodes, inits = _heads(rng)
     nodes += [
         mk("MatMul", ["q_h", "k_t"], ["qk"]),
@@ -53,7 +54,7 @@ def sinks(rng):
         mk("Sub", ["with_sink", "row_max"], ["stable"]),
         mk("Softmax", ["stable"], ["p_all"], axis=-1),
         mk("Slice", ["p_all", "zero", "minus_one", "last"], ["p"]),
-        *_merged("p"),
+        *(_merged("p") if merged else [mk("MatMul", ["p", "v_h"], ["y"])]),
     ]
     inits += [
         const("scale", np.float32(H**-0.5)),
@@ -115,13 +116,21 @@ def classifier(rng):
     return model(nodes, [vi("x", [B, S, D])], [vi("y", None)], inits)
 
 
-def test_an_attention_with_sinks_is_missed_with_a_remark(rng):
+def test_an_attention_with_sinks_fuses(rng):
     out, report = run(sinks(rng), target="cuda")
+    assert report.parity.ran and report.parity.ok, report.parity
+    h = op_histogram(out.graph.node)
+    assert h.get("com.microsoft.MultiHeadAttention") == 1 and "Softmax" not in h, h
+    assert codes(report, "fuse-attention") == []
+
+
+def test_an_attention_with_sinks_and_no_head_merge_is_missed_with_a_remark(rng):
+    out, report = run(sinks(rng, merged=False), target="cuda")
     assert report.parity.ran and report.parity.ok, report.parity
     assert op_histogram(out.graph.node).get("Softmax") == 1
     assert codes(report, "fuse-attention") == ["unrecognized-layout"]
     [miss] = [r for r in report.remarks if r.rule == "fuse-attention" and r.kind == "missed"]
-    assert "head_sink" in miss.message and miss.args["softmax"]
+    assert "sink column" in miss.message and miss.args["softmax"]
 
 
 def test_a_clamped_folded_attention_fuses(rng):

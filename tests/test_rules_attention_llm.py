@@ -171,10 +171,13 @@ def decoder(
     phi3=False,
     qk_norm=False,
     passed: int = 0,
+    sinks: bool = False,
 ):
     """One decoder self-attention with a KV cache and RoPE, as the exporters write it; with
     ``qk_norm`` an RMSNorm over each q and k head before the rotation (Qwen3), with ``passed``
-    (and ``phi3``) heads of H + ``passed`` of which the first H rotate (GPT-NeoX, Phi-2)."""
+    (and ``phi3``) heads of H + ``passed`` of which the first H rotate (GPT-NeoX, Phi-2); with
+    ``sinks`` GPT-OSS's learned sink logit per head concatenated to the scores, the row maximum
+    subtracted, and the sink's column sliced off the probabilities."""
     rng = np.random.default_rng(7)
     hp = H + passed
     nodes, inits = freqs_mul("position_ids")
@@ -196,9 +199,16 @@ def decoder(
         mk("Mul", ["kt", "qk_scale"], ["kts"]),
         mk("MatMul", ["qs", "kts"], ["scores"]),
         mk("Add", ["scores", "bias"], ["z"]),
-        mk("Softmax", ["z"], ["P0"], axis=-1),
-        mk("IsNaN", ["P0"], ["nan"]),
-        mk("Where", ["nan", "fzero", "P0"], ["P"]),
+        *(_sink_softmax("z", "P", dynamo) if sinks else []),
+        *(
+            []
+            if sinks
+            else [
+                mk("Softmax", ["z"], ["P0"], axis=-1),
+                mk("IsNaN", ["P0"], ["nan"]),
+                mk("Where", ["nan", "fzero", "P0"], ["P"]),
+            ]
+        ),
         mk("MatMul", ["P", "v_all"], ["ctx"]),
         mk("Transpose", ["ctx"], ["ctxT"], perm=[0, 2, 1, 3]),
         mk("Reshape", ["ctxT", "merge"], ["y"]),
@@ -216,6 +226,11 @@ def decoder(
         const("big", [2**63 - 1], np.int64),
         const("ax3", [3], np.int64),
     ]
+    if sinks:
+        inits += [
+            const("sinks", rng.standard_normal((1, NQ, 1, 1)) * 2),
+            const("one1", [1], np.int64),
+        ]
     nodes = _topo(nodes, inputs_of(nkv, batch, hp), inits)
     for i, nd in enumerate(nodes):
         nd.name = f"n{i}_{nd.op_type}"
@@ -226,6 +241,22 @@ def decoder(
         vi("present_value", [batch, nkv, "total", hp]),
     ]
     return model(nodes, inputs, outputs, inits, opset=18 if dynamo else 17)
+
+
+def _sink_softmax(z: str, p: str, dynamo: bool) -> list:
+    """``{p}`` = Slice(Softmax(cat − max(cat)), 0, −1), cat = Concat([z, sinks expanded to
+    [B,N,S,1]], −1) (ReduceMax's axes an input from opset 18)."""
+    axes = {} if dynamo else {"axes": [-1]}
+    return [
+        dim(z, 0, 3, f"{z}_lead"),
+        mk("Concat", [f"{z}_lead", "one1"], [f"{z}_col_shape"], axis=0),
+        mk("Expand", ["sinks", f"{z}_col_shape"], [f"{z}_col"]),
+        mk("Concat", [z, f"{z}_col"], [f"{z}_cat"], axis=-1),
+        mk("ReduceMax", [f"{z}_cat"] + (["m1"] if dynamo else []), [f"{z}_max"], **axes),
+        mk("Sub", [f"{z}_cat", f"{z}_max"], [f"{z}_sub"]),
+        mk("Softmax", [f"{z}_sub"], [f"{z}_p"], axis=-1),
+        mk("Slice", [f"{z}_p", "zero1", "m1", "ax3"], [p]),
+    ]
 
 
 def inputs_of(nkv: int, batch, hp: int = H) -> list:

@@ -113,8 +113,8 @@ def census(ir: ModelIR, cx: PassContext) -> None:
         sink = _sink(node)
         why = (
             f"the scores get a sink column before the Softmax (Concat of '{sink.name}' on the "
-            "last axis) that is sliced off after it: a learned logit per head, which "
-            "GroupQueryAttention's head_sink would take and fuse-attention does not lower"
+            "last axis) that is sliced off after it: a learned logit per head, read back "
+            "from the P·V and head-merging Transpose, which this attention does not have"
             if sink is not None
             else "not the P·V and head-merging Transpose fuse-attention reads an attention "
             "back from"

@@ -7,6 +7,7 @@
     z      = capped [+ bias …] | Where(cond, capped, −big) [+ bias …]
              [→ Swin's window regroup: Reshape(Reshape(z, [b,nW,N,S,T]) + W, [B,N,S,T])]
     P      = Softmax(z) [→ Where(IsNaN(P), 0, P)]        (SDPA exports of transformers ≥ 4.48)
+             | Slice(Softmax(Concat([z, sink]) [− ReduceMax]), 0:−1)   (attention sinks, GPT-OSS)
     ctx    = MatMul(P, V) [→ Reshape to itself]
     out    = Transpose(ctx, (0,2,1,3) | (2,0,1,3))                       the rule's root
 
@@ -25,6 +26,8 @@ masks the later stages decide.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from graphopt.opt.graph.dims import arith, rank, shape_elements
 from graphopt.opt.graph.dims import current as current_dims
@@ -70,6 +73,16 @@ class SoftCap:
 
 
 @dataclass
+class Sink:
+    """Attention sinks (GPT-OSS): a learned logit per head concatenated to every row of the
+    scores, the row maximum perhaps subtracted, and its column sliced off the probabilities —
+    ``exp(sᵢ) / (Σ exp(sⱼ) + exp(sinkₙ))``, GroupQueryAttention's ``head_sink``."""
+
+    values: np.ndarray  # one logit per head, or one for all
+    nodes: list[Node]  # consumers first: the Slice, [the Sub, the ReduceMax,] the Concat
+
+
+@dataclass
 class WindowRegroup:
     """Swin's ``merge(split(z) + mask [+ mask …])`` around the per-window masks ``masks``
     (Swin v2 adds its mask twice); ``adds`` consumers first."""
@@ -102,6 +115,7 @@ class Core:
     where_fills_true: bool = False  # the second spelling: the fill where ``cond`` holds
     window: WindowRegroup | None = None
     softcap: SoftCap | None = None
+    sink: Sink | None = None
     fold: FoldedHeads | None = None
     nan_guard: tuple[Node, Node] | None = None  # (Where, IsNaN)
     mid_reshape: Node | None = None
@@ -113,7 +127,9 @@ class Core:
         found += [self.mid_reshape] if self.mid_reshape is not None else []
         found += [self.pv] + (list(self.nan_guard) if self.nan_guard else [])
         found += [self.fold.probs] if self.fold is not None else []
+        found += self.sink.nodes[:1] if self.sink is not None else []
         found += [self.softmax]
+        found += self.sink.nodes[1:] if self.sink is not None else []
         if self.window is not None:
             found += [self.window.merge, *self.window.adds, self.window.split]
         found += [self.clamp] if self.clamp is not None else []
@@ -147,6 +163,8 @@ def match_core(root: Node) -> Core:
     probs, v = inputs(pv)
     guard = _nan_guard(probs)
     p = inputs(guard[0])[2] if guard else probs
+    sliced = _sink_slice(p)
+    p = inputs(sliced)[0] if sliced is not None else p
     sm, fold = producer(p, "Softmax"), None
     if sm is None:  # batch and heads folded around the Softmax: P3 = Reshape(P [B,N,S,T])
         unfold = producer(p, "Reshape")
@@ -178,10 +196,82 @@ def match_core(root: Node) -> Core:
         mid_reshape=mid,
         fold=fold,
     )
+    if sliced is not None:
+        z = _peel_sink(core, sliced, z)
     _peel_scores(core, z)
     if fold is not None:
         _unfold_heads(core)
     return core
+
+
+def _sink_slice(p: Tensor) -> Node | None:
+    """``Slice(P, 0, −1)`` on the last axis of 4-D probabilities (a sink's column cut off)."""
+    sl = producer(p, "Slice")
+    if sl is None or rank(p) not in (None, 4) or len(inputs(sl)) < 4:
+        return None
+    vals = [constant_value(t) for t in inputs(sl)[1:5]]
+    if any(v is None or v.size != 1 for v in vals[:3]):
+        return None
+    steps = vals[3] if len(vals) > 3 else None
+    if int(vals[0].item()) != 0 or int(vals[1].item()) != -1 or int(vals[2].item()) not in (-1, 3):
+        return None
+    return sl if steps is None or (steps.size == 1 and int(steps.item()) == 1) else None
+
+
+def _peel_sink(core: Core, sliced: Node, z: Tensor) -> Tensor:
+    """Fill ``core.sink`` from the Softmax input ``z`` = ``Concat([scores, sink], −1)``, the row
+    maximum perhaps subtracted first; returns the scores.  The sink column is a constant with
+    one value per head or one for all, broadcast to [B,N,S,1] (by an Expand)."""
+    nodes = [sliced]
+    sub = producer(z, "Sub")
+    if sub is not None and _row_max(inputs(sub)[1], inputs(sub)[0]) is not None:
+        nodes += [sub, producer(inputs(sub)[1], "ReduceMax")]
+        z = inputs(sub)[0]
+    cat = producer(z, "Concat")
+    if cat is None or len(inputs(cat)) != 2 or cat.attrs.get("axis") not in (-1, 3):
+        raise unrecognized(
+            "1 (core)",
+            f"the probabilities' last column is sliced off, but the Softmax input '{z.name}' is "
+            "not the scores with a sink column concatenated",
+            core.softmax,
+            z,
+        )
+    col = inputs(cat)[1]
+    while (ex := producer(col, "Expand")) is not None:
+        col = inputs(ex)[0]
+    heads = _per_head_logits(constant_value(col))
+    if heads is None:
+        raise unrecognized(
+            "1 (core)",
+            f"the sink column '{inputs(cat)[1].name}' concatenated to the scores is not a "
+            "constant logit per head [1,N,1,1]",
+            core.softmax,
+            inputs(cat)[1],
+        )
+    core.sink = Sink(heads, nodes + [cat])
+    return inputs(cat)[0]
+
+
+def _per_head_logits(values: np.ndarray | None) -> np.ndarray | None:
+    """The logits [N] (or [1]) of a constant sink column [B|1, N|1, S|1, 1] (perhaps already
+    expanded by a fold) that is the same in every batch row and query row, else None."""
+    if values is None or values.ndim > 4 or (values.ndim and values.shape[-1] != 1):
+        return None
+    v = values.reshape((1,) * (4 - values.ndim) + values.shape)
+    if not np.all(v == v[:1, :, :1, :]):
+        return None
+    return np.ascontiguousarray(v[0, :, 0, 0])
+
+
+def _row_max(m: Tensor, z: Tensor) -> Node | None:
+    """``ReduceMax(z)`` over the last axis, dims kept (axes an attribute or an input)."""
+    rm = producer(m, "ReduceMax")
+    if rm is None or inputs(rm)[0] is not z or not rm.attrs.get("keepdims", 1):
+        return None
+    axes = constant_value(inputs(rm)[1]) if len(inputs(rm)) > 1 else rm.attrs.get("axes")
+    if axes is None or list(np.asarray(axes).reshape(-1)) not in ([-1], [3]):
+        return None
+    return rm
 
 
 def unfolded(t: Tensor | None) -> Tensor | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+from onnx import numpy_helper
 
 from graphopt.opt.graph.dims import current as current_dims
 from graphopt.opt.graph.dims import rank, same_dim
@@ -59,6 +60,11 @@ def lower(a: Attention, b: Builder) -> Tensor:
             _all_heads(b, v, a.num_heads, f"{name}/v"),
         )
     bias_in = attention_bias(a, b, q, k) if a.bias is not None else None
+    if a.core.sink is not None:
+        k_axis = 2 if a.k.layout == "bnsh" and not a.k.kept else 1
+        bias_in = _sink_bias(a, b, bias_in, q, k, k_axis)
+        k = _null_row(b, k, k_axis, f"{name}/k")
+        v = _null_row(b, v, k_axis, f"{name}/v")
     attrs = {"num_heads": a.num_heads}
     ins = [q, k, v, bias, None, bias_in]
     while ins and ins[-1] is None:
@@ -68,6 +74,54 @@ def lower(a: Attention, b: Builder) -> Tensor:
     out = b.op(a.op, ins, attrs, domain=MS, name=f"{name}/{a.op}")
     out.dtype = dtype_of(a.core.root.outputs[0])
     return _finish(a, b, out)
+
+
+def _null_row(b: Builder, t: Tensor, axis: int, name: str) -> Tensor:
+    """``t`` with one more key along ``axis``, all zeros (the sink's key and value)."""
+    row = b.op(
+        "Slice",
+        [t, *(b.const(np.array([v], np.int64), n) for v, n in ((0, "zero"), (1, "one")))]
+        + [b.const(np.array([axis], np.int64), "axis")],
+        name=f"{name}_first",
+    )
+    shape = b.op("Shape", [row], name=f"{name}_null_shape")
+    zero = numpy_helper.from_array(np.zeros(1, dtype=dtype_of(t)))
+    null = b.op("ConstantOfShape", [shape], {"value": zero}, name=f"{name}_null")
+    out = b.op("Concat", [t, null], {"axis": axis}, name=f"{name}_with_null")
+    out.dtype = null.dtype = dtype_of(t)
+    shape.dtype = np.dtype(np.int64)
+    return out
+
+
+def _sink_bias(
+    a: Attention, b: Builder, bias: Tensor | None, q: Tensor, k: Tensor, k_axis: int
+) -> Tensor:
+    """The attention_bias [B|1,N,S,T+1]: ``bias`` (zeros when None) over every head, then the
+    sink logits as the column of the null key."""
+    name, dt, n = a.core.root.name, dtype_of(a.q.x), a.num_heads
+    if bias is None:
+        lens = [_dim(b, q, f"{name}/q_len"), _dim(b, k, f"{name}/k_len", axis=k_axis)]
+        ones = b.const(np.ones(2, dtype=np.int64), "bias_prefix")
+        shape = b.op("Concat", [ones, *lens], {"axis": 0}, name=f"{name}/bias_shape")
+        zero = numpy_helper.from_array(np.zeros(1, dtype=dt))
+        bias = b.op("ConstantOfShape", [shape], {"value": zero}, name=f"{name}/no_bias")
+        shape.dtype, bias.dtype = np.dtype(np.int64), dt
+    heads = b.const(np.array([1, n, 1, 1], dtype=np.int64), "all_heads")
+    bias = b.op("Expand", [bias, heads], name=f"{name}/bias_heads")
+    lead = b.op("Shape", [bias], {"end": 3}, name=f"{name}/bias_rows")
+    col_shape = b.op(
+        "Concat",
+        [lead, b.const(np.ones(1, np.int64), "one")],
+        {"axis": 0},
+        name=f"{name}/sink_rows",
+    )
+    logits = np.broadcast_to(a.core.sink.values, (n,)).reshape(1, n, 1, 1).astype(dt)
+    col = b.op("Expand", [b.const(logits, "sinks"), col_shape], name=f"{name}/sink_column")
+    out = b.op("Concat", [bias, col], {"axis": -1}, name=f"{name}/bias_with_sinks")
+    for t in (bias, col, out):
+        t.dtype = dt
+    lead.dtype = col_shape.dtype = np.dtype(np.int64)
+    return out
 
 
 def _unequal_heads(a: Attention) -> bool:
@@ -414,8 +468,12 @@ def lower_gqa(a: Attention, b: Builder, q: Tensor) -> Tensor:
             name=f"{name}/total_len",
         )
     ins = [q, k, v, plan.key.past, plan.value.past, *_lengths(b, q, total, name)]
-    if a.bias is not None:
-        ins += [None, None, None, attention_bias(a, b, q, None, total)]
+    if a.bias is not None or a.core.sink is not None:
+        bias = attention_bias(a, b, q, None, total) if a.bias is not None else None
+        ins += [None, None, None, bias]
+    if a.core.sink is not None:
+        sinks = np.broadcast_to(a.core.sink.values, (a.num_heads,))
+        ins.append(b.const(sinks.astype(dtype_of(q)), "head_sink"))
     attrs = {"num_heads": a.num_heads, "kv_num_heads": plan.key.kv_heads, "causal": 0}
     if a.scale is not None:
         attrs["scale"] = float(a.scale)

@@ -252,6 +252,15 @@ class FuseMultiHeadAttention(Rule):
 
     def _lowering(self, a: Attention, cx) -> None:
         """Stage 3: the kernel the target has, whether it pays, and the bias it takes."""
+        sink = a.core.sink
+        if sink is not None and sink.values.size not in (1, a.num_heads):
+            raise _refused(
+                "mask-shape",
+                LOWER,
+                f"the sink column has {sink.values.size} logits for {a.num_heads} heads",
+                a,
+                sink.nodes[-1].outputs[0],
+            )
         causal = cx.target.kernel_attributes.get("GroupQueryAttention", {}).get("causal")
         gqa_kernel = cx.target.has_kernel("GroupQueryAttention", MS, 1, float_type(a.q.x))
         if (causal is None or "0" in causal) and gqa_kernel:
@@ -259,12 +268,15 @@ class FuseMultiHeadAttention(Rule):
                 a,
                 current_dims(),
                 cx.options.get(OPTION) == "generate",
-                without_past=a.core.softcap is not None,
+                without_past=a.core.softcap is not None or a.core.sink is not None,
             )
             if a.gqa is not None:
                 a.op = "GroupQueryAttention"
                 _note_declared(a, cx)
                 return
+        if a.core.sink is not None:
+            self._sink_lowering(a, cx, gqa_kernel, causal)
+            return
         if a.core.softcap is not None:
             self._softcap_lowering(a, cx, gqa_kernel, causal)
             return
@@ -283,6 +295,29 @@ class FuseMultiHeadAttention(Rule):
             plain = a.head_scale is None and a.core.fold is None
             a.qkv_bias = _qkv_bias(a, cx) if plain else None
 
+    def _sink_lowering(self, a: Attention, cx, gqa_kernel: bool, causal) -> None:
+        """Attention sinks outside GroupQueryAttention: MultiHeadAttention over one more key, a
+        zero key and value whose bias column is the sink logit (``q·0 = 0``, and the zero value
+        adds nothing), exact; soft-capped scores too need GroupQueryAttention."""
+        has_mha = cx.target.has_kernel("MultiHeadAttention", MS, 1, float_type(a.q.x))
+        if has_mha and a.core.softcap is None:
+            a.op = "MultiHeadAttention"
+            self._check_pays(a, cx)
+            return
+        mha = (
+            "MultiHeadAttention has no softcap"
+            if has_mha
+            else f"target {cx.target.name} has no MultiHeadAttention kernel"
+        )
+        raise _refused(
+            "no-kernel",
+            LOWER,
+            "the scores get a learned sink logit per head (a column concatenated before the "
+            f"Softmax and sliced off after it); {mha}, and {_gqa_why(cx, gqa_kernel, causal)}",
+            a,
+            a.core.sink.nodes[-1].outputs[0],
+        )
+
     def _softcap_lowering(self, a: Attention, cx, gqa_kernel: bool, causal) -> None:
         """Soft-capped scores: the ONNX Attention op (opset ≥ 23: ``softcap`` before the mask,
         as the model caps them) where the target's kernel takes ``softcap``, else a miss naming
@@ -296,20 +331,7 @@ class FuseMultiHeadAttention(Rule):
         if has_onnx and softcaps is None:
             a.op = "Attention"
             return
-        if not gqa_kernel:
-            gqa = f"target {t} has no GroupQueryAttention kernel"
-        elif causal is not None and "0" not in causal:
-            gqa = (
-                f"target {t} takes GroupQueryAttention only with causal=1 "
-                f"({cx.target.kernel_attributes_why.get('GroupQueryAttention', '')})"
-            )
-        else:
-            gqa = (
-                "GroupQueryAttention reads a decoder's own keys and values (a cache "
-                "Concat(past, new) with a batch or new-token count provably 1 (or "
-                f"{OPTION}=generate), or the new [B,S,Nkv·H] keys alone, split batch-first) "
-                "with a head size that is a multiple of 8"
-            )
+        gqa = _gqa_why(cx, gqa_kernel, causal)
         if cx.ir.opset < 23:
             onnx_att = f"the ONNX Attention op needs opset ≥ 23 (the model has {cx.ir.opset})"
         elif has_onnx:
@@ -408,7 +430,7 @@ class FuseMultiHeadAttention(Rule):
         an attention whose scores the kernel must add an ``attention_bias`` to (without one it
         was measured faster at every length: see the target's reason)."""
         bound, why = cx.target.slower_below.get("MultiHeadAttention", (0, ""))
-        if a.bias is None:
+        if a.bias is None and a.core.sink is None:
             return
         keys = a.k.x.shape[a.axis("k", "seq")]
         require(
@@ -508,6 +530,24 @@ class FuseMultiHeadAttention(Rule):
     # -------------------------------------------------------------------- rewrite
     def rewrite(self, m, b):
         return [lower(m.attention, b)]
+
+
+def _gqa_why(cx, gqa_kernel: bool, causal) -> str:
+    """Why an attention did not lower to GroupQueryAttention on the target."""
+    t = cx.target.name
+    if not gqa_kernel:
+        return f"target {t} has no GroupQueryAttention kernel"
+    if causal is not None and "0" not in causal:
+        return (
+            f"target {t} takes GroupQueryAttention only with causal=1 "
+            f"({cx.target.kernel_attributes_why.get('GroupQueryAttention', '')})"
+        )
+    return (
+        "GroupQueryAttention reads a decoder's own keys and values (a cache "
+        "Concat(past, new) with a batch or new-token count provably 1 (or "
+        f"{OPTION}=generate), or the new [B,S,Nkv·H] keys alone, split batch-first) "
+        "with a head size that is a multiple of 8"
+    )
 
 
 def _head_factors(v: np.ndarray | None, heads: int) -> np.ndarray | None:
