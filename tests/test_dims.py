@@ -271,6 +271,38 @@ def test_reshape_minus_one_is_inferred_when_static():
     assert Dims().key(t["y"], 0) == ("int", 6)
 
 
+def test_dims_through_tile_a_kept_symbolic_dim_and_a_computed_slice():
+    """TorchScript's nn.MultiheadAttention: a learned query tiled over a symbolic batch, the
+    packed k/v unflattened by [L, 0, 2, -1] (the batch copied cancels the input's own), and the
+    in-projection's rows sliced at E read from a shape."""
+    inits = [
+        const("probe", np.zeros((1, 1, 8)), np.float32),
+        const("ones2", [1, 1], np.int64),
+        const("unflat", [3, 0, 2, -1], np.int64),
+        const("w", np.zeros((24, 8)), np.float32),
+        const("last", [-1], np.int64),
+        const("big", [I64_MAX], np.int64),
+        const("ax0", [0], np.int64),
+    ]
+    nodes = [
+        helper.make_node("Shape", ["x"], ["b"], start=0, end=1),
+        helper.make_node("Concat", ["b", "ones2"], ["reps"], axis=0),
+        helper.make_node("Tile", ["probe", "reps"], ["tiled"]),
+        helper.make_node("Reshape", ["kv"], ["kv4"], name="unflatten"),
+        helper.make_node("Shape", ["x"], ["e"], start=-1),
+        helper.make_node("Slice", ["w", "e", "big", "ax0"], ["w_kv"]),
+    ]
+    nodes[3].input.append("unflat")
+    inputs = [vi("x", ["b", 5, 8]), vi("kv", [3, "b", 16])]
+    t = tensors(model(nodes, inputs, [vi("tiled", None), vi("kv4", None), vi("w_kv", None)], inits))
+    for name in ("tiled", "kv4", "w_kv"):
+        t[name].shape = None  # as after a rewrite: no inferred shape
+    d = Dims()
+    assert [d.key(t["tiled"], i) for i in range(3)] == [("param", "b"), ("int", 1), ("int", 8)]
+    assert d.key(t["kv4"], 3) == ("int", 8)
+    assert d.key(t["w_kv"], 0) == ("int", 16)
+
+
 def test_window_regroup_target_is_proven():
     """The 5-D regroup target [B·nW // nW, nW, N, S, S] of a padded, rolled input: nW static,
     the images the batch itself."""

@@ -44,9 +44,18 @@ class SeqFirst:
         return self.add("Transpose", [s], f"{r}3", perm=perm)
 
     def attention(
-        self, kv_src: str = "x", term: str | None = None, read_weights=False, two_step_k=False
+        self,
+        kv_src: str = "x",
+        term: str | None = None,
+        read_weights=False,
+        two_step_k=False,
+        learned=False,
     ):
-        q = self.split("x", "q", [1, 0, 2])
+        if learned:  # a pooling head's query, folded to a constant over a static batch
+            self.inputs = [vi("x", [T, B, E])]
+            q = self._const("q3", self.rng.standard_normal((B * N, 1, H)), np.float32)
+        else:
+            q = self.split("x", "q", [1, 0, 2])
         q = self.add("Mul", [q, self._scale()], "q_scaled")
         if two_step_k:  # k.transpose(0, 1) then k.transpose(-2, -1), not merged by the exporter
             kt = self.add("Transpose", [self.split(kv_src, "k", [1, 0, 2])], "kt3", perm=[0, 2, 1])
@@ -62,7 +71,7 @@ class SeqFirst:
         flat = self.add("Reshape", [t, "flat"], "ctx_flat")
         y = self.add("MatMul", [flat, self.weight("Wo", (E, E))], "out_flat")
         self.inits.append(const("out_shape", [-1, B, E], np.int64))
-        outputs = [vi("y", ["tgt", B, E])]
+        outputs = [vi("y", [1 if learned else "tgt", B, E])]
         self.add("Reshape", [y, "out_shape"], "y")
         if read_weights:  # need_weights=True: the mean over heads is returned too
             w4 = self.add("Reshape", [p, self._const("w4_shape", [B, N, T, -1])], "w4")
@@ -106,6 +115,16 @@ def test_three_d_self_attention_fuses(target, computed, two_step_k):
     assert fused(out) == {"MultiHeadAttention": 1}, op_histogram(out.graph.node)
     assert codes(report, "fuse-attention") == []
     assert "Softmax" not in op_histogram(out.graph.node)
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+def test_a_learned_query_folded_to_a_constant_fuses(target):
+    """nn.MultiheadAttention pooling a sequence with one learned query (SigLIP's head): with a
+    static batch the query is a constant [B·N,1,H]; the census does not take it for a weight."""
+    out, report = run(SeqFirst(3).attention(learned=True), target=target, inputs=feed())
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert fused(out) == {"MultiHeadAttention": 1}, op_histogram(out.graph.node)
+    assert codes(report, "fuse-attention") == []
 
 
 def test_a_folded_bias_of_the_scores_becomes_the_attention_bias():

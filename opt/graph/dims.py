@@ -168,6 +168,14 @@ class Dims:
             return getattr(self, f"_{op.lower()}")(node, ins, axis, own)
         if op in ("Unsqueeze", "Squeeze"):
             return self._squeeze(node, ins, axis, own)
+        if op == "Tile":
+            reps = shape_elements(ins[1], self) if len(ins) > 1 else None
+            if reps is None or axis >= len(reps):
+                return own
+            if reps[axis] == ("int", 1):
+                return self.key(ins[0], axis)
+            dim = self.key(ins[0], axis)
+            return reps[axis] if dim == ("int", 1) else arith("Mul", dim, reps[axis])
         if op == "ConstantOfShape":
             elems = shape_elements(ins[0], self)
             return elems[axis] if elems is not None and axis < len(elems) else own
@@ -195,11 +203,18 @@ class Dims:
             return own
         size = [self.key(ins[0], i) for i in range(r)]
         zero = not node.attrs.get("allowzero", 0)
-        rest = [
-            _int(size[i]) if e == ("int", 0) and zero and i < r else _int(e)
+        rest_keys = [
+            size[i] if e == ("int", 0) and zero and i < r else e
             for i, e in enumerate(elems)
             if i != axis
         ]
+        symbolic = [k for k in size if _int(k) is None]
+        rest = []
+        for k in rest_keys:  # a symbolic dim kept (copied by 0) cancels the input's own
+            if _int(k) is None and k in symbolic:
+                symbolic.remove(k)
+            else:
+                rest.append(_int(k))
         static = [_int(k) for k in size if _int(k) is not None]
         if any(v is None or v <= 0 for v in rest + static):
             return own
@@ -207,7 +222,7 @@ class Dims:
         if total % other:
             return own
         key: Key = ("int", total // other)
-        for k in sorted((k for k in size if _int(k) is None), key=repr):
+        for k in sorted(symbolic, key=repr):
             key = arith("Mul", key, k)
         return key
 
@@ -238,7 +253,7 @@ class Dims:
 
     def _slice(self, node, ins, axis: int, own: Key) -> Key:
         r = rank(ins[0])
-        spec = _slice_spec(ins, r) if r is not None else None
+        spec = _slice_spec(ins, r, self) if r is not None else None
         if spec is None:
             return own
         k = self.key(ins[0], axis)
@@ -433,12 +448,18 @@ def _reshaped(a: np.ndarray, target: list[int], allowzero: bool) -> np.ndarray |
         return None
 
 
-def _slice_spec(ins, r: int) -> dict[int, slice] | None:
+def _slice_spec(ins, r: int, dims: Dims | None = None) -> dict[int, slice] | None:
     """Slice's constant starts/ends/axes/steps as a Python slice per axis (Python's clamping
-    is ONNX's)."""
-    starts, ends = _const_ints(ins[1]), _const_ints(ins[2])
-    axes = _const_ints(ins[3]) if len(ins) > 3 and ins[3] is not None else None
-    steps = _const_ints(ins[4]) if len(ins) > 4 and ins[4] is not None else None
+    is ONNX's); with ``dims``, also those computed from static dims (TorchScript's
+    ``w[E:]`` with E read from a shape)."""
+
+    def ints(t: Tensor | None) -> list[int] | None:
+        found = _const_ints(t)
+        return found if found is not None or dims is None else _ints(_values(t, dims))
+
+    starts, ends = ints(ins[1]), ints(ins[2])
+    axes = ints(ins[3]) if len(ins) > 3 and ins[3] is not None else None
+    steps = ints(ins[4]) if len(ins) > 4 and ins[4] is not None else None
     if starts is None or ends is None or (len(ins) > 3 and ins[3] is not None and axes is None):
         return None
     if len(ins) > 4 and ins[4] is not None and steps is None:

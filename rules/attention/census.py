@@ -63,8 +63,11 @@ def scores_matmul(softmax: Node) -> tuple[Node, list[str]] | None:
 
 
 def _computed_operands(mm: Node) -> bool:
-    """Whether two operands of the product are computed (q·kᵀ), not one a weight (logits)."""
-    return sum(not isinstance(t, Constant) for t in mm.inputs if t is not None) >= 2
+    """Whether two operands of the product are computed (q·kᵀ), not one a weight (logits): a
+    constant of rank 3 or more is learned queries folded over the batch or heads, not a weight."""
+    ops = [t for t in mm.inputs if t is not None]
+    weights = [t for t in ops if isinstance(t, Constant) and len(t.shape or ()) < 3]
+    return len(ops) - len(weights) >= 2
 
 
 def pv_matmul(softmax: Node) -> Node | None:

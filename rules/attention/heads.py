@@ -530,8 +530,11 @@ def _copy_key(reshape: Node) -> tuple:
 
 
 def _static_width(x: Tensor) -> int | None:
-    width = x.shape[-1] if x.shape is not None and len(x.shape) == 3 else None
-    return int(width) if isinstance(width, (int, np.integer)) else None
+    """The last dim of a 3-D ``x``, from its shape or resolved from how it was computed."""
+    if rank(x) != 3:
+        return None
+    width = current_dims().key(x, 2)
+    return int(width[1]) if width[0] == "int" else None
 
 
 def _resolve(n: Key, h: Key, width: int | None, groups: int = 1) -> tuple[int | None, int | None]:

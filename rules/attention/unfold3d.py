@@ -36,7 +36,7 @@ import numpy as np
 
 from graphopt.opt.graph.dims import arith, rank, shape_elements
 from graphopt.opt.graph.dims import current as current_dims
-from graphopt.opt.graph.ir import Node, Tensor, dtype_of
+from graphopt.opt.graph.ir import Node, Tensor, constant_value, dtype_of
 from graphopt.opt.rewrite.engine import Builder, Match, NoMatch, Rule
 from graphopt.opt.rewrite.manager import register_rule
 from graphopt.opt.rewrite.patterns import Op
@@ -68,6 +68,19 @@ def _split3(t: Tensor | None, perm: tuple[int, ...]) -> tuple[Node, Node, int, i
     if not keeps_l and not {dims.key(y, 1), elems[1]} & bn:
         return None
     return tr, rs, n[1], h[1]
+
+
+def _learned_query(t: Tensor | None, k: tuple[Node, Node, int, int] | None) -> tuple | None:
+    """(None, None, N, H) when ``t`` is a constant [B·N,T,H] query with the key's heads, head
+    size and batch (learned queries of a pooling head, folded with a static batch), else None."""
+    value = constant_value(t)
+    if k is None or value is None or value.ndim != 3:
+        return None
+    n, h = k[2], k[3]
+    batch = current_dims().key(inputs(k[1])[0], 1)
+    if value.shape[2] != h or value.shape[0] % n or batch != ("int", value.shape[0] // n):
+        return None
+    return None, None, n, h
 
 
 def _key_split(t: Tensor | None) -> tuple[tuple[Node, Node, int, int] | None, list[Node]]:
@@ -141,12 +154,12 @@ class UnfoldThreeDimAttention(Rule):
         if qk is None:
             raise no_match()
         q_at, k_at = _operand(qk, 0), _operand(qk, 1)
-        q = _split3(q_at[2], (1, 0, 2))
         k, k_transposes = _key_split(k_at[2])
+        q = _split3(q_at[2], (1, 0, 2)) or _learned_query(q_at[2], k)
         v = _split3(inputs(pv)[1], (1, 0, 2))
         if q is None or k is None or v is None or not q[2] == k[2] == v[2] or q[3] != k[3]:
             raise no_match()
-        if not _has_attention_kernel(cx, inputs(q[1])[0]):
+        if not _has_attention_kernel(cx, inputs(k[1])[0]):
             raise no_match()  # nothing would fuse it: leave it as it is
         _check_pays(cx, sm, _dim(inputs(k[1])[0], 0), inputs(k[1])[0])
         kts = {f"kt{i}": t for i, t in enumerate(k_transposes)}
