@@ -5,11 +5,13 @@ onnxruntime parity:
   ``attention_biases[:, idxs]``): attention_bias goes in 4-D, [1, N, S, T];
 - per-head key and value [B, N, T, H] of different head sizes (DeepSeek's latent attention:
   the key is nope + rope dims, the value nope dims only): MultiHeadAttention takes them merged
-  to [B, T, N·H], the layout in which the value may be of another width."""
+  to [B, T, N·H], the layout in which the value may be of another width;
+- a bias added before the mask's Where (MPT's ALiBi [N, 1, T], then
+  ``masked_fill(mask, finfo.min)``): both go into attention_bias."""
 
 import numpy as np
 import pytest
-from onnx import helper
+from onnx import TensorProto, helper
 
 from conftest import assert_optimized, const, model, vi
 from graphopt.opt.graph.ir import op_histogram
@@ -78,6 +80,24 @@ def unequal_heads(rng):
     return model(nodes, inputs, [vi("y", None)], inits + _shapes(hk, hv))
 
 
+def alibi_under_the_mask(rng):
+    """MPT: per-head ALiBi slopes × key positions [N, 1, T] added to the scaled scores, then
+    ``Where(causal, finfo.min, scores + alibi)``."""
+    h, d = 8, 32
+    nodes = [*_heads("q", h, [0, 2, 1, 3]), *_heads("k", h, [0, 2, 3, 1])]
+    nodes += [*_heads("v", h, [0, 2, 1, 3]), *_attend("k_h", "v_h", h, "alibi")]
+    at = next(i for i, n in enumerate(nodes) if n.op_type == "Softmax")
+    nodes[at].input[0] = "masked"
+    nodes.insert(at, mk("Where", ["future", "lowest", "biased"], ["masked"]))
+    slopes = 2.0 ** -np.arange(1, N + 1)
+    alibi = (slopes[:, None, None] * np.arange(S)[None, None, :]).astype(np.float32)
+    inits = [const(f"W{r}", rng.standard_normal((d, N * h)) * 0.3) for r in "qkv"]
+    inits += [const("scale", np.float32(h**-0.5)), const("alibi", alibi)]
+    inits += [const("lowest", np.float32(np.finfo(np.float32).min))]
+    inputs = [vi("x", ["B", S, d]), vi("future", [1, 1, S, S], TensorProto.BOOL)]
+    return model(nodes, inputs, [vi("y", None)], inits + _shapes(h))
+
+
 @pytest.mark.parametrize("build", [learned_table, unequal_heads])
 @pytest.mark.parametrize("target", ["cpu", "cuda"])
 def test_the_kernel_gets_the_layout_it_takes(build, target, rng):
@@ -85,3 +105,13 @@ def test_the_kernel_gets_the_layout_it_takes(build, target, rng):
     out, report = assert_optimized(m, target=target, measure=False)
     ops = op_histogram(out.graph.node)
     assert ops.get(MHA) == 1 and "Softmax" not in ops, (ops, report.remarks)
+
+
+def test_a_bias_under_the_mask_goes_into_the_attention_bias(rng):
+    """cuda (on cpu 16 keys with a bias are below the measured bound); the causal mask an
+    input, as models build it from theirs."""
+    x = rng.standard_normal((2, S, 32)).astype(np.float32)
+    feeds = {"x": x, "future": np.triu(np.ones((1, 1, S, S), bool), 1)}
+    out, report = assert_optimized(alibi_under_the_mask(rng), target="cuda", inputs=feeds)
+    ops = op_histogram(out.graph.node)
+    assert ops.get(MHA) == 1 and "Softmax" not in ops and "Expand" not in ops, ops

@@ -4,7 +4,7 @@
 
     scores = MatMul(Q·c_q, Kᵀ·c_k) [÷ c | · c]                        scale = c_q·c_k·c
     capped = scores | tanh(scores ÷ cap) · cap                  (logit soft-capping, Gemma 2)
-    z      = capped [+ bias …] | Where(cond, capped, −big) [+ bias …]
+    z      = capped [+ bias …] | Where(cond, capped [+ bias …], −big) [+ bias …]
              [→ Swin's window regroup: Reshape(Reshape(z, [b,nW,N,S,T]) + W, [B,N,S,T])]
     P      = Softmax(z) [→ Where(IsNaN(P), 0, P)]        (SDPA exports of transformers ≥ 4.48)
              | Slice(Softmax(Concat([z, sink]) [− ReduceMax]), 0:−1)   (attention sinks, GPT-OSS)
@@ -112,6 +112,7 @@ class Core:
     terms: list[Tensor] = field(default_factory=list)  # additive bias terms, innermost first
     term_adds: list[Node] = field(default_factory=list)
     where: Node | None = None  # Where(cond, scores, fill) masking, or Where(cond, fill, scores)
+    inner_adds: list[Node] = field(default_factory=list)  # the Adds of terms under the Where
     where_fills_true: bool = False  # the second spelling: the fill where ``cond`` holds
     window: WindowRegroup | None = None
     softcap: SoftCap | None = None
@@ -134,6 +135,7 @@ class Core:
             found += [self.window.merge, *self.window.adds, self.window.split]
         found += [self.clamp] if self.clamp is not None else []
         found += self.term_adds[::-1] + ([self.where] if self.where is not None else [])
+        found += self.inner_adds[::-1]
         if self.fold is not None:
             found += [self.fold.scores] + self.fold.term_adds[::-1]
         found += self.softcap.nodes if self.softcap is not None else []
@@ -437,6 +439,9 @@ def _peel_scores(core: Core, z: Tensor) -> None:
         core.where, z = where, inputs(where)[1]
     elif where is not None and is_scores(inputs(where)[2]):  # masked_fill(cond, fill)
         core.where, core.where_fills_true, z = where, True, inputs(where)[2]
+    if core.where is not None:  # terms added before the mask (MPT's ALiBi): exact for a fill
+        z, inner, inner_adds = peel_terms(z)  # ≤ −1e30, which swallows them where it masks
+        core.terms, core.inner_adds = inner + core.terms, inner_adds
     if core.fold is not None:
         fold = producer(z, "Reshape")
         if fold is None or rank(inputs(fold)[0]) != 3 or rank(z) != 4:

@@ -101,11 +101,9 @@ def plan_bias(core: Core, q_seq: Key, k_seq: Key, dims: Dims) -> BiasPlan | None
         plan.window = _window(core, dims, qdt)
     elif not terms and not folded and plan.where is None:
         return None
+    shaped = terms + ([plan.where[0]] if plan.where is not None else [])  # the sum's operands
     plan.direct = plan.window is not None or (
-        plan.where is None
-        and not folded
-        and _provably(terms, 2, q_seq, dims)
-        and _provably(terms, 3, k_seq, dims)
+        not folded and _provably(shaped, 2, q_seq, dims) and _provably(shaped, 3, k_seq, dims)
     )
     return plan
 
