@@ -653,10 +653,10 @@ def _keep_valid(
     error = _invalid(optimized, base_dir, keep=keep, into=into)
     if error is None:
         return optimized, cx
-    clauses = {
-        "checker": _invalid(original, base_dir, runtime=False) is None,
-        "runtime": _invalid(original, base_dir, checker=False) is None,
-    }
+    refused = _invalid(original, base_dir, checker=False)  # onnxruntime's word on the input
+    clauses = {"checker": _invalid(original, base_dir, runtime=False) is None}
+    clauses["runtime"] = refused is None
+    refused = refused or _refused_by_default(original, base_dir)
     error = _invalid(optimized, base_dir, **clauses, keep=keep, into=into)
     if error is None:
         return optimized, cx
@@ -681,6 +681,11 @@ def _keep_valid(
             break
     if error is not None:
         done = f"; reverting {len(reverted)} rewrite(s) did not fix it" if reverted else ""
+        if refused is not None:
+            raise GraphoptError(
+                f"the input model does not load in onnxruntime ({refused}), and the optimized "
+                f"model is invalid ({error}){done}; nothing was written"
+            )
         raise GraphoptError(
             f"the optimized model is invalid ({error}){done}; nothing was written "
             "(-O0 or --pipeline without the rule named by `graphopt bisect` avoids it)"
@@ -695,6 +700,23 @@ def _keep_valid(
             f"the model was invalid after {rule} at '{node}' ({why}); that rewrite was reverted",
         )
     return optimized, cx
+
+
+def _refused_by_default(model: onnx.ModelProto, base_dir) -> str | None:
+    """Why onnxruntime refuses ``model`` in a session at its default optimization level (its
+    own constant folding can bring out what a plain load does not check: a Tile's repeats of
+    the wrong rank), else None."""
+    import onnxruntime as ort
+
+    from .verify.parity import Session
+
+    if too_many_nodes(model):
+        return None
+    try:
+        Session(model, base_dir=base_dir, level=ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+    except GraphoptError as e:
+        return str(e)
+    return None
 
 
 def _first_bad(cx, good: Callable[[int], bool], deadline: float) -> tuple[str, str] | None:

@@ -169,3 +169,26 @@ def test_a_rule_wrong_at_more_nodes_than_three_reverts_is_reverted_whole(wrong_r
     assert "Abs" not in {n.op_type for n in optimized.graph.node}
     net = [r for r in report.remarks if r.pass_name == "safety-net"]
     assert sorted(r.nodes[0] for r in net) == [f"relu{i}" for i in range(5)]
+
+
+def test_an_input_onnxruntime_refuses_by_default_is_named_when_the_output_stays_invalid(
+    monkeypatch,
+):
+    """Tiles whose repeats are computed 2-D: the checker cannot tell and a plain load runs,
+    but onnxruntime's own constant folding at its default level refuses the model; folded, the
+    output fails the checker.  Where the safety net cannot fix the output (here: it finds no
+    rewrite to revert), the error says the input itself does not load."""
+    import graphopt
+    from graphopt.opt import optimizer
+    from graphopt.opt.errors import GraphoptError
+
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Cast", ["ax32"], ["ax"], to=7),
+        helper.make_node("Unsqueeze", ["s", "ax"], ["r"]),
+        helper.make_node("Tile", ["x", "r"], ["y"]),
+    ]
+    m = model(nodes, [vi("x", [2, 3])], [vi("y", ["a", "b"])], [const("ax32", [0], np.int32)])
+    monkeypatch.setattr(optimizer, "_first_bad", lambda *a, **k: None)
+    with pytest.raises(GraphoptError, match="the input model does not load in onnxruntime"):
+        graphopt.optimize(m, target="cpu")
