@@ -159,3 +159,34 @@ def test_a_quiet_run_does_not_import_rich(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0", "False"]
+
+
+_GATE_PROBE = """
+import sys
+from graphopt.cli import console
+sys.argv = ["graphopt", "gate", sys.argv[1], "-q", "--save-baseline", sys.argv[2]]
+try:
+    console()
+except SystemExit as e:
+    print(e.code)
+"""
+
+
+def test_gate_saves_a_baseline_in_a_fresh_process(tmp_path):
+    """`gate` writes no bundle, yet it times the model with a bundle's session settings: in a
+    process that never imported the bundle writer, they are still found."""
+    import subprocess
+    import sys
+
+    from conftest import EXAMPLES
+
+    base = tmp_path / "base.json"
+    env = {k: v for k, v in os.environ.items() if k != "GRAPHOPT_NO_MEASURE"}  # as users run
+    out = subprocess.run(
+        [sys.executable, "-c", _GATE_PROBE, str(EXAMPLES / "mobilenet_bn.onnx"), str(base)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert out.stdout.split()[-1:] == ["0"], out.stderr[-800:]
+    assert base.exists()

@@ -8,6 +8,7 @@ it; what numerical tolerance its parity check uses.  The profiles themselves liv
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -166,8 +167,13 @@ def register_session_settings(settings: Callable[[Target, Any], dict[str, Any]])
     return settings
 
 
+#: the module whose import registers them (a command that writes no bundle, ``gate``, still
+#: times models as bundles run them)
+BUNDLE_WRITER = "graphopt.targets.bundle"
+
+
 def session_settings(target: Target, model: Any) -> dict[str, Any]:
     """The session settings of ``model``'s bundle on ``target`` (see :data:`_SESSION_SETTINGS`)."""
     if not _SESSION_SETTINGS:
-        raise RuntimeError("no bundle writer registered its session settings")
+        importlib.import_module(BUNDLE_WRITER)
     return _SESSION_SETTINGS[0](target, model)
