@@ -55,6 +55,7 @@ import heapq
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
 import onnx.inliner
 from onnx import helper
@@ -87,6 +88,8 @@ def accept_on_load(model: onnx.ModelProto) -> onnx.ModelProto:
     IR < 4: initializers missing from the graph inputs are listed there (a constant either way
     in IR < 4); :func:`load_notes` reports them.
     """
+    if len(model.graph.sparse_initializer):
+        _densify(model.graph)
     if model.ir_version < 4:
         listed = {i.name for i in model.graph.input}
         for t in model.graph.initializer:
@@ -96,6 +99,42 @@ def accept_on_load(model: onnx.ModelProto) -> onnx.ModelProto:
             info.doc_string = LISTED_ON_LOAD
             model.graph.input.append(info)
     return model
+
+
+#: a sparse initializer is made dense only up to this many bytes (its values stay sparse in
+#: the file; dense, they are what every pass and onnxruntime's kernels read)
+DENSE_LIMIT = 1 << 30
+
+
+def _densify(graph: onnx.GraphProto) -> None:
+    """The main graph's sparse initializers as dense ones (as onnxruntime reads them), or
+    ModelLoadError when one is malformed or too large."""
+    from onnx import numpy_helper
+
+    from .io import ModelLoadError
+
+    for sp in graph.sparse_initializer:
+        name = sp.values.name
+        dims = [int(d) for d in sp.dims]
+        try:
+            values = numpy_helper.to_array(sp.values).reshape(-1)
+            indices = numpy_helper.to_array(sp.indices).astype(np.int64)
+            size = int(np.prod(dims, dtype=np.int64)) if dims else 1
+            if any(d < 0 for d in dims) or size * max(values.itemsize, 1) > DENSE_LIMIT:
+                raise ValueError(f"{dims} is too large to hold dense")
+            if indices.ndim == 2:  # [NNZ, rank] coordinates
+                indices = np.ravel_multi_index(tuple(indices.T), dims) if dims else indices[:, 0]
+            indices = indices.reshape(-1)
+            if len(indices) != len(values) or (
+                len(indices) and (indices.min() < 0 or indices.max() >= size)
+            ):
+                raise ValueError("its indices do not match its values and dims")
+            dense = np.zeros(size, dtype=values.dtype)
+            dense[indices] = values
+        except (ValueError, TypeError) as e:
+            raise ModelLoadError(f"sparse initializer '{name}' cannot be read: {e}") from None
+        graph.initializer.append(numpy_helper.from_array(dense.reshape(dims), name))
+    del graph.sparse_initializer[:]
 
 
 def load_notes(model: onnx.ModelProto) -> list[Note]:

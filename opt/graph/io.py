@@ -388,6 +388,34 @@ def _check_structure(model: onnx.ModelProto, path: Path) -> None:
             f"{path}: IR version {model.ir_version} is newer than this onnx supports "
             f"({onnx.IR_VERSION}); upgrade onnx or re-export the model"
         )
+    _check_types(model, path)
+
+
+_KNOWN_TYPES = frozenset(onnx.TensorProto.DataType.values())
+
+
+def _check_types(model: onnx.ModelProto, path: Path) -> None:
+    """Every tensor's element type is one ONNX defines, and no initializer is stored in
+    segments (onnx cannot read them)."""
+    for graph in _graphs(model.graph):
+        for info in (*graph.input, *graph.output, *graph.value_info):
+            t = info.type.tensor_type if info.type.HasField("tensor_type") else None
+            if t is not None and t.elem_type not in _KNOWN_TYPES:
+                raise ModelLoadError(
+                    f"{path}: '{info.name}' has element type {t.elem_type}, which ONNX does not "
+                    "define"
+                )
+        for tensor in (*graph.initializer, *(sp.values for sp in graph.sparse_initializer)):
+            if tensor.data_type not in _KNOWN_TYPES:
+                raise ModelLoadError(
+                    f"{path}: initializer '{tensor.name}' has element type {tensor.data_type}, "
+                    "which ONNX does not define"
+                )
+            if tensor.HasField("segment"):
+                raise ModelLoadError(
+                    f"{path}: initializer '{tensor.name}' is stored in segments, which onnx "
+                    "cannot load; re-export it whole"
+                )
 
 
 #: tensors outside the top-level initializers are measured only below this size (reading a
@@ -447,6 +475,10 @@ def _check_external_data(tensors: Sequence[onnx.TensorProto], base: Path, path: 
         if not location:
             raise ModelLoadError(
                 f"{path}: tensor '{tensor.name}' has external data without a location"
+            )
+        if "\x00" in location:
+            raise ModelLoadError(
+                f"{path}: tensor '{tensor.name}' external data location contains a NUL byte"
             )
         rel = Path(location)
         if rel.is_absolute() or ".." in rel.parts:
