@@ -95,14 +95,20 @@ def handled() -> Iterator[None]:
         raise Exit(errors.EXIT_ERROR) from None
 
 
-def _finite(value: float, flag: str, lo: float | None = 0.0) -> float:
-    """A flag's number must be finite (and at least ``lo``)."""
+def _finite(value: float, flag: str, lo: float | None = 0.0, hi: float | None = None) -> float:
+    """A flag's number must be finite (and at least ``lo``, at most ``hi``)."""
     from .opt import errors
 
     if not math.isfinite(value) or (lo is not None and value < lo):
         bound = f"a finite number >= {lo:g}" if lo is not None else "a finite number"
         raise errors.UsageError(f"{flag} must be {bound} (got {value})")
+    if hi is not None and value > hi:
+        raise errors.UsageError(f"{flag} must be at most {hi:g} (got {value:g})")
     return value
+
+
+#: MiB: more than any machine holds (a bound that keeps the flag's bytes an integer)
+_MAX_MIB = float(2**30)
 
 
 def _feeds(inputs: Path | None, model):
@@ -188,7 +194,7 @@ def optimize(
         dest = check_output_dir(out, BUNDLE_KIND, early)
         side = {"--remarks": remarks, "--junit": junit, "--html": html_report}
         check_side_outputs(side, models=[src], files=[inputs] if inputs else [], dirs=[dest])
-        fold_limit = _finite(fold_size_limit, "--fold-size-limit")
+        fold_limit = _finite(fold_size_limit, "--fold-size-limit", hi=_MAX_MIB)
         expectations = ci.parse_expectations(expect)
         shapes = parse_shapes(shape)
         feeds = _feeds(inputs, src)
@@ -1073,12 +1079,27 @@ def _save_outputs(path: Path, outputs: dict) -> None:
         raise errors.ModelSaveError(f"cannot write {path}: {e.strerror or e}") from None
 
 
+def _escaped(arg: str) -> bool:
+    """Whether ``arg`` holds bytes the locale's encoding could not decode (Python keeps them
+    as lone surrogates, which no UTF-8 consumer takes)."""
+    return any("\udc80" <= c <= "\udcff" for c in arg)
+
+
 def run_args(args: list[str]) -> int:
     """The exit code of the command line ``args``: typer parses and runs the command; a usage
     error is one ``error:`` line on stderr and exit 2, Ctrl-C inside the command exit 130."""
     from .opt import errors
 
     args = list(args) or ["--help"]
+    undecodable = next((a for a in args if _escaped(a)), None)
+    if undecodable is not None:
+        shown = os.fsencode(undecodable).decode("utf-8", "backslashreplace")
+        sys.stderr.write(
+            f"error: the argument '{shown}' is not text in this locale's encoding "
+            f"({sys.getfilesystemencoding()}); onnx and onnxruntime take paths as UTF-8: run "
+            "under a UTF-8 locale (LANG=C.UTF-8) or rename the file\n"
+        )
+        return errors.EXIT_USAGE
     try:
         code = app(args=args, prog_name="graphopt", standalone_mode=False)
     except Exit as e:
@@ -1159,7 +1180,10 @@ def _cap_memory() -> None:
         import onnx  # noqa: F401
         import onnxruntime  # noqa: F401
 
-        limit = int(float(value) * 2**20)
+        mib = float(value)
+        if not 0 < mib <= _MAX_MIB:  # nan, inf and absurd sizes too
+            raise ValueError(value)
+        limit = int(mib * 2**20)
         resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
     except (ValueError, OSError, ImportError):
         sys.stderr.write(f"error: GRAPHOPT_MEMORY_MB must be a number of MiB (got '{value}')\n")
