@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -114,6 +115,35 @@ def cache_root() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "graphopt" / "kernels"
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _trusted(entry: Path, output: str) -> dict | None:
+    """The build record of a cached build that may be loaded, else None: the entry and its
+    library are this user's, writable by no one else, regular files (no link), and the library
+    is the one the build recorded (its sha256).  A library is code: a cache another user or a
+    restored CI artifact could have written into is rebuilt, not trusted."""
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    try:
+        for p in (entry, entry / output, entry / "build.json"):
+            st = os.lstat(p)
+            if p != entry and not stat.S_ISREG(st.st_mode):
+                return None
+            if (uid is not None and st.st_uid != uid) or st.st_mode & 0o022:
+                return None
+        info = json.loads((entry / "build.json").read_text())
+        if not isinstance(info, dict) or info.get("sha256") != _sha256(entry / output):
+            return None
+        return info if isinstance(info.get("command"), list) else None
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
 @dataclass(frozen=True)
 class Build:
     """A finished build: its directory, the library and the compiler's messages."""
@@ -147,15 +177,19 @@ def build(
     final = root / key
     meta = final / "build.json"
     if meta.exists() and (final / output).exists():
-        info = json.loads(meta.read_text())
-        return Build(
-            final,
-            final / output,
-            (final / "build.log").read_text(),
-            tuple(info["command"]),
-            info["seconds"],
-            True,
-        )
+        info = _trusted(final, output)
+        if info is not None:
+            return Build(
+                final,
+                final / output,
+                (final / "build.log").read_text(),
+                tuple(info["command"]),
+                info["seconds"],
+                True,
+            )
+        shutil.rmtree(final, ignore_errors=True)  # rebuilt below, never loaded
+        if final.exists():
+            raise BuildError(f"the kernel cache entry {final} is not to be trusted and stays")
     root.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
     try:
@@ -183,8 +217,13 @@ def build(
                 + (log.strip().splitlines() or [""])[-1][:300],
                 log,
             )
+        os.chmod(work / output, 0o755)  # whatever the umask: writable by this user alone
+        digest = _sha256(work / output)
         (work / "build.json").write_text(
-            json.dumps({"command": command, "seconds": round(seconds, 3)}, sort_keys=True)
+            json.dumps(
+                {"command": command, "seconds": round(seconds, 3), "sha256": digest},
+                sort_keys=True,
+            )
         )
         try:
             os.rename(work, final)
