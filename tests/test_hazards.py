@@ -67,6 +67,40 @@ def test_a_range_bomb_is_neither_propagated_nor_run():
     assert hazards.runtime_hazard(range_bomb(64)) is None
 
 
+def scan_bomb(trips: int):
+    """A Loop stacking a 4 MiB constant ``trips`` times as its scan output."""
+    body = helper.make_graph(
+        [
+            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+            helper.make_node("Identity", ["big"], ["scan"]),
+        ],
+        "body",
+        [vi("i", [], TensorProto.INT64), vi("cond_in", [], TensorProto.BOOL)],
+        [vi("cond_out", [], TensorProto.BOOL), vi("scan", [1024, 1024])],
+        [const("big", np.zeros((1024, 1024)))],
+    )
+    return model(
+        [
+            helper.make_node("Loop", ["n", ""], ["s"], body=body, name="stack"),
+            helper.make_node("ReduceSum", ["s"], ["r"], keepdims=0),
+            helper.make_node("Add", ["r", "x"], ["y"]),
+        ],
+        [vi("x", [])],
+        [vi("y", [])],
+        [const("n", trips, np.int64)],
+    )
+
+
+def test_a_loop_stacking_scan_outputs_past_the_bound_is_not_run():
+    """10^5 trips of 4 MiB: 391 GiB of scan outputs, said instead of run (the run would fill
+    the memory); 4 trips run."""
+    why = hazards.runtime_hazard(scan_bomb(100_000))
+    assert "Loop 'stack' stacks 391 GiB of scan outputs" in why
+    _, report = graphopt.optimize(scan_bomb(100_000), level=1)
+    assert not report.parity.ran and "scan outputs" in report.parity.error
+    assert hazards.runtime_hazard(scan_bomb(4)) is None
+
+
 def test_a_run_past_its_time_is_cut_short(monkeypatch):
     monkeypatch.setenv("GRAPHOPT_RUN_SECONDS", "0")
     m = model([helper.make_node("Relu", ["x"], ["y"])], [vi("x", [4])], [vi("y", [4])])

@@ -89,8 +89,42 @@ def _division(node: onnx.NodeProto, consts: dict) -> str | None:
     return None
 
 
+def _scanned(loop: onnx.NodeProto, consts: dict) -> tuple[float, int] | None:
+    """(elements, 1) of the scan outputs a Loop with a constant trip count stacks: every
+    iteration's static-shaped values, trip count times (bytes as elements of one byte)."""
+    trips = _value(consts, loop.input[0])
+    body = next((a.g for a in loop.attribute if a.name == "body"), None)
+    if trips is None or trips.size != 1 or body is None:
+        return None
+    carried = len(loop.input) - 2
+    per_trip = 0
+    for out in body.output[1 + carried :]:
+        t = out.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+        if not t.HasField("shape") or None in dims or t.elem_type not in _ITEM_BYTES:
+            continue  # not known statically: not counted
+        per_trip += math.prod(dims) * _ITEM_BYTES[t.elem_type]
+    return float(max(int(trips.reshape(())), 0)) * per_trip, 1
+
+
+#: bytes per element of the tensor types whose size a hazard check counts
+_ITEM_BYTES = {
+    onnx.TensorProto.FLOAT: 4,
+    onnx.TensorProto.DOUBLE: 8,
+    onnx.TensorProto.FLOAT16: 2,
+    onnx.TensorProto.BFLOAT16: 2,
+    onnx.TensorProto.INT64: 8,
+    onnx.TensorProto.INT32: 4,
+    onnx.TensorProto.INT16: 2,
+    onnx.TensorProto.INT8: 1,
+    onnx.TensorProto.UINT8: 1,
+    onnx.TensorProto.BOOL: 1,
+}
+
+
 def _size(node: onnx.NodeProto, consts: dict) -> tuple[float, int] | None:
-    """(elements, bytes per element) of a Range or ConstantOfShape with constant operands."""
+    """(elements, bytes per element) of a Range or ConstantOfShape with constant operands, or
+    of the scan outputs of a Loop with a constant trip count."""
     if node.op_type == "Range" and len(node.input) >= 3:
         vals = [_value(consts, i) for i in node.input[:3]]
         if any(v is None or v.size != 1 for v in vals):
@@ -99,6 +133,8 @@ def _size(node: onnx.NodeProto, consts: dict) -> tuple[float, int] | None:
         if delta == 0 or not all(math.isfinite(x) for x in (start, limit, delta)):
             return None
         return max(math.ceil((limit - start) / delta), 0), vals[0].dtype.itemsize
+    if node.op_type == "Loop" and node.input and node.input[0]:
+        return _scanned(node, consts)
     if node.op_type == "ConstantOfShape" and node.input:
         shape = _value(consts, node.input[0])
         if shape is None:
@@ -118,7 +154,13 @@ def runtime_hazard(model: onnx.ModelProto, branches: bool = False) -> str | None
     for g in _graphs(model.graph, branches):
         consts = None
         for node in g.node:
-            if node.domain or node.op_type not in ("Div", "Mod", "Range", "ConstantOfShape"):
+            if node.domain or node.op_type not in (
+                "Div",
+                "Mod",
+                "Range",
+                "ConstantOfShape",
+                "Loop",
+            ):
                 continue
             consts = _constants(g) if consts is None else consts
             if node.op_type in ("Div", "Mod"):
@@ -128,9 +170,14 @@ def runtime_hazard(model: onnx.ModelProto, branches: bool = False) -> str | None
                 continue
             size = _size(node, consts)
             if size is not None and size[0] * size[1] > MAX_RUN_TENSOR_BYTES:
+                gib = size[0] * size[1] / 2**30
+                made = (
+                    f"stacks {gib:.3g} GiB of scan outputs"
+                    if node.op_type == "Loop"
+                    else f"makes {size[0]:.3g} elements ({gib:.3g} GiB)"
+                )
                 return (
-                    f"{node.op_type} '{_label(node)}' makes {size[0]:.3g} elements "
-                    f"({size[0] * size[1] / 2**30:.3g} GiB), more than the "
+                    f"{node.op_type} '{_label(node)}' {made}, more than the "
                     f"{MAX_RUN_TENSOR_BYTES >> 30} GiB one tensor of a run may take"
                 )
     return None
