@@ -303,6 +303,22 @@ def test_dims_through_tile_a_kept_symbolic_dim_and_a_computed_slice():
     assert d.key(t["w_kv"], 0) == ("int", 16)
 
 
+def test_dims_through_a_scatter_are_the_data_s():
+    """TorchScript's ``k[..., :n] = k_nope``: a ScatterND into the key keeps its dims."""
+    nodes = [helper.make_node("ScatterND", ["data", "idx", "upd"], ["y"])]
+    inputs = [
+        vi("data", ["b", 8, "t", 48]),
+        vi("idx", ["b", 8, "t", 32, 4], TensorProto.INT64),
+        vi("upd", ["b", 8, "t", 32]),
+    ]
+    t = tensors(model(nodes, inputs, [vi("y", None)]))
+    t["y"].shape = None  # as after a rewrite: no inferred shape
+    d = Dims()
+    assert [d.key(t["y"], i) for i in range(4)] == [
+        ("param", "b"), ("int", 8), ("param", "t"), ("int", 48)
+    ]  # fmt: skip
+
+
 def test_window_regroup_target_is_proven():
     """The 5-D regroup target [B·nW // nW, nW, N, S, S] of a padded, rolled input: nW static,
     the images the batch itself."""

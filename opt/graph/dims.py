@@ -73,6 +73,8 @@ _UNARY = {
     "Elu",
     "Selu",
     "RotaryEmbedding",  # ONNX and com.microsoft: the shape of its input
+    "ScatterND",  # the shape of the data scattered into (TorchScript's slice assignment)
+    "ScatterElements",
 }
 _BROADCAST = {
     "Add",
