@@ -7,7 +7,9 @@ onnxruntime parity:
   the key is nope + rope dims, the value nope dims only): MultiHeadAttention takes them merged
   to [B, T, N·H], the layout in which the value may be of another width;
 - a bias added before the mask's Where (MPT's ALiBi [N, 1, T], then
-  ``masked_fill(mask, finfo.min)``): both go into attention_bias."""
+  ``masked_fill(mask, finfo.min)``): both go into attention_bias;
+- a causal mask multiplied in (OpenAI GPT's ``w · b + −1e4 · (1 − b)``): the fill term is the
+  bias and the Mul goes; a 0/1 factor with no such fill is missed, not fused."""
 
 import numpy as np
 import pytest
@@ -115,3 +117,33 @@ def test_a_bias_under_the_mask_goes_into_the_attention_bias(rng):
     out, report = assert_optimized(alibi_under_the_mask(rng), target="cuda", inputs=feeds)
     ops = op_histogram(out.graph.node)
     assert ops.get(MHA) == 1 and "Softmax" not in ops and "Expand" not in ops, ops
+
+
+def multiplied_mask(rng, fill: float = -1e4):
+    """OpenAI GPT: scores times a causal 0/1 constant, plus ``fill · (1 − b)`` (folded)."""
+    h, d = 8, 32
+    nodes = [*_heads("q", h, [0, 2, 1, 3]), *_heads("k", h, [0, 2, 3, 1])]
+    nodes += [*_heads("v", h, [0, 2, 1, 3]), *_attend("k_h", "v_h", h, "fill")]
+    at = next(i for i, n in enumerate(nodes) if n.op_type == "Add")
+    nodes[at].input[0] = "kept"
+    nodes.insert(at, mk("Mul", ["scaled", "causal"], ["kept"]))
+    b = np.tril(np.ones((S, S), np.float32))[None, None]
+    inits = [const(f"W{r}", rng.standard_normal((d, N * h)) * 0.3) for r in "qkv"]
+    inits += [const("scale", np.float32(h**-0.5)), const("causal", b)]
+    inits += [const("fill", (fill * (1 - b)).astype(np.float32))]
+    return model(nodes, [vi("x", ["B", S, d])], [vi("y", None)], inits + _shapes(h))
+
+
+def test_a_multiplied_causal_mask_with_its_fill_fuses(rng):
+    out, report = assert_optimized(multiplied_mask(rng), target="cuda")
+    ops = op_histogram(out.graph.node)
+    assert ops.get(MHA) == 1 and "Softmax" not in ops and "Mul" not in ops, ops
+
+
+def test_a_zero_one_factor_without_a_fill_is_missed(rng):
+    """A fill of −10 does not drown the kept score: no bias stands for the product."""
+    out, report = assert_optimized(multiplied_mask(rng, fill=-10.0), target="cuda")
+    assert MHA not in op_histogram(out.graph.node)
+    miss = [r for r in report.remarks if r.rule == "fuse-attention" and r.kind == "missed"]
+    assert [r.code for r in miss] == ["unrecognized-layout"], miss
+    assert "0/1 mask" in miss[0].message

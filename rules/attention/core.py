@@ -116,6 +116,7 @@ class Core:
     where_fills_true: bool = False  # the second spelling: the fill where ``cond`` holds
     window: WindowRegroup | None = None
     softcap: SoftCap | None = None
+    mask_mul: Node | None = None  # the scores times a 0/1 mask (with an additive fill)
     sink: Sink | None = None
     fold: FoldedHeads | None = None
     nan_guard: tuple[Node, Node] | None = None  # (Where, IsNaN)
@@ -138,6 +139,7 @@ class Core:
         found += self.inner_adds[::-1]
         if self.fold is not None:
             found += [self.fold.scores] + self.fold.term_adds[::-1]
+        found += [self.mask_mul] if self.mask_mul is not None else []
         found += self.softcap.nodes if self.softcap is not None else []
         return found + [f.node for f in self.factors] + [self.qk]
 
@@ -454,6 +456,9 @@ def _peel_scores(core: Core, z: Tensor) -> None:
             )
         core.fold.scores = fold
         z, core.fold.terms, core.fold.term_adds = peel_terms(inputs(fold)[0])
+    z, core.mask_mul = mask_multiplied(z)
+    if core.mask_mul is not None:
+        _check_mask_fill(core)
     core.softcap = soft_cap(z)
     if core.softcap is not None:
         z = inputs(core.softcap.nodes[-1])[0]
@@ -471,6 +476,48 @@ def _peel_scores(core: Core, z: Tensor) -> None:
     kt, fk = strip_scale(inputs(mm)[1])
     core.qk, core.scores, core.q, core.kt = mm, scores, q, kt
     core.factors = factors + fq + fk
+
+
+def mask_multiplied(t: Tensor | None) -> tuple[Tensor | None, Node | None]:
+    """``t`` = ``s · m`` with ``m`` a constant of zeros and ones (OpenAI GPT's causal
+    ``w · b + −1e4 · (1 − b)``): (s, the Mul); else (t, None)."""
+    mul = producer(t, "Mul")
+    if mul is None:
+        return t, None
+    for s, m in (inputs(mul), inputs(mul)[::-1]):
+        v = constant_value(m)
+        if v is not None and v.ndim >= 2 and v.size > 1 and np.all((v == 0) | (v == 1)):
+            return s, mul
+    return t, None
+
+
+#: an additive fill at or below this is exp-underflow in fp32 beside any score a model makes
+#: (|s| ≪ 1e4): ``s · 0 + fill`` and ``s + fill`` weigh nothing alike after the Softmax
+_MASK_FILL = -1e4
+
+
+def _check_mask_fill(core: Core) -> None:
+    """The scores are multiplied by a 0/1 mask ``m``: exact as an additive bias only when a
+    constant term adds 0 where ``m`` keeps the score and ≤ −1e4 where it zeroes it; then the
+    Mul goes and that term masks alone."""
+    m = next(constant_value(i) for i in inputs(core.mask_mul) if constant_value(i) is not None)
+    for t in core.terms:
+        c = constant_value(t)
+        if c is None:
+            continue
+        try:
+            cb, mb = np.broadcast_arrays(c, m)
+        except ValueError:
+            continue
+        if np.all(cb[mb == 1] == 0) and np.all(cb[mb == 0] <= _MASK_FILL):
+            return
+    raise unrecognized(
+        "1 (core)",
+        f"the scores are multiplied by the 0/1 mask '{inputs(core.mask_mul)[1].name}' with no "
+        f"constant term that fills ≤ {_MASK_FILL:g} where it zeroes them and 0 elsewhere",
+        core.softmax,
+        core.mask_mul.outputs[0],
+    )
 
 
 def soft_cap(t: Tensor | None) -> SoftCap | None:
@@ -557,6 +604,7 @@ def is_scores(t: Tensor | None, depth: int = _MAX_TERMS) -> bool:
     fold = producer(t, "Reshape")
     if fold is not None and rank(t) == 4 and rank(inputs(fold)[0]) == 3:
         t = inputs(fold)[0]  # [B·N,S,T] scores unfolded to [B,N,S,T]
+    t = mask_multiplied(t)[0]
     mm = producer(strip_scale(t)[0], "MatMul")
     if mm is not None:
         right = strip_scale(inputs(mm)[1])[0]
