@@ -10,9 +10,13 @@ its MatMuls), in three stages, each a module with typed results:
    ``tanh(s/c)·c`` before the mask (lowered only to a kernel with ``softcap``: GroupQueryAttention,
    or ONNX Attention at opset ≥ 23); ``masked_fill``'s ``Where(cond, fill, scores)``; batch and
    heads folded into one axis around the Softmax (bmm-style [B·N,S,T] scores and terms); a
-   per-head score factor [N,1,1] (cosine attention's logit scale) multiplies each head's query.
+   per-head score factor [N,1,1] (cosine attention's logit scale) multiplies each head's query;
+   attention sinks (a constant logit per head concatenated to the scores, the row maximum
+   subtracted, its column sliced off: GPT-OSS); terms added under the mask's Where (ALiBi,
+   then masked_fill); a 0/1 mask multiplied in with an additive fill ≤ −1e4 (OpenAI GPT).
 2. lift (:mod:`.heads`, :mod:`.masks`): how q/k/v ``[B,S,D]`` are split into heads
-   (batch-first, sequence-first, one packed projection, dynamo's 3-D Kᵀ; a cross-attention
+   (batch-first, sequence-first — also with dynamo's 3-D Kᵀ, nn.MultiheadAttention —, one
+   packed projection, dynamo's 3-D Kᵀ; a constant query [B,N,S,H]; a cross-attention
    key split may name the query's batch) and ``num_heads``/head size from the Reshape targets
    (constants or shape glue, resolved symbolically with :mod:`graphopt.opt.graph.dims`); a key and
    value already per head ``[B,N,T,H]`` (a KV cache's ``Concat(past, new)``, which stays as the
@@ -46,7 +50,9 @@ its MatMuls), in three stages, each a module with typed results:
    the new k/v and the past in, the present outputs out, ``causal=0`` and the whole mask as
    ``attention_bias``, exact for any padding); a per-head query and a per-head new key or
    value (q/k norms, partial rotary, a fused projection's head slice) are merged to [B,S,·]
-   for it, and a single broadcast kv head is ``kv_num_heads=1``.
+   for it, and a single broadcast kv head is ``kv_num_heads=1``.  Sinks go to
+   GroupQueryAttention's ``head_sink``; elsewhere MultiHeadAttention gets one more key, zero,
+   whose bias column is the sink logit (exact: ``q·0 = 0`` and its zero value adds nothing).
 
 Guards (missed remarks carry ``stage``, ``tensor`` and ``softmax`` in their arguments):
 ``unrecognized-layout`` (a spelling the stages do not know), ``unknown-shape`` (q/k/v not known
