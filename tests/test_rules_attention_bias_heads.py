@@ -9,7 +9,9 @@ onnxruntime parity:
 - a bias added before the mask's Where (MPT's ALiBi [N, 1, T], then
   ``masked_fill(mask, finfo.min)``): both go into attention_bias;
 - a causal mask multiplied in (OpenAI GPT's ``w · b + −1e4 · (1 − b)``): the fill term is the
-  bias and the Mul goes; a 0/1 factor with no such fill is missed, not fused."""
+  bias and the Mul goes; a 0/1 factor with no such fill is missed, not fused;
+- a scaled query also read by a bias term (DeBERTa's content-to-position term of ``q / √3H``):
+  the scale stays in front of the kernel, which takes the scaled query with scale 1."""
 
 import numpy as np
 import pytest
@@ -147,3 +149,34 @@ def test_a_zero_one_factor_without_a_fill_is_missed(rng):
     miss = [r for r in report.remarks if r.rule == "fuse-attention" and r.kind == "missed"]
     assert [r.code for r in miss] == ["unrecognized-layout"], miss
     assert "0/1 mask" in miss[0].message
+
+
+def shared_scaled_query(rng):
+    """DeBERTa: ``q / c`` feeds the scores and a content-to-position term ``(q / c) · Pᵀ``."""
+    h, d = 8, 32
+    nodes = [*_heads("q", h, [0, 2, 1, 3]), *_heads("k", h, [0, 2, 3, 1])]
+    nodes += [*_heads("v", h, [0, 2, 1, 3])]
+    nodes += [
+        mk("Div", ["q_h", "c"], ["q_s"]),
+        mk("MatMul", ["q_s", "pos_t"], ["c2p"]),
+        mk("MatMul", ["q_s", "k_h"], ["qk"]),
+        mk("Add", ["qk", "c2p"], ["z"]),
+        mk("Softmax", ["z"], ["p"], axis=-1),
+        mk("MatMul", ["p", "v_h"], ["o"]),
+        mk("Transpose", ["o"], ["o_t"], perm=[0, 2, 1, 3]),
+        mk("Reshape", ["o_t", f"merge{h}"], ["y"]),
+    ]
+    inits = [const(f"W{r}", rng.standard_normal((d, N * h)) * 0.3) for r in "qkv"]
+    inits += [
+        const("c", np.float32(np.sqrt(3 * h))),
+        const("pos_t", rng.standard_normal((1, N, h, S))),
+    ]
+    return model(nodes, [vi("x", ["B", S, d])], [vi("y", None)], inits + _shapes(h))
+
+
+def test_a_scaled_query_a_bias_term_reads_too_keeps_its_scale_in_front(rng):
+    out, report = assert_optimized(shared_scaled_query(rng), target="cuda")
+    ops = op_histogram(out.graph.node)
+    assert ops.get(MHA) == 1 and "Softmax" not in ops and ops.get("Div") == 1, ops
+    mha = next(n for n in out.graph.node if n.op_type == "MultiHeadAttention")
+    assert {a.name: a.f for a in mha.attribute}.get("scale") == 1.0

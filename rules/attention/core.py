@@ -472,10 +472,20 @@ def _peel_scores(core: Core, z: Tensor) -> None:
             core.softmax,
             z,
         )
-    q, fq = strip_scale(inputs(mm)[0])
-    kt, fk = strip_scale(inputs(mm)[1])
+    q, fq = _own_scale(inputs(mm)[0], mm)
+    kt, fk = _own_scale(inputs(mm)[1], mm)
     core.qk, core.scores, core.q, core.kt = mm, scores, q, kt
     core.factors = factors + fq + fk
+
+
+def _own_scale(t: Tensor, mm: Node) -> tuple[Tensor, list[Factor]]:
+    """``strip_scale`` of an operand of Q·Kᵀ, unless the scaled operand is read elsewhere too
+    (DeBERTa's query, divided once for the scores and its relative-position terms): then the
+    scale stays in front of the kernel, which takes the operand as it is."""
+    u, factors = strip_scale(t)
+    if factors and any(r is not mm and r.op != "Shape" for r in t.outputs):
+        return t, []
+    return u, factors
 
 
 def mask_multiplied(t: Tensor | None) -> tuple[Tensor | None, Node | None]:
