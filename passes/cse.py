@@ -19,21 +19,12 @@ import hashlib
 
 import numpy as np
 
+from graphopt.opt.graph.domains import RANDOM_OPS
 from graphopt.opt.graph.ir import Constant, ModelIR, Node, Tensor, constant_value, subgraphs
 from graphopt.opt.rewrite.context import Pass, PassContext
 from graphopt.opt.rewrite.manager import register_pass
 
-NONDETERMINISTIC = frozenset(
-    {
-        "RandomNormal",
-        "RandomNormalLike",
-        "RandomUniform",
-        "RandomUniformLike",
-        "Multinomial",
-        "Bernoulli",
-        "Dropout",
-    }
-)
+NONDETERMINISTIC = RANDOM_OPS | {"Dropout"}
 KNOWN_DOMAINS = frozenset({"", "ai.onnx", "com.microsoft"})
 MAX_CONSTANT_ELEMENTS = 4096
 

@@ -35,3 +35,10 @@ def same_domain(a: str | None, b: str | None) -> bool:
 def in_domains(domain: str | None, *domains: str | None) -> bool:
     """Whether ``domain`` is one of ``domains`` (each in any spelling)."""
     return norm_domain(domain) in {norm_domain(d) for d in domains}
+
+
+#: default-domain ops that draw random numbers (a seed attribute makes one repeatable)
+RANDOM_OPS = frozenset(
+    {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial"}
+    | {"Bernoulli"}
+)

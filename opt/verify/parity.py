@@ -36,6 +36,7 @@ import math
 import os
 import tempfile
 import threading
+import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -47,6 +48,7 @@ import onnxruntime as ort
 from onnx import numpy_helper
 
 from ..errors import GraphoptError, UsageError
+from ..graph.domains import RANDOM_OPS, is_default
 from ..graph.io import has_data_files, serialize, skeleton, tensor_nbytes, write_model_files
 from .customops import register_libraries
 from .feeds import MAX_INPUT_BYTES, find_runnable, validate_args
@@ -1133,6 +1135,10 @@ def check_parity(
     """
     opt_dir = base_dir if optimized_base_dir is None else optimized_base_dir
     validate_args(original, shapes, inputs, per_output)
+    seeded = with_seeded_randomness(original)
+    if seeded is not None:  # both draw the same numbers, node by node: comparable outputs
+        original, optimized = seeded, with_seeded_randomness(optimized) or optimized
+        ahead = optimized_session = None
     lean = is_lean(original)
     pieces = 0
     if ahead is not None and not lean and ahead.matches(original, shapes, inputs, seed, base_dir):
@@ -1238,6 +1244,41 @@ class OwnNoise:
     mismatch: dict[str, float] = field(default_factory=dict)
     #: outputs whose shape differs (a selection that keeps another number of elements)
     reshaped: frozenset[str] = frozenset()
+
+
+def with_seeded_randomness(model: onnx.ModelProto) -> onnx.ModelProto | None:
+    """A copy of ``model`` whose random ops without a seed have one, taken from the node's name
+    (so that the original and the optimized model draw the same numbers where a node kept its
+    name); None when every random op has one already.  onnxruntime derives an unseeded op's
+    seed from where it stands, which any rewrite moves: parity would compare two draws."""
+
+    def unseeded(graph: onnx.GraphProto) -> bool:
+        for node in graph.node:
+            if is_default(node.domain) and node.op_type in RANDOM_OPS:
+                if not any(a.name == "seed" for a in node.attribute):
+                    return True
+            for a in node.attribute:
+                subs = [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
+                if any(unseeded(g) for g in subs):
+                    return True
+        return False
+
+    def seed(graph: onnx.GraphProto) -> None:
+        for node in graph.node:
+            if is_default(node.domain) and node.op_type in RANDOM_OPS:
+                if not any(a.name == "seed" for a in node.attribute):
+                    value = float(zlib.crc32((node.name or node.output[0]).encode()) % 2**24)
+                    node.attribute.append(onnx.helper.make_attribute("seed", value))
+            for a in node.attribute:
+                for g in [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs):
+                    seed(g)
+
+    if not unseeded(model.graph):
+        return None
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    seed(copy.graph)
+    return copy
 
 
 def own_noise(names: list[str], written: list, deployed: list) -> OwnNoise:
