@@ -20,7 +20,7 @@ import onnx
 from onnx_graphsurgeon import Graph
 
 from graphopt.opt.graph.analysis import EvaluationError, evaluate, infer_node, infer_shapes
-from graphopt.opt.graph.domains import is_default
+from graphopt.opt.graph.domains import RANDOM_OPS, is_default
 from graphopt.opt.graph.ir import (
     Constant,
     ModelIR,
@@ -41,14 +41,8 @@ GROWTH_SHARE = 64
 MODEL_SHARE = 100
 
 #: results depend on randomness or state, or are not plain tensors: never folded
-NEVER_FOLD = frozenset(
+NEVER_FOLD = RANDOM_OPS | frozenset(
     {
-        "RandomNormal",
-        "RandomUniform",
-        "RandomNormalLike",
-        "RandomUniformLike",
-        "Multinomial",
-        "Bernoulli",
         "Dropout",
         "If",
         "Loop",
