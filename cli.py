@@ -1021,7 +1021,7 @@ def _profile_bundle(bundle: Path, target, inputs, shapes, runs) -> tuple[dict, d
         except (OSError, ValueError) as e:
             raise errors.GraphoptError(f"{folder / GOLDEN_INPUTS}: cannot read ({e})") from None
     report = None
-    with suppress(OSError, ValueError):
+    with suppress(OSError, ValueError, RecursionError):  # a corrupt report is not needed here
         report = json.loads((folder / "report.json").read_text())
 
     def session_model(info: dict):

@@ -19,6 +19,8 @@ import platform
 import shutil
 import statistics
 import time
+import zipfile
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
@@ -29,16 +31,20 @@ from typing import Any
 import numpy as np
 import onnx
 import onnxruntime as ort
+from onnx import external_data_helper
 
 from graphopt.opt.errors import GraphoptError, ModelSaveError, UsageError
 from graphopt.opt.graph.domains import norm_domain
 from graphopt.opt.graph.io import (
     OutputDirKind,
+    _all_tensors,
+    check_external_data,
     check_output_dir,
     discard,
     external_data_files,
     file_sha256,
     needs_external_data,
+    non_regular_kind,
     replace_dir,
     staging_dir,
     write_model_files,
@@ -1373,11 +1379,27 @@ def describe_value(value) -> dict[str, Any]:
 
 
 def _golden(bundle: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    with np.load(bundle / GOLDEN_INPUTS, allow_pickle=False) as f:
-        feeds = {k: f[k] for k in f.files}
-    with np.load(bundle / GOLDEN_OUTPUTS, allow_pickle=False) as f:
-        outs = {k: f[k] for k in f.files}
-    return feeds, outs
+    return _golden_arrays(bundle, GOLDEN_INPUTS), _golden_arrays(bundle, GOLDEN_OUTPUTS)
+
+
+def _golden_arrays(bundle: Path, name: str) -> dict[str, np.ndarray]:
+    """The arrays of the golden file ``name``: an .npz of plain arrays (never pickled objects);
+    anything else is a GraphoptError (exit 1: a corrupt bundle) naming the file."""
+    file = _bundle_file(bundle, name, name)
+    try:
+        data = np.load(file, allow_pickle=False)
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise ValueError("not an .npz archive")
+        with data:
+            return {k: data[k] for k in data.files}
+    except (OSError, ValueError, EOFError, MemoryError, zipfile.BadZipFile, zlib.error) as e:
+        raise GraphoptError(f"{file}: corrupt bundle file ({_reason(e)})") from None
+
+
+def _reason(e: BaseException) -> str:
+    """An error's reason in one line: an OSError's strerror, else its text's first line."""
+    text = str(getattr(e, "strerror", None) or e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 # ------------------------------------------------------------------------------ loading
@@ -1391,15 +1413,19 @@ def read_bundle(bundle: str | os.PathLike) -> tuple[Path, dict, dict]:
             f"{path} is a model file, not a bundle: `graphopt optimize {path}` writes one, "
             "and `graphopt run` runs that folder"
         )
+    name = MANIFEST
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
-        config = json.loads((path / SESSION_CONFIG).read_text())
+        manifest = json.loads(_bundle_file(path, name, name).read_text())
+        name = SESSION_CONFIG
+        config = json.loads(_bundle_file(path, name, name).read_text())
     except FileNotFoundError as e:
         raise UsageError(
             f"{path} is not a graphopt bundle: {Path(e.filename).name} is missing"
         ) from None
     except json.JSONDecodeError as e:
         raise GraphoptError(f"{path}: corrupt bundle file ({e})") from None
+    except RecursionError:  # json's decoder recurses once per level of nesting
+        raise GraphoptError(f"{path}: corrupt bundle: {name} is nested too deep") from None
     except (OSError, UnicodeDecodeError) as e:
         why = getattr(e, "strerror", None) or str(e)
         raise GraphoptError(f"{path}: cannot read the bundle ({why})") from None
@@ -1407,7 +1433,64 @@ def read_bundle(bundle: str | os.PathLike) -> tuple[Path, dict, dict]:
     if manifest.get("schema") != SCHEMA:
         raise GraphoptError(f"{path}: unknown bundle schema {manifest.get('schema')!r}")
     _check_shapes(path, SESSION_CONFIG, config, _CONFIG_FIELDS)
+    _check_settings(path, config)
+    for where, name in _named_files(manifest, config):
+        _bundle_file(path, name, where)
     return path, manifest, config
+
+
+#: files a bundle holds under fixed names, checked (when there) like those its JSON names
+_FIXED_FILES = (
+    "model.onnx",
+    *FAST_FILES,
+    "report.json",
+    MEMORY_PLAN,
+    GOLDEN_INPUTS,
+    GOLDEN_OUTPUTS,
+)
+
+
+def _named_files(manifest: dict, config: dict) -> list[tuple[str, Any]]:
+    """(where it is named, name) of every file of the bundle that loading it may read."""
+    fast = manifest.get("fast_path") or {}
+    libs = (manifest.get("kernels") or {}).get("libraries") or {}
+    named = [(name, name) for name in _FIXED_FILES]
+    named.append((f"{MANIFEST} 'model'", manifest.get("model", "model.onnx")))
+    named += [(f"{MANIFEST} 'external_data'", n) for n in manifest.get("external_data", [])]
+    named += [(f"{MANIFEST} 'fast_path.files'", n) for n in fast.get("files") or []]
+    if "model" in fast:
+        named.append((f"{MANIFEST} 'fast_path.model'", fast["model"]))
+    for provider, lib in sorted(libs.items()):
+        if "path" in lib:
+            named.append((f"{MANIFEST} 'kernels.libraries.{provider}.path'", lib["path"]))
+    for provider, name in sorted((config.get("custom_op_libraries") or {}).items()):
+        named.append((f"{SESSION_CONFIG} 'custom_op_libraries.{provider}'", name))
+    return named
+
+
+def _bundle_file(path: Path, name: Any, where: str) -> Path:
+    """``path / name``, a file of the bundle named by ``where`` (a JSON entry, or the bundle's
+    layout): refused (GraphoptError, exit 1: a corrupt bundle) when the name is absolute, holds
+    ``..`` or resolves (symlinks followed) outside the bundle, or when something other than a
+    regular file is there (a FIFO, a device or a folder would block or fail the read).  A file
+    not there is not refused here: what reads it says it is missing."""
+    shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:77] + "..."
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise GraphoptError(f"{path}: corrupt bundle: {where} names {shown}, not a file name")
+    file = path / name
+    try:
+        inside = file.resolve().is_relative_to(path.resolve())
+    except (OSError, RuntimeError, ValueError):  # a symlink loop, a name too long
+        inside = False
+    if Path(name).is_absolute() or ".." in Path(name).parts or not inside:
+        raise GraphoptError(
+            f"{path}: corrupt bundle: refused {where} {shown}: it is outside the bundle "
+            "(absolute, '..' or a link out of it)"
+        )
+    kind = non_regular_kind(file)
+    if kind is not None:
+        raise GraphoptError(f"{path}: corrupt bundle: {shown} is {kind}, not a regular file")
+    return file
 
 
 #: the JSON type of each entry of manifest.json and session_config.json that reading a bundle
@@ -1438,14 +1521,24 @@ _MANIFEST_FIELDS: dict[str, tuple[type, ...]] = {
     "fast_path.built_for.onnxruntime": (str, _NULL),
     "golden": (dict,),
     "kernels": (dict, _NULL),
+    "kernels.libraries": (dict,),
+    "kernels.libraries.*": (dict,),
+    "kernels.libraries.*.path": (str,),
+    "kernels.libraries.*.sha256": (str, _NULL),
+    "kernels.libraries.*.march": (str, _NULL),
     "verified": (dict, _NULL),
 }
 _CONFIG_FIELDS: dict[str, tuple[type, ...]] = {
     "providers": (list, _NULL),
     "graph_optimization_level": (str,),
     "intra_op_num_threads": (int, _NULL),
+    "inter_op_num_threads": (int, _NULL),
+    "kernel_threads": (int, _NULL),
     "session_config_entries": (dict, _NULL),
+    "session_config_entries.*": (str,),
     "disabled_optimizers": (list, _NULL),
+    "custom_op_libraries": (dict, _NULL),
+    "custom_op_libraries.*": (str,),
 }
 _JSON_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", _NULL: "null"}
 
@@ -1487,6 +1580,49 @@ def _check_shapes(path: Path, name: str, data: Any, fields: dict) -> None:
                 raise GraphoptError(
                     f"{path}: corrupt bundle: {name} '{where}' is not a list of names"
                 )
+
+
+#: the session config's thread counts (0: onnxruntime's or OpenMP's default) are at most this:
+#: more threads than 4 per core only oversubscribe the cores, and onnxruntime's spinning pools
+#: take minutes to start from a few hundred on 2 cores and crash from 10^5; 64 at least, so a
+#: count tuned on a bigger machine still loads on a small one
+MAX_THREADS = max(64, 4 * (os.cpu_count() or 1))
+_THREAD_COUNTS = ("intra_op_num_threads", "inter_op_num_threads", "kernel_threads")
+#: onnxruntime's limits on a session config entry (bytes of UTF-8), past which it refuses it
+MAX_ENTRY_KEY = 1024
+MAX_ENTRY_VALUE = 8192
+
+
+def _check_settings(path: Path, config: dict) -> None:
+    """The session config's thread counts and config entries are what onnxruntime takes (else
+    a GraphoptError, exit 1: a corrupt bundle, naming the entry and its value)."""
+    bad = f"{path}: corrupt bundle: {SESSION_CONFIG}"
+    for key in _THREAD_COUNTS:
+        value = config.get(key)
+        if value is not None and not 0 <= value <= MAX_THREADS:
+            raise GraphoptError(
+                f"{bad} '{key}' is {value}, not a thread count from 0 to {MAX_THREADS}"
+            )
+    for key, value in (config.get("session_config_entries") or {}).items():
+        shown = repr(key) if len(repr(key)) <= 60 else repr(key)[:57] + "..."
+        if not key:
+            raise GraphoptError(f"{bad} 'session_config_entries' has an empty key")
+        where = f"'session_config_entries' key {shown}"
+        checks = ((key, where, MAX_ENTRY_KEY), (value, f"{where}: its value", MAX_ENTRY_VALUE))
+        for text, what, most in checks:
+            size = _utf8_size(text)
+            if size is None or "\x00" in text:
+                raise GraphoptError(f"{bad} {what} is not plain text (a NUL or lone surrogate)")
+            if size > most:
+                raise GraphoptError(f"{bad} {what} is {size} bytes, more than onnxruntime's {most}")
+
+
+def _utf8_size(text: str) -> int | None:
+    """The bytes of ``text`` in UTF-8, None when it has none (a lone surrogate)."""
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        return None
 
 
 def providers_problem(bundle: str | os.PathLike) -> str | None:
@@ -1557,6 +1693,7 @@ def open_session(
     if why is None and verify == "full" and not _hashed(manifest, fast_files):
         why = info["why"] = FULL_VERIFY_WHY
     check_integrity(path, manifest, files + (fast_files if why is None else []), verify)
+    _check_model_data(path, portable)  # whichever model runs, the bundle's must stay inside it
     kernels: dict = {}
     if why is None:
         try:
@@ -1658,6 +1795,7 @@ def _session(
     why_not = _register_kernels(path, manifest, config, so, wanted)
     if kernels is not None and config.get("custom_op_libraries"):
         kernels.update(used=why_not is None, why=why_not)
+    _check_model_data(path, model)
     try:
         with _kernel_threads(config.get("kernel_threads")):
             return ort.InferenceSession(
@@ -1670,6 +1808,21 @@ def _session(
         text = str(e).strip()
         first = text.splitlines()[0] if text else type(e).__name__
         raise GraphoptError(f"onnxruntime cannot load the bundle: {first}") from None
+
+
+def _check_model_data(path: Path, model: str) -> None:
+    """The bundle file ``model`` references external data only inside its own folder (the
+    check :func:`load_model` makes of an input model; a ModelLoadError, exit 1, otherwise):
+    onnxruntime would read an absolute or escaping location wherever it points."""
+    file = path / model
+    if not external_data_files(file):  # cheap: scanned or parsed without the weights
+        return
+    try:
+        proto = onnx.load(str(file), load_external_data=False)
+    except Exception:  # noqa: BLE001 - a model that does not parse: onnxruntime says why
+        return
+    stored = [t for t in _all_tensors(proto) if external_data_helper.uses_external_data(t)]
+    check_external_data(stored, file.resolve().parent, file)
 
 
 # ------------------------------------------------------------------------------ fast path
@@ -1902,7 +2055,12 @@ def _register_kernels(path: Path, manifest: dict, config: dict, so, wanted) -> s
         why = march_missing(info.get("march"))
         if why is not None:
             return f"the kernel library {rel} cannot run here: {why}"
-    so.register_custom_ops_library(str(lib))
+    try:
+        so.register_custom_ops_library(str(lib))
+    except Exception as e:  # noqa: BLE001 - onnxruntime raises its own Fail, RuntimeError...
+        raise GraphoptError(
+            f"refused to load the library {lib}: onnxruntime cannot register it ({_reason(e)})"
+        ) from None
     return None
 
 

@@ -111,7 +111,7 @@ def load_model(
     _check_raw_sizes(model, data, path)
     # one walk over every tensor (a graph of 100k constants: 1.5 s a walk)
     stored = [t for t in _all_tensors(model) if external_data_helper.uses_external_data(t)]
-    _check_external_data(stored, base, path)
+    check_external_data(stored, base, path)
     files = [t for t in stored if not is_in_place(t)]
     if key is not None:
         if len(_EXTERNAL_FILES) >= 64:
@@ -466,7 +466,7 @@ def _all_tensors(model: onnx.ModelProto):
     yield from external_data_helper._get_all_tensors(model)
 
 
-def _check_external_data(tensors: Sequence[onnx.TensorProto], base: Path, path: Path) -> None:
+def check_external_data(tensors: Sequence[onnx.TensorProto], base: Path, path: Path) -> None:
     """Every external reference (of ``tensors``, those stored externally) must stay inside the
     model's directory and fit its file."""
     for tensor in tensors:
