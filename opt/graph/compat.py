@@ -111,7 +111,7 @@ def _densify(graph: onnx.GraphProto) -> None:
     ModelLoadError when one is malformed or too large."""
     from onnx import numpy_helper
 
-    from .io import ModelLoadError
+    from ..errors import ModelLoadError
 
     for sp in graph.sparse_initializer:
         name = sp.values.name
