@@ -50,10 +50,15 @@ Encoders, vision, speech and encoder-decoders (small configs, hidden 64 to 128):
 - p_mbart: mBART pre-norm encoder-decoder, scaled embeddings
 - p_marian: Marian post-norm encoder-decoder, sinusoidal positions
 - p_siglip_vision: SigLIP vision encoder and its attention-pooling head (nn.MultiheadAttention)
+- p_torch_encoder: torch's own nn.TransformerEncoder (2 layers, batch-first; its
+  nn.MultiheadAttention without weights)
+- p_torch_pool: nn.MultiheadAttention with its weights (the default) pooling a sequence with a
+  learned query
 
 Llama4 exports with neither exporter (torch.polar in its rotary); Helium and Cohere2 with the
 dynamo exporter only (TorchScript stops with "All tensors must have the same rank"), Longformer
-with TorchScript only.
+with TorchScript only; the two torch modules with dynamo only (TorchScript bakes
+nn.MultiheadAttention's batch and length into its Reshapes, which then fail at other sizes).
 """
 
 from __future__ import annotations
@@ -540,6 +545,44 @@ def b_siglip_vision():
     return make_models.hf_vision_net(SiglipVisionModel(cfg), outputs, 64)
 
 
+class _TorchPool(torch.nn.Module):
+    """A learned query pooling a sequence through ``nn.MultiheadAttention`` with its weights
+    (the default ``need_weights=True``: torch's 3-D path over batch × heads)."""
+
+    def __init__(self, width: int = 64, heads: int = 4):
+        super().__init__()
+        self.query = torch.nn.Parameter(torch.randn(1, 1, width))
+        self.attention = torch.nn.MultiheadAttention(width, heads, batch_first=True)
+
+    def forward(self, x):
+        q = self.query.expand(x.shape[0], -1, -1)
+        return self.attention(q, x, x)[0]
+
+
+def _torch_net(module: torch.nn.Module, out: str) -> Net:
+    """A torch module on x [batch, seq, 64]."""
+    perturb_constant_params(module)
+    return Net(
+        module=module,
+        inputs=lambda batch, seq: {"x": torch.randn(batch, seq, 64)},
+        output_names=[out],
+        dynamic_axes={"x": {0: "batch", 1: "seq"}, out: {0: "batch"}},
+        export_shape=(2, 16),
+        test_shape=(1, 24),
+        alt_shape=(3, 9),
+    )
+
+
+def b_torch_encoder():
+    torch.backends.mha.set_fastpath_enabled(False)  # TorchScript cannot export the fused path
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+    return _torch_net(torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), "y")
+
+
+def b_torch_pool():
+    return _torch_net(_TorchPool(), "y")
+
+
 #: name -> (builder, mechanism), registered into make_models.MODELS as NAME and NAME_dynamo
 OTHERS = {
     "p_roformer": (b_roformer, "RoFormer: rotary position embedding in a BERT encoder"),
@@ -560,6 +603,8 @@ OTHERS = {
     "p_mbart": (b_mbart, "mBART: pre-norm encoder-decoder, scaled embeddings"),
     "p_marian": (b_marian, "Marian: post-norm encoder-decoder, sinusoidal positions"),
     "p_siglip_vision": (b_siglip_vision, "SigLIP vision: attention-pooling head"),
+    "p_torch_encoder": (b_torch_encoder, "torch nn.TransformerEncoder (nn.MultiheadAttention)"),
+    "p_torch_pool": (b_torch_pool, "torch nn.MultiheadAttention pooling with a learned query"),
 }
 for _name, (_build, _note) in OTHERS.items():
     make_models.MODELS[_name] = Spec(_build)
