@@ -33,3 +33,20 @@ def test_an_argument_the_locale_could_not_decode_is_a_usage_error(capsys):
     assert cli.run_args(["optimize", undecodable]) == 2
     err = capsys.readouterr().err
     assert "is not text in this locale's encoding" in err and "bad\\xff.onnx" in err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["bench", MODEL, "--runs", "2", "--baseline"],
+        ["gate", MODEL, "-q", "--baseline"],
+        ["gate", MODEL, "-q", "--op-baseline"],
+    ],
+    ids=["bench", "gate", "gate-ops"],
+)
+def test_a_baseline_nested_too_deep_is_a_usage_error(tmp_path, capsys, args):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    assert cli.run_args([*args, str(deep)]) == 2
+    err = capsys.readouterr().err
+    assert "baseline" in err and "internal error" not in err, err

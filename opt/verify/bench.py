@@ -194,7 +194,7 @@ def apply_baseline(result: BenchResult, path: Path, max_regression: float) -> Be
     try:
         base = json.loads(Path(path).read_text())
         base_ratio = float(base["ratio_p95"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         raise UsageError(f"--baseline {path}: not a graphopt baseline file ({e})") from None
     regression = result.ratio_p95 / base_ratio - 1.0
     return BenchResult(

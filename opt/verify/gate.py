@@ -311,7 +311,7 @@ def compare_baseline(latency: PairedLatency, path: Path, max_regression: float) 
             raise ValueError(f"schema {base.get('schema')!r}, not {GATE_BASELINE}")
         base_ratio = float(base["ratio"])
         base_high = float(base.get("high", base_ratio))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise UsageError(f"--baseline {path}: not a graphopt gate baseline ({e})") from None
     return {
         "baseline": base,
@@ -342,7 +342,7 @@ def read_op_baseline(path: Path) -> dict[str, Any]:
         for g in base["ops"]:
             float(g["low_ms"]), float(g["high_ms"]), str(g["op"])
         float(base["account"]["measured_ms"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         raise UsageError(
             f"--op-baseline {path}: not a graphopt profile with op intervals ({e})"
         ) from None
