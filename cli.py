@@ -899,6 +899,11 @@ def run(
         else:
             render.render_run(summary)
         if result["golden"] is not None and not result["golden"]["ok"]:
+            worst = max((d["max_abs"] for d in result["golden"]["outputs"]), default=0.0)
+            sys.stderr.write(
+                f"error: the bundle's outputs differ from its golden outputs (max abs "
+                f"{worst:.3g})\n"
+            )
             raise Exit(errors.EXIT_PARITY)
 
 

@@ -132,7 +132,9 @@ def test_run_reports_a_golden_mismatch(conv_net, tmp_path):
     assert invoke("optimize", conv_net, "-o", out, "-q").exit_code == 0
     golden = dict(np.load(out / "golden" / "outputs.npz"))
     np.savez(out / "golden" / "outputs.npz", y=golden["y"] + 1.0)
-    assert invoke("run", out).exit_code == 3
+    res = invoke("run", out)
+    assert res.exit_code == 3
+    assert "error: the bundle's outputs differ from its golden outputs (max abs 1)" in res.stderr
 
 
 def test_cuda_bundle_without_the_device(conv_net, tmp_path):
