@@ -375,6 +375,10 @@ def check(
             for p in results:
                 render.render_parity(p)
         if not all(p.ok for p in results):
+            failed = sorted({d.name for p in results for d in p.outputs if not d.ok})
+            why = next((p.error for p in results if p.error), None)
+            said = f"outputs: {', '.join(failed)}" if failed else why or "parity did not run"
+            sys.stderr.write(f"error: parity failed ({said})\n")
             raise Exit(errors.EXIT_PARITY)
 
 

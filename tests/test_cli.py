@@ -161,6 +161,7 @@ def test_check_command(conv_model, tmp_path):
     onnx.save(m, tmp_path / "broken.onnx")
     res = invoke("check", conv_model, tmp_path / "broken.onnx")
     assert res.exit_code == 3
+    assert "error: parity failed (outputs: " in res.stderr
 
 
 def test_rules_and_targets_lists():
