@@ -1252,32 +1252,25 @@ def with_seeded_randomness(model: onnx.ModelProto) -> onnx.ModelProto | None:
     name); None when every random op has one already.  onnxruntime derives an unseeded op's
     seed from where it stands, which any rewrite moves: parity would compare two draws."""
 
-    def unseeded(graph: onnx.GraphProto) -> bool:
-        for node in graph.node:
-            if is_default(node.domain) and node.op_type in RANDOM_OPS:
-                if not any(a.name == "seed" for a in node.attribute):
-                    return True
-            for a in node.attribute:
-                subs = [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
-                if any(unseeded(g) for g in subs):
-                    return True
-        return False
+    from ..graph.ir import all_graphs
 
-    def seed(graph: onnx.GraphProto) -> None:
-        for node in graph.node:
-            if is_default(node.domain) and node.op_type in RANDOM_OPS:
-                if not any(a.name == "seed" for a in node.attribute):
-                    value = float(zlib.crc32((node.name or node.output[0]).encode()) % 2**24)
-                    node.attribute.append(onnx.helper.make_attribute("seed", value))
-            for a in node.attribute:
-                for g in [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs):
-                    seed(g)
+    def unseeded(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+        return [
+            n
+            for g in all_graphs(graph)
+            for n in g.node
+            if is_default(n.domain)
+            and n.op_type in RANDOM_OPS
+            and not any(a.name == "seed" for a in n.attribute)
+        ]
 
     if not unseeded(model.graph):
         return None
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
-    seed(copy.graph)
+    for node in unseeded(copy.graph):
+        value = float(zlib.crc32((node.name or node.output[0]).encode()) % 2**24)
+        node.attribute.append(onnx.helper.make_attribute("seed", value))
     return copy
 
 
