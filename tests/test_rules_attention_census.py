@@ -49,3 +49,46 @@ def test_a_softmax_that_is_no_attention_gets_no_remark():
     )
     _, report = run(m)
     assert not [r for r in report.remarks if r.rule == "fuse-attention"]
+
+
+def test_the_census_sees_through_generated_element_wise_kernels():
+    """The scale and bias fused into a generated kernel (fuse-elementwise runs after the
+    attention rules) still make an attention: its Softmax is found from the MatMul."""
+    from graphopt.opt.graph.domains import GENERATED
+    from graphopt.opt.graph.ir import ModelIR
+    from graphopt.rules.attention.census import pv_matmul, scores_matmul
+
+    m = attention("reshape")
+    chain = [n for n in m.graph.node if n.op_type in ("Mul", "Add")]
+    kernel = helper.make_node(
+        "Elementwise_0", ["qk", "scale", "bias"], ["sb"], domain=GENERATED, name="kernel"
+    )
+    for n in chain:
+        m.graph.node.remove(n)
+    m.graph.node.insert(2, kernel)
+    ir = ModelIR(m)
+    (softmax,) = [n for n in ir.graph.nodes if n.op == "Softmax"]
+    found = scores_matmul(softmax)
+    assert found is not None and found[0].name == "qk" and found[1] == ["Elementwise_0"]
+    assert pv_matmul(softmax).name == "pv"
+
+
+def test_probabilities_split_between_two_value_products_are_an_attention():
+    """PEGASUS-X: the probabilities of local and global keys split apart, each half times
+    its own values: still an attention, missed with a remark, not in silence."""
+    nodes = [
+        helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["q", "kt"], ["qk"], name="qk"),
+        helper.make_node("Softmax", ["qk"], ["p"], axis=-1, name="softmax"),
+        helper.make_node("Split", ["p", "halves"], ["p1", "p2"], axis=-1),
+        helper.make_node("Split", ["v", "halves"], ["v1", "v2"], axis=2),
+        helper.make_node("MatMul", ["p1", "v1"], ["c1"], name="pv1"),
+        helper.make_node("MatMul", ["p2", "v2"], ["c2"], name="pv2"),
+        helper.make_node("Add", ["c1", "c2"], ["y"]),
+    ]
+    ins = [vi(n, [1, 2, 8, 4]) for n in ("q", "k", "v")]
+    m = model(nodes, ins, [vi("y", [1, 2, 8, 4])], [const("halves", [4, 4], np.int64)])
+    _, report = run(m, target="cuda")
+    (miss,) = [r for r in report.remarks if r.rule == "fuse-attention"]
+    assert miss.code == "unrecognized-layout" and miss.args["softmax"] == "softmax"
+    assert report.parity.ok

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 DEFAULT = ""
 MS = "com.microsoft"
+#: the custom-op domain of the element-wise kernels graphopt generates (targets.codegen)
+GENERATED = "graphopt.fused"
 _DEFAULT_SPELLINGS = (None, "", "ai.onnx")
 
 

@@ -3,7 +3,8 @@ graph that is an attention's gets a ``fuse-attention`` remark.
 
 A Softmax over the last axis whose scores come from a MatMul product of two computed operands
 (through at most :data:`SCORE_STEPS` scale, bias, mask, clamp, cast, soft-capping, sink or
-layout nodes) and whose probabilities are the left operand of a MatMul is an attention.  When
+layout nodes, or generated element-wise kernels of such ops) and whose probabilities are the
+left operand of a MatMul is an attention.  When
 ``fuse-attention`` fused it, it is gone; when it refused it, that refusal names this Softmax
 (its ``softmax`` argument).  Otherwise the rule never looked at it — its heads are not merged
 by a Transpose after P·V, or its scores are not spelled the way stage 1 reads them — and
@@ -14,12 +15,22 @@ graph (``graphopt.opt.rewrite.manager.FINAL_CHECKS``), only where fuse-attention
 
 from __future__ import annotations
 
+from graphopt.opt.graph.domains import GENERATED as FUSED_DOMAIN
 from graphopt.opt.graph.ir import Constant, ModelIR, Node, Tensor
 from graphopt.opt.rewrite.context import PassContext
 from graphopt.opt.rewrite.manager import FINAL_CHECKS
 
 RULE = "fuse-attention"
-UNFOLD = ("unfold-3d-attention", "unfold-3d-softmax")  # refuse before changing the graph
+#: the rules that respell an attention for fuse-attention: their refusals and reverted
+#: firings speak for it
+UNFOLD = (
+    "unfold-3d-attention",
+    "unfold-3d-softmax",
+    "unpack-folded-heads",
+    "unsplit-spatial-merge",
+    "unregroup-score-terms",
+    "channel-first-attention",
+)
 CORE = "1 (core)"
 #: nodes between the scores' MatMul and the Softmax that the census follows back
 SCORE_STEPS = 16
@@ -36,9 +47,11 @@ SCORE_OPS = frozenset(
 #: nodes between the probabilities and the P·V MatMul that the census follows
 PROB_STEPS = 10
 #: ops that may stand between the probabilities and the P·V MatMul (a sink's column sliced
-#: off, a head mask, banded probabilities padded back into chunks)
+#: off, a head mask, banded probabilities padded back into chunks, the probabilities of
+#: local and global keys split apart: PEGASUS-X)
 PROB_OPS = frozenset(
-    {"Where", "Cast", "Dropout", "Reshape", "Identity", "Slice", "Transpose", "Pad", "Mul"}
+    {"Where", "Cast", "Dropout", "Reshape", "Identity", "Slice", "Split", "Transpose", "Pad"}
+    | {"Mul"}
 )
 MATMULS = frozenset({"MatMul", "FusedMatMul", "Einsum"})
 
@@ -56,8 +69,10 @@ def scores_matmul(softmax: Node) -> tuple[Node, list[str]] | None:
             p = t.inputs[0]
             if p.op in MATMULS and _computed_operands(p):
                 return p, path
-            if p.op in SCORE_OPS:
+            if p.op in SCORE_OPS and not p.domain:
                 nxt += [(i, [p.op, *path]) for i in p.inputs[:3] if i is not None and i.name]
+            elif p.domain == FUSED_DOMAIN:  # a generated element-wise chain: every input
+                nxt += [(i, [p.op, *path]) for i in p.inputs if i is not None and i.name]
         frontier = nxt
     return None
 
@@ -79,7 +94,7 @@ def pv_matmul(softmax: Node) -> Node | None:
             for r in t.outputs:
                 if r.op in MATMULS and r.inputs and r.inputs[0] is t:
                     return r
-                if r.op in PROB_OPS:
+                if (r.op in PROB_OPS and not r.domain) or r.domain == FUSED_DOMAIN:
                     nxt += r.outputs
         frontier = nxt
     return None

@@ -13,11 +13,12 @@ from functools import cached_property
 
 import onnx
 
+from graphopt.opt.graph.domains import GENERATED
 from graphopt.opt.graph.ir import all_graphs
 
 from .expr import Expr, ExprError, kernel_id, op_type, parse
 
-DOMAIN = "graphopt.fused"
+DOMAIN = GENERATED
 DTYPES = ("float32", "float16")
 ELEM = {"float32": 1, "float16": 10}
 
