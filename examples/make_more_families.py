@@ -34,6 +34,8 @@ Encoders, vision, speech and encoder-decoders (small configs, hidden 64 to 128):
 
 - p_roformer: RoFormer rotary position embedding in a BERT encoder
 - p_esm: ESM-2 rotary encoder (protein masked LM)
+- p_squeezebert: SqueezeBERT channel-first attention (grouped 1x1 convolutions project q, k
+  and v over [B,C,S]; the key is Kᵀ as it is)
 - p_xlm_roberta: XLM-RoBERTa post-norm BERT attention, padding-offset positions
 - p_bigbird: BigBird in its full-attention mode
 - p_convbert: ConvBERT mixed attention (half the heads a span-based dynamic convolution)
@@ -305,6 +307,22 @@ def b_roformer():
     from transformers import RoFormerConfig, RoFormerModel
 
     return _text(RoFormerModel(RoFormerConfig(embedding_size=128, **ENC)), TT, LH)
+
+
+def b_squeezebert():
+    from transformers import SqueezeBertConfig, SqueezeBertModel
+
+    cfg = SqueezeBertConfig(
+        **ENC,
+        embedding_size=128,
+        q_groups=2,
+        k_groups=2,
+        v_groups=2,
+        post_attention_groups=1,
+        intermediate_groups=4,
+        output_groups=4,
+    )
+    return _text(SqueezeBertModel(cfg), TT, LH)
 
 
 def b_esm():
@@ -587,6 +605,7 @@ def b_torch_pool():
 OTHERS = {
     "p_roformer": (b_roformer, "RoFormer: rotary position embedding in a BERT encoder"),
     "p_esm": (b_esm, "ESM-2: rotary encoder, protein masked LM"),
+    "p_squeezebert": (b_squeezebert, "SqueezeBERT: 1x1 grouped-conv q/k/v over [B,C,S]"),
     "p_xlm_roberta": (b_xlm_roberta, "XLM-RoBERTa: post-norm MHA, padding-offset positions"),
     "p_bigbird": (b_bigbird, "BigBird: full-attention mode"),
     "p_convbert": (b_convbert, "ConvBERT: mixed attention, half the heads span-based conv"),

@@ -24,7 +24,8 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-#: name, batch (windows × images), sequence, heads, head size, bias ("none" | "heads" | "keys")
+#: name, batch (windows × images), sequence, heads, head size, bias ("none" | "heads" [1,N,S,T]
+#: | "keys" [B,1,1,T] | "full" [B,N,S,T], SAM's decomposed relative positions)
 CASES = [
     ("Swin-T stage 1 (64 windows)", 64, 49, 3, 32, "heads"),
     ("Swin-T stage 2 (16 windows)", 16, 49, 6, 32, "heads"),
@@ -46,11 +47,14 @@ CASES = [
     ("short sequence, S=16, no mask", 1, 16, 12, 64, "none"),
     ("Wav2Vec2/HuBERT-base shape, padding mask", 1, 49, 12, 64, "keys"),
     ("Wav2Vec2/HuBERT-base shape, per-head bias", 1, 49, 12, 64, "heads"),
+    ("SAM ViT-B windows (25 of 14x14), rel-pos bias", 25, 196, 12, 64, "full"),
+    ("SAM ViT-B global at 32x32, rel-pos bias", 1, 1024, 12, 64, "full"),
+    ("tiny SAM global (16x16, 2 heads of 32), rel-pos bias", 2, 256, 2, 32, "full"),
 ]
 
 
 def _bias_shape(b, s, n, kind):
-    return {"heads": [1, n, s, s], "keys": [b, 1, 1, s]}.get(kind)
+    return {"heads": [1, n, s, s], "keys": [b, 1, 1, s], "full": [b, n, s, s]}.get(kind)
 
 
 def unfused(b, s, n, h, kind):

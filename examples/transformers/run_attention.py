@@ -13,7 +13,7 @@ models (their If bodies included), tabulate:
 
 - layers: Softmax nodes in the original (every graph: an If's branches count);
 - fused: attention ops created, by type (MultiHeadAttention, Attention, GroupQueryAttention...);
-- missed: `fuse-attention*` (and `unfold-3d-attention`) missed remarks by code, and for the
+- missed: `fuse-attention*` (and the rules respelling for it) missed remarks by code, and for the
   first one its stage and tensor (or its message);
 - parity: ok / FAILED / not run, and the exit code when not 0;
 - nodes: before -> after (every graph).
@@ -39,11 +39,14 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+from graphopt.rules.attention.census import RULE, UNFOLD
+
 HERE = Path(__file__).resolve().parent
 BENCH_DIR = HERE.parent / "benchmark"
 
-#: rule-name prefix of the attention fusions whose missed remarks the table counts
-ATTENTION_RULES = ("fuse-attention", "unfold-3d-")
+#: the attention rules whose missed remarks the table counts: fuse-attention and the rules
+#: that respell an attention for it
+ATTENTION_RULES = (RULE, *UNFOLD)
 #: the benchmark tools compared with --latency (graphopt's own rows and the rivals)
 MINE = ["none", "graphopt-O2", "graphopt-O2-bundle"]
 EXIT_CODES = {1: "error", 2: "usage", 3: "parity failed", 4: "cannot run", 5: "regression"}

@@ -54,6 +54,13 @@ its MatMuls), in three stages, each a module with typed results:
    GroupQueryAttention's ``head_sink``; elsewhere MultiHeadAttention gets one more key, zero,
    whose bias column is the sink logit (exact: ``q·0 = 0`` and its zero value adds nothing).
 
+Spellings the stages do not read are first rewritten, exactly, into ones they do, in the same
+phase and only where a kernel and the cost bound would take the result (a refusal is said by
+that rule): :mod:`.unfold3d` (attention over folded [B·N,T,H] heads, nn.MultiheadAttention
+with its weights; a Softmax over folded scores), :mod:`.packed3d` (SAM's packed heads folded
+before the unbind, and its [B,N,h,w,H] merge) and :mod:`.channel_first` (SqueezeBERT's
+[B,C,S] heads).
+
 Guards (missed remarks carry ``stage``, ``tensor`` and ``softmax`` in their arguments):
 ``unrecognized-layout`` (a spelling the stages do not know), ``unknown-shape`` (q/k/v not known
 to be 3-D), ``shared-intermediate`` (a tensor inside the attention, other than through Shape,
@@ -69,7 +76,7 @@ broadcast the scores to a larger shape (the kernel would fail at run time, not c
 numbers).
 """
 
-from . import census, rule, unfold3d  # noqa: F401  (register the rules)
+from . import census, channel_first, packed3d, rule, unfold3d  # noqa: F401  (register the rules)
 from .lifted import Attention
 from .rule import FuseMultiHeadAttention, lift
 

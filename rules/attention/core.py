@@ -38,7 +38,8 @@ from graphopt.opt.rewrite.engine import NoMatch
 from ..activation import inputs, no_match, producer, scalar
 
 _MERGE_LAYOUTS = {(0, 2, 1, 3): "bsd", (2, 0, 1, 3): "sbd"}
-_SCALED = ("MatMul", "Transpose", "Reshape", "Gather")  # what a scale multiplies, never is
+#: what a scale multiplies, never is
+_SCALED = ("MatMul", "Transpose", "Reshape", "Gather", "Squeeze")
 _MAX_TERMS = 4  # additive bias terms between the scores and the Softmax
 
 
@@ -322,7 +323,7 @@ def _lead_exact(x: Tensor, elems: list, dims) -> bool:
     return dims.key(x, 0) in (arith("Mul", elems[0], elems[1]), arith("Mul", elems[1], elems[0]))
 
 
-def _pinned(rs: Node, want: list[set]) -> bool:
+def pinned(rs: Node, want: list[set]) -> bool:
     """Whether each axis of the Reshape ``rs``'s output is provably in ``want`` (its dims or
     its target's elements), at most one left as -1."""
     dims = current_dims()
@@ -370,7 +371,7 @@ def _unfold_heads(core: Core) -> None:
     unfold = [{b}, {n}, {s, dims.key(s3, 1)}, {t, dims.key(s3, 2)}]
     fold = [{arith("Mul", b, n)}, {s}, {t}]
     for rs, want in ((core.fold.scores, unfold), (core.fold.probs, fold)):
-        if not (keeps_last_two(rs) or _pinned(rs, want)):
+        if not (keeps_last_two(rs) or pinned(rs, want)):
             raise unrecognized(
                 "1 (core)",
                 f"'{rs.outputs[0].name}' does not provably keep the last two dims of "

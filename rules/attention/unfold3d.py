@@ -94,7 +94,7 @@ def _key_split(t: Tensor | None) -> tuple[tuple[Node, Node, int, int] | None, li
     return (inner, [flip, inner[0]]) if inner is not None else (None, [])
 
 
-def _operand(mm: Node, i: int) -> tuple[Node, int, Tensor]:
+def scaled_operand(mm: Node, i: int) -> tuple[Node, int, Tensor]:
     """The node reading the ``i``-th operand of ``mm`` (a scale Mul/Div, or ``mm``), the
     input index there, and the operand with its scale stripped."""
     u, factors = strip_scale(inputs(mm)[i])
@@ -104,7 +104,7 @@ def _operand(mm: Node, i: int) -> tuple[Node, int, Tensor]:
     return node, inputs(node).index(u), u
 
 
-def _scores_matmul(z: Tensor) -> Node | None:
+def qk_matmul(z: Tensor) -> Node | None:
     """The Q·Kᵀ MatMul under the Softmax input ``z``: through bias terms, a Where mask,
     soft-capping, one scale, and the Reshapes that unfold the scores for a mask and fold them
     back."""
@@ -150,18 +150,18 @@ class UnfoldThreeDimAttention(Rule):
             raise no_match()
         if len(sm.outputs[0].outputs) != 1 or cx.ir.is_graph_output(sm.outputs[0]):
             raise no_match()  # the weights are read (averaged over heads, returned)
-        qk = _scores_matmul(inputs(sm)[0])
+        qk = qk_matmul(inputs(sm)[0])
         if qk is None:
             raise no_match()
-        q_at, k_at = _operand(qk, 0), _operand(qk, 1)
+        q_at, k_at = scaled_operand(qk, 0), scaled_operand(qk, 1)
         k, k_transposes = _key_split(k_at[2])
         q = _split3(q_at[2], (1, 0, 2)) or _learned_query(q_at[2], k)
         v = _split3(inputs(pv)[1], (1, 0, 2))
         if q is None or k is None or v is None or not q[2] == k[2] == v[2] or q[3] != k[3]:
             raise no_match()
-        if not _has_attention_kernel(cx, inputs(k[1])[0]):
+        if not has_attention_kernel(cx, inputs(k[1])[0]):
             raise no_match()  # nothing would fuse it: leave it as it is
-        _check_pays(cx, sm, _dim(inputs(k[1])[0], 0), inputs(k[1])[0])
+        check_pays(cx, sm, static_dim(inputs(k[1])[0], 0), inputs(k[1])[0])
         kts = {f"kt{i}": t for i, t in enumerate(k_transposes)}
         m = Match(node, {"root": node, "pv": pv, "softmax": sm, **kts})
         m.stash(q_at=q_at, k_at=k_at, k_split=k, heads=q[2], v_head=v[3])
@@ -200,20 +200,20 @@ class UnfoldThreeDimAttention(Rule):
         return [out]
 
 
-def _has_attention_kernel(cx, t: Tensor) -> bool:
+def has_attention_kernel(cx, t: Tensor) -> bool:
     """Whether the target has a kernel fuse-attention lowers to, for ``t``'s element type."""
     kernels = [("MultiHeadAttention", MS, 1), ("Attention", "", cx.ir.opset)]
     return any(cx.target.has_kernel(op, d, v, float_type(t)) for op, d, v in kernels)
 
 
-def _dim(t: Tensor | None, axis: int):
+def static_dim(t: Tensor | None, axis: int):
     """The static size of ``t``'s axis, else None."""
     shape = t.shape if t is not None else None
     d = shape[axis] if shape is not None and len(shape) > axis else None
     return int(d) if isinstance(d, (int, np.integer)) else None
 
 
-def _check_pays(cx, sm: Node, keys: int | None, keys_src: Tensor) -> None:
+def check_pays(cx, sm: Node, keys: int | None, keys_src: Tensor) -> None:
     """fuse-attention's cost bound, asked before the graph is changed: a biased attention over
     a static key count below the target's bound stays as it is (the same refusal, named
     here; a bias is any term, mask or Where between the scores and the Softmax, also one the
@@ -274,7 +274,7 @@ def _through_heads(b: Builder, t: Tensor, heads: int) -> Tensor:
     return _fold(b, _unfold(b, t, heads, tail, "split"), tail, t)
 
 
-def _folded_heads(t: Tensor | None) -> int | None:
+def folded_heads(t: Tensor | None) -> int | None:
     """N when ``t`` [B·N,L,H] is a Reshape of [B,N,L,H] heads with N static, else None."""
     x = unfolded(t)
     n = current_dims().key(x, 1) if x is not None else None
@@ -298,6 +298,18 @@ def _keeps_scores_rows(rs: Node, s3: Tensor, seqs: tuple[set, set]) -> bool:
     return True
 
 
+def folded_pv(softmax: Node, cx) -> Node:
+    """The P·V MatMul that alone reads the probabilities of a Softmax over the last axis of
+    folded [B·N,S,T] scores; else no match."""
+    p = softmax.outputs[0]
+    if rank(p) != 3 or softmax.attrs.get("axis", -1) not in (-1, 2) or cx.ir.opset < 13:
+        raise no_match()
+    pv = p.outputs[0] if len(p.outputs) == 1 and not cx.ir.is_graph_output(p) else None
+    if pv is None or pv.op != "MatMul" or inputs(pv)[0] is not p:
+        raise no_match()
+    return pv
+
+
 @register_rule
 class UnfoldFoldedSoftmax(Rule):
     name = "unfold-3d-softmax"
@@ -307,32 +319,27 @@ class UnfoldFoldedSoftmax(Rule):
     summary = "a Softmax over folded [B·N,T,S] scores between folded heads → over [B,N,T,S]"
 
     def match(self, node, cx):
-        p = node.outputs[0]
-        if rank(p) != 3 or node.attrs.get("axis", -1) not in (-1, 2) or cx.ir.opset < 13:
-            raise no_match()
-        pv = p.outputs[0] if len(p.outputs) == 1 and not cx.ir.is_graph_output(p) else None
-        if pv is None or pv.op != "MatMul" or inputs(pv)[0] is not p:
-            raise no_match()
+        pv = folded_pv(node, cx)
         merge = [r for r in pv.outputs[0].outputs if r.op != "Shape"]
         if len(merge) != 1 or merge[0].op != "Reshape" or rank(merge[0].outputs[0]) != 4:
             raise no_match()  # P·V is not unfolded to [B,N,S,H] for the heads' merge
-        qk = _scores_matmul(inputs(node)[0])
+        qk = qk_matmul(inputs(node)[0])
         if qk is None:
             raise no_match()
-        kt = _operand(qk, 1)[2]
+        kt = scaled_operand(qk, 1)[2]
         flip = transpose_of(kt, (0, 2, 1))
         heads = {
-            _folded_heads(_operand(qk, 0)[2]),
-            _folded_heads(inputs(flip)[0]) if flip is not None else _folded_heads(kt),
-            _folded_heads(inputs(pv)[1]),
+            folded_heads(scaled_operand(qk, 0)[2]),
+            folded_heads(inputs(flip)[0]) if flip is not None else folded_heads(kt),
+            folded_heads(inputs(pv)[1]),
         }
         if len(heads) != 1 or None in heads:
             raise no_match()
-        q3 = _operand(qk, 0)[2]
-        if not _has_attention_kernel(cx, q3):
+        q3 = scaled_operand(qk, 0)[2]
+        if not has_attention_kernel(cx, q3):
             raise no_match()
         k4 = unfolded(inputs(flip)[0] if flip is not None else kt)  # K [B,N,T,H] or Kᵀ
-        _check_pays(cx, node, _dim(k4, 2 if flip is not None else 3), k4)
+        check_pays(cx, node, static_dim(k4, 2 if flip is not None else 3), k4)
         rs = producer(inputs(node)[0], "Reshape")
         w4 = inputs(rs)[0] if rs is not None else None
         folded = w4 is not None and rank(w4) == 4
