@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 from onnx import helper
 
+from graphopt.opt.graph.dims import current as current_dims
+from graphopt.opt.graph.dims import rank
 from graphopt.opt.graph.ir import constant_value, dtype_of, static_shape
 from graphopt.opt.rewrite.engine import (
     Const,
@@ -24,6 +26,8 @@ from graphopt.opt.rewrite.engine import (
     require_forwardable,
 )
 from graphopt.opt.rewrite.manager import register_rule
+
+from .activation import no_match
 
 
 class Forward(Rule):
@@ -251,6 +255,36 @@ class EliminateSingleConcat(Forward):
 
     def forward_check(self, m, cx):
         pass
+
+
+@register_rule
+class ConcatDropEmpty(Rule):
+    """An input of no width along the Concat's axis adds nothing (GPT-NeoX-style partial
+    rotary at 100 %: the pass-through slice is empty): the Concat of the others, exact."""
+
+    name = "concat-drop-empty"
+    level = 1
+    priority = 1
+    summary = "drop Concat inputs empty along its axis"
+    pattern = Op("Concat")
+
+    def match(self, node, cx):
+        ins = list(node.inputs)
+        r = rank(node.outputs[0])
+        if r is None or len(ins) < 2 or any(rank(t) != r for t in ins):
+            raise no_match()
+        axis = int(node.attrs.get("axis", 0)) % r
+        dims = current_dims()
+        kept = [t for t in ins if dims.key(t, axis) != ("int", 0)]
+        if len(kept) in (0, len(ins)) or dtype_of(kept[0]) != dtype_of(node.outputs[0]):
+            raise no_match()
+        m = Match(node, {"concat": node})
+        m.stash(kept=kept)
+        return m
+
+    def rewrite(self, m: Match, b):
+        node = m.root
+        return [b.op("Concat", m.kept, dict(node.attrs), like=node.outputs[0], name=node.name)]
 
 
 @register_rule

@@ -337,20 +337,21 @@ def test_group_query_attention_from_per_head_queries(spelling):
 
 
 # ---------------------------------------------------------- packed QKV, Split + Squeeze
-def packed_split_squeeze():
+def packed_split_squeeze(split_axis: int = -3, squeeze_axis: int = 2):
     """ModernBERT: Reshape(x·Wqkv, [B,S,3,N,H]), Split on axis 2, each part Squeeze-d and
-    transposed to [B,N,S,H], q and k rotated."""
+    transposed to [B,N,S,H], q and k rotated (the axes as TorchScript writes them, -3 and 2;
+    dynamo: 2 and -3)."""
     rng = np.random.default_rng(9)
     nodes, inits = freqs_mul("position_ids")
     inits += [
         const("Wqkv", rng.standard_normal((HIDDEN, 3 * HIDDEN)) * 0.2),
         const("packed", [0, 0, 3, NQ, H], np.int64),
-        const("ax2", [2], np.int64),
+        const("ax2", [squeeze_axis], np.int64),
     ]
     nodes += [
         mk("MatMul", ["x", "Wqkv"], ["qkv"]),
         mk("Reshape", ["qkv", "packed"], ["qkv5"]),
-        mk("Split", ["qkv5"], ["q5", "k5", "v5"], axis=-3, num_outputs=3),
+        mk("Split", ["qkv5"], ["q5", "k5", "v5"], axis=split_axis, num_outputs=3),
     ]
     for r in "qkv":
         nodes += [
@@ -367,8 +368,9 @@ def packed_split_squeeze():
     return _finish(nodes + core, inputs, outputs, inits + core_inits, opset=18)
 
 
-def test_packed_projection_unbound_by_split_and_squeeze_fuses():
-    m = packed_split_squeeze()
+@pytest.mark.parametrize("split_axis, squeeze_axis", [(-3, 2), (2, -3)])
+def test_packed_projection_unbound_by_split_and_squeeze_fuses(split_axis, squeeze_axis):
+    m = packed_split_squeeze(split_axis, squeeze_axis)
     f = encoder_feeds()
     del f["attention_mask"]
     out, report = assert_optimized(m, inputs=f)

@@ -213,16 +213,33 @@ def test_additive_terms_sum_into_one_bias_and_a_shared_mask_fuses_every_layer():
     assert mha_count(out) == 2 and codes(report, RULE) == []
 
 
-def test_a_miss_names_its_stage_and_tensor():
-    """Q given already split (a 4-D graph input) is not a head split stage 2 knows."""
+def _query_given_split(batch: str):
     rng = np.random.default_rng(7)
     inits = base_inits()
     nodes = project(rng, "k", "x", inits) + project(rng, "v", "x", inits)
     nodes.append(mk("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]))
     nodes += core("", "q4", "kt", "v", [], inits)
     nodes.append(mk("Reshape", ["ctxT", "merge"], ["y"]))
-    inputs = [vi("x", ["batch", "seq", D]), vi("q4", ["batch", N, "seq", H])]
-    _, report = run(finish(nodes, inputs, [vi("y", None)], inits))
+    inputs = [vi("x", ["batch", "seq", D]), vi("q4", [batch, N, "seq", H])]
+    return finish(nodes, inputs, [vi("y", None)], inits)
+
+
+def test_a_query_given_split_with_the_keys_batch_fuses():
+    """Q given already split (a 4-D graph input) with the key's batch and heads: the kernel
+    takes it merged to [B,S,N·H]."""
+    rng = np.random.default_rng(8)
+    feeds = {
+        "x": rng.standard_normal((2, 5, D)).astype(np.float32),
+        "q4": rng.standard_normal((2, N, 5, H)).astype(np.float32),
+    }
+    out, report = run(_query_given_split("batch"), inputs=feeds)
+    assert report.parity.ok and mha_count(out) == 1, codes(report, RULE)
+
+
+def test_a_miss_names_its_stage_and_tensor():
+    """Q given already split whose batch is not provably the key's (another named dim) is not
+    a head split stage 2 can give the kernel."""
+    _, report = run(_query_given_split("q_batch"))
     missed = [r for r in report.remarks if r.rule == RULE and r.kind == "missed"]
     assert [r.code for r in missed] == ["unrecognized-layout"]
     assert missed[0].args["stage"] == "2 (lift)" and missed[0].args["tensor"] == "q4"

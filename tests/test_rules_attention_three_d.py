@@ -287,3 +287,49 @@ def test_einsum_equations_that_are_one_batched_matmul_are_lowered(equation, shap
     out, report = run(m, inputs=feeds)
     assert report.parity.ran and report.parity.ok, report.parity
     assert ("Einsum" not in op_histogram(out.graph.node)) == lowered
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+def test_scores_folded_for_the_product_alone_fuse(target):
+    """GPT-NeoX-Japanese: q and k [B,N,S,H] folded to [B·N,S,H] for Q·Kᵀ, the scaled scores
+    unfolded to [B,N,S,T] for the mask and the Softmax, P·V per head (``unfold-3d-scores``)."""
+    n, s, h = 2, 130, 8  # 130 keys: past the cpu bound for a masked attention
+    e = n * h
+    rng = np.random.default_rng(3)
+    inits = [
+        const("split", [0, 0, n, h], np.int64),
+        const("fold", [-1, s, h], np.int64),
+        const("unfold", [B, n, s, -1], np.int64),
+        const("merge", [0, 0, e], np.int64),
+        const("scale", np.float32(h**-0.5), np.float32),
+    ]
+    nodes = []
+    for r in "qkv":
+        inits.append(const(f"W{r}", rng.standard_normal((e, e)) * 0.3, np.float32))
+        nodes += [
+            helper.make_node("MatMul", ["x", f"W{r}"], [f"{r}_p"]),
+            helper.make_node("Reshape", [f"{r}_p", "split"], [f"{r}_s"]),
+            helper.make_node("Transpose", [f"{r}_s"], [f"{r}4"], perm=[0, 2, 1, 3]),
+        ]
+    nodes += [
+        helper.make_node("Reshape", ["q4", "fold"], ["q3"]),
+        helper.make_node("Reshape", ["k4", "fold"], ["k3"]),
+        helper.make_node("Transpose", ["k3"], ["kt3"], perm=[0, 2, 1]),
+        helper.make_node("MatMul", ["q3", "kt3"], ["qk3"]),
+        helper.make_node("Mul", ["qk3", "scale"], ["s3"]),
+        helper.make_node("Reshape", ["s3", "unfold"], ["s4"]),
+        helper.make_node("Add", ["s4", "mask"], ["z"]),
+        helper.make_node("Softmax", ["z"], ["P"], axis=-1),
+        helper.make_node("MatMul", ["P", "v4"], ["ctx"]),
+        helper.make_node("Transpose", ["ctx"], ["ctx_t"], perm=[0, 2, 1, 3]),
+        helper.make_node("Reshape", ["ctx_t", "merge"], ["y"]),
+    ]
+    ins = [vi("x", [B, s, e]), vi("mask", [B, 1, 1, s])]
+    m = model(nodes, ins, [vi("y", [B, s, e])], inits)
+    mask = np.zeros((B, 1, 1, s), np.float32)
+    mask[1, ..., -5:] = -1e4
+    f = {"x": rng.standard_normal((B, s, e)).astype(np.float32), "mask": mask}
+    out, report = run(m, target=target, inputs=f)
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert fused(out) == {"MultiHeadAttention": 1}, op_histogram(out.graph.node)
+    assert codes(report, "fuse-attention") == []

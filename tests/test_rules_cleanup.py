@@ -324,3 +324,21 @@ def test_range_one_element_inputs_become_scalars():
     assert ops(out) == {"Reshape": 1, "Range": 1}
     assert "range-scalar-inputs" in {rule for _, rule, _ in report.applied}
     onnx.checker.check_model(out, full_check=True)
+
+
+def test_concat_drops_inputs_empty_along_its_axis():
+    """Partial rotary at 100 %: the pass-through slice is Split off with width 0 and
+    concatenated back; the Concat of the rotated half alone is the same tensor."""
+    m = chain(
+        [
+            helper.make_node("Split", ["x", "sizes"], ["a", "b", "e"], axis=2),
+            helper.make_node("Neg", ["b"], ["nb"]),
+            helper.make_node("Concat", ["nb", "a", "e"], ["c"], axis=-1),
+            helper.make_node("Relu", ["c"], ["y"]),
+        ],
+        inits=[const("sizes", [2, 2, 0], np.int64)],
+    )
+    out, report = assert_optimized(m, level=1)
+    (concat,) = [n for n in out.graph.node if n.op_type == "Concat"]
+    assert len(concat.input) == 2, concat
+    assert "concat-drop-empty" in {r.rule for r in report.remarks if r.kind == "passed"}

@@ -30,7 +30,9 @@ its MatMuls), in three stages, each a module with typed results:
    [B,S,G,H] (Falcon's query_key_value) and a packed [B,S,3,N,H] unbound by Split/Squeeze or
    Gather (ModernBERT)) stays per head as the model computes it and reaches the kernel as
    [B,S,N·H]; so does a key with per-head math beside a value that is a plain split (an
-   encoder's rotated key); one cached key/value head that the MatMuls broadcast over the
+   encoder's rotated key); any other query [B,N,S,H] or key [B,T,N,H] with the key's batch
+   and heads (Conditional DETR's per-head Concat of content and position parts) goes to the
+   kernel merged too; one cached key/value head that the MatMuls broadcast over the
    query heads (multi-query) is repeated for MultiHeadAttention;
    the additive terms (padding, causal,
    relative position bias — a tensor shared by every layer is an input of each fusion) and
@@ -58,25 +60,26 @@ Spellings the stages do not read are first rewritten, exactly, into ones they do
 phase and only where a kernel and the cost bound would take the result (a refusal is said by
 that rule): :mod:`.unfold3d` (attention over folded [B·N,T,H] heads, nn.MultiheadAttention
 with its weights; a Softmax over folded scores), :mod:`.packed3d` (SAM's packed heads folded
-before the unbind, and its [B,N,h,w,H] merge) and :mod:`.channel_first` (SqueezeBERT's
-[B,C,S] heads).
+before the unbind, its [B,N,h,w,H] merge, ViTDet's regrouped scores), :mod:`.channel_first`
+(SqueezeBERT's [B,C,S] heads) and :mod:`.distribute` (a scale applied after a term was added
+to the raw product: BROS).
 
 Guards (missed remarks carry ``stage``, ``tensor`` and ``softmax`` in their arguments):
 ``unrecognized-layout`` (a spelling the stages do not know), ``unknown-shape`` (q/k/v not known
 to be 3-D), ``shared-intermediate`` (a tensor inside the attention, other than through Shape,
-read elsewhere or a graph output), ``softmax-axis``, ``dynamic-heads``, ``scale-mismatch``
-(a per-head, zero or negative scale; the product of the constant factors becomes the ``scale``
-attribute unless it is 1/√H), ``non-constant-param`` (a computed scale), ``dtype-mismatch``,
-``reshape-not-identity`` (a Reshape between the two MatMuls not provably a no-op), ``mask-shape``
-(a bias term of rank > 4 or another dtype, a Where fill milder than −1e30, a window regroup
-that is not static), ``slower-on-target`` (a static key length below the bound from which the
-target's kernel was measured to pay: onnxruntime CPU 128 keys), ``no-kernel`` /
-``opset-too-old``.  It is assumed, as every exporter guarantees, that the bias does not
-broadcast the scores to a larger shape (the kernel would fail at run time, not compute wrong
-numbers).
+read elsewhere or a graph output; a head split read elsewhere stays for that reader),
+``softmax-axis``, ``dynamic-heads``, ``scale-mismatch`` (a per-head, zero or negative scale; the
+product of the constant factors becomes the ``scale`` attribute unless it is 1/√H),
+``non-constant-param`` (a computed scale), ``dtype-mismatch``, ``reshape-not-identity`` (a
+Reshape between the two MatMuls not provably a no-op), ``mask-shape`` (a bias term of rank > 4
+or another dtype, a Where fill milder than −1e30, a window regroup that is not static),
+``slower-on-target`` (a static key length below the bound from which the target's kernel was
+measured to pay: onnxruntime CPU 128 keys), ``no-kernel`` / ``opset-too-old``. It is assumed, as
+every exporter guarantees, that the bias does not broadcast the scores to a larger shape (the
+kernel would fail at run time, not compute wrong numbers).
 """
 
-from . import census, channel_first, packed3d, rule, unfold3d  # noqa: F401  (register the rules)
+from . import census, channel_first, distribute, packed3d, rule, unfold3d  # noqa: F401  (register the rules)
 from .lifted import Attention
 from .rule import FuseMultiHeadAttention, lift
 

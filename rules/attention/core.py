@@ -567,6 +567,8 @@ def strip_scale(t: Tensor | None) -> tuple[Tensor | None, list[Factor]]:
         return ins[0], [Factor(ins[1], True, node)]
     for u, c in ((ins[0], ins[1]), (ins[1], ins[0])):
         scaled = producer(u, _SCALED) is not None or _rotated(u)
+        if constant_value(c) is None and rank(c) not in (None, 0, 1):
+            continue  # a computed per-row factor: a norm (an RMSNorm spelled out), not a scale
         if scaled and producer(c, _SCALED[1:]) is None:
             return u, [Factor(c, False, node)]
     return t, []

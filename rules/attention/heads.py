@@ -125,14 +125,16 @@ def per_head_split(t: Tensor | None) -> HeadSplit | None:
 def per_head_key(kt: Tensor | None) -> HeadSplit | None:
     """Kᵀ as ``Transpose(k, (0,2,3,1))`` of a key [B,T,N,H] computed head by head before the
     heads' Transpose (an encoder's rotary or q/k norm, with the two Transposes fused into
-    one): ``k`` kept as it is, layout "bsnh"; the kernel takes it back as [B,T,N·H]."""
+    one; or anything else [B,T,N,H]: Conditional DETR's per-head Concat of content and
+    position parts): ``k`` kept as it is, layout "bsnh"; the kernel takes it back as
+    [B,T,N·H]."""
     tr = transpose_of(kt, PERM_BNHS)
     k = inputs(tr)[0] if tr is not None else None
     if rank(k) != 4:
         return None
     root = _walk_heads(k, False, _WALK_DEPTH, {})
-    if not isinstance(root, HeadSplit):
-        return None
+    if not isinstance(root, HeadSplit):  # any [B,T,N,H] key: attention per head is the same
+        return HeadSplit(k, None, "bsnh", [tr], kept=True)
     return HeadSplit(k, None, "bsnh", [tr], source=root, kept=True)
 
 
@@ -221,7 +223,7 @@ def _packed_part(t: Tensor | None) -> HeadSplit | None:
         if axes is None or len(axes) != 1 or axes[0] not in _PACKED_AXES:
             return None
         node = producer(ins[0], "Split")
-        if node is None or node.attrs.get("axis", 0) not in (axes[0], axes[0] - 5):
+        if node is None or node.attrs.get("axis", 0) % 5 != axes[0] % 5:  # of [B,S,·,·,H]
             return None
     elif scalar(ins[1]) is None or constant_value(ins[1]).ndim:
         return None

@@ -126,9 +126,17 @@ def _query_per_head(core: Core) -> HeadSplit | None:
     """A query [B,N,S,H] computed some other way goes to the kernel as it is, merged to
     [B,S,N·H]: with folded heads (Bloom's per-head interleaved q/k/v:
     ``Gather(Reshape(x, [B,S,N,3,H]), i, axis=3)``; its key and value then go per head too),
-    or a constant (learned queries of a pooling head, folded with a static batch)."""
-    if rank(core.q) != 4 or (core.fold is None and not _unbroadcast_constant(core.q, core.kt)):
+    a constant (learned queries of a pooling head, folded with a static batch), or any
+    computed [B,N,S,H] with the key's batch and heads (Conditional DETR's per-head Concat of
+    content and position parts): attention per (b, n) is the kernel's over N heads, whatever
+    made them."""
+    if rank(core.q) != 4:
         return None
+    if core.fold is None and not _unbroadcast_constant(core.q, core.kt):
+        dims = current_dims()
+        computed = not isinstance(core.q, Constant) and rank(core.kt) == 4
+        if not computed or any(dims.key(core.q, i) != dims.key(core.kt, i) for i in (0, 1)):
+            return None
     return HeadSplit(core.q, None, "bnsh", [], kept=True)
 
 
@@ -203,7 +211,7 @@ class FuseMultiHeadAttention(Rule):
 
     def match(self, node, cx):
         a = _keep_shared_heads(lift(node), cx)
-        nodes = a.nodes() if a.core.fold is None else _shared_splits_kept(a, cx)
+        nodes = _shared_splits_kept(a, cx)
         m = Match(node, {f"node{i}": n for i, n in enumerate(nodes)})
         m.stash(attention=a)
         return m

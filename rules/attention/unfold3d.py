@@ -42,7 +42,7 @@ from graphopt.opt.rewrite.manager import register_rule
 from graphopt.opt.rewrite.patterns import Op
 
 from ..activation import MS, float_type, inputs, no_match, producer
-from .core import keeps_last_two, peel_terms, soft_cap, strip_scale, unclamped, unfolded
+from .core import keeps_last_two, peel_terms, pinned, soft_cap, strip_scale, unclamped, unfolded
 from .heads import transpose_of
 
 
@@ -360,3 +360,86 @@ class UnfoldFoldedSoftmax(Rule):
             z4 = _unfold(b, z3, m.heads, tail, "scores")
         p4 = b.op("Softmax", [z4], {"axis": -1}, like=z4, name=f"{sm.name}/heads")
         return [_fold(b, p4, tail, sm.outputs[0])]
+
+
+def _scaled(b: Builder, t: Tensor, factors: list, like: Tensor) -> Tensor:
+    """``t`` times (or divided by) each of ``factors``, as the model had it."""
+    for f in factors:
+        op = "Div" if f.divides else "Mul"
+        t = b.op(op, [t, f.value], like=like, name=f"{f.node.name}/heads")
+    return t
+
+
+def _reaches_softmax(t: Tensor, steps: int = 4) -> bool:
+    """Whether ``t`` reaches a Softmax over 4-D scores through at most ``steps`` bias Adds,
+    Where masks or casts."""
+    frontier = [t]
+    for _ in range(steps + 1):
+        nxt = []
+        for x in frontier:
+            for r in x.outputs:
+                if r.op == "Softmax" and rank(r.outputs[0]) == 4:
+                    return True
+                if r.op in ("Add", "Where", "Cast", "Sub"):
+                    nxt += r.outputs
+        frontier = nxt
+    return False
+
+
+@register_rule
+class UnfoldFoldedScores(Rule):
+    """GPT-NeoX-Japanese (a baddbmm spelling): the heads folded for Q·Kᵀ alone, the scores
+    unfolded for the mask and the Softmax, P·V per head::
+
+        z = Reshape(MatMul(Reshape(q4, [B·N,S,H]), Transpose(Reshape(k4, [B·N,T,H]), (0,2,1)))
+                    [· c], [B,N,S,T])
+
+    is ``MatMul(q4, Transpose(k4, (0,1,3,2))) [· c]``: the same products, per head."""
+
+    name = "unfold-3d-scores"
+    pattern = Op("Reshape", "unfold")
+    phase = "attention"
+    priority = 1  # before fuse-attention reads the scores
+    exclusive = False  # its own checks: the folded product feeds this Reshape only
+    summary = "Q·Kᵀ over folded [B·N,S,H] heads, unfolded to [B,N,S,T] → per head"
+
+    def match(self, node, cx):
+        y, x = node.outputs[0], inputs(node)[0]
+        if rank(y) != 4 or rank(x) != 3 or len(x.outputs) != 1 or not _reaches_softmax(y):
+            raise no_match()
+        s, factors = strip_scale(x)
+        mm = producer(s, "MatMul")
+        if mm is None or len(s.outputs) != 1:
+            raise no_match()
+        (q3, qf), (kt3, kf) = strip_scale(inputs(mm)[0]), strip_scale(inputs(mm)[1])
+        q4, flip = unfolded(q3), transpose_of(kt3, (0, 2, 1))
+        k4 = unfolded(inputs(flip)[0]) if flip is not None else None
+        kt4 = unfolded(kt3) if flip is None else None
+        if q4 is None or (k4 is None and kt4 is None):
+            raise no_match()
+        dims = current_dims()
+        kh = k4 if k4 is not None else kt4
+        if [dims.key(kh, i) for i in (0, 1)] != [dims.key(q4, i) for i in (0, 1)]:
+            raise no_match()  # not the query's batch and heads, folded the same way
+        t = dims.key(k4, 2) if k4 is not None else dims.key(kt4, 3)
+        want = [{dims.key(q4, 0)}, {dims.key(q4, 1)}, {dims.key(q4, 2)}, {t}]
+        if not pinned(node, want):
+            raise no_match()
+        m = Match(node, {"unfold": node})
+        m.stash(q4=q4, k4=k4, kt4=kt4, factors=(qf, kf, factors), mm=mm)
+        return m
+
+    def rewrite(self, m, b):
+        qf, kf, factors = m.factors
+        y = m.root.outputs[0]
+        q = _scaled(b, m.q4, qf, m.q4)
+        if m.k4 is not None:
+            kt = b.op("Transpose", [m.k4], {"perm": [0, 1, 3, 2]}, name=f"{m.root.name}/kt")
+            kt.dtype = dtype_of(m.k4)
+            if m.k4.shape is not None:
+                kt.shape = [m.k4.shape[i] for i in (0, 1, 3, 2)]
+        else:
+            kt = m.kt4
+        kt = _scaled(b, kt, kf, kt)
+        scores = b.op("MatMul", [q, kt], like=y, name=f"{m.mm.name}/heads")
+        return [_scaled(b, scores, factors, y)]

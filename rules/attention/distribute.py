@@ -1,0 +1,88 @@
+"""A score scale applied after a term was added, distributed over the sum.
+
+BROS's bounding-box term (and BERT's ``relative_key`` scores in transformers before v5) add a
+term to the raw product before scaling the sum::
+
+    z = (Q·Kᵀ + term) / c            (or · c)
+
+``distribute-score-scale`` writes it ``Q·Kᵀ / c + term / c``: the scaled scores and one more
+additive term, which stage 1 reads as it reads any bias.  It fires only where the sum feeds a
+Softmax (through masks and bias terms) and ``c`` is a constant scalar; also where the
+attention will not fuse after all (then stage 1 says why, not that it cannot read the scores:
+the cost is one more element-wise division).  The two spellings differ by the rounding of
+one division per score, well inside parity's tolerance.
+"""
+
+from __future__ import annotations
+
+from graphopt.opt.graph.ir import Node, Tensor, dtype_of
+from graphopt.opt.rewrite.engine import Match, Rule
+from graphopt.opt.rewrite.manager import register_rule
+from graphopt.opt.rewrite.patterns import Alt, Op
+
+from ..activation import inputs, no_match, producer, scalar
+from .core import is_scores
+
+#: ops between the scaled sum and the Softmax: more terms, a Where mask, a fold, a cast
+_TO_SOFTMAX = ("Add", "Where", "Reshape", "Cast")
+
+
+def _feeds_softmax(t: Tensor, steps: int = 4) -> bool:
+    """Whether ``t`` reaches a Softmax through at most ``steps`` of :data:`_TO_SOFTMAX`."""
+    frontier = [t]
+    for _ in range(steps + 1):
+        nxt = []
+        for x in frontier:
+            for r in x.outputs:
+                if r.op == "Softmax":
+                    return True
+                if r.op in _TO_SOFTMAX:
+                    nxt += r.outputs
+        frontier = nxt
+    return False
+
+
+def _scaled_sum(node: Node) -> tuple[Node, Tensor, Tensor, Tensor] | None:
+    """(the Add, scores, term, c) when ``node`` is ``(scores + term) ÷|· c`` with ``c`` a
+    constant scalar and exactly one side Q·Kᵀ; else None."""
+    ins = inputs(node)
+    if node.op == "Div":
+        a, c = ins
+    else:
+        a, c = (ins[0], ins[1]) if scalar(ins[1]) is not None else (ins[1], ins[0])
+    add = producer(a, "Add")
+    if add is None or scalar(c) is None or len(a.outputs) != 1:
+        return None
+    x, y = inputs(add)
+    sides = [is_scores(x), is_scores(y)]
+    if sides.count(True) != 1:
+        return None
+    return (add, x, y, c) if sides[0] else (add, y, x, c)
+
+
+@register_rule
+class DistributeScoreScale(Rule):
+    name = "distribute-score-scale"
+    pattern = Alt(Op("Div", "scale"), Op("Mul", "scale"))
+    phase = "attention"
+    priority = 1  # before fuse-attention reads the scores
+    exclusive = False  # the Add it replaces has this node as its only reader
+    summary = "(Q·Kᵀ + term) ÷ c → Q·Kᵀ ÷ c + term ÷ c (the term becomes a bias)"
+
+    def match(self, node, cx):
+        found = _scaled_sum(node)
+        if found is None or not _feeds_softmax(node.outputs[0]):
+            raise no_match()
+        m = Match(node, {"scale": node, "sum": found[0]})
+        m.stash(parts=found[1:])
+        return m
+
+    def rewrite(self, m, b):
+        scores, term, c = m.parts
+        op, out = m.root.op, m.root.outputs[0]
+        parts = []
+        for t, role in ((scores, "scores"), (term, "term")):
+            p = b.op(op, [t, c], name=f"{m.root.name}/{role}")
+            p.dtype, p.shape = dtype_of(out), t.shape
+            parts.append(p)
+        return [b.op("Add", parts, like=out, name=f"{m.root.name}/sum")]
