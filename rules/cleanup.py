@@ -134,6 +134,35 @@ for _name, _op, _neutral, _commutes, _summary in NEUTRAL_BINARIES:
     )
 
 
+class ConstantWhere(Forward):
+    """``Where(c, a, b)`` with a constant condition that is all true (→ a) or all false
+    (→ b), when the other operands cannot grow the chosen one (SEW-D's mask of an unpadded
+    input, constant before and after its Softmax)."""
+
+    def forward_check(self, m, cx):
+        out = m.root.outputs[0]
+        applies_only_if(dtype_of(m.src) is not None and dtype_of(m.src) == dtype_of(out))
+        applies_only_if(_same_tensor_shape(m.src, out))
+
+
+for _name, _value, _summary, _branches in (
+    ("eliminate-where-true", 1.0, "Where(all true, a, b) → a", ("src", "other")),
+    ("eliminate-where-false", 0.0, "Where(all false, a, b) → b", ("other", "src")),
+):
+    register_rule(
+        type(
+            "EliminateWhere" + ("True" if _value else "False"),
+            (ConstantWhere,),
+            {
+                "name": _name,
+                "root": "Where",
+                "summary": _summary,
+                "pattern": Op("Where", Const("cond", value=_value, kind="b"), *_branches),
+            },
+        )
+    )
+
+
 @register_rule
 class EliminateNoopCast(Forward):
     name = "eliminate-noop-cast"

@@ -342,3 +342,41 @@ def test_concat_drops_inputs_empty_along_its_axis():
     (concat,) = [n for n in out.graph.node if n.op_type == "Concat"]
     assert len(concat.input) == 2, concat
     assert "concat-drop-empty" in {r.rule for r in report.remarks if r.kind == "passed"}
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_where_with_a_constant_uniform_condition_is_its_branch(value):
+    """SEW-D on an unpadded input: its masks are constant, all false; the Where picks one
+    branch everywhere (not when the other operands would broadcast it larger)."""
+    cond = const("cond", np.full((2, 1, 1, 4), value), np.bool_)
+    m = chain(
+        [
+            helper.make_node("Relu", ["x"], ["a"]),
+            helper.make_node("Where", ["cond", "a", "fill"], ["w"]),
+            helper.make_node("Neg", ["w"], ["y"]),
+        ],
+        shape=(2, 3, 5, 4),
+        inits=[cond, const("fill", np.float32(-1e4))],
+    )
+    out, report = assert_optimized(m, level=1)
+    rule = "eliminate-where-true" if value else "eliminate-where-false"
+    if value:
+        assert "Where" not in ops(out) and rule in {r.rule for r in report.remarks}
+    else:  # the fill, a scalar, would grow to the output's shape: kept
+        assert ops(out).get("Where") == 1
+
+
+def test_where_all_false_forwards_the_else_branch():
+    cond = const("cond", np.zeros((1, 1, 1, 4), np.bool_), np.bool_)
+    m = chain(
+        [
+            helper.make_node("Relu", ["x"], ["a"]),
+            helper.make_node("Where", ["cond", "fill", "a"], ["w"]),
+            helper.make_node("Neg", ["w"], ["y"]),
+        ],
+        shape=(2, 3, 5, 4),
+        inits=[cond, const("fill", np.float32(-1e4))],
+    )
+    out, report = assert_optimized(m, level=1)
+    assert "Where" not in ops(out), ops(out)
+    assert "eliminate-where-false" in {r.rule for r in report.remarks if r.kind == "passed"}
