@@ -43,6 +43,8 @@ Encoders, vision, speech and encoder-decoders (small configs, hidden 64 to 128):
 - p_longformer: Longformer sliding-window (4) chunked attention
 - p_levit: LeViT learned bias table (indexed per query/key offset), value dim twice the key's
 - p_sam_vision: SAM ViT windowed (4) and global attention, decomposed relative positions
+- p_sam2_hiera: SAM2's Hiera image encoder (q, k and v unbound from a packed projection of
+  the image per head; max-pooled queries at stage changes, windowed and global blocks)
 - p_vitmae: ViT-MAE encoder (mask ratio 0, a fixed patch order)
 - p_pvt_v2: PVTv2 spatial-reduction attention (keys and values from a strided convolution)
 - p_w2v2_conformer_rel: Wav2Vec2-Conformer relative positional self-attention
@@ -421,6 +423,24 @@ def b_sam_vision():
     return make_models.hf_vision_net(SamVisionModel(cfg), LH, 256)
 
 
+def b_sam2_hiera():
+    from transformers import Sam2HieraDetConfig, Sam2HieraDetModel
+
+    cfg = Sam2HieraDetConfig(
+        hidden_size=32,
+        image_size=[128, 128],
+        window_positional_embedding_background_size=[4, 4],
+        num_query_pool_stages=2,
+        blocks_per_stage=[1, 2, 2, 1],
+        embed_dim_per_stage=[32, 64, 128, 256],
+        num_attention_heads_per_stage=[1, 2, 4, 8],
+        window_size_per_stage=[8, 4, 4, 2],
+        global_attention_blocks=[4],
+        attn_implementation="eager",
+    )
+    return make_models.hf_vision_net(Sam2HieraDetModel(cfg), LH, 128)
+
+
 class MaeNoShuffle(torch.nn.Module):
     """ViTMAEModel with mask ratio 0 and a fixed ascending noise: its random patch shuffle is
     the identity, so the export is deterministic."""
@@ -613,6 +633,7 @@ OTHERS = {
     "p_longformer": (b_longformer, "Longformer: sliding-window (4) chunked attention"),
     "p_levit": (b_levit, "LeViT: learned attention bias table, value dim 2x the key's"),
     "p_sam_vision": (b_sam_vision, "SAM ViT: windowed/global, decomposed relative positions"),
+    "p_sam2_hiera": (b_sam2_hiera, "SAM2 Hiera: packed q/k/v of an image, pooled queries"),
     "p_vitmae": (b_vitmae, "ViT-MAE: encoder with a fixed patch order"),
     "p_pvt_v2": (b_pvt_v2, "PVTv2: spatial-reduction attention"),
     "p_w2v2_conformer_rel": (_conformer("relative"), "Wav2Vec2-Conformer: relative positions"),

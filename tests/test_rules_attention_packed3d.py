@@ -160,3 +160,42 @@ def test_regrouped_terms_that_do_not_cover_every_score_are_left_and_said():
     assert report.parity.ok and fused(out) == 0
     assert codes(report, "fuse-attention") == ["unrecognized-layout"]
     assert "unregroup-score-terms" not in {r.rule for r in report.remarks if r.kind == "passed"}
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+def test_packed_projection_of_an_image_unbound_per_head_fuses(target):
+    """SAM2's Hiera: x [B,h,w,E] → qkv → [B,S,3,N,H] → Split/Squeeze on axis 2 → each part
+    transposed into heads (the key straight to Kᵀ by (0,2,3,1)); P·V merged back to
+    [B,h,w,E]. No split of a [B,S,D] source: q, k and v go to the kernel merged per head."""
+    hw, s, b = 8, 64, 2
+    rng = np.random.default_rng(2)
+    inits = [
+        const("Wqkv", rng.standard_normal((E, 3 * E)) * 0.3, np.float32),
+        const("pack", [0, s, 3, N, -1], np.int64),
+        const("ones", [1, 1, 1], np.int64),
+        const("two", [2], np.int64),
+        const("scale", np.float32(H**-0.5), np.float32),
+        const("image", [0, hw, hw, -1], np.int64),
+    ]
+    mk = helper.make_node
+    nodes = [
+        mk("MatMul", ["x", "Wqkv"], ["qkv"]),
+        mk("Reshape", ["qkv", "pack"], ["qkv5"]),
+        mk("Split", ["qkv5", "ones"], ["q5", "k5", "v5"], axis=2),
+        *(mk("Squeeze", [f"{r}5", "two"], [f"{r}4"]) for r in "qkv"),
+        mk("Transpose", ["q4"], ["q"], perm=[0, 2, 1, 3]),
+        mk("Transpose", ["k4"], ["kt"], perm=[0, 2, 3, 1]),
+        mk("Transpose", ["v4"], ["v"], perm=[0, 2, 1, 3]),
+        mk("Mul", ["q", "scale"], ["qs"]),
+        mk("MatMul", ["qs", "kt"], ["z"]),
+        mk("Softmax", ["z"], ["P"], axis=-1),
+        mk("MatMul", ["P", "v"], ["ctx"]),
+        mk("Transpose", ["ctx"], ["ctx_t"], perm=[0, 2, 1, 3]),
+        mk("Reshape", ["ctx_t", "image"], ["y"]),
+    ]
+    m = model(nodes, [vi("x", [b, hw, hw, E])], [vi("y", [b, hw, hw, E])], inits)
+    f = {"x": rng.standard_normal((b, hw, hw, E)).astype(np.float32)}
+    out, report = run(m, target=target, inputs=f)
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert fused(out) == 1, op_histogram(out.graph.node)
+    assert codes(report, "fuse-attention") == []

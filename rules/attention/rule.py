@@ -111,11 +111,15 @@ def _per_head(split: HeadSplit) -> bool:
 
 def _kept_per_head(split: HeadSplit) -> HeadSplit:
     """A key or value [B,N,T,H] computed head by head from a split (rotary or a norm on the
-    key of an encoder) as a per-head tensor the kernel takes back as [B,T,N·H], so that it
-    pairs with the other one's [B,T,D] split; else ``split`` unchanged."""
+    key of an encoder), or transposed into heads from anything else, as a per-head tensor the
+    kernel takes back as [B,T,N·H], so that it pairs with the other one's [B,T,D] split (a
+    cache, no Transpose's output, stays as it is); else ``split`` unchanged."""
     if split.layout != "bnsh" or split.kept:
         return split
     kept = per_head_split(split.x)
+    if kept is None and producer(split.x, "Transpose") is not None:
+        # heads transposed from anything else (SAM2's packed projection of an image [B,h,w,3D])
+        return HeadSplit(split.x, None, "bnsh", list(split.nodes), kept=True)
     if kept is None:
         return split
     kept.nodes = list(split.nodes)
@@ -415,6 +419,13 @@ class FuseMultiHeadAttention(Rule):
     def _check_heads(self, a: Attention, dims: Dims) -> None:
         batch = batch_keys(a.q.x, dims) if a.q.layout == "bsd" else None
         heads = [head_count(s, dims, batch if s is not a.q else None) for s in (a.q, a.k, a.v)]
+        n_q = dims.key(a.q.x, 1) if a.q.layout == "bnsh" else None
+        if (
+            isinstance(heads[0], str)
+            and not isinstance(heads[1], str)
+            and n_q == ("int", heads[1][0])
+        ):
+            heads[0] = heads[1]  # a query per head with the key's heads has its head size (Q·Kᵀ)
         bad = [(h, s) for h, s in zip(heads, (a.q, a.k, a.v)) if isinstance(h, str)]
         if bad:
             raise _refused(
