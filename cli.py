@@ -73,23 +73,22 @@ def handled() -> Iterator[None]:
     except errors.GraphoptError as e:
         if STATE["debug"]:
             raise
-        # the message is text, not markup: "[batch, seq, 8]" in it is shown, not taken for a tag
-        err.print(f"[bold red]error:[/] {render.escape(str(e))}", markup=True, soft_wrap=True)
+        err.print(render.styled(("error:", "bold red"), f" {e}"), soft_wrap=True)
         raise Exit(e.exit_code) from None
     except (KeyboardInterrupt, Exit):
         raise
     except MemoryError:
         if STATE["debug"]:
             raise
-        err.print(_out_of_memory(), markup=False, soft_wrap=True)
+        err.print(_out_of_memory(), soft_wrap=True)
         raise Exit(errors.EXIT_ERROR) from None
     except Exception as e:  # noqa: BLE001 - last resort: one line, never a traceback by default
         if STATE["debug"]:
             raise
         err.print(
-            f"[bold red]internal error:[/] {type(e).__name__}: {render.escape(str(e))} "
-            "(rerun with --debug)",
-            markup=True,
+            render.styled(
+                ("internal error:", "bold red"), f" {type(e).__name__}: {e} (rerun with --debug)"
+            ),
             soft_wrap=True,
         )
         raise Exit(errors.EXIT_ERROR) from None

@@ -76,7 +76,7 @@ class PhaseLines:
 
     @staticmethod
     def _emit(msg: str, stamp: tuple[str, float]) -> None:
-        err.print(f"{stamp[0]} graphopt +{stamp[1]:.1f}s: {msg}", markup=False, soft_wrap=True)
+        err.print(f"{stamp[0]} graphopt +{stamp[1]:.1f}s: {msg}", soft_wrap=True)
 
     def _cancel(self) -> None:
         if self.timer is not None:

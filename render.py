@@ -12,6 +12,22 @@ import json
 from pathlib import Path
 from typing import Any
 
+# Text from a model is shown, never obeyed: markup is off ("[/]" and "[bold]" in a name are
+# printed as written; styled() colours our own words) and control characters (ANSI escapes, bidi
+# overrides) are printed as their escapes.
+_HIDDEN = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F) if chr(c) not in "\n\t"} | {
+    c: f"\\u{c:04x}" for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A))
+}
+
+
+def visible(text: str) -> str:
+    """``text`` with its control characters written as escapes."""
+    return text.translate(_HIDDEN)
+
+
+def _shown(obj: Any) -> Any:
+    return visible(obj) if isinstance(obj, str) else obj
+
 
 class _Console:
     """A rich Console made on first use: a run that prints nothing (``--quiet``) does not import
@@ -27,22 +43,35 @@ class _Console:
             self._console = Console(**self._options)
         return getattr(self._console, name)
 
+    def print(self, *objects: Any, **kw: Any) -> None:
+        self.__getattr__("print")(*map(_shown, objects), **kw)
 
-def Table(*args: Any, **kw: Any):  # noqa: N802 - rich's class, imported when a table is made
+
+def Table(*args: Any, title: Any = None, **kw: Any):  # noqa: N802 - rich's class, made lazily
     from rich.table import Table as RichTable
 
-    return RichTable(*args, **kw)
+    class _Shown(RichTable):
+        def add_row(self, *cells: Any, **row: Any) -> None:
+            super().add_row(*map(_shown, cells), **row)
+
+    return _Shown(*args, title=_shown(title), **kw)
 
 
-out = _Console(highlight=False)
-err = _Console(stderr=True, highlight=False)
+out = _Console(highlight=False, markup=False)
+err = _Console(stderr=True, highlight=False, markup=False)
 
 
-def escape(text: str) -> str:
-    """``text`` for a markup string: brackets in it are shown, not taken for style tags."""
-    from rich.markup import escape as rich_escape
+def styled(*parts: str | tuple[str, str]):
+    """One line of plain strings and ``(text, style)`` pairs, as a rich Text."""
+    from rich.text import Text
 
-    return rich_escape(text)
+    return Text.assemble(
+        *(visible(p) if isinstance(p, str) else (visible(p[0]), p[1]) for p in parts)
+    )
+
+
+def _ok(ok: bool, yes: str = "ok", no: str = "FAILED") -> tuple[str, str]:
+    return (yes, "green") if ok else (no, "red")
 
 
 MAX_MISS_GROUPS = 10
@@ -54,7 +83,7 @@ def print_json(data: Any, default=None) -> None:
 
 
 def warn(line: str) -> None:
-    err.print(f"[yellow]warning:[/] {line}", markup=True, soft_wrap=True)
+    err.print(styled(("warning:", "yellow"), f" {line}"), soft_wrap=True)
 
 
 def error(line: str) -> None:
@@ -64,8 +93,7 @@ def error(line: str) -> None:
 
 def render_expectations(results: list) -> None:
     for e in results:
-        mark = "[green]ok[/]" if e.ok else "[red]FAILED[/]"
-        out.print(f"expect {e.text}: {mark} (found {e.actual})")
+        out.print(styled(f"expect {e.text}: ", _ok(e.ok), f" (found {e.actual})"))
 
 
 def device_note(report) -> str:
@@ -99,8 +127,13 @@ def render_report(report, custom_pipeline: bool = False) -> None:
     how = f"pipeline '{report.pipeline}'" if custom_pipeline else f"-O{report.level}"
     took = phase_summary(report.seconds)  # the wait, phase by phase
     out.print(
-        f"[bold]{report.model}[/] → target [cyan]{report.target}[/], {how}: "
-        f"{report.nodes_before} → {report.nodes_after} nodes, {report.rewrites} rewrites, {took}",
+        styled(
+            (str(report.model), "bold"),
+            " → target ",
+            (report.target, "cyan"),
+            f", {how}: {report.nodes_before} → {report.nodes_after} nodes, "
+            f"{report.rewrites} rewrites, {took}",
+        ),
         soft_wrap=True,
     )
     changed = [
@@ -112,10 +145,10 @@ def render_report(report, custom_pipeline: bool = False) -> None:
         out.print("ops (before→after): " + ", ".join(changed), soft_wrap=True)
     for r in report.remarks:  # what the output's callers see changed
         if r.kind == "analysis" and r.code == "weights-frozen":
-            out.print(f"[yellow]interface[/]: {r.message}", soft_wrap=True)
+            out.print(styled(("interface", "yellow"), f": {r.message}"), soft_wrap=True)
     for r in report.remarks:  # what onnx's checker or the declared interface would refuse
         if r.kind == "analysis" and r.code in ACCEPTED_CODES:
-            out.print(f"[yellow]accepted[/]: {r.message}", soft_wrap=True)
+            out.print(styled(("accepted", "yellow"), f": {r.message}"), soft_wrap=True)
     render_fired(report)
     render_misses(group_misses(report))
     note = device_note(report)
@@ -124,8 +157,10 @@ def render_report(report, custom_pipeline: bool = False) -> None:
         render_parity(report.parity_float64, note)
     deployed = report.parity_deployed
     if deployed is not None:
-        verdict = "[green]ok[/]" if deployed.ok else "[red]FAILED[/]" if deployed.ran else "not run"
-        out.print(f"parity at the bundle's session settings ({deployed.reference}): {verdict}")
+        verdict = _ok(deployed.ok) if deployed.ran else "not run"
+        out.print(
+            styled(f"parity at the bundle's session settings ({deployed.reference}): ", verdict)
+        )
     render_performance(report.performance)
     passes = {}
     for p in report.passes:
@@ -145,9 +180,10 @@ def render_fired(report) -> None:
     )
     fusions = [(n, c) for n, c in fired if n in RULES and RULES[n].level >= 2]
     cleanups = [(n, c) for n, c in fired if (n, c) not in fusions]
-    for label, rows in (("[green]fused[/]", fusions), ("cleaned up", cleanups)):
+    for label, rows in ((("fused", "green"), fusions), ("cleaned up", cleanups)):
         if rows:
-            out.print(f"{label}: " + ", ".join(f"{n} ×{c}" for n, c in rows), soft_wrap=True)
+            listed = ", ".join(f"{n} ×{c}" for n, c in rows)
+            out.print(styled(label, f": {listed}"), soft_wrap=True)
 
 
 def render_misses(groups: list[dict]) -> None:
@@ -159,15 +195,22 @@ def render_misses(groups: list[dict]) -> None:
     if not groups:
         return
     total = sum(g["count"] for g in groups)
-    out.print(f"[yellow]missed[/]: {total} remarks in {len(groups)} groups, actionable first")
+    out.print(
+        styled(("missed", "yellow"), f": {total} remarks in {len(groups)} groups, actionable first")
+    )
     for g in groups[:MAX_MISS_GROUPS]:
-        what = "[red]failure[/] " if g["kind"] == "failure" else ""
+        what = ("failure ", "red") if g["kind"] == "failure" else ""
         todo = g["hint"] or g["message"]
         todo = todo if len(todo) <= 160 else todo[:159] + "…"
-        if g["lever"]:
-            todo = f"[bold]{g['lever']}[/]: {todo}"
+        lever = ((g["lever"], "bold"), ": ") if g["lever"] else ()
         out.print(
-            f"  {g['count']:>4}× {what}{g['rule']} {g['code']} (e.g. '{g['example']}'): {todo}",
+            styled(
+                f"  {g['count']:>4}× ",
+                what,
+                f"{g['rule']} {g['code']} (e.g. '{g['example']}'): ",
+                *lever,
+                todo,
+            ),
             soft_wrap=True,
         )
     if len(groups) > MAX_MISS_GROUPS:
@@ -220,10 +263,9 @@ def own_noise_line(d) -> str:
 
 def render_parity(parity, note: str = "") -> None:
     if not parity.ran:
-        out.print(f"parity: [yellow]not run[/] ({parity.error})")
+        out.print(styled("parity: ", ("not run", "yellow"), f" ({parity.error})"))
         return
-    verdict = "[green]ok[/]" if parity.ok else "[red]FAILED[/]"
-    t = Table(title=f"parity vs {parity.reference}: {verdict}", show_edge=False)
+    t = Table(title=styled(f"parity vs {parity.reference}: ", _ok(parity.ok)), show_edge=False)
     for col in ("output", "dtype", "max abs", "max rel", "mean abs", "mismatch", "cosine", "ok"):
         t.add_column(col, justify="left" if col in ("output", "dtype") else "right")
     for d in parity.outputs:
@@ -235,7 +277,7 @@ def render_parity(parity, note: str = "") -> None:
             f"{d.mean_abs:.3g}",
             f"{d.mismatch:.2%}",
             f"{d.cosine:.6f}",
-            ("yes" if d.judged == "tolerance" else "yes*") if d.ok else "[red]NO[/]",
+            ("yes" if d.judged == "tolerance" else "yes*") if d.ok else styled(("NO", "red")),
         )
     out.print(t)
     for d in parity.outputs:
@@ -244,7 +286,7 @@ def render_parity(parity, note: str = "") -> None:
     if note:
         out.print(note, soft_wrap=True)
     if parity.error:
-        out.print(f"[red]{parity.error}[/]")
+        out.print(styled((parity.error, "red")))
     if parity.first_divergence:
         d = parity.first_divergence
         out.print(
@@ -291,11 +333,13 @@ def render_explain(data: dict) -> None:
     out.print(t)
     for f in data["fired"][:50]:
         created = ", ".join(f["created"]) or "(removed)"
-        out.print(f"[green]fired[/]  {f['rule']}: {', '.join(f['nodes'])} → {created}")
+        nodes = ", ".join(f["nodes"])
+        out.print(styled(("fired", "green"), f"  {f['rule']}: {nodes} → {created}"))
     if len(data["fired"]) > 50:
         out.print(f"... {len(data['fired']) - 50} more fired (--format json for all)")
     for m in data["missed"]:
-        out.print(f"[yellow]missed[/] {m['rule']} at '{m['node']}': {m['code']}: {m['message']}")
+        where = f" {m['rule']} at '{m['node']}': {m['code']}: {m['message']}"
+        out.print(styled(("missed", "yellow"), where))
         if m["hint"]:
             out.print(f"         hint: {m['hint']}")
     if data["never_matched"]:
@@ -321,9 +365,12 @@ def render_gate(
 ) -> None:
     parity = report.parity
     out.print(
-        f"[bold]{model}[/] → {report.target}: parity "
-        + ("[green]ok[/]" if parity.ran and parity.ok else "[red]not ok[/]")
-        + f", {report.nodes_before} → {report.nodes_after} nodes",
+        styled(
+            (str(model), "bold"),
+            f" → {report.target}: parity ",
+            _ok(parity.ran and parity.ok, no="not ok"),
+            f", {report.nodes_before} → {report.nodes_after} nodes",
+        ),
         soft_wrap=True,
     )
     render_expectations(results)
@@ -332,21 +379,27 @@ def render_gate(
     if op_cmp is not None:
         worse = op_cmp["regressed"]
         out.print(
-            f"op types vs the per-op baseline: {len(op_cmp['ops'])} compared, "
-            + (f"[red]{len(worse)} regressed[/]" if worse else "[green]none regressed[/]")
-            + f" (limit {op_cmp['max_regression']:.1%}, floor {op_cmp['floor_ms']:.3f} ms)",
+            styled(
+                f"op types vs the per-op baseline: {len(op_cmp['ops'])} compared, ",
+                _ok(not worse, yes="none regressed", no=f"{len(worse)} regressed"),
+                f" (limit {op_cmp['max_regression']:.1%}, floor {op_cmp['floor_ms']:.3f} ms)",
+            ),
             soft_wrap=True,
         )
         for r in op_cmp["ops"][:5]:
-            mark = "[red]REGRESSED[/] " if r["regressed"] else ""
+            mark = ("REGRESSED ", "red") if r["regressed"] else ""
             out.print(
-                f"  {mark}{escape(r['op'])}: {r['ms']:.3f} ms [{r['low_ms']:.3f}, "
-                f"{r['high_ms']:.3f}] vs baseline {r['baseline_ms']:.3f} ms "
-                f"[{r['baseline_low_ms']:.3f}, {r['baseline_high_ms']:.3f}]",
+                styled(
+                    "  ",
+                    mark,
+                    f"{r['op']}: {r['ms']:.3f} ms [{r['low_ms']:.3f}, "
+                    f"{r['high_ms']:.3f}] vs baseline {r['baseline_ms']:.3f} ms "
+                    f"[{r['baseline_low_ms']:.3f}, {r['baseline_high_ms']:.3f}]",
+                ),
                 soft_wrap=True,
             )
     if not verdict.code:
-        out.print("[green]gate passed[/]")
+        out.print(styled(("gate passed", "green")))
 
 
 def render_bench(result) -> None:
@@ -362,15 +415,17 @@ def render_bench(result) -> None:
     out.print(t)
     out.print(f"optimized / original: p50 {result.ratio_p50:.3f}, p95 {result.ratio_p95:.3f}")
     if result.regression is not None:
-        verdict = "[red]REGRESSION[/]" if result.regressed else "[green]ok[/]"
         out.print(
-            f"vs baseline: {result.regression:+.1%} (limit {result.max_regression:.1%}) {verdict}"
+            styled(
+                f"vs baseline: {result.regression:+.1%} (limit {result.max_regression:.1%}) ",
+                _ok(not result.regressed, no="REGRESSION"),
+            )
         )
 
 
 def render_target(data: dict) -> None:
     p = data["profile"]
-    out.print(f"[bold]{data['name']}[/]: {p['description']}")
+    out.print(styled((data["name"], "bold"), f": {p['description']}"))
     for key in (
         "runtime",
         "runtime_version",
@@ -414,7 +469,7 @@ def render_lint(payload: dict, findings: list) -> None:
         out.print("no findings")
     for f in findings:
         color = {"error": "red", "warning": "yellow"}.get(f.severity, "cyan")
-        out.print(f"[{color}]{f.severity}[/] {f.code}: {f.message}")
+        out.print(styled((f.severity, color), f" {f.code}: {f.message}"))
         out.print(f"    fix: {f.fix}")
     if "frozen" in payload:
         out.print(
@@ -449,9 +504,12 @@ def render_targets(rows: list[dict]) -> None:
 def render_run(summary: dict) -> None:
     """``graphopt run``: the session, which model ran and why, the outputs, the golden check."""
     out.print(
-        f"[bold]{summary['bundle']}[/] ({summary['target']}) on "
-        f"{', '.join(summary['providers'])}: session {summary['session_create_ms']} ms, "
-        f"run {', '.join(f'{t:.2f}' for t in summary['run_ms'][:5])} ms"
+        styled(
+            (str(summary["bundle"]), "bold"),
+            f" ({summary['target']}) on {', '.join(summary['providers'])}: session "
+            f"{summary['session_create_ms']} ms, "
+            f"run {', '.join(f'{t:.2f}' for t in summary['run_ms'][:5])} ms",
+        )
     )
     how = summary["session"]
     out.print(
@@ -470,9 +528,7 @@ def render_run(summary: dict) -> None:
         g = summary["golden"]
         worst = max((d["max_abs"] for d in g["outputs"]), default=0.0)
         out.print(
-            "golden outputs: "
-            + ("[green]match[/]" if g["ok"] else "[red]DIFFER[/]")
-            + f" (max abs {worst:.3g})"
+            styled("golden outputs: ", _ok(g["ok"], "match", "DIFFER"), f" (max abs {worst:.3g})")
         )
 
 
@@ -495,9 +551,9 @@ def render_profile(data: dict) -> None:
     s = data["session"]
     how = f"{s.get('model')}, {s.get('level')}" + (", fast path" if s.get("fast_path") else "")
     feeds = ", ".join(f"{k}={v}" for k, v in data["inputs"].items())
-    out.print(f"[bold]profile[/] {escape(data['model'])} ({escape(how)}); inputs {escape(feeds)}")
+    out.print(styled(("profile", "bold"), f" {data['model']} ({how}); inputs {feeds}"))
     if data.get("providers_note"):
-        out.print(f"[yellow]{escape(data['providers_note'])}[/]", soft_wrap=True)
+        out.print(styled((data["providers_note"], "yellow")), soft_wrap=True)
     out.print(
         f"run {data['run_ms']:.3f} ms (median of {data['runs']} profiled runs; "
         f"{data['unprofiled_run_ms']:.3f} ms with the profiler off); coverage "
@@ -509,24 +565,24 @@ def render_profile(data: dict) -> None:
     for col in ("region", "nodes", "ms", "share"):
         t.add_column(col, justify="left" if col == "region" else "right")
     for g in data["regions"][:PROFILE_TOP]:
-        t.add_row(escape(g["region"]), str(g["count"]), f"{g['ms']:.3f}", _pct(g["share"]))
+        t.add_row(g["region"], str(g["count"]), f"{g['ms']:.3f}", _pct(g["share"]))
     out.print(t)
-    out.print(f"[bold]hottest nodes (top {PROFILE_TOP})[/]")
+    out.print(styled((f"hottest nodes (top {PROFILE_TOP})", "bold")))
     for r in data["nodes"][:PROFILE_TOP]:
         owner = r["owner"]
         if owner == "model":
             made = f"{r['rule']} of " if r.get("rule") else ""
             owner = made + _sites(r["originals"], 2)
         line = f"{r['ms']:8.3f} ms {_pct(r['share']):>7}  {r['op']}  {r['node']}  <- {owner}"
-        out.print(f"  {escape(line)}", soft_wrap=True)
+        out.print(f"  {line}", soft_wrap=True)
     if data["missed"]:
-        out.print("[bold]missed fusions by measured time[/]")
+        out.print(styled(("missed fusions by measured time", "bold")))
         for m in data["missed"][:PROFILE_TOP]:
             line = (
                 f"{_pct(m['share'])} of the time is in {m['nodes']} node(s) that {m['rule']} "
                 f"missed: {m['code']} ({m['message']}) at {_sites(m['sites'])}"
             )
-            out.print(f"  {escape(line)}", soft_wrap=True)
+            out.print(f"  {line}", soft_wrap=True)
     else:
         out.print("no missed remark names a profiled node")
     if data.get("compare"):
@@ -540,18 +596,21 @@ def render_profile_brief(data: dict) -> None:
         return
     acc = data["account"]
     out.print(
-        f"[bold]profile[/] ({data['runs']} runs): rows {acc['rows_ms']:.3f} ms vs the measured "
-        f"run {acc['measured_ms']:.3f} ms (ratio {data['ratio']:.3f}, residual "
-        f"{acc['residual_ms']:+.3f} ms); coverage {_pct(data['coverage'])}",
+        styled(
+            ("profile", "bold"),
+            f" ({data['runs']} runs): rows {acc['rows_ms']:.3f} ms vs the measured "
+            f"run {acc['measured_ms']:.3f} ms (ratio {data['ratio']:.3f}, residual "
+            f"{acc['residual_ms']:+.3f} ms); coverage {_pct(data['coverage'])}",
+        ),
         soft_wrap=True,
     )
     if data.get("providers_note"):
-        out.print(f"[yellow]{escape(data['providers_note'])}[/]", soft_wrap=True)
+        out.print(styled((data["providers_note"], "yellow")), soft_wrap=True)
     for g in data["ops"][:3]:
-        out.print(f"  {escape(g['op'])}: {g['ms']:.3f} ms ({_pct(g['share'])})")
+        out.print(f"  {g['op']}: {g['ms']:.3f} ms ({_pct(g['share'])})")
     for m in data["missed"][:3]:
         line = f"{_pct(m['share'])} in {m['nodes']} node(s) that {m['rule']} missed: {m['code']}"
-        out.print(f"  {escape(line)}", soft_wrap=True)
+        out.print(f"  {line}", soft_wrap=True)
 
 
 def _profile_ops(data: dict) -> None:
@@ -567,14 +626,14 @@ def _profile_ops(data: dict) -> None:
         t.add_column(col, justify="left" if col == "op" else "right")
     for g in data["ops"]:
         t.add_row(
-            escape(g["op"]),
+            g["op"],
             str(g["count"]),
             f"{g['ms']:.3f}",
             f"{g['kernel_ms']:.3f}",
             _pct(g["share"]),
         )
     for o in acc["other"]:
-        t.add_row(escape(o["row"]), "", f"{o['ms']:.3f}", "", _pct(o["share"]))
+        t.add_row(o["row"], "", f"{o['ms']:.3f}", "", _pct(o["share"]))
     t.add_row(
         "sum of the rows",
         str(data["node_count"]),
@@ -608,7 +667,7 @@ def _profile_ops(data: dict) -> None:
             f"profiler's own cost is {acc['profiler_ms']:.3f} ms (about {per:.1f} µs on each "
             f"of {acc['kernel_events']} kernels), inside the rows above"
         )
-    out.print(escape(line), soft_wrap=True)
+    out.print(line, soft_wrap=True)
 
 
 def _profile_compare(cmp: dict) -> None:
@@ -621,7 +680,7 @@ def _profile_compare(cmp: dict) -> None:
         t.add_column(col, justify="left" if col == "op" else "right")
     for r in cmp["ops"]:
         t.add_row(
-            escape(r["op"]),
+            r["op"],
             str(r["count_original"]),
             str(r["count_optimized"]),
             f"{r['ms_original']:.3f} [{r['interval_original'][0]:.3f}, "

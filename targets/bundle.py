@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import time
@@ -1593,6 +1594,11 @@ MAX_ENTRY_KEY = 1024
 MAX_ENTRY_VALUE = 8192
 
 
+#: session config keys that point onnxruntime at a file or folder (where external weights are
+#: read from, where an EP context or an optimized model is written, a partition file)
+_NAMES_A_PATH = re.compile(r"file|path|folder|dir", re.IGNORECASE)
+
+
 def _check_settings(path: Path, config: dict) -> None:
     """The session config's thread counts and config entries are what onnxruntime takes (else
     a GraphoptError, exit 1: a corrupt bundle, naming the entry and its value)."""
@@ -1615,6 +1621,11 @@ def _check_settings(path: Path, config: dict) -> None:
                 raise GraphoptError(f"{bad} {what} is not plain text (a NUL or lone surrogate)")
             if size > most:
                 raise GraphoptError(f"{bad} {what} is {size} bytes, more than onnxruntime's {most}")
+        if _NAMES_A_PATH.search(key):
+            raise GraphoptError(
+                f"{bad} {where} names a file or folder for onnxruntime to read or write; a "
+                "bundle's session reads only the bundle's own files"
+            )
 
 
 def _utf8_size(text: str) -> int | None:

@@ -102,6 +102,11 @@ def test_a_sane_thread_count_still_runs(bundle_dir):
         ({"k" * 1025: "1"}, "is 1025 bytes, more than onnxruntime's 1024"),
         ({"session.x": "v" * 8193}, "its value is 8193 bytes, more than onnxruntime's 8192"),
         ({"session.x": 1}, "'session_config_entries.session.x' is an integer, not a string"),
+        (
+            {"session.model_external_initializers_file_folder_path": "/"},
+            "names a file or folder for onnxruntime to read or write",
+        ),
+        ({"ep.context_file_path": "../x.onnx"}, "names a file or folder"),
     ],
 )
 def test_a_config_entry_onnxruntime_refuses_is_refused_first(bundle_dir, entries, said):

@@ -434,3 +434,37 @@ def test_ctrl_c_while_the_command_runs_is_one_line_and_exit_130(relu, tmp_path):
         proc.wait()
     assert proc.returncode == 130, seen + err
     assert err.strip().splitlines() == ["error: interrupted"] and "Traceback" not in err
+
+
+# ------------------------------------------------ names from a model are shown, never obeyed
+HOSTILE_NAME = "[bold red]x[/bold red][/oops]\x1b[2J\x1b[31mred\u202e"
+
+
+@pytest.mark.parametrize("command", ["optimize", "lint"])
+def test_markup_and_escapes_in_a_node_name_are_printed_as_written(command, tmp_path):
+    g = helper.make_graph(
+        [helper.make_node("FooBar", ["x"], ["y"], domain="my.dom", name=HOSTILE_NAME)],
+        "g",
+        [vi("x", [4])],
+        [vi("y", [4])],
+    )
+    path = tmp_path / "named.onnx"
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("my.dom", 1)]
+    onnx.save(helper.make_model(g, opset_imports=opsets), path)
+    args = [command, str(path)] + (["-o", str(tmp_path / "out")] if command == "optimize" else [])
+    res = runner.invoke(app, args)
+    assert "internal error" not in res.output and "Traceback" not in res.output, res.output
+    if command == "optimize":
+        assert res.exit_code == 4, res.output  # the domain has no kernel: a documented refusal
+    assert "\x1b" not in res.output and "\u202e" not in res.output
+    assert "[bold red]x[/bold red][/oops]\\x1b[2J\\x1b[31mred\\u202e" in res.output.replace(
+        "\n", ""
+    )
+
+
+def test_a_graph_without_outputs_is_refused_at_load(tmp_path):
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [vi("x", [4])], [])
+    path = tmp_path / "no_outputs.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    line = one_line(runner.invoke(app, ["optimize", str(path), "-o", str(tmp_path / "o")]), 1)
+    assert "the graph has no outputs" in line

@@ -338,7 +338,9 @@ def validate(
     ``data`` when the caller gives other bytes to check, else without its weights
     (:func:`check_without_weights`; ``whole``: the model's own bytes when the caller has them;
     ``external``: its external-data references, validated already, stand in for their data).
-    Raise ModelLoadError with the checker's first line."""
+    Raise ModelLoadError with the checker's first line, or when the graph has no output."""
+    if not model.graph.output:
+        raise ModelLoadError(f"{path}: invalid ONNX model: the graph has no outputs")
     try:
         if by_path:
             onnx.checker.check_model(str(path))
