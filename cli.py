@@ -1021,12 +1021,13 @@ def _profile_bundle(bundle: Path, target, inputs, shapes, runs) -> tuple[dict, d
         raise errors.GraphoptError(f"{portable}: cannot read the bundle's model ({e})") from None
     feeds = _feeds(inputs, proto)
     if feeds is None and not shapes and (folder / GOLDEN_INPUTS).exists():
-        import numpy as np
+        import zipfile
+
+        from .opt.verify.feeds import read_npz
 
         try:
-            with np.load(folder / GOLDEN_INPUTS, allow_pickle=False) as f:
-                feeds = {k: f[k] for k in f.files}
-        except (OSError, ValueError) as e:
+            feeds = read_npz(folder / GOLDEN_INPUTS)
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
             raise errors.GraphoptError(f"{folder / GOLDEN_INPUTS}: cannot read ({e})") from None
     report = None
     with suppress(OSError, ValueError, RecursionError):  # a corrupt report is not needed here

@@ -53,6 +53,7 @@ from graphopt.opt.graph.io import (
 from graphopt.opt.graph.spool import session_skeleton
 from graphopt.opt.optimizer import NOT_MEASURED, run_of
 from graphopt.opt.rewrite.target import Target, get_target, register_session_settings
+from graphopt.opt.verify.feeds import read_npz
 from graphopt.opt.verify.generation import report_generation
 from graphopt.opt.verify.parity import (
     OwnNoise,
@@ -1388,11 +1389,7 @@ def _golden_arrays(bundle: Path, name: str) -> dict[str, np.ndarray]:
     anything else is a GraphoptError (exit 1: a corrupt bundle) naming the file."""
     file = _bundle_file(bundle, name, name)
     try:
-        data = np.load(file, allow_pickle=False)
-        if not isinstance(data, np.lib.npyio.NpzFile):
-            raise ValueError("not an .npz archive")
-        with data:
-            return {k: data[k] for k in data.files}
+        return read_npz(file)
     except (OSError, ValueError, EOFError, MemoryError, zipfile.BadZipFile, zlib.error) as e:
         raise GraphoptError(f"{file}: corrupt bundle file ({_reason(e)})") from None
 

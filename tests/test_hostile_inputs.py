@@ -468,3 +468,39 @@ def test_a_graph_without_outputs_is_refused_at_load(tmp_path):
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
     line = one_line(runner.invoke(app, ["optimize", str(path), "-o", str(tmp_path / "o")]), 1)
     assert "the graph has no outputs" in line
+
+
+def _npz_declaring(path, shape) -> None:
+    """An .npz whose one array's header declares ``shape`` (float32) and holds no data: what a
+    zip bomb's header says before its gigabytes of zeros."""
+    import zipfile
+
+    from numpy.lib import format as npy
+
+    with (
+        zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as z,
+        z.open("x.npy", "w") as f,
+    ):
+        npy.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": shape})
+
+
+def test_an_npz_that_declares_gigabytes_is_refused_before_it_is_unpacked(relu, tmp_path):
+    _npz_declaring(tmp_path / "bomb.npz", (1 << 31, 64))
+    args = [
+        "optimize",
+        str(relu),
+        "-o",
+        str(tmp_path / "o"),
+        "--inputs",
+        str(tmp_path / "bomb.npz"),
+    ]
+    line = one_line(runner.invoke(app, args), 2)
+    assert "'x' declares 512.0 GiB, more than the 4 GiB an array may" in line
+
+
+def test_golden_arrays_that_declare_gigabytes_are_a_corrupt_bundle(relu, tmp_path):
+    out = tmp_path / "b"
+    assert runner.invoke(app, ["optimize", str(relu), "-o", str(out), "-q"]).exit_code == 0
+    _npz_declaring(out / "golden" / "inputs.npz", (1 << 31, 64))
+    line = one_line(runner.invoke(app, ["run", str(out), "--verify", "none"]), 1)
+    assert "declares 512.0 GiB" in line

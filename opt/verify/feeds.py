@@ -112,16 +112,48 @@ def input_specs(model: onnx.ModelProto) -> list[InputSpec]:
     return specs
 
 
+def _declared_bytes(f) -> int:
+    """The bytes the .npy array at ``f``'s position declares, from its header alone."""
+    from numpy.lib import format as npy
+
+    version = npy.read_magic(f)
+    read_header = npy.read_array_header_1_0 if version == (1, 0) else npy.read_array_header_2_0
+    shape, _, dtype = read_header(f)
+    return math.prod(shape) * dtype.itemsize
+
+
+def read_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """The arrays of an .npz of plain arrays (never pickled objects), each header read before
+    its data: an array that declares more than MAX_INPUT_BYTES (or all more than four times
+    that) is a ValueError before anything is decompressed; a small file cannot unpack into
+    gigabytes."""
+    with zipfile.ZipFile(path) as z:
+        total = 0
+        for info in z.infolist():
+            if not info.filename.endswith(".npy"):
+                continue
+            with z.open(info) as f:
+                size = _declared_bytes(f)
+            total += size
+            if size > MAX_INPUT_BYTES or total > 4 * MAX_INPUT_BYTES:
+                raise ValueError(
+                    f"'{info.filename[:-4]}' declares {size / (1 << 30):.1f} GiB, more than the "
+                    f"{MAX_INPUT_BYTES >> 30} GiB an array may ({4 * MAX_INPUT_BYTES >> 30} "
+                    "GiB all together)"
+                )
+    data = np.load(path, allow_pickle=False)
+    if not isinstance(data, np.lib.npyio.NpzFile):
+        raise ValueError("not an .npz archive")
+    with data:
+        return {k: data[k] for k in data.files}
+
+
 def load_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """An ``--inputs`` .npz: its arrays by name.  A file that is no readable .npz (truncated,
     a bad checksum, not a zip, an .npy: :func:`read_feeds` reads those) or
     that holds no array is a UsageError (one line)."""
     try:
-        data = np.load(path, allow_pickle=False)
-        if not isinstance(data, np.lib.npyio.NpzFile):
-            raise ValueError("not an .npz archive")
-        with data:
-            arrays = {k: data[k] for k in data.files}
+        arrays = read_npz(path)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:
         raise UsageError(f"--inputs {path}: cannot read as .npz/.npy ({e})") from None
     if not arrays:
@@ -142,6 +174,13 @@ def read_feeds(path: str | os.PathLike, model: onnx.ModelProto | str | os.PathLi
     if not is_npy:
         return _non_empty(path, load_inputs(path))
     try:
+        with open(path, "rb") as f:
+            size = _declared_bytes(f)
+        if size > MAX_INPUT_BYTES:
+            raise ValueError(
+                f"it declares {size / (1 << 30):.1f} GiB, more than the "
+                f"{MAX_INPUT_BYTES >> 30} GiB an array may"
+            )
         array = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError) as e:
         raise UsageError(f"--inputs {path}: cannot read as .npy ({e})") from None
