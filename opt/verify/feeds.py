@@ -127,6 +127,8 @@ def read_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
     its data: an array that declares more than MAX_INPUT_BYTES (or all more than four times
     that) is a ValueError before anything is decompressed; a small file cannot unpack into
     gigabytes."""
+    if not zipfile.is_zipfile(path):
+        raise ValueError("not an .npz archive")
     with zipfile.ZipFile(path) as z:
         total = 0
         for info in z.infolist():
