@@ -29,6 +29,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -473,6 +474,33 @@ def _loop(entries, folder):
     (folder / "w2.bin").symlink_to("w.bin")
 
 
+def shown_as_written(w: World) -> Callable[[], str | None]:
+    """The node name came out with its brackets as written and its control characters escaped."""
+
+    def check() -> str | None:
+        text = (w.root / "stdout.txt").read_text().replace("\n", "")
+        if "\x1b" in text or "\u202e" in text:
+            return "a control character reached the terminal"
+        if "[bold red]x[/bold red][/oops]\\x1b[2J" not in text:
+            return "the name was not printed as written"
+        return None
+
+    return check
+
+
+def _zip_bomb(path: Path, nbytes: int) -> None:
+    """An .npz of one float32 array of ``nbytes`` zeros, deflated to a few MB."""
+    from numpy.lib import format as npy
+
+    shape = (nbytes // 256, 64)
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        with z.open("x.npy", "w", force_zip64=True) as f:
+            npy.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": shape})
+            chunk = bytes(1 << 24)
+            for _ in range(nbytes // len(chunk)):
+                f.write(chunk)
+
+
 def input_cases(w: World) -> list[Case]:
     r = w.root
     cases = []
@@ -561,6 +589,45 @@ def input_cases(w: World) -> list[Case]:
     (level / "session_config.json").write_text(json.dumps(cfg))
     cases.append(
         Case("session_config level 'banana'", ["run", "bad_level", "--inputs", "x.npz"], 1)
+    )
+    folder = w.bundle("config_path")
+    cfg = json.loads((folder / "session_config.json").read_text())
+    cfg["session_config_entries"] = {"session.model_external_initializers_file_folder_path": "/"}
+    (folder / "session_config.json").write_text(json.dumps(cfg))
+    cases.append(
+        Case(
+            "session_config entry naming a folder outside",
+            ["run", "config_path", "--inputs", "x.npz"],
+            1,
+        )
+    )
+    save(r / "no_outputs.onnx", [helper.make_node("Relu", ["x"], ["y"])], [vi("x", [2])], [])
+    cases.append(Case("a graph without outputs", ["optimize", "no_outputs.onnx", "-o", "o_no"], 1))
+    name = "[bold red]x[/bold red][/oops]\x1b[2J\x1b[31mred\u202e"
+    save(
+        r / "named.onnx",
+        [helper.make_node("FooBar", ["x"], ["y"], domain="my.dom", name=name)],
+        [vi("x", [2])],
+        [vi("y", [2])],
+        opsets=[*OPSETS, helper.make_opsetid("my.dom", 1)],
+    )
+    cases.append(
+        Case(
+            "markup, ANSI escapes, a bidi override in a node name (lint)",
+            ["lint", "named.onnx"],
+            0,
+            shown_as_written(w),
+        )
+    )
+    _zip_bomb(r / "bomb.npz", 5 << 30)
+    cases.append(
+        Case(
+            f"--inputs zip bomb ({(r / 'bomb.npz').stat().st_size >> 20} MB declaring 5 GiB), "
+            "ulimit -v 4 GiB",
+            ["optimize", "relu.onnx", "-o", "o_bomb", "--inputs", "bomb.npz", "-q"],
+            2,
+            cap_mb=4096,
+        )
     )
     w.bundle("planted_ok")  # a sound bundle for the count and npz cases
     (r / "corrupt.npz").write_bytes(b"PK\x03\x04" + b"\xff" * 64)
