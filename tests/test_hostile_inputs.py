@@ -504,3 +504,32 @@ def test_golden_arrays_that_declare_gigabytes_are_a_corrupt_bundle(relu, tmp_pat
     _npz_declaring(out / "golden" / "inputs.npz", (1 << 31, 64))
     line = one_line(runner.invoke(app, ["run", str(out), "--verify", "none"]), 1)
     assert "declares 512.0 GiB" in line
+
+
+@pytest.mark.parametrize(
+    "dtype,expr,said",
+    [
+        ("float */ int x; /*", "relu(x0)", "is not one of float32, float16"),
+        ("float32", "relu(x0); system(1)", "unexpected '; system'"),
+    ],
+)
+def test_a_forged_generated_kernel_node_is_refused_not_compiled(dtype, expr, said, tmp_path):
+    from graphopt.opt.graph.domains import GENERATED
+    from graphopt.targets.codegen.expr import op_type, parse
+
+    node = helper.make_node(
+        op_type(parse("relu(x0)"), dtype, 0),
+        ["x"],
+        ["y"],
+        domain=GENERATED,
+        expr=expr,
+        dtype=dtype,
+        channel_axis=0,
+    )
+    g = helper.make_graph([node], "g", [vi("x", [1, 4, 8, 8])], [vi("y", [1, 4, 8, 8])])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(GENERATED, 1)]
+    path = tmp_path / "forged.onnx"
+    onnx.save(helper.make_model(g, opset_imports=opsets), path)
+    res = runner.invoke(app, ["optimize", str(path), "-o", str(tmp_path / "o"), "--kernels"])
+    line = one_line(res, 1)
+    assert "is no kernel graphopt can build" in line and said in line

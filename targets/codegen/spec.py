@@ -13,6 +13,7 @@ from functools import cached_property
 
 import onnx
 
+from graphopt.opt.errors import GraphoptError
 from graphopt.opt.graph.domains import GENERATED
 from graphopt.opt.graph.ir import all_graphs
 
@@ -80,6 +81,12 @@ def specs_of(model: onnx.ModelProto) -> list[KernelSpec]:
         for n in g.node:
             if n.domain != DOMAIN:
                 continue
-            spec = KernelSpec.from_attrs(n.op_type, {a.name: _attr(a) for a in n.attribute})
+            try:
+                spec = KernelSpec.from_attrs(n.op_type, {a.name: _attr(a) for a in n.attribute})
+            except (ExprError, TypeError, ValueError) as e:
+                raise GraphoptError(
+                    f"node '{n.name or n.output[0]}' of domain {DOMAIN} is no kernel graphopt "
+                    f"can build: {e}"
+                ) from None
             out[spec.op_type] = spec
     return [out[k] for k in sorted(out)]
