@@ -533,3 +533,22 @@ def test_a_forged_generated_kernel_node_is_refused_not_compiled(dtype, expr, sai
     res = runner.invoke(app, ["optimize", str(path), "-o", str(tmp_path / "o"), "--kernels"])
     line = one_line(res, 1)
     assert "is no kernel graphopt can build" in line and said in line
+
+
+@pytest.mark.parametrize("kind", ["a FIFO", "a directory"])
+def test_external_data_that_is_no_regular_file_is_named_for_what_it_is(kind, tmp_path):
+    w = numpy_helper.from_array(np.ones((4, 4), np.float32), "W")
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])],
+        "g",
+        [vi("x", [1, 4])],
+        [vi("y", [1, 4])],
+        [w],
+    )
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    external_data_helper.convert_model_to_external_data(m, location="w.bin", size_threshold=0)
+    onnx.save(m, tmp_path / "m.onnx", save_as_external_data=False)
+    (tmp_path / "w.bin").unlink(missing_ok=True)
+    os.mkfifo(tmp_path / "w.bin") if kind == "a FIFO" else (tmp_path / "w.bin").mkdir()
+    res = runner.invoke(app, ["optimize", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "o")])
+    assert f"'w.bin' for tensor 'W' is {kind}, not a regular file" in one_line(res, 1)

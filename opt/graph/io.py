@@ -505,9 +505,10 @@ def check_external_data(tensors: Sequence[onnx.TensorProto], base: Path, path: P
                 f"{path}: tensor '{tensor.name}' external data '{location}' resolves outside the "
                 "model directory (symlink?)"
             )
-        if not target.is_file():
+        if (kind := non_regular_kind(target)) is not None:
             raise ModelLoadError(
-                f"{path}: external data file '{location}' for tensor '{tensor.name}' is missing"
+                f"{path}: external data file '{location}' for tensor '{tensor.name}' is {kind}, "
+                "not a regular file"
             )
         offset = _byte_count(info, "offset", tensor, path) or 0
         length = _byte_count(info, "length", tensor, path)
