@@ -1109,6 +1109,13 @@ def run_args(args: list[str]) -> int:
             "under a UTF-8 locale (LANG=C.UTF-8) or rename the file\n"
         )
         return errors.EXIT_USAGE
+    from .opt.environment import check_environment
+
+    try:
+        check_environment()
+    except errors.UsageError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return errors.EXIT_USAGE
     try:
         code = app(args=args, prog_name="graphopt", standalone_mode=False)
     except Exit as e:

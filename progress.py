@@ -8,8 +8,6 @@ and a log never stays silent longer than that; nothing when quiet.
 
 from __future__ import annotations
 
-import math
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,11 +18,9 @@ from .render import err
 
 def progress_after() -> float:
     """Seconds a phase runs before its line is printed when stderr is not a terminal."""
-    try:
-        value = float(os.environ.get("GRAPHOPT_PROGRESS_AFTER", "2"))
-    except ValueError:
-        return 2.0
-    return value if math.isfinite(value) and value >= 0 else 2.0
+    from .opt.environment import env_number
+
+    return env_number("GRAPHOPT_PROGRESS_AFTER", 2.0)
 
 
 @contextmanager

@@ -64,11 +64,11 @@ compute the tables), ``no-kernel`` / ``opset-too-old``.
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import numpy as np
 
+from graphopt.opt.environment import env_number
 from graphopt.opt.graph.analysis import EvaluationError, evaluate
 from graphopt.opt.graph.dims import same_dim
 from graphopt.opt.graph.domains import is_default
@@ -113,8 +113,9 @@ _LARGE = 2**31  # a Slice end at or beyond this means "to the end"
 
 def max_positions() -> int:
     """Rows of a computed cache: ``GRAPHOPT_ROTARY_POSITIONS`` or 8192."""
-    text = os.environ.get("GRAPHOPT_ROTARY_POSITIONS", "")
-    return int(text) if text.isdigit() and int(text) > 0 else DEFAULT_POSITIONS
+    return int(
+        env_number("GRAPHOPT_ROTARY_POSITIONS", DEFAULT_POSITIONS)
+    )
 
 
 # ------------------------------------------------------------------------- matching

@@ -552,3 +552,30 @@ def test_external_data_that_is_no_regular_file_is_named_for_what_it_is(kind, tmp
     os.mkfifo(tmp_path / "w.bin") if kind == "a FIFO" else (tmp_path / "w.bin").mkdir()
     res = runner.invoke(app, ["optimize", str(tmp_path / "m.onnx"), "-o", str(tmp_path / "o")])
     assert f"'w.bin' for tensor 'W' is {kind}, not a regular file" in one_line(res, 1)
+
+
+@pytest.mark.parametrize(
+    "name,value,said",
+    [
+        ("GRAPHOPT_RUN_SECONDS", "abc", "must be seconds, from 0 (got 'abc')"),
+        ("GRAPHOPT_TIME_BUDGET", "nan", "must be seconds, from 0 (got 'nan')"),
+        ("GRAPHOPT_PIECE_MB", "inf", "must be a number of MiB, above 0 to 1048576"),
+        ("GRAPHOPT_PIECE_NODES", "1", "must be a node count, from 2 (got '1')"),
+        ("GRAPHOPT_PROGRESS_AFTER", "-5", "must be seconds, from 0 (got '-5')"),
+        ("GRAPHOPT_ROTARY_POSITIONS", "0", "must be a position count, from 1 to 16777216"),
+        ("GRAPHOPT_KERNEL_THREADS", "1e9", "must be a thread count"),
+        ("GRAPHOPT_IN_PLACE_ABOVE", "x", "must be a number of bytes, from 0 (got 'x')"),
+    ],
+)
+def test_a_bad_environment_number_is_refused_before_the_command(name, value, said, relu, tmp_path):
+    res = runner.invoke(
+        app, ["optimize", str(relu), "-o", str(tmp_path / "o"), "-q"], env={name: value}
+    )
+    assert f"{name} {said}" in one_line(res, 2)
+    assert not (tmp_path / "o").exists()
+
+
+def test_inputs_that_are_a_fifo_are_refused_without_blocking(relu, tmp_path):
+    os.mkfifo(tmp_path / "in.npz")
+    args = ["optimize", str(relu), "-o", str(tmp_path / "o"), "--inputs", str(tmp_path / "in.npz")]
+    assert "is a FIFO, not a regular .npz or .npy file" in one_line(runner.invoke(app, args), 2)

@@ -166,13 +166,9 @@ _IN_PLACE: dict[str, Path] = {}
 
 
 def in_place_above() -> int:
-    value = os.environ.get("GRAPHOPT_IN_PLACE_ABOVE", "").strip()
-    try:
-        return int(value) if value else IN_PLACE_ABOVE
-    except ValueError:
-        raise UsageError(
-            f"GRAPHOPT_IN_PLACE_ABOVE must be a number of bytes (got '{value}')"
-        ) from None
+    from ..environment import env_number
+
+    return int(env_number("GRAPHOPT_IN_PLACE_ABOVE", IN_PLACE_ABOVE))
 
 
 def is_in_place(tensor: onnx.TensorProto) -> bool:

@@ -22,13 +22,13 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import onnx
 
+from ..environment import env_number
 from ..errors import GraphoptError, UsageError
 from ..graph.domains import is_default
 from ..graph.ir import ModelIR, subgraphs
@@ -205,11 +205,7 @@ _STARTED = time.monotonic()
 def _within_budget(p: Pass) -> None:
     """GraphoptError (exit 1) naming the pass about to run when the process has run past
     ``GRAPHOPT_TIME_BUDGET`` seconds (unset: no budget)."""
-    value = os.environ.get("GRAPHOPT_TIME_BUDGET", "").strip()
-    try:
-        budget = float(value) if value else None
-    except ValueError:
-        raise UsageError(f"GRAPHOPT_TIME_BUDGET must be seconds (got '{value}')") from None
+    budget = env_number("GRAPHOPT_TIME_BUDGET", None)
     if budget is not None and time.monotonic() - _STARTED > budget:
         raise GraphoptError(
             f"the optimization ran past its time budget of {budget:g} s "

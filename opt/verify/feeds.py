@@ -166,8 +166,10 @@ def load_inputs(path: str | os.PathLike) -> dict[str, np.ndarray]:
 def read_feeds(path: str | os.PathLike, model: onnx.ModelProto | str | os.PathLike):
     """``--inputs``: an .npz of named arrays, or an .npy holding the one input of a model (a
     proto or a path, read without its weights) that has exactly one."""
-    from ..graph.io import load_model
+    from ..graph.io import load_model, non_regular_kind
 
+    if (kind := non_regular_kind(path)) is not None:  # a FIFO would block the read
+        raise UsageError(f"--inputs {path}: is {kind}, not a regular .npz or .npy file")
     try:
         with open(path, "rb") as f:
             is_npy = f.read(6) == b"\x93NUMPY"

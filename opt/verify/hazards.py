@@ -13,7 +13,6 @@ inference, which visits both); :data:`RUN_SECONDS` bounds every run
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -184,11 +183,9 @@ def runtime_hazard(model: onnx.ModelProto, branches: bool = False) -> str | None
 
 
 def run_seconds() -> float:
-    value = os.environ.get("GRAPHOPT_RUN_SECONDS", "").strip()
-    try:
-        return float(value) if value else RUN_SECONDS
-    except ValueError:
-        return RUN_SECONDS
+    from ..environment import env_number
+
+    return env_number("GRAPHOPT_RUN_SECONDS", RUN_SECONDS)
 
 
 @contextmanager

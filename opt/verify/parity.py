@@ -47,6 +47,7 @@ import onnx
 import onnxruntime as ort
 from onnx import numpy_helper
 
+from ..environment import env_number
 from ..errors import GraphoptError, UsageError
 from ..graph.domains import RANDOM_OPS, is_default
 from ..graph.io import has_data_files, serialize, skeleton, tensor_nbytes, write_model_files
@@ -346,20 +347,13 @@ AHEAD_CONFIG = {**LEAN_CONFIG, "session.intra_op.allow_spinning": "0"}
 
 def piece_bytes() -> int:
     """The weight budget of one piece: :data:`PIECE_BYTES` or ``GRAPHOPT_PIECE_MB``."""
-    value = os.environ.get("GRAPHOPT_PIECE_MB", "").strip()
-    try:
-        return max(1, int(float(value) * (1 << 20))) if value else PIECE_BYTES
-    except ValueError:
-        raise UsageError(f"GRAPHOPT_PIECE_MB must be a number of MiB (got '{value}')") from None
+    mib = env_number("GRAPHOPT_PIECE_MB", None)
+    return PIECE_BYTES if mib is None else max(1, int(mib * (1 << 20)))
 
 
 def piece_nodes() -> int:
     """The node budget of one piece: :data:`PIECE_NODES` or ``GRAPHOPT_PIECE_NODES``."""
-    value = os.environ.get("GRAPHOPT_PIECE_NODES", "").strip()
-    try:
-        return max(2, int(value)) if value else PIECE_NODES
-    except ValueError:
-        raise UsageError(f"GRAPHOPT_PIECE_NODES must be a node count (got '{value}')") from None
+    return int(env_number("GRAPHOPT_PIECE_NODES", PIECE_NODES))
 
 
 def too_many_nodes(model: onnx.ModelProto) -> str | None:
