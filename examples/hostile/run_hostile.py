@@ -629,6 +629,23 @@ def input_cases(w: World) -> list[Case]:
             cap_mb=4096,
         )
     )
+    os.mkfifo(r / "in.fifo")
+    cases.append(
+        Case(
+            "--inputs a FIFO (nothing writes it)",
+            ["optimize", "relu.onnx", "-o", "o_fifo", "--inputs", "in.fifo", "-q"],
+            2,
+        )
+    )
+    for name, value in (("GRAPHOPT_RUN_SECONDS", "abc"), ("GRAPHOPT_KERNEL_THREADS", "1e9")):
+        cases.append(
+            Case(
+                f"{name}={value}",
+                ["optimize", "relu.onnx", "-o", "o_env", "-q"],
+                2,
+                env={name: value},
+            )
+        )
     w.bundle("planted_ok")  # a sound bundle for the count and npz cases
     (r / "corrupt.npz").write_bytes(b"PK\x03\x04" + b"\xff" * 64)
     np.savez(r / "zero.npz", x=np.ones((0, 64), np.float32))
