@@ -142,3 +142,47 @@ def test_a_run_past_its_memory_cap_ends_with_one_line(tmp_path):
     assert out.returncode == 1, out.stderr
     assert "memory" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "b").exists()
+
+
+def constant_bomb(op: str, n: int, **attrs):
+    """``op`` of constants only whose output has about n*n elements, reduced and added to x."""
+    operands = {
+        "Einsum": (["v", "v"], [const("v", np.ones(n))]),
+        "Expand": (["one", "s"], [const("one", [1.0]), const("s", [n, n], np.int64)]),
+        "Tile": (["v2", "r"], [const("v2", np.ones((1, n))), const("r", [n, 1], np.int64)]),
+        "Pad": (["one2", "p"], [const("one2", [[1.0]]), const("p", [0, 0, n, n], np.int64)]),
+        "Resize": (
+            ["one4", "", "sc"],
+            [const("one4", np.ones((1, 1, 1, 1))), const("sc", [1, 1, n, n])],
+        ),
+    }[op]
+    return model(
+        [
+            helper.make_node(op, operands[0], ["big"], name="bomb", **attrs),
+            helper.make_node("ReduceMax", ["big"], ["m"], keepdims=0),
+            helper.make_node("Add", ["x", "m"], ["y"]),
+        ],
+        [vi("x", [4])],
+        [vi("y", [4])],
+        operands[1],
+    )
+
+
+@pytest.mark.parametrize(
+    "op,attrs",
+    [
+        ("Einsum", {"equation": "i,j->ij"}),
+        ("Expand", {}),
+        ("Tile", {}),
+        ("Pad", {}),
+        ("Resize", {}),
+    ],
+)
+def test_a_node_of_constants_past_the_bound_is_not_run(op, attrs):
+    """60,000² float32 elements (13.4 GiB) from a few KB, whatever the inputs: said instead of
+    run (the run would fill the memory); 64² run."""
+    why = hazards.runtime_hazard(constant_bomb(op, 60_000, **attrs))
+    assert why is not None and f"{op} 'bomb' of constants makes 3.6e+09 elements" in why
+    assert hazards.runtime_hazard(constant_bomb(op, 64, **attrs)) is None
+    with pytest.raises(hazards.HazardError, match="the model is not run"):
+        Session(constant_bomb(op, 60_000, **attrs)).run({"x": np.ones(4, np.float32)})

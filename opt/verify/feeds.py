@@ -54,6 +54,7 @@ import onnx
 
 from ..errors import GraphoptError, UsageError
 from ..graph.compat import DimSplit
+from .hazards import HazardError
 
 SPATIAL_LADDER = (224, 256, 320, 128, 64, 640, 512, 32)
 SEQUENCE_LADDER = (16, 64, 256, 1024, 32, 128, 512, 4096)
@@ -523,6 +524,8 @@ def find_runnable(
         feeds = make(assignment, high)
         try:
             return feeds, run(feeds)
+        except HazardError:
+            raise  # the model's own: no other input runs it
         except GraphoptError as e:
             first_error = first_error or str(e)
             tried.append(

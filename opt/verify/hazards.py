@@ -5,9 +5,11 @@ the process with SIGFPE, a Range of 10^13 elements fills the memory until the ke
 killer ends the process, a Loop of 10^9 iterations runs for half an hour.  graphopt runs the
 user's model (parity, the performance net, the bundle's checks), so it must end with a clear
 line instead.  :func:`runtime_hazard` finds the first two statically where their operands are
-constants (the graphs a run executes: Loop and Scan bodies, and If branches for shape
-inference, which visits both); :data:`RUN_SECONDS` bounds every run
-(``GRAPHOPT_RUN_SECONDS``, checked by :func:`run_deadline`).
+constants, and any node of constants that would make a tensor past the bound (an Einsum outer
+product, an Expand, a Tile: a run computes them whatever its inputs), in the graphs
+a run executes (Loop and Scan bodies, and If branches for shape inference, which visits both);
+:data:`RUN_SECONDS` bounds every run (``GRAPHOPT_RUN_SECONDS``, checked by
+:func:`run_deadline`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,13 @@ from contextlib import contextmanager
 import numpy as np
 import onnx
 from onnx import numpy_helper
+
+from ..errors import GraphoptError
+
+
+class HazardError(GraphoptError):
+    """A run refused for a hazard of the model itself: no other input would run it."""
+
 
 #: the most bytes one constant-sized tensor a run makes may take (Range, ConstantOfShape)
 MAX_RUN_TENSOR_BYTES = 8 << 30
@@ -150,18 +159,24 @@ def runtime_hazard(model: onnx.ModelProto, branches: bool = False) -> str | None
     """One line saying what would crash or exhaust the machine if onnxruntime ran ``model``
     (its operands constant), or None.  If branches are looked at with ``branches`` (shape
     inference visits both; a run takes one, which may be a safe one)."""
+    opsets = [o for o in model.opset_import if o.domain in ("", "ai.onnx")]
     for g in _graphs(model.graph, branches):
-        consts = None
+        consts = shapes = None
         for node in g.node:
-            if node.domain or node.op_type not in (
-                "Div",
-                "Mod",
-                "Range",
-                "ConstantOfShape",
-                "Loop",
-            ):
+            if node.domain or node.op_type not in _LOOKED_AT:
                 continue
             consts = _constants(g) if consts is None else consts
+            if node.op_type in GROWING:
+                shapes = _constant_shapes(g) if shapes is None else shapes
+                made = _grown(node, shapes, consts, opsets)
+                if made is not None and made[1] > MAX_RUN_TENSOR_BYTES:
+                    return (
+                        f"{node.op_type} '{_label(node)}' of constants makes {made[0]:.3g} "
+                        f"elements ({made[1] / 2**30:.3g} GiB), more than the "
+                        f"{MAX_RUN_TENSOR_BYTES >> 30} GiB one tensor of a run may take, "
+                        "whatever the inputs"
+                    )
+                continue
             if node.op_type in ("Div", "Mod"):
                 why = _division(node, consts)
                 if why:
@@ -180,6 +195,62 @@ def runtime_hazard(model: onnx.ModelProto, branches: bool = False) -> str | None
                     f"{MAX_RUN_TENSOR_BYTES >> 30} GiB one tensor of a run may take"
                 )
     return None
+
+
+#: ops whose output may be far larger than their operands: with constant operands only, a run
+#: computes them whatever its inputs
+GROWING = frozenset(
+    {"Einsum", "MatMul", "Gemm", "Expand", "Tile", "Pad", "Resize", "Upsample", "Concat", "OneHot"}
+)
+_LOOKED_AT = GROWING | {"Div", "Mod", "Range", "ConstantOfShape", "Loop"}
+
+
+def _constant_shapes(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    """Every constant of ``graph`` by name (initializers and Constant nodes): their dims and
+    element types tell the shapes a node of constants makes."""
+    found = {t.name: t for t in graph.initializer}
+    for n in graph.node:
+        if n.op_type == "Constant" and not n.domain and n.output:
+            for a in n.attribute:
+                if a.name == "value":
+                    found[n.output[0]] = a.t
+    return found
+
+
+def _grown(node: onnx.NodeProto, shapes: dict, consts: dict, opsets) -> tuple[float, int] | None:
+    """(elements, bytes) of the largest output of a node whose operands are all constants, as
+    onnx infers the node alone (the small operands by value: shapes, pads, repeats, scales);
+    None when an operand is computed or the shape does not come out static."""
+    names = [i for i in node.input if i]
+    if not names or any(i not in shapes for i in names):
+        return None
+    inputs, inits = [], []
+    for name in dict.fromkeys(names):
+        t = shapes[name]
+        if name in consts:  # small: by value
+            value = onnx.TensorProto()
+            value.CopyFrom(consts[name])
+            value.name = name  # a Constant node's tensor has none
+            inits.append(value)
+        else:
+            inputs.append(onnx.helper.make_tensor_value_info(name, t.data_type, list(t.dims)))
+    outs = [onnx.helper.make_empty_tensor_value_info(o) for o in node.output if o]
+    graph = onnx.helper.make_graph([node], "alone", inputs, outs, inits)
+    try:
+        model = onnx.helper.make_model(graph, opset_imports=opsets)
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception:  # noqa: BLE001 - onnx's inference errors have no common type
+        return None
+    worst = None
+    for vi in inferred.graph.output:
+        t = vi.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+        if not t.HasField("shape") or None in dims or t.elem_type not in _ITEM_BYTES:
+            continue
+        count = float(math.prod(dims))
+        if worst is None or count * _ITEM_BYTES[t.elem_type] > worst[1]:
+            worst = (count, int(count) * _ITEM_BYTES[t.elem_type])
+    return worst
 
 
 def run_seconds() -> float:

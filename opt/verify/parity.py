@@ -53,7 +53,7 @@ from ..graph.domains import RANDOM_OPS, is_default
 from ..graph.io import has_data_files, serialize, skeleton, tensor_nbytes, write_model_files
 from .customops import register_libraries
 from .feeds import MAX_INPUT_BYTES, find_runnable, validate_args
-from .hazards import run_deadline, run_seconds, runtime_hazard
+from .hazards import HazardError, run_deadline, run_seconds, runtime_hazard
 
 Tolerance = tuple[float, float]  # (rtol relative to the output's scale, atol)
 
@@ -294,7 +294,7 @@ class Session:
         options: ort.RunOptions | None = None,
     ) -> list:
         if self._hazard is not None:
-            raise GraphoptError(f"the model is not run: {self._hazard}")
+            raise HazardError(f"the model is not run: {self._hazard}")
         wanted = {i.name for i in self.sess.get_inputs()}
         options = options or ort.RunOptions()
         with run_deadline(options) as cut:
