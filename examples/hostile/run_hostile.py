@@ -383,6 +383,19 @@ def resource_cases(w: World) -> list[Case]:
         [const("n", 10**9, np.int64), const("cond", True, np.bool_)],
     )
 
+    outer = [
+        helper.make_node("Einsum", ["v", "v"], ["o"], equation="i,j->ij", name="outer"),
+        helper.make_node("ReduceMax", ["o"], ["m"], keepdims=0),
+        helper.make_node("Add", ["x", "m"], ["y"]),
+    ]
+    save(
+        r / "einsum_outer.onnx",
+        outer,
+        [vi("x", [4])],
+        [vi("y", [4])],
+        [const("v", np.ones(60_000))],
+    )
+
     def smaller_than(src: str, out: str, factor: float):
         def check():
             a, b = (r / src).stat().st_size, (r / out / "model.onnx").stat().st_size
@@ -402,6 +415,12 @@ def resource_cases(w: World) -> list[Case]:
             ["optimize", "range_bomb_if.onnx", "-o", "o_bomb_if", "-q"],
             0,
             cap_mb=4096,
+        ),
+        Case(
+            "Einsum outer product of a 240 KB constant (13.4 GiB), ulimit -v 8 GiB",
+            ["optimize", "einsum_outer.onnx", "-o", "o_outer", "-q"],
+            3,
+            cap_mb=8192,
         ),
         Case(
             "Div INT_MIN / -1 at -O1",
