@@ -579,3 +579,11 @@ def test_inputs_that_are_a_fifo_are_refused_without_blocking(relu, tmp_path):
     os.mkfifo(tmp_path / "in.npz")
     args = ["optimize", str(relu), "-o", str(tmp_path / "o"), "--inputs", str(tmp_path / "in.npz")]
     assert "is a FIFO, not a regular .npz or .npy file" in one_line(runner.invoke(app, args), 2)
+
+
+def test_lint_says_a_graph_has_no_outputs(tmp_path):
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [vi("x", [4])], [])
+    path = tmp_path / "no_outputs.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    res = runner.invoke(app, ["lint", str(path)])
+    assert res.exit_code == 0 and "no-outputs: the graph declares no outputs" in res.stdout

@@ -51,6 +51,17 @@ def lint(model: onnx.ModelProto, *, missed_remarks: list | None = None) -> list[
     inits = {t.name: t for t in g.initializer}
     inputs = [i.name for i in g.input]
 
+    if not g.output:
+        findings.append(
+            Finding(
+                "no-outputs",
+                "error",
+                "the graph declares no outputs: onnxruntime refuses to load it and every node "
+                "of it is dead code",
+                "declare the tensors the model computes as graph outputs when exporting",
+                [],
+            )
+        )
     as_inputs = [n for n in inputs if n in inits]
     if as_inputs and model.ir_version >= 4:
         findings.append(
