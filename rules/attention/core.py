@@ -484,9 +484,24 @@ def _own_scale(t: Tensor, mm: Node) -> tuple[Tensor, list[Factor]]:
     (DeBERTa's query, divided once for the scores and its relative-position terms): then the
     scale stays in front of the kernel, which takes the operand as it is."""
     u, factors = strip_scale(t)
-    if factors and any(r is not mm and r.op != "Shape" for r in t.outputs):
+    if factors and any(
+        r is not mm and r.op != "Shape" and not _keys_of_another(r, t, mm) for r in t.outputs
+    ):
         return t, []
     return u, factors
+
+
+def _keys_of_another(r: Node, kt: Tensor, mm: Node) -> bool:
+    """``kt`` is the Kᵀ of ``mm`` and of ``r``, another attention's Q·Kᵀ (the memory's keys of a
+    decoder whose cloned layers CSE merged): each strips the scale alone."""
+    ins = inputs(r)
+    return (
+        r.op == "MatMul"
+        and len(ins) == 2
+        and ins[1] is kt
+        and inputs(mm)[1] is kt
+        and any(c.op in ("Softmax", "Add", "Where", "Mul", "Div") for c in r.outputs[0].outputs)
+    )
 
 
 def mask_multiplied(t: Tensor | None) -> tuple[Tensor | None, Node | None]:

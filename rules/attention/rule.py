@@ -605,6 +605,9 @@ def _shared_splits_kept(a: Attention, cx) -> list[Node]:
     of bmm-style exports feed position terms too, DeBERTa's c2p); such a split stays."""
     nodes = a.nodes()
     splits = {id(n) for s in (a.q, a.k, a.v) for n in [*s.nodes, s.reshape] if n is not None}
+    # a scale of q or Kᵀ read elsewhere too (the memory's keys of a decoder whose cloned layers
+    # CSE merged, read by the next layer's Q·Kᵀ) stays, with the split under it
+    splits |= {id(f.node) for f in a.core.factors if a.core.qk in f.node.outputs[0].outputs}
     inside = {id(n) for n in nodes}
     changed = True
     while changed:
