@@ -65,6 +65,8 @@ def split_heads(t: Tensor | None, perm: tuple[int, ...]) -> HeadSplit | None:
         inner = transpose_of(inputs(outer)[0], PERM_BNSH) if outer is not None else None
         chain = [outer, inner] if inner is not None else []
         three_d = _k_through_3d(t) if inner is None else None
+        if three_d is not None and rank(three_d[1]) == 5:  # the unbound part, squeeze folded
+            return _packed_part_of(three_d[1], three_d[0])
         if three_d is not None and transpose_of(three_d[1], PERM_BNSH) is not None:
             chain = three_d[0] + [transpose_of(three_d[1], PERM_BNSH)]
         tr = chain[-1] if chain else None
@@ -433,17 +435,56 @@ def _untranspose_k(t: Tensor | None, perm: tuple[int, ...]) -> tuple[Tensor | No
 
 
 def _split_packed(t: Tensor | None, perm: tuple[int, ...]) -> HeadSplit | None:
-    """``Gather(Transpose(Reshape(x, [B,S,3,N,H]), (2,0,3,1,4)), i)`` [→ (0,1,3,2) for K]."""
+    """``Gather(Transpose(Reshape(x, [B,S,3,N,H]), (2,0,3,1,4)), i)`` [→ (0,1,3,2) for K], or
+    the part as ``Squeeze(Split(·, axis 0), 0)`` (``unbind``: timm's ``qkv.unbind(0)``)."""
     t, chain = _untranspose_k(t, perm)
-    gather = producer(t, "Gather")
-    if gather is None or int(gather.attrs.get("axis", 0)) != 0:
+    part = producer(t, ("Gather", "Squeeze"))
+    if part is not None and part.op == "Squeeze":
+        if not squeezed_axis0(part):
+            return None
+        return _packed_part_of(inputs(part)[0], chain + [part])
+    if part is None or int(part.attrs.get("axis", 0)) != 0:
         return None
-    index = scalar(inputs(gather)[1])
-    tr = transpose_of(inputs(gather)[0], _PERM_PACKED)
+    index = scalar(inputs(part)[1])
+    tr = transpose_of(inputs(part)[0], _PERM_PACKED)
     rs = producer(inputs(tr)[0], "Reshape") if tr is not None else None
-    if rs is None or index not in (0.0, 1.0, 2.0) or constant_value(inputs(gather)[1]).ndim:
+    if rs is None or index not in (0.0, 1.0, 2.0) or constant_value(inputs(part)[1]).ndim:
         return None
-    return HeadSplit(inputs(rs)[0], rs, "packed", chain + [gather, tr], index=int(index))
+    return HeadSplit(inputs(rs)[0], rs, "packed", chain + [part, tr], index=int(index))
+
+
+def _packed_part_of(t: Tensor | None, chain: list[Node]) -> HeadSplit | None:
+    """``t`` [1,B,N,S,H] as part i of ``Split(Transpose(Reshape(x, [B,S,3,N,H]), (2,0,3,1,4)),
+    axis 0)`` (q, k or v of a packed projection, not yet squeezed)."""
+    split = producer(t, "Split")
+    if split is None or split.attrs.get("axis", 0) != 0 or rank(t) != 5:
+        return None
+    index = part_index(split, t)
+    tr = transpose_of(inputs(split)[0], _PERM_PACKED)
+    rs = producer(inputs(tr)[0], "Reshape") if tr is not None else None
+    if rs is None or index not in (0, 1, 2):
+        return None
+    return HeadSplit(inputs(rs)[0], rs, "packed", chain + [split, tr], index=index)
+
+
+def part_index(node: Node, t: Tensor) -> int | None:
+    """The index along axis 0 of the one-element part ``t`` that ``node`` (a Split) gives, or
+    None when its sizes are unknown or that part is not one element."""
+    k = list(node.outputs).index(t)
+    ins = inputs(node)
+    sizes = constant_value(ins[1]) if len(ins) > 1 else node.attrs.get("split")
+    if sizes is None:
+        whole = current_dims().key(ins[0], 0)
+        return k if whole == ("int", len(node.outputs)) else None
+    sizes = [int(s) for s in np.asarray(sizes).reshape(-1)]
+    return sum(sizes[:k]) if len(sizes) == len(node.outputs) and sizes[k] == 1 else None
+
+
+def squeezed_axis0(node: Node) -> bool:
+    """``node`` (a Squeeze) removes axis 0 alone."""
+    ins = inputs(node)
+    axes = constant_value(ins[1]) if len(ins) > 1 else node.attrs.get("axes")
+    return axes is not None and [int(a) for a in np.asarray(axes).reshape(-1)] == [0]
 
 
 def _split_sbd(t: Tensor | None, perm: tuple[int, ...]) -> HeadSplit | None:
@@ -480,21 +521,26 @@ def _sbd_kt(merge: Node | None) -> list[Node]:
 
 def _k_through_3d(t: Tensor | None) -> tuple[list[Node], Tensor] | None:
     """Kᵀ as the dynamo exporter writes it: ``Reshape(Transpose(Reshape(y, [-1,T,H]), (0,2,1)),
-    [B,N,H,T])`` with ``y`` = [B,N,T,H]: (the three nodes, consumers first; ``y``) when both
-    targets provably have those elements, else None."""
+    [B,N,H,T])`` with ``y`` = [B,N,T,H] (or [1,B,N,T,H], an unbound part whose Squeeze the
+    inner Reshape took): (the three nodes, consumers first; ``y``) when both targets provably
+    have those elements, else None."""
     outer = producer(t, "Reshape")
     flip = transpose_of(inputs(outer)[0], (0, 2, 1)) if outer is not None else None
     inner = producer(inputs(flip)[0], "Reshape") if flip is not None else None
     y = inputs(inner)[0] if inner is not None else None
-    if y is None or rank(y) not in (None, 4):
+    if y is None or rank(y) not in (None, 4, 5):
         return None
     dims = current_dims()
-    k = [dims.key(y, i) for i in range(4)]
+    lead = rank(y) - 4 if rank(y) is not None else 0
+    if lead and dims.key(y, 0) != ("int", 1):
+        return None
+    k = [dims.key(y, lead + i) for i in range(4)]
     ie = shape_elements(inputs(inner)[1], dims)
     oe = shape_elements(inputs(outer)[1], dims)
     if ie is None or oe is None or len(ie) != 3 or len(oe) != 4:
         return None
-    if ie != [("int", -1), k[2], k[3]]:
+    folded = {("int", -1), arith("Mul", k[0], k[1]), arith("Mul", k[1], k[0])}
+    if ie[0] not in folded or ie[1:] != [k[2], k[3]]:
         return None
     want = [k[0], k[1], k[3], k[2]]
     free = [i for i, e in enumerate(oe) if e == ("int", -1)]

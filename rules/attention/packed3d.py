@@ -36,7 +36,7 @@ from graphopt.opt.rewrite.patterns import Op
 
 from ..activation import inputs, no_match, producer
 from .core import pinned, strip_scale, unfolded
-from .heads import transpose_of
+from .heads import part_index, squeezed_axis0, transpose_of
 from .unfold3d import (
     check_pays,
     folded_heads,
@@ -49,25 +49,6 @@ from .unfold3d import (
 
 _PERM_PACKED = (2, 0, 3, 1, 4)
 _PERM_SPATIAL = (0, 2, 3, 1, 4)
-
-
-def _part_index(node: Node, t: Tensor) -> int | None:
-    """The index along axis 0 of the one-element part ``t`` that ``node`` (a Split) gives, or
-    None when its sizes are unknown or that part is not one element."""
-    k = list(node.outputs).index(t)
-    ins = inputs(node)
-    sizes = constant_value(ins[1]) if len(ins) > 1 else node.attrs.get("split")
-    if sizes is None:
-        whole = current_dims().key(ins[0], 0)
-        return k if whole == ("int", len(node.outputs)) else None
-    sizes = [int(s) for s in np.asarray(sizes).reshape(-1)]
-    return sum(sizes[:k]) if len(sizes) == len(node.outputs) and sizes[k] == 1 else None
-
-
-def _squeezed_axis0(node: Node) -> bool:
-    ins = inputs(node)
-    axes = constant_value(ins[1]) if len(ins) > 1 else node.attrs.get("axes")
-    return axes is not None and [int(a) for a in np.asarray(axes).reshape(-1)] == [0]
 
 
 def packed_fold(t: Tensor | None) -> tuple[Tensor, int] | None:
@@ -86,9 +67,9 @@ def packed_fold(t: Tensor | None) -> tuple[Tensor, int] | None:
         folded, index = inputs(node)[0], int(idx)
     else:
         split = producer(inputs(node)[0], "Split")
-        if not _squeezed_axis0(node) or split is None or split.attrs.get("axis", 0) != 0:
+        if not squeezed_axis0(node) or split is None or split.attrs.get("axis", 0) != 0:
             return None
-        folded, index = inputs(split)[0], _part_index(split, inputs(node)[0])
+        folded, index = inputs(split)[0], part_index(split, inputs(node)[0])
     rs = producer(folded, "Reshape")
     x5 = inputs(rs)[0] if rs is not None else None
     if index is None or x5 is None or transpose_of(x5, _PERM_PACKED) is None:
