@@ -3,7 +3,9 @@
 ``Split`` along the packing axis, a ``Squeeze`` per part, and the key transposed through 3-D
 (``Reshape(k, [B·N,T,H])``, ``(0,2,1)``, back to [B,N,H,T]) with its Squeeze folded into that
 Reshape (static sizes write B·N as a number).  The attention fuses, checked by onnxruntime
-parity; without the unbind spelled in, every layer of such a model stayed unfused."""
+parity; without the unbind spelled in, every layer of such a model stayed unfused.  HF's
+repeat_kv under the same exporter (grouped heads, ``sdpa`` attention) folds the repeated key
+[B,Nkv,rep,T,H] straight to [B·N,T,H]: ``unfold-3d-key`` writes it as its 4-D transpose."""
 
 import numpy as np
 import pytest
@@ -62,3 +64,55 @@ def test_qkv_unbound_by_split_and_squeeze_fuses(rng, squeeze_folded):
     out, _ = assert_optimized(unbound_sdpa(rng, squeeze_folded), target="cuda")
     ops = op_histogram(out.graph.node)
     assert ops.get("com.microsoft.MultiHeadAttention") == 1 and "Softmax" not in ops, ops
+
+
+KV, REP = 2, 2  # grouped heads: N = KV · REP
+
+
+def repeated_key_through_3d(rng):
+    """HF's repeat_kv under the dynamo SDPA spelling: the key's [B,KV,REP,T,H] Expand read by
+    the 3-D Reshape directly; the value repeated as the eager model writes it."""
+    nodes = [mk("MatMul", ["x", "Wq"], ["qp"]), mk("Reshape", ["qp", "split_q"], ["q4"])]
+    nodes.append(mk("Transpose", ["q4"], ["q"], perm=[0, 2, 1, 3]))
+    for r in "kv":
+        nodes += [
+            mk("MatMul", ["x", f"W{r}"], [f"{r}p"]),
+            mk("Reshape", [f"{r}p", "split_kv"], [f"{r}4"]),
+            mk("Transpose", [f"{r}4"], [f"{r}h"], perm=[0, 2, 1, 3]),
+            mk("Unsqueeze", [f"{r}h", "axis2"], [f"{r}u"]),
+            mk("Expand", [f"{r}u", "rep"], [f"{r}5"]),
+        ]
+    nodes += [
+        mk("Reshape", ["k5", "fold"], ["k3"]),
+        mk("Transpose", ["k3"], ["kt3"], perm=[0, 2, 1]),
+        mk("Reshape", ["kt3", "unfold"], ["kt"]),
+        mk("Reshape", ["v5", "heads"], ["v"]),
+        mk("Mul", ["q", "c"], ["qs"]),
+        mk("Mul", ["kt", "c"], ["kts"]),
+        mk("MatMul", ["qs", "kts"], ["z"]),
+        mk("Softmax", ["z"], ["p"], axis=-1),
+        mk("MatMul", ["p", "v"], ["o"]),
+        mk("Transpose", ["o"], ["ot"], perm=[0, 2, 1, 3]),
+        mk("Reshape", ["ot", "merge"], ["y"]),
+    ]
+    inits = [const("Wq", rng.standard_normal((D, D)) * 0.3)]
+    inits += [const(f"W{r}", rng.standard_normal((D, KV * H)) * 0.3) for r in "kv"]
+    inits += [
+        const("split_q", [B, S, N, H], np.int64),
+        const("split_kv", [B, S, KV, H], np.int64),
+        const("axis2", [2], np.int64),
+        const("rep", [B, KV, REP, S, H], np.int64),
+        const("fold", [B * N, S, H], np.int64),
+        const("unfold", [B, N, H, S], np.int64),
+        const("heads", [B, N, S, H], np.int64),
+        const("c", np.float32(H**-0.25)),
+        const("merge", [B, S, D], np.int64),
+    ]
+    return model(nodes, [vi("x", [B, S, D])], [vi("y", [B, S, D])], inits)
+
+
+def test_a_repeated_key_folded_through_3d_fuses(rng):
+    out, report = assert_optimized(repeated_key_through_3d(rng), target="cuda")
+    ops = op_histogram(out.graph.node)
+    assert "Softmax" not in ops, ops
+    assert report.rules["unfold-3d-key"]["fired"] == 1

@@ -443,3 +443,66 @@ class UnfoldFoldedScores(Rule):
         kt = _scaled(b, kt, kf, kt)
         scores = b.op("MatMul", [q, kt], like=y, name=f"{m.mm.name}/heads")
         return [_scaled(b, scores, factors, y)]
+
+
+@register_rule
+class UnfoldThreeDimKey(Rule):
+    """The dynamo exporter's Kᵀ through 3-D when the key is a 5-D tensor whose two middle axes
+    are the heads (HF's repeat_kv, ``Expand(Unsqueeze(k, 2), [B,Nkv,rep,T,H])``, its Reshape to
+    [B,N,T,H] folded into the 3-D one)::
+
+        kᵀ = Reshape(Transpose(Reshape(y [B,a,b,T,H], [B·a·b,T,H]), (0,2,1)), [B,a·b,H,T])
+
+    is ``Transpose(Reshape(y, [B,a·b,T,H]), (0,1,3,2))``: the same elements, the key 4-D."""
+
+    name = "unfold-3d-key"
+    pattern = Op("Reshape", "outer")
+    phase = "attention"
+    priority = 1  # before fuse-attention reads the key
+    exclusive = False  # its own checks: the folded key feeds this Reshape only
+    summary = "Kᵀ folded through [B·N,T,H] from a 5-D key → its 4-D transpose"
+
+    def match(self, node, cx):
+        flip = transpose_of(inputs(node)[0], (0, 2, 1))
+        inner = producer(inputs(flip)[0], "Reshape") if flip is not None else None
+        y = inputs(inner)[0] if inner is not None else None
+        if y is None or rank(y) != 5 or rank(node.outputs[0]) != 4:
+            raise no_match()
+        if len(flip.outputs[0].outputs) != 1 or len(inner.outputs[0].outputs) != 1:
+            raise no_match()
+        if not _scores_key(node.outputs[0]):
+            raise no_match()
+        dims = current_dims()
+        b, n1, n2, t, h = (dims.key(y, i) for i in range(5))
+        heads = {arith("Mul", n1, n2), arith("Mul", n2, n1)}
+        folded = {arith("Mul", b, x) for x in heads} | {arith("Mul", x, b) for x in heads}
+        if not pinned(inner, [folded, {t}, {h}]) or not pinned(node, [{b}, heads, {h}, {t}]):
+            raise no_match()
+        m = Match(node, {"outer": node})
+        m.stash(y=y)
+        return m
+
+    def rewrite(self, m, b):
+        y, kt = m.y, m.root.outputs[0]
+        lead = b.op("Shape", [y], {"end": 1}, name=f"{m.root.name}/batch")
+        tail = b.op("Shape", [y], {"start": 3}, name=f"{m.root.name}/tail")
+        for s, n in ((lead, 1), (tail, 2)):
+            s.dtype, s.shape = np.dtype(np.int64), [n]
+        heads = b.const(np.array([-1], dtype=np.int64), "heads")
+        target = b.op("Concat", [lead, heads, tail], {"axis": 0}, name=f"{m.root.name}/target")
+        target.dtype, target.shape = np.dtype(np.int64), [4]
+        k4 = b.op("Reshape", [y, target], name=f"{m.root.name}/k4")
+        k4.dtype = dtype_of(y)
+        if kt.shape is not None:
+            k4.shape = [kt.shape[i] for i in (0, 1, 3, 2)]
+        return [b.op("Transpose", [k4], {"perm": [0, 1, 3, 2]}, like=kt, name=m.root.name)]
+
+
+def _scores_key(kt: Tensor) -> bool:
+    """``kt`` (scaled or not) is the right operand of a Q·Kᵀ that reaches a Softmax."""
+    for r in kt.outputs:
+        if r.op in ("Mul", "Div") and r.inputs[0] is kt:
+            return _scores_key(r.outputs[0])
+        if r.op == "MatMul" and r.inputs[1] is kt and _reaches_softmax(r.outputs[0]):
+            return True
+    return False
