@@ -1,5 +1,6 @@
-"""Transformer families whose attention scores are transformed before the Softmax (small
-configs, random weights, eager attention), registered into make_models.py's ``MODELS``.
+"""Transformer families whose attention scores are transformed before the Softmax, or whose
+attention is spelled by PyTorch itself (small configs, random weights, eager attention unless
+said), registered into make_models.py's ``MODELS``.
 
 - gemma2, gemma2_kv: logit soft-capping ``tanh(s / c) · c`` between the scaled QKᵀ and the
   mask (Gemma2ForCausalLM; gemma2_kv is one decoder step with a KV cache).
@@ -16,6 +17,10 @@ configs, random weights, eager attention), registered into make_models.py's ``MO
 - einsum_unet_block: Stable Diffusion's transformer block as ldm writes its CrossAttention:
   heads folded to ``(b h) n d``, ``einsum('b i d, b j d -> b i j')`` scores, self-attention
   over the latent tokens and cross-attention to a text context of another length.
+- sdpa_llama: a grouped-query Llama with transformers' default ``sdpa`` attention (the
+  dynamo exporter folds HF's repeat_kv into its 3-D key).
+- timm_sdpa: timm's ViT attention, one qkv projection unbound into q, k and v, then
+  ``F.scaled_dot_product_attention``.
 - detr_mha: DETR's transformer as its code calls it: ``torch.nn.MultiheadAttention`` with the
   attention weights left on (its default, the 3-D path over [B·N,T,H]), sequence-first, a key
   padding mask, and learned object queries cross-attending to the encoder's memory.
@@ -380,6 +385,67 @@ def build_detr_mha() -> Net:
     )
 
 
+def build_sdpa_llama() -> Net:
+    """A grouped-query decoder with transformers' default ``sdpa`` attention: HF's repeat_kv
+    folded into dynamo's 3-D key."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="sdpa",
+    )
+    names = ["input_ids", "attention_mask"]
+    return _text_net(LlamaForCausalLM(config), names, ["logits"], use_cache=False)
+
+
+class TimmAttention(torch.nn.Module):
+    """timm's ViT attention: one qkv projection, ``reshape(B,N,3,h,d).permute(2,0,3,1,4)``,
+    ``unbind(0)``, ``F.scaled_dot_product_attention``."""
+
+    def __init__(self, width: int = 64, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+        self.norm = torch.nn.LayerNorm(width)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        h = self.norm(x)
+        qkv = self.qkv(h).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return x + self.proj(out.transpose(1, 2).reshape(b, n, c))
+
+
+class TimmBlocks(torch.nn.Module):
+    def __init__(self, depth: int = 2):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(TimmAttention() for _ in range(depth))
+
+    def forward(self, tokens):
+        for block in self.blocks:
+            tokens = block(tokens)
+        return tokens
+
+
+def build_timm_sdpa() -> Net:
+    model = TimmBlocks()
+    perturb_constant_params(model)
+    return Net(
+        module=model,
+        inputs=lambda batch, seq: {"tokens": torch.randn(batch, seq, 64)},
+        output_names=["hidden"],
+        dynamic_axes={"tokens": {0: "batch", 1: "seq"}, "hidden": {0: "batch", 1: "seq"}},
+        test_shape=(1, 49),
+        alt_shape=(2, 49),
+    )
+
+
 BUILDERS = {
     "gemma2": build_gemma2,
     "gemma2_kv": build_gemma2_kv,
@@ -390,6 +456,8 @@ BUILDERS = {
     "detr_mha": build_detr_mha,
     "bmm_encoder": build_bmm_encoder,
     "einsum_unet_block": build_einsum_unet_block,
+    "sdpa_llama": build_sdpa_llama,
+    "timm_sdpa": build_timm_sdpa,
 }
 
 

@@ -67,6 +67,9 @@ def split_heads(t: Tensor | None, perm: tuple[int, ...]) -> HeadSplit | None:
         three_d = _k_through_3d(t) if inner is None else None
         if three_d is not None and rank(three_d[1]) == 5:  # the unbound part, squeeze folded
             return _packed_part_of(three_d[1], three_d[0])
+        squeeze = producer(three_d[1], "Squeeze") if three_d is not None else None
+        if squeeze is not None and squeezed_axis0(squeeze):  # the unbound part
+            return _packed_part_of(inputs(squeeze)[0], [*three_d[0], squeeze])
         if three_d is not None and transpose_of(three_d[1], PERM_BNSH) is not None:
             chain = three_d[0] + [transpose_of(three_d[1], PERM_BNSH)]
         tr = chain[-1] if chain else None
