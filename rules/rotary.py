@@ -113,9 +113,7 @@ _LARGE = 2**31  # a Slice end at or beyond this means "to the end"
 
 def max_positions() -> int:
     """Rows of a computed cache: ``GRAPHOPT_ROTARY_POSITIONS`` or 8192."""
-    return int(
-        env_number("GRAPHOPT_ROTARY_POSITIONS", DEFAULT_POSITIONS)
-    )
+    return int(env_number("GRAPHOPT_ROTARY_POSITIONS", DEFAULT_POSITIONS))
 
 
 # ------------------------------------------------------------------------- matching
