@@ -116,3 +116,47 @@ def test_a_repeated_key_folded_through_3d_fuses(rng):
     ops = op_histogram(out.graph.node)
     assert "Softmax" not in ops, ops
     assert report.rules["unfold-3d-key"]["fired"] == 1
+
+
+def unbound_with_qk_norm(rng):
+    """timm's ``qk_norm=True``: a LayerNorm over each head of the unbound q and k, v the third
+    part as it is (the parts are not all packed any more: q and k go per head, v with them)."""
+    nodes = [
+        mk("MatMul", ["x", "Wqkv"], ["qkv"]),
+        mk("Reshape", ["qkv", "pack"], ["qkv5"]),
+        mk("Transpose", ["qkv5"], ["parts"], perm=[2, 0, 3, 1, 4]),
+        mk("Split", ["parts", "ones"], ["p0", "p1", "p2"], axis=0),
+    ]
+    for i, r in enumerate("qkv"):
+        nodes.append(mk("Squeeze", [f"p{i}", "axis0"], [f"{r}0"]))
+    for r in "qk":
+        nodes.append(mk("LayerNormalization", [f"{r}0", f"g{r}", f"b{r}"], [r], axis=-1))
+    nodes += [
+        mk("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+        mk("MatMul", ["q", "kt"], ["z0"]),
+        mk("Mul", ["z0", "c2"], ["z"]),
+        mk("Softmax", ["z"], ["p"], axis=-1),
+        mk("MatMul", ["p", "v0"], ["o"]),
+        mk("Transpose", ["o"], ["ot"], perm=[0, 2, 1, 3]),
+        mk("Reshape", ["ot", "merge"], ["y"]),
+    ]
+    inits = [
+        const("Wqkv", rng.standard_normal((D, 3 * D)) * 0.3),
+        const("pack", [B, S, 3, N, H], np.int64),
+        const("ones", [1, 1, 1], np.int64),
+        const("axis0", [0], np.int64),
+        const("c2", np.float32(H**-0.5)),
+        const("merge", [B, S, D], np.int64),
+    ]
+    for r in "qk":
+        inits += [
+            const(f"g{r}", 1 + 0.1 * rng.standard_normal(H)),
+            const(f"b{r}", 0.1 * rng.standard_normal(H)),
+        ]
+    return model(nodes, [vi("x", [B, S, D])], [vi("y", [B, S, D])], inits)
+
+
+def test_qk_norm_over_unbound_parts_fuses(rng):
+    out, _ = assert_optimized(unbound_with_qk_norm(rng), target="cuda")
+    ops = op_histogram(out.graph.node)
+    assert ops.get("com.microsoft.MultiHeadAttention") == 1 and "Softmax" not in ops, ops

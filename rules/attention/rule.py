@@ -86,7 +86,7 @@ def lift(root: Node) -> Attention:
             core.softmax,
             v.x if v.layout == "bnsh" else k.x,
         )
-    packed = [s.layout == "packed" for s in splits]
+    packed = [s.layout == "packed" for s in (q, k, v)]
     if any(packed) and not (
         all(packed) and q.x is k.x is v.x and [q.index, k.index, v.index] == [0, 1, 2]
     ):
