@@ -20,7 +20,8 @@ said), registered into make_models.py's ``MODELS``.
 - sdpa_llama: a grouped-query Llama with transformers' default ``sdpa`` attention (the
   dynamo exporter folds HF's repeat_kv into its 3-D key).
 - timm_sdpa: timm's ViT attention, one qkv projection unbound into q, k and v, then
-  ``F.scaled_dot_product_attention``.
+  ``F.scaled_dot_product_attention``; timm_qknorm with ``qk_norm=True`` (a LayerNorm over each
+  head of q and k).
 - detr_mha: DETR's transformer as its code calls it: ``torch.nn.MultiheadAttention`` with the
   attention weights left on (its default, the 3-D path over [B·N,T,H]), sequence-first, a key
   padding mask, and learned object queries cross-attending to the encoder's memory.
@@ -407,25 +408,28 @@ class TimmAttention(torch.nn.Module):
     """timm's ViT attention: one qkv projection, ``reshape(B,N,3,h,d).permute(2,0,3,1,4)``,
     ``unbind(0)``, ``F.scaled_dot_product_attention``."""
 
-    def __init__(self, width: int = 64, heads: int = 4):
+    def __init__(self, width: int = 64, heads: int = 4, qk_norm: bool = False):
         super().__init__()
         self.heads = heads
         self.qkv, self.proj = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
         self.norm = torch.nn.LayerNorm(width)
+        norm = torch.nn.LayerNorm if qk_norm else torch.nn.Identity
+        self.q_norm, self.k_norm = norm(width // heads), norm(width // heads)
 
     def forward(self, x):
         b, n, c = x.shape
         h = self.norm(x)
         qkv = self.qkv(h).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
         return x + self.proj(out.transpose(1, 2).reshape(b, n, c))
 
 
 class TimmBlocks(torch.nn.Module):
-    def __init__(self, depth: int = 2):
+    def __init__(self, depth: int = 2, qk_norm: bool = False):
         super().__init__()
-        self.blocks = torch.nn.ModuleList(TimmAttention() for _ in range(depth))
+        self.blocks = torch.nn.ModuleList(TimmAttention(qk_norm=qk_norm) for _ in range(depth))
 
     def forward(self, tokens):
         for block in self.blocks:
@@ -433,8 +437,8 @@ class TimmBlocks(torch.nn.Module):
         return tokens
 
 
-def build_timm_sdpa() -> Net:
-    model = TimmBlocks()
+def build_timm_sdpa(qk_norm: bool = False) -> Net:
+    model = TimmBlocks(qk_norm=qk_norm)
     perturb_constant_params(model)
     return Net(
         module=model,
@@ -458,6 +462,7 @@ BUILDERS = {
     "einsum_unet_block": build_einsum_unet_block,
     "sdpa_llama": build_sdpa_llama,
     "timm_sdpa": build_timm_sdpa,
+    "timm_qknorm": lambda: build_timm_sdpa(qk_norm=True),
 }
 
 
