@@ -17,8 +17,9 @@ said), registered into make_models.py's ``MODELS``.
 - einsum_unet_block: Stable Diffusion's transformer block as ldm writes its CrossAttention:
   heads folded to ``(b h) n d``, ``einsum('b i d, b j d -> b i j')`` scores, self-attention
   over the latent tokens and cross-attention to a text context of another length.
-- sdpa_llama: a grouped-query Llama with transformers' default ``sdpa`` attention (the
-  dynamo exporter folds HF's repeat_kv into its 3-D key).
+- sdpa_llama, sdpa_llama_kv: a grouped-query Llama with transformers' default ``sdpa``
+  attention (the dynamo exporter folds HF's repeat_kv into its 3-D key); sdpa_llama_kv is one
+  decoder step with a KV cache.
 - timm_sdpa: timm's ViT attention, one qkv projection unbound into q, k and v, then
   ``F.scaled_dot_product_attention``; timm_qknorm with ``qk_norm=True`` (a LayerNorm over each
   head of q and k).
@@ -386,12 +387,10 @@ def build_detr_mha() -> Net:
     )
 
 
-def build_sdpa_llama() -> Net:
-    """A grouped-query decoder with transformers' default ``sdpa`` attention: HF's repeat_kv
-    folded into dynamo's 3-D key."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def sdpa_llama_config():
+    from transformers import LlamaConfig
 
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=128,
         intermediate_size=256,
@@ -400,8 +399,53 @@ def build_sdpa_llama() -> Net:
         num_key_value_heads=2,
         attn_implementation="sdpa",
     )
+
+
+def build_sdpa_llama() -> Net:
+    """A grouped-query decoder with transformers' default ``sdpa`` attention: HF's repeat_kv
+    folded into dynamo's 3-D key."""
+    from transformers import LlamaForCausalLM
+
     names = ["input_ids", "attention_mask"]
-    return _text_net(LlamaForCausalLM(config), names, ["logits"], use_cache=False)
+    return _text_net(LlamaForCausalLM(sdpa_llama_config()), names, ["logits"], use_cache=False)
+
+
+def build_sdpa_llama_kv() -> Net:
+    """The same decoder as deployed: one step over a KV cache (1 new token over a past of 128
+    at test, 4 over 16 at export)."""
+    from transformers import LlamaForCausalLM
+
+    config = sdpa_llama_config()
+    model = LlamaForCausalLM(config)
+    perturb_constant_params(model)
+    layers, heads = config.num_hidden_layers, config.num_key_value_heads
+    head_dim = config.hidden_size // config.num_attention_heads
+    past_names = cache_names(layers, "past_key_values")
+    present_names = cache_names(layers, "present")
+
+    def make(batch: int, past: int) -> dict[str, torch.Tensor]:
+        new = 1 if past >= 64 else 4
+        out = {
+            "input_ids": torch.randint(0, VOCAB, (batch, new)),
+            "attention_mask": torch.ones(batch, past + new, dtype=torch.int64),
+        }
+        for name in past_names:
+            out[name] = torch.randn(batch, heads, past, head_dim)
+        return out
+
+    axes = {
+        "input_ids": {0: "batch", 1: "seq"},
+        "attention_mask": {0: "batch", 1: "total_seq"},
+        "logits": {0: "batch", 1: "seq"},
+    }
+    axes.update({n: {0: "batch", 2: "past_seq"} for n in past_names})
+    axes.update({n: {0: "batch", 2: "total_seq"} for n in present_names})
+    return Net(
+        module=CacheWrapper(model, ["input_ids", "attention_mask"], layers),
+        inputs=make,
+        output_names=["logits"] + present_names,
+        dynamic_axes=axes,
+    )
 
 
 class TimmAttention(torch.nn.Module):
@@ -461,6 +505,7 @@ BUILDERS = {
     "bmm_encoder": build_bmm_encoder,
     "einsum_unet_block": build_einsum_unet_block,
     "sdpa_llama": build_sdpa_llama,
+    "sdpa_llama_kv": build_sdpa_llama_kv,
     "timm_sdpa": build_timm_sdpa,
     "timm_qknorm": lambda: build_timm_sdpa(qk_norm=True),
 }
