@@ -58,6 +58,40 @@ def _text_net(model, names: list[str], outputs: list[str], **extra) -> Net:
     )
 
 
+def _kv_step_net(model, heads: int, head_dim: int) -> Net:
+    """One decoder step of ``model`` over a KV cache of ``heads`` × ``head_dim``: 1 new token
+    over a past of 128 (test), 4 over 16 (export)."""
+    perturb_constant_params(model)
+    layers = model.config.num_hidden_layers
+    past_names = cache_names(layers, "past_key_values")
+    present_names = cache_names(layers, "present")
+
+    def make(batch: int, past: int) -> dict[str, torch.Tensor]:
+        new = 1 if past >= 64 else 4
+        mask = torch.ones(batch, past + new, dtype=torch.int64)
+        out = {
+            "input_ids": torch.randint(0, VOCAB, (batch, new)),
+            "attention_mask": mask,
+        }
+        for name in past_names:
+            out[name] = torch.randn(batch, heads, past, head_dim)
+        return out
+
+    axes = {
+        "input_ids": {0: "batch", 1: "seq"},
+        "attention_mask": {0: "batch", 1: "total_seq"},
+        "logits": {0: "batch", 1: "seq"},
+    }
+    axes.update({n: {0: "batch", 2: "past_seq"} for n in past_names})
+    axes.update({n: {0: "batch", 2: "total_seq"} for n in present_names})
+    return Net(
+        module=CacheWrapper(model, ["input_ids", "attention_mask"], layers),
+        inputs=make,
+        output_names=["logits"] + present_names,
+        dynamic_axes=axes,
+    )
+
+
 def gemma2_config():
     from transformers import Gemma2Config
 
@@ -92,36 +126,7 @@ def build_gemma2_kv() -> Net:
     from transformers import Gemma2ForCausalLM
 
     config = gemma2_config()
-    model = Gemma2ForCausalLM(config)
-    perturb_constant_params(model)
-    layers, heads, head_dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
-    past_names = cache_names(layers, "past_key_values")
-    present_names = cache_names(layers, "present")
-
-    def make(batch: int, past: int) -> dict[str, torch.Tensor]:
-        new = 1 if past >= 64 else 4
-        mask = torch.ones(batch, past + new, dtype=torch.int64)
-        out = {
-            "input_ids": torch.randint(0, VOCAB, (batch, new)),
-            "attention_mask": mask,
-        }
-        for name in past_names:
-            out[name] = torch.randn(batch, heads, past, head_dim)
-        return out
-
-    axes = {
-        "input_ids": {0: "batch", 1: "seq"},
-        "attention_mask": {0: "batch", 1: "total_seq"},
-        "logits": {0: "batch", 1: "seq"},
-    }
-    axes.update({n: {0: "batch", 2: "past_seq"} for n in past_names})
-    axes.update({n: {0: "batch", 2: "total_seq"} for n in present_names})
-    return Net(
-        module=CacheWrapper(model, ["input_ids", "attention_mask"], layers),
-        inputs=make,
-        output_names=["logits"] + present_names,
-        dynamic_axes=axes,
-    )
+    return _kv_step_net(Gemma2ForCausalLM(config), config.num_key_value_heads, config.head_dim)
 
 
 def build_bloom() -> Net:
@@ -416,36 +421,8 @@ def build_sdpa_llama_kv() -> Net:
     from transformers import LlamaForCausalLM
 
     config = sdpa_llama_config()
-    model = LlamaForCausalLM(config)
-    perturb_constant_params(model)
-    layers, heads = config.num_hidden_layers, config.num_key_value_heads
     head_dim = config.hidden_size // config.num_attention_heads
-    past_names = cache_names(layers, "past_key_values")
-    present_names = cache_names(layers, "present")
-
-    def make(batch: int, past: int) -> dict[str, torch.Tensor]:
-        new = 1 if past >= 64 else 4
-        out = {
-            "input_ids": torch.randint(0, VOCAB, (batch, new)),
-            "attention_mask": torch.ones(batch, past + new, dtype=torch.int64),
-        }
-        for name in past_names:
-            out[name] = torch.randn(batch, heads, past, head_dim)
-        return out
-
-    axes = {
-        "input_ids": {0: "batch", 1: "seq"},
-        "attention_mask": {0: "batch", 1: "total_seq"},
-        "logits": {0: "batch", 1: "seq"},
-    }
-    axes.update({n: {0: "batch", 2: "past_seq"} for n in past_names})
-    axes.update({n: {0: "batch", 2: "total_seq"} for n in present_names})
-    return Net(
-        module=CacheWrapper(model, ["input_ids", "attention_mask"], layers),
-        inputs=make,
-        output_names=["logits"] + present_names,
-        dynamic_axes=axes,
-    )
+    return _kv_step_net(LlamaForCausalLM(config), config.num_key_value_heads, head_dim)
 
 
 class TimmAttention(torch.nn.Module):
