@@ -22,12 +22,37 @@ def mk(op, ins, outs, **attrs):
     return helper.make_node(op, ins, outs, **attrs)
 
 
-def unbound_sdpa(rng, squeeze_folded: bool):
+def packed_parts(rng) -> tuple[list, list]:
+    """``p0``, ``p1``, ``p2`` [1,B,N,S,H]: the packed projection ``x @ Wqkv`` split along the
+    packing axis of ``Transpose(Reshape(·, [B,S,3,N,H]), (2,0,3,1,4))``."""
     nodes = [
         mk("MatMul", ["x", "Wqkv"], ["qkv"]),
         mk("Reshape", ["qkv", "pack"], ["qkv5"]),
         mk("Transpose", ["qkv5"], ["parts"], perm=[2, 0, 3, 1, 4]),
         mk("Split", ["parts", "ones"], ["p0", "p1", "p2"], axis=0),
+    ]
+    inits = [
+        const("Wqkv", rng.standard_normal((D, 3 * D)) * 0.3),
+        const("pack", [B, S, 3, N, H], np.int64),
+        const("ones", [1, 1, 1], np.int64),
+        const("axis0", [0], np.int64),
+    ]
+    return nodes, inits
+
+
+def attend(v: str) -> list:
+    """Softmax of the scores ``z`` times ``v``, merged to [B,S,D] as ``y``."""
+    return [
+        mk("Softmax", ["z"], ["p"], axis=-1),
+        mk("MatMul", ["p", v], ["o"]),
+        mk("Transpose", ["o"], ["ot"], perm=[0, 2, 1, 3]),
+        mk("Reshape", ["ot", "merge"], ["y"]),
+    ]
+
+
+def unbound_sdpa(rng, squeeze_folded: bool):
+    nodes, inits = packed_parts(rng)
+    nodes += [
         mk("Squeeze", ["p0", "axis0"], ["q"]),
         mk("Squeeze", ["p2", "axis0"], ["v"]),
     ]
@@ -41,16 +66,9 @@ def unbound_sdpa(rng, squeeze_folded: bool):
         mk("Mul", ["q", "c"], ["qs"]),
         mk("Mul", ["kt", "c"], ["kts"]),
         mk("MatMul", ["qs", "kts"], ["z"]),
-        mk("Softmax", ["z"], ["p"], axis=-1),
-        mk("MatMul", ["p", "v"], ["o"]),
-        mk("Transpose", ["o"], ["ot"], perm=[0, 2, 1, 3]),
-        mk("Reshape", ["ot", "merge"], ["y"]),
+        *attend("v"),
     ]
-    inits = [
-        const("Wqkv", rng.standard_normal((D, 3 * D)) * 0.3),
-        const("pack", [B, S, 3, N, H], np.int64),
-        const("ones", [1, 1, 1], np.int64),
-        const("axis0", [0], np.int64),
+    inits += [
         const("fold", [B * N, S, H], np.int64),
         const("unfold", [B, N, H, S], np.int64),
         const("c", np.float32(H**-0.25)),
@@ -90,10 +108,7 @@ def repeated_key_through_3d(rng):
         mk("Mul", ["q", "c"], ["qs"]),
         mk("Mul", ["kt", "c"], ["kts"]),
         mk("MatMul", ["qs", "kts"], ["z"]),
-        mk("Softmax", ["z"], ["p"], axis=-1),
-        mk("MatMul", ["p", "v"], ["o"]),
-        mk("Transpose", ["o"], ["ot"], perm=[0, 2, 1, 3]),
-        mk("Reshape", ["ot", "merge"], ["y"]),
+        *attend("v"),
     ]
     inits = [const("Wq", rng.standard_normal((D, D)) * 0.3)]
     inits += [const(f"W{r}", rng.standard_normal((D, KV * H)) * 0.3) for r in "kv"]
@@ -121,12 +136,7 @@ def test_a_repeated_key_folded_through_3d_fuses(rng):
 def unbound_with_qk_norm(rng):
     """timm's ``qk_norm=True``: a LayerNorm over each head of the unbound q and k, v the third
     part as it is (the parts are not all packed any more: q and k go per head, v with them)."""
-    nodes = [
-        mk("MatMul", ["x", "Wqkv"], ["qkv"]),
-        mk("Reshape", ["qkv", "pack"], ["qkv5"]),
-        mk("Transpose", ["qkv5"], ["parts"], perm=[2, 0, 3, 1, 4]),
-        mk("Split", ["parts", "ones"], ["p0", "p1", "p2"], axis=0),
-    ]
+    nodes, inits = packed_parts(rng)
     for i, r in enumerate("qkv"):
         nodes.append(mk("Squeeze", [f"p{i}", "axis0"], [f"{r}0"]))
     for r in "qk":
@@ -135,16 +145,9 @@ def unbound_with_qk_norm(rng):
         mk("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
         mk("MatMul", ["q", "kt"], ["z0"]),
         mk("Mul", ["z0", "c2"], ["z"]),
-        mk("Softmax", ["z"], ["p"], axis=-1),
-        mk("MatMul", ["p", "v0"], ["o"]),
-        mk("Transpose", ["o"], ["ot"], perm=[0, 2, 1, 3]),
-        mk("Reshape", ["ot", "merge"], ["y"]),
+        *attend("v0"),
     ]
-    inits = [
-        const("Wqkv", rng.standard_normal((D, 3 * D)) * 0.3),
-        const("pack", [B, S, 3, N, H], np.int64),
-        const("ones", [1, 1, 1], np.int64),
-        const("axis0", [0], np.int64),
+    inits += [
         const("c2", np.float32(H**-0.5)),
         const("merge", [B, S, D], np.int64),
     ]
