@@ -75,6 +75,16 @@ def unfused_conv_bn(rng, tmp_path) -> Path:
     return p
 
 
+def assert_unowned_time_is_inserted(data):
+    """Node time no model node owns is exactly onnxruntime's inserted rows (NCHWc Reorders
+    around a Conv); they are memory-bound and their share varies with the machine's load, so
+    only a majority is asserted for the owned part."""
+    node_ms = data["account"]["node_ms"]
+    inserted = sum(r["ms"] for r in data["nodes"] if r["owner"] == INSERTED)
+    assert data["coverage"] == pytest.approx(1 - inserted / node_ms, abs=2e-3)
+    assert data["coverage"] > 0.5
+
+
 def test_mobilenet_bundle_time_adds_up_and_has_owners(mobilenet):
     data = profiled(mobilenet, "--runs", "5")
     assert data["schema"] == "graphopt.profile/1" and data["runs"] == 5
@@ -89,7 +99,7 @@ def test_mobilenet_bundle_time_adds_up_and_has_owners(mobilenet):
     # the kernels alone are a share of the run (the rest: executor, profiler, binding)
     assert 0.2 < data["kernel_ratio"] <= 1.1
     assert data["kernel_ms"] <= acc["node_ms"] <= acc["measured_ms"] * 1.1
-    assert data["coverage"] >= 0.7  # the rest: onnxruntime's NCHWc Reorder nodes
+    assert_unowned_time_is_inserted(data)
     inserted = [r for r in data["nodes"] if r["owner"] == INSERTED]
     assert all(r["op"].startswith("Reorder") or r["op"] for r in inserted)
     fused = [r for r in data["nodes"] if r.get("rule") == "fuse-conv-bn"]
@@ -105,7 +115,7 @@ def test_unfused_chain_is_the_top_missed_row(rng, tmp_path):
     assert (top["rule"], top["code"]) == ("fuse-conv-bn", "non-constant-param")
     assert set(top["node_names"]) >= {"/net/conv", "/net/bn"}
     assert top["ms"] > 0.5 * data["account"]["node_ms"] and top["share"] > 0.3
-    assert data["coverage"] >= 0.7  # the rest: NCHWc Reorder nodes around the Conv
+    assert_unowned_time_is_inserted(data)
     # the rows (nodes, executor, session.run) account for the run: within 10 % on a quiet
     # machine; 0.5 leaves room for a loaded one or the process's first runs
     assert 0.5 <= data["ratio"] <= 1.1, data["ratio"]
