@@ -396,20 +396,23 @@ class FoldLinearScale(Rule):
         like = m.root.outputs[0]
         name = m.matmul.name or "MatMul"
         w = b.const(m.w_new, "W")
+        # each step has the shape of the node it replaces (the dims of the heads split after
+        # it are derived through them)
         if m.reshape is not None:  # Gemm(x, W·c, b·c) → the same Reshape
-            steps = [("Gemm", [m.x, w, b.const(m.b_new, "b")], {}, "scaled")]
-            steps.append(("Reshape", [inputs(m.reshape)[1]], {}, "unflat"))
+            steps = [("Gemm", [m.x, w, b.const(m.b_new, "b")], {}, "scaled", m.matmul)]
+            steps.append(("Reshape", [inputs(m.reshape)[1]], {}, "unflat", m.reshape))
         else:  # MatMul(x, W·c) [+ b·c]
-            steps = [("MatMul", [m.x, w], {}, "scaled")]
+            steps = [("MatMul", [m.x, w], {}, "scaled", m.matmul)]
             if m.b_new is not None:
-                steps.append(("Add", [b.const(m.b_new, "b")], {}, "scaled_bias"))
+                steps.append(("Add", [b.const(m.b_new, "b")], {}, "scaled_bias", m.add))
         if m.transpose is not None:
-            steps.append(("Transpose", [], dict(m.transpose.attrs), "permuted"))
+            steps.append(("Transpose", [], dict(m.transpose.attrs), "permuted", m.transpose))
         y = None
-        for i, (op, extra, attrs, suffix) in enumerate(steps):
+        for i, (op, extra, attrs, suffix, old) in enumerate(steps):
             ins = extra if y is None else [y, *extra]
             last = i == len(steps) - 1
-            y = b.op(op, ins, attrs, like=like if last else None, name=f"{name}/{suffix}")
+            shaped = like if last else old.outputs[0] if old is not None else None
+            y = b.op(op, ins, attrs, like=shaped, name=f"{name}/{suffix}")
             y.dtype = like.dtype
         return [y]
 

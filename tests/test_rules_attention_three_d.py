@@ -178,34 +178,51 @@ class BatchFirstBmm:
     Diffusion's einsum over ``(b h) n d``: heads split per head, folded to [B·N,T,H], scores
     and Softmax over [B·N,T,S], P·V unfolded for the merge; static shapes."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, dynamic: bool = False):
         self.rng = np.random.default_rng(seed)
         self.nodes: list = []
+        self.dynamic = dynamic
         self.inits = [
             const("heads4", [0, 0, N, H], np.int64),
             const("fold3", [B * N, T, H], np.int64),
             const("unfold4", [B, N, T, T], np.int64),
             const("fold_scores", [B * N, T, T], np.int64),
-            const("ctx4", [B, N, T, H], np.int64),
+            const("ctx4", [-1 if dynamic else B, N, T, H], np.int64),
             const("merge", [0, 0, E], np.int64),
         ]
-        self.inputs = [vi("x", [B, T, E])]
+        # a batch onnx shape inference could not name (it writes ``unk__`` for the batch of a
+        # sum with positions it cannot size: LED's decoder); graphopt's dims still follow it
+        self.inputs = [vi("x", ["unk__0", T, E] if dynamic else [B, T, E])]
+        if dynamic:  # the fold's target computed, [batch·N, -1, H], as TorchScript writes it
+            self.inits += [const(n, [v], np.int64) for n, v in (("i0", 0), ("nh", N))]
+            self.inits += [const("rest", [-1, H], np.int64)]
+            bn = self.add("Mul", [self.add("Gather", ["x_shape", "i0"], "b1"), "nh"], "bn")
+            self.nodes.insert(0, helper.make_node("Shape", ["x"], ["x_shape"], name="shape"))
+            self.add("Concat", [bn, "rest"], "fold3_dyn", axis=0)
 
     def add(self, op, ins, out, **attrs) -> str:
         self.nodes.append(helper.make_node(op, ins, [out], name=f"n{len(self.nodes)}", **attrs))
         return out
 
-    def folded(self, r: str) -> str:
+    def folded(self, r: str, scale: str | None = None) -> str:
+        """Heads of ``x·W [+ b]`` folded to [B·N,T,H]; with a ``scale``, ``(x·W + b)·scale``
+        (the query of BART-era exports: projected, biased, then scaled)."""
         w = f"W{r}"
         self.inits.append(const(w, self.rng.standard_normal((E, E)) * 0.4, np.float32))
         p = self.add("MatMul", ["x", w], f"{r}_proj")
+        if scale is not None:
+            self.inits.append(const(f"b{r}", self.rng.standard_normal(E) * 0.1, np.float32))
+            p = self.add("Mul", [self.add("Add", [p, f"b{r}"], f"{r}_biased"), scale], f"{r}_s")
         s = self.add("Reshape", [p, "heads4"], f"{r}_bsnh")
         t = self.add("Transpose", [s], f"{r}_h", perm=[0, 2, 1, 3])
-        return self.add("Reshape", [t, "fold3"], f"{r}3")
+        return self.add("Reshape", [t, "fold3_dyn" if self.dynamic else "fold3"], f"{r}3")
 
-    def attention(self, masked: bool):
+    def attention(self, masked: bool, scaled_projection: bool = False):
         self.inits.append(const("scale", np.float32(H**-0.5), np.float32))
-        q = self.add("Mul", [self.folded("q"), "scale"], "q3_scaled")
+        if scaled_projection:
+            q = self.folded("q", scale="scale")
+        else:
+            q = self.add("Mul", [self.folded("q"), "scale"], "q3_scaled")
         kt = self.add("Transpose", [self.folded("k")], "kt3", perm=[0, 2, 1])
         s = self.add("MatMul", [q, kt], "scores3")
         if masked:  # view(bsz, heads, tgt, src) + mask, then view back for the Softmax
@@ -218,7 +235,8 @@ class BatchFirstBmm:
             "Transpose", [self.add("Reshape", [ctx, "ctx4"], "c4")], "ct", perm=[0, 2, 1, 3]
         )
         self.add("Reshape", [t, "merge"], "y")
-        return model(self.nodes, self.inputs, [vi("y", [B, T, E])], self.inits)
+        y = vi("y", ["unk__0" if self.dynamic else B, T, E])
+        return model(self.nodes, self.inputs, [y], self.inits)
 
 
 @pytest.mark.parametrize("masked, target", [(False, "cpu"), (True, "cuda")])
@@ -234,6 +252,19 @@ def test_a_softmax_over_folded_scores_between_folded_heads_fuses(masked, target)
     assert fused(out) == {"MultiHeadAttention": 1}, op_histogram(out.graph.node)
     assert codes(report, "fuse-attention") == [] and "Softmax" not in op_histogram(out.graph.node)
     assert codes(report, "unfold-3d-softmax", "passed") == ["fired"]
+
+
+def test_a_query_scaled_after_its_bias_folds_its_heads_over_a_dynamic_batch():
+    """LED's and BART-era decoders: ``(x·Wq + bq)·s`` folds into the projection first; the
+    new projection keeps the dims that prove the fold's computed [batch·N, -1, H] exact."""
+    rng = np.random.default_rng(12)
+    x = {"x": rng.standard_normal((3, T, E)).astype(np.float32)}
+    m = BatchFirstBmm(13, dynamic=True).attention(masked=False, scaled_projection=True)
+    out, report = run(m, target="cuda", inputs=x)
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert codes(report, "fold-linear-scale", "passed") == ["fired"]
+    assert fused(out) == {"MultiHeadAttention": 1}, op_histogram(out.graph.node)
+    assert codes(report, "fuse-attention") == [] and "Softmax" not in op_histogram(out.graph.node)
 
 
 def test_a_masked_softmax_over_folded_scores_the_target_runs_slower_fused_is_left():
