@@ -271,6 +271,30 @@ def test_reshape_minus_one_is_inferred_when_static():
     assert Dims().key(t["y"], 0) == ("int", 6)
 
 
+def test_reshape_minus_one_cancels_a_computed_symbolic_element():
+    """fairseq's query view [S,B,E] → [-1, B·N, H]: the -1 is S (the B of the computed B·N
+    cancels the input's own, N·H = E); an element that is not a factor of the input keeps
+    the dim unknown."""
+    inits = [const("i1", [1], np.int64), const("nh", [N], np.int64), const("rest", [H], np.int64)]
+    inits += [const("lead", [-1], np.int64)]
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Gather", ["shape", "i1"], ["b"]),
+        helper.make_node("Mul", ["b", "nh"], ["bn"]),
+        helper.make_node("Concat", ["lead", "bn", "rest"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["y"]),
+        helper.make_node("Shape", ["z"], ["zs"], start=0, end=1),
+        helper.make_node("Concat", ["lead", "zs", "rest"], ["other"], axis=0),
+        helper.make_node("Reshape", ["x", "other"], ["w"]),
+    ]
+    inputs = [vi("x", ["s", "b", C]), vi("z", ["m"])]
+    t = tensors(model(nodes, inputs, [vi("y", None), vi("w", None)], inits))
+    t["y"].shape = t["w"].shape = None  # as after a rewrite: no inferred shape
+    d = Dims()
+    assert d.key(t["y"], 0) == ("param", "s")
+    assert d.key(t["w"], 0) == ("dim", "w", 0)
+
+
 def test_dims_through_tile_a_kept_symbolic_dim_and_a_computed_slice():
     """TorchScript's nn.MultiheadAttention: a learned query tiled over a symbolic batch, the
     packed k/v unflattened by [L, 0, 2, -1] (the batch copied cancels the input's own), and the

@@ -417,10 +417,9 @@ def test_window_mask_that_varies_per_image_is_missed():
 def test_unknown_head_split_is_missed_with_its_reason():
     """Softmax between two MatMuls is attention: an unknown spelling is a remark, not silence."""
     m = attention(layout="sbd", mask=None)
-    for node in m.graph.node:  # a (1,0,2) fold that no longer swaps batch and heads
-        if node.op_type == "Transpose" and list(node.attribute[0].ints) == [1, 0, 2]:
-            node.op_type = "Identity"
-            del node.attribute[:]
+    for node in m.graph.node:  # a merge that puts the head size before the heads
+        if node.op_type == "Transpose" and list(node.attribute[0].ints) == [2, 0, 1, 3]:
+            node.attribute[0].ints[:] = [2, 0, 3, 1]
     x = np.random.default_rng(0).standard_normal((4, 1, D)).astype(np.float32)
     out, report = run(m, inputs={"x": x})
     assert "unrecognized-layout" in codes(report, RULE)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx import helper
+from onnx import TensorProto, helper
 
 from conftest import codes, const, model, run, vi
 from graphopt.opt.graph.ir import op_histogram
@@ -50,6 +50,7 @@ class SeqFirst:
         read_weights=False,
         two_step_k=False,
         learned=False,
+        fairseq=False,
     ):
         if learned:  # a pooling head's query, folded to a constant over a static batch
             self.inputs = [vi("x", [T, B, E])]
@@ -57,14 +58,23 @@ class SeqFirst:
         else:
             q = self.split("x", "q", [1, 0, 2])
         q = self.add("Mul", [q, self._scale()], "q_scaled")
-        if two_step_k:  # k.transpose(0, 1) then k.transpose(-2, -1), not merged by the exporter
+        if fairseq:  # keys and values viewed per head, then folded
+            kt = self.add("Transpose", [self.per_head(kv_src, "k")], "kt3", perm=[0, 2, 1])
+            v = self.per_head(kv_src, "v")
+        elif two_step_k:  # k.transpose(0, 1) then k.transpose(-2, -1), not merged
             kt = self.add("Transpose", [self.split(kv_src, "k", [1, 0, 2])], "kt3", perm=[0, 2, 1])
-        else:
-            kt = self.split(kv_src, "k", [1, 2, 0])
-        v = self.split(kv_src, "v", [1, 0, 2])
+        if not fairseq:
+            kt = kt if two_step_k else self.split(kv_src, "k", [1, 2, 0])
+            v = self.split(kv_src, "v", [1, 0, 2])
         s = self.add("MatMul", [q, kt], "scores")
         if term is not None:  # baddbmm(term, q, kᵀ)
             s = self.add("Add", [term, s], "scores_biased")
+        if fairseq:  # view(B, N, T, S), masked_fill(padding, -inf), view(B·N, T, S)
+            unfold = self._dims("s4_target", [("x", 1), N, ("x", 0), ("x", 0)])
+            s4 = self.add("Reshape", [s, unfold], "s4")
+            s4 = self.add("Where", ["pad", self._const("ninf", -np.inf, np.float32), s4], "m4")
+            bn = self.add("Mul", [self._dim("x", 1, "s_b"), self._const("s_n", [N])], "s_bn")
+            s = self.add("Reshape", [s4, self._dims("s3_target", [bn, ("x", 0), ("x", 0)])], "m3")
         p = self.add("Softmax", [s], "P", axis=-1)
         ctx = self.add("MatMul", [p, v], "ctx3")
         t = self.add("Transpose", [ctx], "ctx_seq_first", perm=[1, 0, 2])
@@ -85,6 +95,32 @@ class SeqFirst:
         bn = self.add("Mul", [batch, self._const(f"{r}_heads", [N])], f"{r}_bn")
         ends = self._const(f"{r}_minus_one", [-1]), self._const(f"{r}_h", [H])
         return self.add("Concat", [ends[0], bn, ends[1]], f"{r}_target", axis=0)
+
+    def per_head(self, src: str, r: str) -> str:
+        """fairseq's (FSMT's) keys and values: ``Reshape(Transpose(Reshape(src·W + b,
+        [S,B,N,H]), (1,2,0,3)), [B·N,-1,H])``, the fold's target computed."""
+        p = self.add("MatMul", [src, self.weight(f"W{r}", (E, E))], f"{r}_mm")
+        p = self.add("Add", [p, self.weight(f"b{r}", (E,))], f"{r}_proj")
+        s = self.add("Reshape", [p, self._const(f"{r}_heads4", [0, 0, N, H])], f"{r}_snh")
+        t = self.add("Transpose", [s], f"{r}_bnsh", perm=[1, 2, 0, 3])
+        bn = self.add("Mul", [self._dim(src, 1, f"{r}_b"), self._const(f"{r}_n", [N])], f"{r}_bn")
+        return self.add("Reshape", [t, self._dims(f"{r}_fold", [bn, -1, H])], f"{r}3")
+
+    def _dim(self, src: str, axis: int, out: str) -> str:
+        """``Shape(src)[axis]`` as a 1-element tensor."""
+        shape = self.add("Shape", [src], f"{out}_shape")
+        return self.add("Gather", [shape, self._const(f"{out}_axis", [axis])], out)
+
+    def _dims(self, name: str, parts: list) -> str:
+        """A Reshape target concatenated from tensors, (source, axis) dims and integers."""
+        pieces = []
+        for i, part in enumerate(parts):
+            if isinstance(part, tuple):
+                part = self._dim(*part, f"{name}_{i}")
+            elif isinstance(part, int):
+                part = self._const(f"{name}_{i}", [part])
+            pieces.append(part)
+        return self.add("Concat", pieces, name, axis=0)
 
     def _scale(self) -> str:
         return self._const("scale", np.float32(H**-0.5), np.float32)
@@ -135,6 +171,22 @@ def test_a_folded_bias_of_the_scores_becomes_the_attention_bias():
     out, report = run(g.attention(term="rel"), target="cuda", inputs=feed(rel=rel))
     assert report.parity.ran and report.parity.ok, report.parity
     assert fused(out) == {"MultiHeadAttention": 1} and codes(report, "fuse-attention") == []
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+def test_fairseq_keys_folded_per_head_with_a_mask_on_the_unfolded_scores_fuse(target):
+    """FSMT: the query folded sequence-first ([-1, B·N, H], the -1 is the sequence), keys and
+    values viewed per head [B,N,S,H] and folded; the scores unfolded for the padding mask and
+    folded back for the Softmax, every target computed from shapes."""
+    g = SeqFirst(14, computed=True)
+    g.inputs.append(vi("pad", ["batch", 1, 1, "tgt"], TensorProto.BOOL))
+    pad = np.zeros((B, 1, 1, T), bool)
+    pad[1, ..., -2:] = True
+    out, report = run(g.attention(fairseq=True), target=target, inputs=feed(pad=pad))
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert codes(report, "unfold-3d-attention", "passed") == ["fired"]
+    assert fused(out) == {"MultiHeadAttention": 1}, op_histogram(out.graph.node)
+    assert codes(report, "fuse-attention") == [] and "Softmax" not in op_histogram(out.graph.node)
 
 
 def test_three_d_cross_attention_over_a_memory_of_another_length_fuses():

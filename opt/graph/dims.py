@@ -198,8 +198,9 @@ class Dims:
         return own if e[0] == "expr" else e
 
     def _inferred(self, node, ins, elems: list[Key], axis: int, own: Key) -> Key:
-        """The -1 of a Reshape target: the input's size over the other (static) elements; the
-        input's symbolic dims stay factors (``B·nW``)."""
+        """The -1 of a Reshape target: the input's size over the other elements, symbolic
+        factors cancelled (``[S, B, E]`` to ``[-1, B·N, H]`` is S when E = N·H); the input's
+        symbolic dims that remain stay factors (``B·nW``)."""
         r = rank(ins[0])
         if r is None:
             return own
@@ -210,19 +211,14 @@ class Dims:
             for i, e in enumerate(elems)
             if i != axis
         ]
-        symbolic = [k for k in size if _int(k) is None]
-        rest = []
-        for k in rest_keys:  # a symbolic dim kept (copied by 0) cancels the input's own
-            if _int(k) is None and k in symbolic:
-                symbolic.remove(k)
-            else:
-                rest.append(_int(k))
-        static = [_int(k) for k in size if _int(k) is not None]
-        if any(v is None or v <= 0 for v in rest + static):
+        total, symbolic = _factors(size)
+        other, divisors = _factors(rest_keys)
+        if total is None or other is None or total % other:
             return own
-        total, other = int(np.prod(static)), int(np.prod(rest))
-        if total % other:
-            return own
+        for k in divisors:  # a symbolic element (copied by 0, or computed) cancels its own
+            if k not in symbolic:
+                return own
+            symbolic.remove(k)
         key: Key = ("int", total // other)
         for k in sorted(symbolic, key=repr):
             key = arith("Mul", key, k)
@@ -369,6 +365,25 @@ _INT_TYPES = frozenset({2, 3, 4, 5, 6, 7, 12, 13})
 
 def _int(k: Key) -> int | None:
     return k[1] if k[0] == "int" else None
+
+
+def _factors(keys: list[Key]) -> tuple[int | None, list[Key]]:
+    """The product of ``keys`` as a static coefficient and its symbolic factors (products
+    ``("expr", "Mul", …)`` opened up); the coefficient is None when a static factor is not a
+    positive size."""
+    coef, symbolic = 1, []
+    todo = list(keys)
+    while todo:
+        k = todo.pop()
+        if k[0] == "expr" and k[1] == "Mul":
+            todo += [k[2], k[3]]
+        elif _int(k) is None:
+            symbolic.append(k)
+        elif _int(k) <= 0:
+            return None, symbolic
+        else:
+            coef *= _int(k)
+    return coef, symbolic
 
 
 def _eval(op: str, x: int, y: int, fmod: bool = False) -> int | None:

@@ -70,11 +70,12 @@ def _split3(t: Tensor | None, perm: tuple[int, ...]) -> tuple[Node, Node, int, i
     return tr, rs, n[1], h[1]
 
 
-def _learned_query(t: Tensor | None, k: tuple[Node, Node, int, int] | None) -> tuple | None:
-    """(None, None, N, H) when ``t`` is a constant [B·N,T,H] query with the key's heads, head
-    size and batch (learned queries of a pooling head, folded with a static batch), else None."""
+def _learned_query(t: Tensor | None, k: tuple[Node | None, Node, int, int] | None) -> tuple | None:
+    """(None, None, N, H) when ``t`` is a constant [B·N,T,H] query with the sequence-first key's
+    heads, head size and batch (learned queries of a pooling head, folded with a static batch),
+    else None."""
     value = constant_value(t)
-    if k is None or value is None or value.ndim != 3:
+    if k is None or k[0] is None or value is None or value.ndim != 3:
         return None
     n, h = k[2], k[3]
     batch = current_dims().key(inputs(k[1])[0], 1)
@@ -83,15 +84,38 @@ def _learned_query(t: Tensor | None, k: tuple[Node, Node, int, int] | None) -> t
     return None, None, n, h
 
 
-def _key_split(t: Tensor | None) -> tuple[tuple[Node, Node, int, int] | None, list[Node]]:
+def _key_split(t: Tensor | None) -> tuple[tuple[Node | None, Node, int, int] | None, list[Node]]:
     """The key's split (:func:`_split3`) under Kᵀ3 = ``Transpose(·, (1,2,0))``, or its two steps
-    ``Transpose(Transpose(·, (1,0,2)), (0,2,1))``; and those Transposes."""
+    ``Transpose(Transpose(·, (1,0,2)), (0,2,1))``; and those Transposes.  Else its heads folded
+    from [B,N,S,H] (:func:`_folded_split`) under ``Transpose(·, (0,2,1))``, no Transpose to
+    rewrite."""
     found = _split3(t, (1, 2, 0))
     if found is not None:
         return found, [found[0]]
     flip = transpose_of(t, (0, 2, 1))
     inner = _split3(inputs(flip)[0], (1, 0, 2)) if flip is not None else None
-    return (inner, [flip, inner[0]]) if inner is not None else (None, [])
+    if inner is not None:
+        return inner, [flip, inner[0]]
+    folded = _folded_split(inputs(flip)[0]) if flip is not None else None
+    return folded, []
+
+
+def _folded_split(t: Tensor | None) -> tuple[None, Node, int, int] | None:
+    """(None, Reshape, N, H) when ``t`` [B·N,L,H] is a Reshape of [B,N,L,H] heads with N and H
+    static: fairseq's (FSMT's) keys and values, viewed per head before they are folded, beside a
+    query folded sequence-first.  Row-major, both number the folded axis ``b·N + n``."""
+    n = folded_heads(t)
+    h = current_dims().key(t, 2) if n is not None else None
+    if h is None or h[0] != "int" or h[1] <= 0:
+        return None
+    return None, producer(t, "Reshape"), n, h[1]
+
+
+def _keys_of(split: tuple[Node | None, Node, int, int]) -> tuple[Tensor, int]:
+    """The tensor the keys were split from and its key axis: [S,B,E] (axis 0) under a
+    sequence-first split, [B,N,S,H] (axis 2) under folded heads."""
+    src = inputs(split[1])[0]
+    return src, 0 if split[0] is not None else 2
 
 
 def scaled_operand(mm: Node, i: int) -> tuple[Node, int, Tensor]:
@@ -156,15 +180,19 @@ class UnfoldThreeDimAttention(Rule):
         q_at, k_at = scaled_operand(qk, 0), scaled_operand(qk, 1)
         k, k_transposes = _key_split(k_at[2])
         q = _split3(q_at[2], (1, 0, 2)) or _learned_query(q_at[2], k)
-        v = _split3(inputs(pv)[1], (1, 0, 2))
+        v = _split3(inputs(pv)[1], (1, 0, 2)) or _folded_split(inputs(pv)[1])
         if q is None or k is None or v is None or not q[2] == k[2] == v[2] or q[3] != k[3]:
             raise no_match()
-        if not has_attention_kernel(cx, inputs(k[1])[0]):
+        keys, axis = _keys_of(k)
+        if not has_attention_kernel(cx, keys):
             raise no_match()  # nothing would fuse it: leave it as it is
-        check_pays(cx, sm, static_dim(inputs(k[1])[0], 0), inputs(k[1])[0])
+        check_pays(cx, sm, static_dim(keys, axis), keys)
         kts = {f"kt{i}": t for i, t in enumerate(k_transposes)}
-        m = Match(node, {"root": node, "pv": pv, "softmax": sm, **kts})
-        m.stash(q_at=q_at, k_at=k_at, k_split=k, heads=q[2], v_head=v[3])
+        dims = current_dims()
+        w4 = _masked_sum(sm, qk, ({dims.key(q_at[2], 1)}, {dims.key(keys, axis)}))
+        fold = {"fold": producer(inputs(sm)[0], "Reshape")} if w4 is not None else {}
+        m = Match(node, {"root": node, "pv": pv, "softmax": sm, **kts, **fold})
+        m.stash(q_at=q_at, k_at=k_at, k_split=k, heads=q[2], v_head=v[3], unfolded=w4)
         return m
 
     def rewrite(self, m, b):
@@ -172,22 +200,15 @@ class UnfoldThreeDimAttention(Rule):
         pv, sm, root = m.bindings["pv"], m.bindings["softmax"], m.root
         q_reader, qi, q3 = m.q_at
         q_reader.inputs[qi] = _through_heads(b, q3, n)
-        k_reader, ki, _ = m.k_at
-        split = m.k_split[1].outputs[0]
-        k3 = b.op("Transpose", [split], {"perm": [1, 0, 2]}, name=f"{root.name}/k")
-        k3.dtype = dtype_of(q3)
-        if split.shape is not None:
-            k3.shape = [split.shape[1], split.shape[0], split.shape[2]]
-        kb = _through_heads(b, k3, n)
-        kt = b.op("Transpose", [kb], {"perm": [0, 2, 1]}, name=f"{root.name}/kt")
-        kt.dtype = dtype_of(q3)
-        if kb.shape is not None:
-            kt.shape = [kb.shape[0], kb.shape[2], kb.shape[1]]
-        k_reader.inputs[ki] = kt
+        if m.k_split[0] is not None:  # split sequence-first: through its heads (folded: as is)
+            self._key_through_heads(b, m, q3)
         pv.inputs[1] = _through_heads(b, inputs(pv)[1], n)
         z3 = inputs(sm)[0]
-        tail = _tail(b, z3)
-        z4 = _unfold(b, z3, n, tail, "scores")
+        if m.unfolded is not None:  # the masked [B,N,S,T] sum the exporter folded for it
+            z4, tail = m.unfolded, _tail(b, m.unfolded, 2)
+        else:
+            tail = _tail(b, z3)
+            z4 = _unfold(b, z3, n, tail, "scores")
         p4 = b.op("Softmax", [z4], {"axis": -1}, like=z4, name=f"{sm.name}/heads")
         pv.inputs[0] = _fold(b, p4, tail, sm.outputs[0])
         ctx4 = _unfold(b, pv.outputs[0], n, _tail(b, pv.outputs[0]), "ctx")
@@ -198,6 +219,22 @@ class UnfoldThreeDimAttention(Rule):
         target = b.const(np.array([0, -1, m.v_head], dtype=np.int64), "merge_heads")
         out = b.op("Reshape", [tbnh, target], like=root.outputs[0], name=f"{root.name}/merged")
         return [out]
+
+    @staticmethod
+    def _key_through_heads(b: Builder, m: Match, q3: Tensor) -> None:
+        """Kᵀ3 read from [B·N,S,H] keys that pass through their heads."""
+        k_reader, ki, _ = m.k_at
+        split, name = m.k_split[1].outputs[0], m.root.name
+        k3 = b.op("Transpose", [split], {"perm": [1, 0, 2]}, name=f"{name}/k")
+        k3.dtype = dtype_of(q3)
+        if split.shape is not None:
+            k3.shape = [split.shape[1], split.shape[0], split.shape[2]]
+        kb = _through_heads(b, k3, m.heads)
+        kt = b.op("Transpose", [kb], {"perm": [0, 2, 1]}, name=f"{name}/kt")
+        kt.dtype = dtype_of(q3)
+        if kb.shape is not None:
+            kt.shape = [kb.shape[0], kb.shape[2], kb.shape[1]]
+        k_reader.inputs[ki] = kt
 
 
 def has_attention_kernel(cx, t: Tensor) -> bool:
@@ -298,6 +335,16 @@ def _keeps_scores_rows(rs: Node, s3: Tensor, seqs: tuple[set, set]) -> bool:
     return True
 
 
+def _masked_sum(softmax: Node, qk: Node, seqs: tuple[set, set]) -> Tensor | None:
+    """The [B,N,S,T] sum the exporter unfolded the folded scores to (for a mask) and folded
+    back for the Softmax, when that fold provably keeps the scores' rows; else None."""
+    rs = producer(inputs(softmax)[0], "Reshape")
+    w4 = inputs(rs)[0] if rs is not None else None
+    if w4 is None or rank(w4) != 4:
+        return None
+    return w4 if keeps_last_two(rs) or _keeps_scores_rows(rs, qk.outputs[0], seqs) else None
+
+
 def folded_pv(softmax: Node, cx) -> Node:
     """The P·V MatMul that alone reads the probabilities of a Softmax over the last axis of
     folded [B·N,S,T] scores; else no match."""
@@ -340,14 +387,12 @@ class UnfoldFoldedSoftmax(Rule):
             raise no_match()
         k4 = unfolded(inputs(flip)[0] if flip is not None else kt)  # K [B,N,T,H] or Kᵀ
         check_pays(cx, node, static_dim(k4, 2 if flip is not None else 3), k4)
-        rs = producer(inputs(node)[0], "Reshape")
-        w4 = inputs(rs)[0] if rs is not None else None
-        folded = w4 is not None and rank(w4) == 4
         dims = current_dims()
         seqs = ({dims.key(unfolded(q3), 2)}, {dims.key(k4, 2 if flip is not None else 3)})
-        folded = folded and (keeps_last_two(rs) or _keeps_scores_rows(rs, qk.outputs[0], seqs))
-        m = Match(node, {"softmax": node, **({"fold": rs} if folded else {})})
-        m.stash(heads=heads.pop(), unfolded=w4 if folded else None)
+        w4 = _masked_sum(node, qk, seqs)
+        rs = producer(inputs(node)[0], "Reshape")
+        m = Match(node, {"softmax": node, **({"fold": rs} if w4 is not None else {})})
+        m.stash(heads=heads.pop(), unfolded=w4)
         return m
 
     def rewrite(self, m, b):
