@@ -4,6 +4,7 @@ every guard's code, and the real example model."""
 import math
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
@@ -201,6 +202,23 @@ def attention(
             helper.make_node("Where", ["keep", "zero", "lowest"], ["mb"]),
             helper.make_node("Add", [s, "mb"], ["z"]),
         ]
+    elif mask in ("xsoftmax", "xsoftmax-keys"):  # DeBERTa's XSoftmax, SEW-D
+        # rmask = ~(mask[:,None,None,:] & mask[:,None,:,None]): padded queries mask every key
+        inputs.append(vi("attention_mask", ["batch", "seq"], TensorProto.INT64))
+        inits += [
+            const("axes12", [1, 2], np.int64),
+            const("axes13", [1, 3], np.int64),
+            const("lowest", [np.finfo(np.float32).min], dtype),
+        ]
+        nodes += [
+            helper.make_node("Cast", ["attention_mask"], ["keep"], to=TensorProto.BOOL),
+            helper.make_node("Unsqueeze", ["keep", "axes12"], ["keys4"]),
+            helper.make_node("Unsqueeze", ["keep", "axes13"], ["queries4"]),
+            helper.make_node("And", ["keys4", "queries4"], ["pairs"]),
+            helper.make_node("Not", ["pairs"], ["rmask"]),
+            helper.make_node("Not", ["keys4"], ["kmask"]),
+            helper.make_node("Where", ["rmask", "lowest", s], ["z"]),
+        ]
     elif mask in ("causal", "causal-mild"):  # GPT-2 (transformers 4.x): tril buffer slice
         fill = np.finfo(np.float32).min if mask == "causal" else -10000.0
         inputs.append(vi("mask_bias", ["batch", 1, 1, "seq"], elem))
@@ -240,6 +258,11 @@ def attention(
         nodes.append(helper.make_node("Identity", [s], ["z"]))
     nodes.append(helper.make_node("Softmax", ["z"], ["P"], axis=softmax_axis))
     p = "P"
+    if mask in ("xsoftmax", "xsoftmax-keys"):  # masked_fill(rmask, 0): wholly masked rows → 0
+        inits.append(const("pzero", [0.0], dtype))
+        cond = "rmask" if mask == "xsoftmax" else "kmask"  # -keys: zeroes by another mask
+        nodes.append(helper.make_node("Where", [cond, "pzero", "P"], ["P2"]))
+        p = "P2"
     if nan_guard:
         inits.append(const("pzero", [0.0], dtype))
         nodes += [
@@ -345,6 +368,43 @@ def test_sdpa_mask_with_nan_guard_and_shape_glue_reshape():
     x = rng.standard_normal((2, 5, D)).astype(np.float32)
     out2, report2 = run(m, inputs={"x": x, "attention_mask": mask})
     assert report2.parity.ok, report2.parity
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+def test_xsoftmax_zeroing_wholly_masked_rows_fuses_and_keeps_them_zero(target):
+    """DeBERTa (transformers < 4.46) and SEW-D: the Softmax of the Where-masked scores, then
+    the probabilities zeroed where the same [B,1,S,T] mask holds; a padded query's row is 0,
+    not the mean of V, and the fused output keeps it so."""
+    rng = np.random.default_rng(21)
+    x = rng.standard_normal((2, 5, D)).astype(np.float32)
+    mask = np.ones((2, 5), np.int64)
+    mask[1, 3:] = 0  # two padded queries: their rows are masked wholly
+    out, report = run(
+        attention(mask="xsoftmax"), target=target, inputs={"x": x, "attention_mask": mask}
+    )
+    assert report.parity.ran and report.parity.ok, report.parity
+    h = hist(out)
+    assert h.get("com.microsoft.MultiHeadAttention") == 1 and "Softmax" not in h, h
+    assert codes(report, RULE) == []
+    sess = ort.InferenceSession(out.SerializeToString(), providers=["CPUExecutionProvider"])
+    y = sess.run(None, {"x": x, "attention_mask": mask})[0]
+    assert np.all(y[1, 3:] == 0) and np.all(np.abs(y[1, :3]).sum(-1) > 0)  # Wo has no bias
+
+
+def test_probabilities_zeroed_by_another_mask_are_missed_with_the_reason():
+    """A guard whose condition is not the mask's (here: the keys' padding only) would change
+    rows the mask does not mask wholly: no fusion, and the remark names the condition."""
+    rng = np.random.default_rng(22)
+    x = rng.standard_normal((2, 5, D)).astype(np.float32)
+    mask = np.ones((2, 5), np.int64)
+    mask[0, 4:] = 0
+    out, report = run(
+        attention(mask="xsoftmax-keys"), target="cuda", inputs={"x": x, "attention_mask": mask}
+    )
+    assert report.parity.ok and "Softmax" in hist(out)
+    missed = [r for r in report.remarks if r.rule == RULE and r.kind == "missed"]
+    assert [r.code for r in missed] == ["unrecognized-layout"]
+    assert "kmask" in missed[0].message and "zeroed" in missed[0].message
 
 
 def test_gpt2_packed_qkv_and_causal_mask():

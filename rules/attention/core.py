@@ -7,6 +7,7 @@
     z      = capped [+ bias …] | Where(cond, capped [+ bias …], −big) [+ bias …]
              [→ Swin's window regroup: Reshape(Reshape(z, [b,nW,N,S,T]) + W, [B,N,S,T])]
     P      = Softmax(z) [→ Where(IsNaN(P), 0, P)]        (SDPA exports of transformers ≥ 4.48)
+             [→ Where(cond, 0, P)]   (XSoftmax: DeBERTa, SEW-D; cond the mask Where's, [B,1,S,T])
              | Slice(Softmax(Concat([z, sink]) [− ReduceMax]), 0:−1)   (attention sinks, GPT-OSS)
     ctx    = MatMul(P, V) [→ Reshape to itself]
     out    = Transpose(ctx, (0,2,1,3) | (2,0,1,3))                       the rule's root
@@ -121,6 +122,7 @@ class Core:
     sink: Sink | None = None
     fold: FoldedHeads | None = None
     nan_guard: tuple[Node, Node] | None = None  # (Where, IsNaN)
+    row_guard: Node | None = None  # Where(cond, 0, P): rows the mask masks wholly made 0
     mid_reshape: Node | None = None
     clamp: Node | None = None  # Max(masked scores, lowest float): absorbed, see unclamped
 
@@ -131,6 +133,7 @@ class Core:
         found += [self.pv] + (list(self.nan_guard) if self.nan_guard else [])
         found += [self.fold.probs] if self.fold is not None else []
         found += self.sink.nodes[:1] if self.sink is not None else []
+        found += [self.row_guard] if self.row_guard is not None else []
         found += [self.softmax]
         found += self.sink.nodes[1:] if self.sink is not None else []
         if self.window is not None:
@@ -168,12 +171,16 @@ def match_core(root: Node) -> Core:
     probs, v = inputs(pv)
     guard = _nan_guard(probs)
     p = inputs(guard[0])[2] if guard else probs
+    row_guard, p = _row_guard(p)
     sliced = _sink_slice(p)
     p = inputs(sliced)[0] if sliced is not None else p
     sm, fold = producer(p, "Softmax"), None
     if sm is None:  # batch and heads folded around the Softmax: P3 = Reshape(P [B,N,S,T])
         unfold = producer(p, "Reshape")
-        sm = producer(inputs(unfold)[0], "Softmax") if unfold is not None else None
+        p4 = inputs(unfold)[0] if unfold is not None else None
+        if row_guard is None:
+            row_guard, p4 = _row_guard(p4)
+        sm = producer(p4, "Softmax")
         if sm is None or rank(p) != 3 or rank(sm.outputs[0]) != 4:
             raise no_match()
         fold = FoldedHeads(unfold)
@@ -198,12 +205,15 @@ def match_core(root: Node) -> Core:
         probs=sm.outputs[0],
         ctx=pv.outputs[0],
         nan_guard=guard,
+        row_guard=row_guard,
         mid_reshape=mid,
         fold=fold,
     )
     if sliced is not None:
         z = _peel_sink(core, sliced, z)
     _peel_scores(core, z)
+    if row_guard is not None:
+        _check_row_guard(core)
     if fold is not None:
         _unfold_heads(core)
     return core
@@ -427,6 +437,51 @@ def _nan_guard(p: Tensor) -> tuple[Node, Node] | None:
     if isnan is None or inputs(isnan)[0] is not inner or scalar(zero) != 0.0:
         return None
     return guard, isnan
+
+
+def _row_guard(p: Tensor | None) -> tuple[Node | None, Tensor | None]:
+    """``Where(cond, 0, P)`` or ``Where(cond, P, 0)`` over Softmax probabilities (DeBERTa's
+    XSoftmax, SEW-D): the guard and P; else (None, ``p``)."""
+    w = producer(p, "Where")
+    if w is None:
+        return None, p
+    _, a, c = inputs(w)
+    for zero, probs in ((a, c), (c, a)):
+        if scalar(zero) == 0.0 and producer(probs, "Softmax") is not None:
+            return w, probs
+    return None, p
+
+
+def _check_row_guard(core: Core) -> None:
+    """The guard zeroes exactly what the mask Where fills: the same condition, the same side,
+    a fill low enough that the masked probabilities are 0 already, and a condition shared by
+    the heads ([B,1,S,T]).  Then it changes only the rows the mask masks wholly (the Softmax
+    of a row of fills is uniform; the guard makes it 0), which the lowering zeroes in the
+    fused output.  Else a missed remark."""
+    guard, where = core.row_guard, core.where
+    cond = inputs(guard)[0]
+    zero_when_true = scalar(inputs(guard)[1]) == 0.0
+    fill = None
+    if where is not None:
+        fill = scalar(inputs(where)[1] if core.where_fills_true else inputs(where)[2])
+    shape = cond.shape
+    heads_shared = shape is not None and len(shape) == 4 and shape[1] == 1
+    if (
+        where is None
+        or inputs(where)[0] is not cond
+        or zero_when_true != core.where_fills_true
+        or fill is None
+        or fill > _MASK_FILL
+        or not heads_shared
+    ):
+        raise unrecognized(
+            "1 (core)",
+            f"the probabilities are zeroed by '{guard.name}' where '{cond.name}' holds, which "
+            "is not where the scores' mask Where fills them (the same condition, shared by the "
+            f"heads as [B,1,S,T], with a fill ≤ {_MASK_FILL:g})",
+            core.softmax,
+            cond,
+        )
 
 
 def _peel_scores(core: Core, z: Tensor) -> None:

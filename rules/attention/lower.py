@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
-from onnx import numpy_helper
+from onnx import TensorProto, numpy_helper
 
 from graphopt.opt.graph.dims import current as current_dims
 from graphopt.opt.graph.dims import rank, same_dim
@@ -175,6 +175,8 @@ def _finish(a: Attention, b: Builder, out: Tensor) -> Tensor:
         out.shape = [src.shape[bax], src.shape[sax], a.num_heads * a.v_head_size]
     if a.core.nan_guard is not None:
         out = _nan_to_zero(a, b, out)
+    if a.core.row_guard is not None:
+        out = _zero_masked_rows(a, b, out)
     if a.core.out_layout == "sbd":
         out = b.op("Transpose", [out], {"perm": [1, 0, 2]}, name=f"{name}/seq_first")
     return _merged(a, b, out)
@@ -258,6 +260,32 @@ def _nan_to_zero(a: Attention, b: Builder, out: Tensor) -> Tensor:
     isnan.dtype = np.dtype(bool)
     zero = b.const(np.zeros((), dtype=dtype_of(a.q.x)), "zero")
     return b.op("Where", [isnan, zero, out], like=out, name=f"{name}/nan_to_zero")
+
+
+def _zero_masked_rows(a: Attention, b: Builder, out: Tensor) -> Tensor:
+    """XSoftmax's guard on the fused [B,S,D] output: a query row whose keys the mask masks
+    all (``cond`` [B,1,S,T] holds everywhere, or nowhere for a keep-mask) is 0."""
+    name, guard = a.core.root.name, a.core.row_guard
+    cond = inputs(guard)[0]
+    masked = cond
+    if not a.core.where_fills_true:  # Where(cond, P, 0): cond holds where keys are kept
+        masked = b.op("Not", [cond], name=f"{name}/rows_masked")
+        masked.dtype, masked.shape = np.dtype(bool), cond.shape
+    flag = b.op("Cast", [masked], {"to": TensorProto.FLOAT}, name=f"{name}/rows_flag")
+    flag.dtype = np.dtype(np.float32)
+    one = b.const(np.array([1], dtype=np.int64), "heads_axis")
+    last = b.const(np.array([-1], dtype=np.int64), "keys_axis")
+    opset = b.ir.opset
+    sq_ins, sq_attrs = ([flag, one], {}) if opset >= 13 else ([flag], {"axes": [1]})
+    rows = b.op("Squeeze", sq_ins, sq_attrs, name=f"{name}/rows_of_heads")
+    rows.dtype = flag.dtype
+    red_ins, red_attrs = ([rows, last], {}) if opset >= 18 else ([rows], {"axes": [-1]})
+    every = b.op("ReduceMin", red_ins, {**red_attrs, "keepdims": 1}, name=f"{name}/rows_all")
+    every.dtype = flag.dtype
+    whole = b.op("Cast", [every], {"to": TensorProto.BOOL}, name=f"{name}/rows_whole")
+    whole.dtype = np.dtype(bool)
+    zero = b.const(np.zeros((), dtype=dtype_of(out)), "zero")
+    return b.op("Where", [whole, zero, out], like=out, name=f"{name}/masked_rows_zero")
 
 
 def _merged(a: Attention, b: Builder, out: Tensor) -> Tensor:
