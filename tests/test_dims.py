@@ -295,6 +295,27 @@ def test_reshape_minus_one_cancels_a_computed_symbolic_element():
     assert d.key(t["w"], 0) == ("dim", "w", 0)
 
 
+def test_dims_through_reductions_keep_or_drop_the_reduced_axes():
+    """Hiera's pooled query: ReduceMax over a stride axis, kept as 1 or dropped."""
+    nodes = [
+        helper.make_node("ReduceMax", ["x"], ["kept"], axes=[1], keepdims=1),
+        helper.make_node("ReduceMax", ["x"], ["dropped"], axes=[-2], keepdims=0),
+        helper.make_node("ReduceMean", ["x"], ["all"], keepdims=0),
+    ]
+    outs = [vi(n, None) for n in ("kept", "dropped", "all")]
+    t = tensors(model(nodes, [vi("x", ["b", 3, "s", 8])], outs, []))
+    for name in ("kept", "dropped", "all"):
+        t[name].shape = [None] * {"kept": 4, "dropped": 3, "all": 0}[name]  # rank alone known
+    d = Dims()
+    assert [d.key(t["kept"], i) for i in range(4)] == [
+        ("param", "b"),
+        ("int", 1),
+        ("param", "s"),
+        ("int", 8),
+    ]
+    assert [d.key(t["dropped"], i) for i in range(3)] == [("param", "b"), ("int", 3), ("int", 8)]
+
+
 def test_dims_through_tile_a_kept_symbolic_dim_and_a_computed_slice():
     """TorchScript's nn.MultiheadAttention: a learned query tiled over a symbolic batch, the
     packed k/v unflattened by [L, 0, 2, -1] (the batch copied cancels the input's own), and the

@@ -37,6 +37,8 @@ def _inputs(node) -> list[Tensor | None]:
 
 Key = tuple
 
+#: reductions over axes (an attribute before opset 18, ReduceSum's from 13, else an input)
+_REDUCE = frozenset({"ReduceMax", "ReduceMin", "ReduceMean", "ReduceSum", "ReduceProd", "ReduceL2"})
 #: output 0 (the normalized sum) and 3 (the sum) have the shape of input 0
 _SKIP_NORMS = ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization")
 _UNARY = {
@@ -170,6 +172,8 @@ class Dims:
             return getattr(self, f"_{op.lower()}")(node, ins, axis, own)
         if op in ("Unsqueeze", "Squeeze"):
             return self._squeeze(node, ins, axis, own)
+        if op in _REDUCE:
+            return self._reduce(node, ins, axis, own)
         if op == "Tile":
             reps = shape_elements(ins[1], self) if len(ins) > 1 else None
             if reps is None or axis >= len(reps):
@@ -287,6 +291,24 @@ class Dims:
                 return ("int", 1)
             return self.key(ins[0], axis - sum(a < axis for a in axes))
         kept = [i for i in range(r) if i not in _norm(axes, r)]
+        return self.key(ins[0], kept[axis]) if axis < len(kept) else own
+
+    def _reduce(self, node, ins, axis: int, own: Key) -> Key:
+        """A reduction's output: its reduced axes 1 (keepdims) or gone, the others kept."""
+        r = rank(ins[0])
+        axes = _axes(node, ins)
+        if r is None or ins[0] is None:
+            return own
+        if axes is None:  # no axes: every axis, unless noop_with_empty_axes (then none)
+            if node.attrs.get("noop_with_empty_axes", 0):
+                return self.key(ins[0], axis)
+            if len(ins) > 1 and ins[1] is not None:
+                return own  # computed at run time
+            axes = list(range(r))
+        reduced = _norm(axes, r)
+        if node.attrs.get("keepdims", 1):
+            return ("int", 1) if axis in reduced else self.key(ins[0], axis)
+        kept = [i for i in range(r) if i not in reduced]
         return self.key(ins[0], kept[axis]) if axis < len(kept) else own
 
     def _split(self, node, ins, axis: int, own: Key) -> Key:
@@ -443,7 +465,7 @@ def _const_ints(t: Tensor | None) -> list[int] | None:
 
 
 def _axes(node, ins) -> list[int] | None:
-    """Unsqueeze/Squeeze axes as written (attribute before opset 13, input after); None when
+    """Unsqueeze/Squeeze and reduction axes as written (an attribute, or an input); None when
     absent or computed at run time."""
     axes = node.attrs.get("axes")
     if axes is None and len(ins) > 1 and ins[1] is not None:

@@ -79,7 +79,15 @@ every exporter guarantees, that the bias does not broadcast the scores to a larg
 kernel would fail at run time, not compute wrong numbers).
 """
 
-from . import census, channel_first, distribute, packed3d, rule, unfold3d  # noqa: F401  (register the rules)
+from . import (  # noqa: F401  (register the rules)
+    census,
+    channel_first,
+    distribute,
+    packed3d,
+    rule,
+    unfold3d,
+    windows5d,
+)
 from .lifted import Attention
 from .rule import FuseMultiHeadAttention, lift
 
