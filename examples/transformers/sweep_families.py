@@ -1,0 +1,253 @@
+#!/usr/bin/env python3
+"""Export many transformers families with eager attention, one tiny config each, for a sweep.
+
+    python examples/transformers/sweep_families.py --out models/sweep [--group all|dec|enc|
+        vis|aud|s2s] [--only a,b] [--exporters ts,dynamo] [--list]
+    python examples/transformers/run_attention.py models/sweep --targets cpu,cuda --no-measure
+
+Where ``make_more_families.py`` builds one mechanism per family with a hand-made config, this
+takes any ``model_type`` transformers knows and asks ``AutoConfig.for_model`` for it with the
+same small sizes (2 layers, hidden 64, 4 heads, vocab 256; the vision and speech families
+their own image and frame sizes), ``attn_implementation="eager"`` and random weights: the
+spelling a held-out export of a family nobody tuned for has.  Each lands as NAME.onnx
+(``ts``: TorchScript, opset 17, batch and sequence dynamic; ``dynamo``: torch.export,
+opset 18, static) with NAME.json (shapes) and NAME.npz (the test inputs: the second sequence
+of a text batch padded by 4 tokens).  The export is checked against torch in onnxruntime; a
+family whose config, forward or export fails is printed as FAIL with its reason (some need
+inputs this wrapper does not build: a bbox, a language id) and the others go on.  Needs torch
+and transformers; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only: never ask the hub
+
+#: the small sizes, under every name a config may spell them with
+TEXT = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=128,
+    vocab_size=256,
+    max_position_embeddings=128,
+    num_key_value_heads=2,
+    head_dim=16,
+    n_embd=64,
+    n_layer=2,
+    n_head=4,
+    d_model=64,
+    encoder_layers=2,
+    decoder_layers=2,
+    encoder_attention_heads=4,
+    decoder_attention_heads=4,
+    encoder_ffn_dim=128,
+    decoder_ffn_dim=128,
+    d_ff=128,
+    num_layers=2,
+    num_heads=4,
+    embedding_size=64,
+    pad_token_id=0,
+)
+VISION = dict(
+    num_hidden_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    intermediate_size=128,
+    image_size=64,
+    patch_size=8,
+)
+AUDIO = dict(
+    num_hidden_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    intermediate_size=128,
+    conv_dim=(32, 32),
+    conv_stride=(5, 4),
+    conv_kernel=(10, 4),
+    num_conv_pos_embeddings=16,
+    num_conv_pos_embedding_groups=4,
+)
+GROUPS = {
+    "dec": (
+        "llama mistral qwen2 phi3 mpt gpt_neo olmo olmo2 granite ctrl jetmoe stablelm nemotron "
+        "persimmon gpt_bigcode seed_oss smollm3 arcee hunyuan_v1_dense bitnet"
+    ),
+    "enc": (
+        "albert mpnet mobilebert rembert megatron-bert ernie camembert flaubert xlm "
+        "data2vec-text layoutlm ibert roc_bert yoso mra splinter luke markuplm distilbert "
+        "electra roberta-prelayernorm esm nystromformer modernbert deberta"
+    ),
+    "vis": (
+        "dinov2 yolos vit_msn data2vec-vision ijepa cvt deit clip_vision_model "
+        "siglip_vision_model dpt glpn pvt levit vitdet hiera"
+    ),
+    "aud": "sew sew-d unispeech unispeech-sat data2vec-audio wav2vec2-bert hubert",
+    "s2s": (
+        "led pegasus m2m_100 blenderbot blenderbot-small plbart bigbird_pegasus nllb-moe t5 "
+        "bart prophetnet fsmt longt5"
+    ),
+}
+KIND_SIZES = {"dec": TEXT, "enc": TEXT, "s2s": TEXT, "vis": VISION, "aud": AUDIO}
+
+
+def kind_of(family: str) -> str:
+    for kind, names in GROUPS.items():
+        if family in names.split():
+            return kind
+    return "enc"
+
+
+def build(family: str):
+    """(model, test inputs) of ``family`` with the small config and eager attention."""
+    import torch
+    from transformers import AutoConfig, AutoModel
+
+    kind = kind_of(family)
+    try:
+        cfg = AutoConfig.for_model(family, **KIND_SIZES[kind])
+    except (TypeError, ValueError):  # a size its config refuses: its defaults
+        cfg = AutoConfig.for_model(family)
+    layer_types = getattr(cfg, "layer_types", None)
+    if isinstance(layer_types, list):
+        cfg.layer_types = layer_types[: cfg.num_hidden_layers]
+    torch.manual_seed(0)
+    model = AutoModel.from_config(cfg, attn_implementation="eager").eval()
+    rng = np.random.default_rng(0)
+    if kind == "vis":
+        size = getattr(cfg, "image_size", 64)
+        size = size[0] if isinstance(size, (list, tuple)) else size
+        channels = getattr(cfg, "num_channels", 3)
+        pixels = rng.standard_normal((1, channels, size, size)).astype(np.float32)
+        return model, {"pixel_values": pixels}
+    if kind == "aud":
+        if family == "wav2vec2-bert":
+            width = getattr(cfg, "feature_projection_input_dim", 160)
+            feats = rng.standard_normal((1, 40, width)).astype(np.float32)
+            return model, {"input_features": feats}
+        return model, {"input_values": rng.standard_normal((1, 1600)).astype(np.float32)}
+    ids = rng.integers(3, 200, size=(2, 16)).astype(np.int64)
+    mask = np.ones((2, 16), np.int64)
+    mask[1, 12:] = 0
+    feeds = {"input_ids": ids, "attention_mask": mask}
+    if kind == "s2s":
+        feeds["decoder_input_ids"] = rng.integers(3, 200, size=(2, 8)).astype(np.int64)
+    return model, feeds
+
+
+def wrapped(model, names: list[str]):
+    """The model as a module of positional tensors returning its first output."""
+    import torch
+
+    class First(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, *args):
+            out = self.m(**dict(zip(names, args)))
+            hidden = getattr(out, "last_hidden_state", None)
+            return hidden if hidden is not None else out[0]
+
+    return First().eval()
+
+
+def export(family: str, exporter: str, out: Path) -> str:
+    """Export one family; the line to print."""
+    import onnxruntime as ort
+    import torch
+
+    name = f"{family.replace('-', '_')}_{exporter}"
+    path = out / f"{name}.onnx"
+    try:
+        model, feeds = build(family)
+        names = list(feeds)
+        net = wrapped(model, names)
+        args = tuple(torch.from_numpy(feeds[k]) for k in names)
+        with torch.no_grad():
+            want = net(*args).numpy()
+        if exporter == "ts":
+            # token inputs: batch and their own length dynamic; pixels and frames: batch
+            dynamic = {
+                k: {0: "batch", 1: f"len_{k}"} if k.endswith(("ids", "mask")) else {0: "batch"}
+                for k in names
+            }
+            torch.onnx.export(
+                net,
+                args,
+                str(path),
+                input_names=names,
+                output_names=["out"],
+                opset_version=17,
+                dynamic_axes=dynamic,
+                dynamo=False,
+            )
+        else:
+            torch.onnx.export(
+                net,
+                args,
+                str(path),
+                input_names=names,
+                output_names=["out"],
+                opset_version=18,
+                dynamo=True,
+                external_data=False,
+            )
+        sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        used = {i.name: feeds[i.name] for i in sess.get_inputs()}
+        err = float(np.abs(sess.run(None, used)[0] - want).max())
+    except Exception as e:  # noqa: BLE001 - reported per family, the others go on
+        if path.exists():
+            path.unlink()
+        return f"FAIL {name}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    np.savez(out / f"{name}.npz", **used)
+    sidecar = {"inputs": {k: list(v.shape) for k, v in used.items()}, "family": family}
+    (out / f"{name}.json").write_text(json.dumps(sidecar) + "\n")
+    return f"OK {name} max|onnxruntime - torch| = {err:.2e}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, help="folder for NAME.onnx, NAME.json, NAME.npz")
+    ap.add_argument("--group", default="all", choices=["all", *GROUPS], help="families")
+    ap.add_argument(
+        "--only", default="", help="comma-separated model types (any transformers knows)"
+    )
+    ap.add_argument("--exporters", default="ts,dynamo", help="comma-separated: ts, dynamo")
+    ap.add_argument("--list", action="store_true", help="list the groups and exit")
+    args = ap.parse_args(argv)
+    if args.list:
+        for kind, names in GROUPS.items():
+            print(f"{kind}: {names}")
+        return 0
+    if args.out is None:
+        ap.error("--out is required")
+    exporters = [e for e in args.exporters.split(",") if e]
+    if set(exporters) - {"ts", "dynamo"}:
+        ap.error(f"unknown exporters in {args.exporters!r}")
+    families = [f for f in args.only.split(",") if f]
+    if not families:
+        groups = GROUPS if args.group == "all" else {args.group: GROUPS[args.group]}
+        families = [f for names in groups.values() for f in names.split()]
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    args.out.mkdir(parents=True, exist_ok=True)
+    failed = 0
+    for family in families:
+        for exporter in exporters:
+            line = export(family, exporter, args.out)
+            failed += line.startswith("FAIL")
+            print(line, flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
