@@ -30,6 +30,7 @@ UNFOLD = (
     "unsplit-spatial-merge",
     "unregroup-score-terms",
     "channel-first-attention",
+    "fold-window-heads",
 )
 CORE = "1 (core)"
 #: nodes between the scores' MatMul and the Softmax that the census follows back
