@@ -78,16 +78,18 @@ AUDIO = dict(
 GROUPS = {
     "dec": (
         "llama mistral qwen2 phi3 mpt gpt_neo olmo olmo2 granite ctrl jetmoe stablelm nemotron "
-        "persimmon gpt_bigcode seed_oss smollm3 arcee hunyuan_v1_dense bitnet"
+        "persimmon gpt_bigcode seed_oss smollm3 arcee hunyuan_v1_dense bitnet apertus cohere "
+        "ernie4_5 glm glm4"
     ),
     "enc": (
         "albert mpnet mobilebert rembert megatron-bert ernie camembert flaubert xlm "
         "data2vec-text layoutlm ibert roc_bert yoso mra splinter luke markuplm distilbert "
-        "electra roberta-prelayernorm esm nystromformer modernbert deberta"
+        "electra roberta-prelayernorm esm nystromformer modernbert deberta canine"
     ),
     "vis": (
         "dinov2 yolos vit_msn data2vec-vision ijepa cvt deit clip_vision_model "
-        "siglip_vision_model dpt glpn pvt levit vitdet hiera"
+        "siglip_vision_model dpt glpn pvt levit vitdet hiera dinov2_with_registers focalnet "
+        "poolformer textnet"
     ),
     "aud": "sew sew-d unispeech unispeech-sat data2vec-audio wav2vec2-bert hubert",
     "s2s": (
