@@ -385,6 +385,56 @@ FAMILIES = [
         lambda: _small("SmolLM3", num_key_value_heads=2, pad_token_id=0, no_rope_layers=[1, 0]),
         "SmolLM3: GQA, a NoPE layer",
     ),
+    # the KV-cache half of examples/transformers/sweep_families.py: families tuned for by none
+    # of the above
+    Family("olmo", lambda: _small("Olmo", num_key_value_heads=2), "OLMo: GQA, LayerNorm"),
+    Family("bitnet", lambda: _small("BitNet", num_key_value_heads=2), "BitNet: sub-norms"),
+    Family(
+        "seed_oss",
+        lambda: _small("SeedOss", num_key_value_heads=2, head_dim=32),
+        "Seed-OSS: GQA, q/k/v biases",
+    ),
+    Family("arcee", lambda: _small("Arcee", num_key_value_heads=2), "Arcee: GQA, ReLU² MLP"),
+    Family(
+        "hunyuan_dense",
+        lambda: _small("HunYuanDenseV1", num_key_value_heads=2, head_dim=32),
+        "HunYuan dense: q/k RMSNorm after the rotation",
+    ),
+    Family(
+        "ernie4_5",
+        lambda: _small("Ernie4_5", num_key_value_heads=2, head_dim=32),
+        "ERNIE 4.5: interleaved rotary",
+        ("dynamo",),
+    ),
+    Family(
+        "gpt_neo",
+        lambda: _small(
+            "GPTNeo",
+            num_layers=2,
+            num_heads=8,
+            attention_types=[[["global", "local"], 1]],
+            window_size=8,
+            max_position_embeddings=512,
+        ),
+        "GPT-Neo: global and local (8) layers, unscaled scores",
+    ),
+    Family(
+        "exaone4",
+        lambda: _small(
+            "Exaone4",
+            num_key_value_heads=2,
+            head_dim=32,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        "EXAONE 4: q/k RMSNorm, sliding and global layers",
+    ),
+    Family(
+        "apertus",
+        lambda: _small("Apertus", num_key_value_heads=2),
+        "Apertus: xIELU MLP, q/k RMSNorm",
+        ("dynamo",),
+    ),
 ]
 
 
