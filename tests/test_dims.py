@@ -295,6 +295,26 @@ def test_reshape_minus_one_cancels_a_computed_symbolic_element():
     assert d.key(t["w"], 0) == ("dim", "w", 0)
 
 
+def test_a_slice_with_computed_bounds_keeps_the_axes_it_does_not_slice():
+    """ProphetNet's chunked streams: heads [B,N,L,H] sliced on L at bounds read from a shape;
+    B, N and H keep their keys (computed axes: nothing is known)."""
+    inits = [const("ax2", [2], np.int64), const("i2", [2], np.int64), const("z", [0], np.int64)]
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Gather", ["shape", "i2"], ["end"]),
+        helper.make_node("Slice", ["x", "z", "end", "ax2"], ["part"]),
+        helper.make_node("Slice", ["x", "z", "end", "end"], ["anywhere"]),
+    ]
+    t = tensors(
+        model(nodes, [vi("x", ["b", 4, "l", 8])], [vi("part", None), vi("anywhere", None)], inits)
+    )
+    t["part"].shape = t["anywhere"].shape = [None] * 4  # rank alone known
+    d = Dims()
+    assert [d.key(t["part"], i) for i in (0, 1, 3)] == [("param", "b"), ("int", 4), ("int", 8)]
+    assert d.key(t["part"], 2) == ("dim", "part", 2)
+    assert d.key(t["anywhere"], 0) == ("dim", "anywhere", 0)
+
+
 def test_dims_through_reductions_keep_or_drop_the_reduced_axes():
     """Hiera's pooled query: ReduceMax over a stride axis, kept as 1 or dropped."""
     nodes = [

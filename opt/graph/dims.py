@@ -256,8 +256,9 @@ class Dims:
     def _slice(self, node, ins, axis: int, own: Key) -> Key:
         r = rank(ins[0])
         spec = _slice_spec(ins, r, self) if r is not None else None
-        if spec is None:
-            return own
+        if spec is None:  # computed bounds: the axes not sliced still keep their dims
+            sliced = _sliced_axes(ins, r) if r is not None else None
+            return self.key(ins[0], axis) if sliced is not None and axis not in sliced else own
         k = self.key(ins[0], axis)
         if axis not in spec:
             return k
@@ -510,6 +511,17 @@ def _slice_spec(ins, r: int, dims: Dims | None = None) -> dict[int, slice] | Non
     return {
         (a + r if a < 0 else a): slice(s, e, st) for a, s, e, st in zip(axes, starts, ends, steps)
     }
+
+
+def _sliced_axes(ins, r: int) -> set[int] | None:
+    """The axes a Slice slices, whatever its bounds: its constant ``axes``, else as many
+    leading axes as its starts have elements (a static count); None when unknown."""
+    if len(ins) > 3 and ins[3] is not None:
+        axes = _const_ints(ins[3])
+        return set(_norm(axes, r)) if axes is not None else None
+    shape = ins[1].shape if ins[1] is not None else None
+    n = shape[0] if shape is not None and len(shape) == 1 else None
+    return set(range(n)) if isinstance(n, (int, np.integer)) else None
 
 
 def _values(t: Tensor | None, dims: Dims, depth: int = 48) -> np.ndarray | None:

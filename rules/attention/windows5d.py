@@ -12,9 +12,11 @@ window-minor), runs Q·Kᵀ, the Softmax and P·V per head, and gives the model 
 [B,A,W,S,H] back through the heads' merge ``Transpose(0,2,1,3)`` that ``fuse-attention`` reads
 an attention from (then a Reshape to [B,S,A,W,H] and a Transpose to [B,A,W,S,H]; the model's
 own merge Transpose follows and the transposes compose).  It fires only with A, W and H static
-(``num_heads`` = A·W), unbiased scores (a term of the 5-D scores would need its own fold),
-and a target with an attention kernel; where fuse-attention then refuses, the per-head form
-stays (the same numbers).
+(``num_heads`` = A·W) and a target with an attention kernel; additive terms of the 5-D
+scores (ProphetNet's n-gram stream: relative positions and its causal mask) are broadcast over
+heads and windows and folded as the scores are.  It asks fuse-attention's cost bound first
+(a biased attention over few static keys stays as it is, refused here); where fuse-attention
+then refuses, the per-head form stays (the same numbers).
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ from graphopt.opt.rewrite.manager import register_rule
 from graphopt.opt.rewrite.patterns import Op
 
 from ..activation import inputs, no_match, producer
-from .core import strip_scale
+from .core import peel_terms, strip_scale
 from .heads import transpose_of
-from .unfold3d import _scaled, has_attention_kernel
+from .unfold3d import _scaled, check_pays, has_attention_kernel, static_dim
 
 #: the key's transpose in the window layout: its last two axes swapped
 _KT5 = (0, 1, 2, 4, 3)
@@ -58,9 +60,15 @@ class FoldWindowHeads(Rule):
             raise no_match()
         if len(p5.outputs) != 1 or cx.ir.is_graph_output(p5) or cx.ir.opset < 13:
             raise no_match()
-        s, factors = strip_scale(inputs(sm)[0])
+        z = inputs(sm)[0]
+        s, terms, adds = peel_terms(z)
+        s, factors = strip_scale(s)
         qk = producer(s, "MatMul")
-        if qk is None or len(s.outputs) != 1 or len(inputs(sm)[0].outputs) != 1:
+        if qk is None or len(s.outputs) != 1 or len(z.outputs) != 1:
+            raise no_match()
+        if any(len(a.outputs[0].outputs) != 1 for a in adds) or not all(
+            _term_fits(t, rank(p5)) for t in terms
+        ):
             raise no_match()
         q5, qf = strip_scale(inputs(qk)[0])
         kt5, kf = strip_scale(inputs(qk)[1])
@@ -75,10 +83,12 @@ class FoldWindowHeads(Rule):
         a, w, h, hv = _static(q5, 1), _static(q5, 2), _static(q5, 4), _static(v5, 4)
         if None in (a, w, h, hv) or _static(k5, 4) != h:
             raise no_match()
-        if dims.key(k5, 3) != dims.key(v5, 3) or not has_attention_kernel(cx, q5):
+        if not has_attention_kernel(cx, q5):  # (the keys' count is the values': P·V runs)
             raise no_match()
+        check_pays(cx, sm, static_dim(k5, 3), k5)
         m = Match(node, {"pv": node, "softmax": sm, "qk": qk})
         m.stash(q5=q5, k5=k5, v5=v5, factors=(qf, kf, factors), heads=a * w, a=a, w=w, h=h, hv=hv)
+        m.stash(terms=terms)
         return m
 
     def rewrite(self, m, b):
@@ -93,6 +103,10 @@ class FoldWindowHeads(Rule):
         s = b.op("MatMul", [q, kt], name=f"{name}/scores")
         s.dtype = dtype_of(q)
         s = _scaled(b, _shaped(s, [bq, n, sq, sk]), factors, s)
+        for i, term in enumerate(m.terms):
+            t4 = _folded_term(b, term, m.a, m.w, f"{name}/term{i}")
+            s = _shaped(b.op("Add", [s, t4], name=f"{name}/biased{i}"), [bq, n, sq, sk])
+            s.dtype = dtype_of(q)
         p = b.op("Softmax", [s], {"axis": -1}, name=f"{name}/probs")
         p.dtype = dtype_of(s)
         p = _shaped(p, [bq, n, sq, sk])
@@ -117,6 +131,32 @@ def _heads(b: Builder, t5: Tensor, heads: int, size: int, name: str) -> Tensor:
     out.dtype = dtype_of(t5)
     shape = t5.shape if t5.shape is not None and len(t5.shape) == 5 else [None] * 5
     out.shape = [shape[0], heads, shape[3], size]
+    return out
+
+
+def _term_fits(t: Tensor, r: int) -> bool:
+    """Whether the additive term ``t`` of the [B,A,W,S,T] scores is at most 5-D (it then
+    broadcasts against them as the scores' own axes)."""
+    return rank(t) is not None and rank(t) <= r
+
+
+def _folded_term(b: Builder, t: Tensor, a: int, w: int, name: str) -> Tensor:
+    """A term of the [B,A,W,S,T] scores as a term of the [B,A·W,S,T] ones: broadcast over the
+    heads and windows (``Expand`` to [1,A,W,1,1] keeps its other dims, 1 or full), then its
+    two axes folded as the scores' are."""
+    ones = b.const(np.array([1, a, w, 1, 1], dtype=np.int64), "term_heads_windows")
+    full = b.op("Expand", [t, ones], name=f"{name}_expanded")
+    full.dtype = dtype_of(t)
+    lead = b.op("Shape", [full], {"start": 0, "end": 1}, name=f"{name}_batch")
+    lead.dtype, lead.shape = np.dtype(np.int64), [1]
+    tail = b.op("Shape", [full], {"start": 3}, name=f"{name}_rows_keys")
+    tail.dtype, tail.shape = np.dtype(np.int64), [2]
+    heads = b.const(np.array([a * w], dtype=np.int64), "term_heads")
+    target = b.op("Concat", [lead, heads, tail], {"axis": 0}, name=f"{name}_target")
+    target.dtype, target.shape = np.dtype(np.int64), [4]
+    out = b.op("Reshape", [full, target], name=f"{name}_folded")
+    out.dtype = dtype_of(t)
+    out.shape = [None, a * w, None, None]
     return out
 
 
