@@ -51,6 +51,7 @@ class SeqFirst:
         two_step_k=False,
         learned=False,
         fairseq=False,
+        fill=-np.inf,
     ):
         if learned:  # a pooling head's query, folded to a constant over a static batch
             self.inputs = [vi("x", [T, B, E])]
@@ -72,7 +73,7 @@ class SeqFirst:
         if fairseq:  # view(B, N, T, S), masked_fill(padding, -inf), view(B·N, T, S)
             unfold = self._dims("s4_target", [("x", 1), N, ("x", 0), ("x", 0)])
             s4 = self.add("Reshape", [s, unfold], "s4")
-            s4 = self.add("Where", ["pad", self._const("ninf", -np.inf, np.float32), s4], "m4")
+            s4 = self.add("Where", ["pad", self._const("ninf", fill, np.float32), s4], "m4")
             bn = self.add("Mul", [self._dim("x", 1, "s_b"), self._const("s_n", [N])], "s_bn")
             s = self.add("Reshape", [s4, self._dims("s3_target", [bn, ("x", 0), ("x", 0)])], "m3")
         p = self.add("Softmax", [s], "P", axis=-1)
@@ -187,6 +188,22 @@ def test_fairseq_keys_folded_per_head_with_a_mask_on_the_unfolded_scores_fuse(ta
     assert codes(report, "unfold-3d-attention", "passed") == ["fired"]
     assert fused(out) == {"MultiHeadAttention": 1}, op_histogram(out.graph.node)
     assert codes(report, "fuse-attention") == [] and "Softmax" not in op_histogram(out.graph.node)
+
+
+def test_a_mask_fill_no_bias_can_carry_leaves_the_folded_attention_as_it_is():
+    """float16's lowest (−65504) as the Where fill: fuse-attention would refuse it as a bias,
+    so unfold-3d-attention refuses first, naming it, and the graph keeps the model's spelling
+    (no per-head form left behind)."""
+    g = SeqFirst(15, computed=True)
+    g.inputs.append(vi("pad", ["batch", 1, 1, "tgt"], TensorProto.BOOL))
+    pad = np.zeros((B, 1, 1, T), bool)
+    pad[0, ..., -1:] = True
+    m = g.attention(fairseq=True, fill=-65504.0)
+    out, report = run(m, target="cuda", inputs=feed(pad=pad))
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert codes(report, "unfold-3d-attention") == ["mask-shape"]
+    assert codes(report, "unfold-3d-attention", "passed") == [] and fused(out) == {}
+    assert "-65504" in next(r.message for r in report.remarks if r.code == "mask-shape")
 
 
 def test_three_d_cross_attention_over_a_memory_of_another_length_fuses():

@@ -57,6 +57,25 @@ def mask_refused(message: str, tensor: Tensor | None, softmax_name: str) -> NoMa
     )
 
 
+#: a Where mask's fill moves into an additive bias only at or below this: it absorbs the score
+ABSORBING_FILL = -1e30
+
+
+def check_where_fill(fill: Tensor, softmax_name: str) -> float:
+    """The scalar fill of a Where mask of the scores, or the refusal: a fill above
+    :data:`ABSORBING_FILL` (float16's lowest, −65504, among them) added to a score is not the
+    fill."""
+    val = scalar(fill)
+    if val is None or val > ABSORBING_FILL:
+        raise mask_refused(
+            f"the Where mask fills {val if val is not None else fill.name}; only −inf or "
+            "≤ −1e30 (which absorbs the score exactly) can move into an additive bias",
+            fill,
+            softmax_name,
+        )
+    return val
+
+
 def plan_bias(core: Core, q_seq: Key, k_seq: Key, dims: Dims) -> BiasPlan | None:
     """The attention_bias plan of ``core`` (None: nothing masks the scores)."""
     qdt = dtype_of(core.q)
@@ -74,15 +93,7 @@ def plan_bias(core: Core, q_seq: Key, k_seq: Key, dims: Dims) -> BiasPlan | None
             )
     if core.where is not None:
         cond, a, b = inputs(core.where)
-        fill = a if core.where_fills_true else b
-        val = scalar(fill)
-        if val is None or val > -1e30:
-            raise mask_refused(
-                f"the Where mask fills {val if val is not None else fill.name}; only −inf or "
-                "≤ −1e30 (which absorbs the score exactly) can move into an additive bias",
-                fill,
-                sm,
-            )
+        val = check_where_fill(a if core.where_fills_true else b, sm)
         if dtype_of(cond) != np.dtype(bool) or rank(cond) is None or rank(cond) > 4:
             raise mask_refused(
                 f"the Where mask condition '{cond.name}' is not a bool tensor of rank ≤ 4", cond, sm

@@ -41,9 +41,10 @@ from graphopt.opt.rewrite.engine import Builder, Match, NoMatch, Rule
 from graphopt.opt.rewrite.manager import register_rule
 from graphopt.opt.rewrite.patterns import Op
 
-from ..activation import MS, float_type, inputs, no_match, producer
+from ..activation import MS, float_type, inputs, no_match, producer, scalar
 from .core import keeps_last_two, peel_terms, pinned, soft_cap, strip_scale, unclamped, unfolded
 from .heads import transpose_of
+from .masks import check_where_fill
 
 
 def _split3(t: Tensor | None, perm: tuple[int, ...]) -> tuple[Node, Node, int, int] | None:
@@ -128,6 +129,26 @@ def scaled_operand(mm: Node, i: int) -> tuple[Node, int, Tensor]:
     return node, inputs(node).index(u), u
 
 
+def check_scores_mask(sm: Node) -> None:
+    """fuse-attention's refusal of the Where masking the scores under ``sm`` (through bias
+    terms and the Reshapes that unfold them for it), asked before the graph is changed: a
+    fill that cannot become a bias leaves the attention as the model wrote it."""
+    z = inputs(sm)[0]
+    for _ in range(3):
+        z = peel_terms(unclamped(z)[0])[0]
+        where = producer(z, "Where")
+        if where is not None:
+            _, a, c = inputs(where)
+            fill, kept = (a, c) if scalar(a) is not None else (c, a)
+            if scalar(fill) is not None:
+                check_where_fill(fill, sm.name)
+            z = kept
+        rs = producer(z, "Reshape")
+        if rs is None:
+            return
+        z = inputs(rs)[0]
+
+
 def qk_matmul(z: Tensor) -> Node | None:
     """The Q·Kᵀ MatMul under the Softmax input ``z``: through bias terms, a Where mask,
     soft-capping, one scale, and the Reshapes that unfold the scores for a mask and fold them
@@ -187,6 +208,7 @@ class UnfoldThreeDimAttention(Rule):
         if not has_attention_kernel(cx, keys):
             raise no_match()  # nothing would fuse it: leave it as it is
         check_pays(cx, sm, static_dim(keys, axis), keys)
+        check_scores_mask(sm)
         kts = {f"kt{i}": t for i, t in enumerate(k_transposes)}
         dims = current_dims()
         w4 = _masked_sum(sm, qk, ({dims.key(q_at[2], 1)}, {dims.key(keys, axis)}))
@@ -387,6 +409,7 @@ class UnfoldFoldedSoftmax(Rule):
             raise no_match()
         k4 = unfolded(inputs(flip)[0] if flip is not None else kt)  # K [B,N,T,H] or Kᵀ
         check_pays(cx, node, static_dim(k4, 2 if flip is not None else 3), k4)
+        check_scores_mask(node)
         dims = current_dims()
         seqs = ({dims.key(unfolded(q3), 2)}, {dims.key(k4, 2 if flip is not None else 3)})
         w4 = _masked_sum(node, qk, seqs)
