@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import math
 import os
 import sys
 import time
@@ -42,6 +43,7 @@ from .rewrite.context import Original, PassContext
 from .rewrite.manager import run_final_checks, run_pass
 from .rewrite.pipeline import parse, preset, to_text
 from .rewrite.target import get_target
+from .verify import canary
 from .verify.feeds import split_dims, validate_args
 from .verify.parity import (
     ParityReport,
@@ -327,7 +329,9 @@ def optimize(
         serialized = Serialized(spool or SpoolDir()) if not check or not is_lean(model) else None
         with clock.phase("validity"):
             say("checking that the output is valid")
-            budget = max(10.0, 2 * clock.elapsed("passes"))
+            # spent in the failure path only: the three bisections _keep_valid may run
+            steps = math.ceil(math.log2(len(cx.applied) + 1)) + 1
+            budget = max(10.0, 3 * steps * clock.elapsed("passes"))
             optimized, cx = _keep_valid(
                 model,
                 optimized,
@@ -617,6 +621,10 @@ def _check(model, base_dir, checker, runtime, keep, data, spooled) -> str | None
             )
     except GraphoptError as e:
         return str(e)
+    if canary.at_risk(model):  # a default session of it must not kill the process
+        crashed = canary.crash(data, spooled.path if spooled is not None else None, base_dir)
+        if crashed is not None:
+            return crashed
     if keep:
         _LOADED.update(model=model, session=session)
     return None

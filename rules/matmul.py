@@ -627,3 +627,38 @@ class FoldMatMulDivScale(FoldMatMulScale):
     root = "Div"
     summary = "MatMul / scalar → FusedMatMul(alpha)"
     pattern = Op("Div", PRODUCT, Const("c"), name="scale")
+
+
+# ------------------------------------------- a spelling onnxruntime's CPU session dies on
+@register_rule
+class TransposeAfterHalfMatMul(Rule):
+    """``MatMul(Transpose(x, perm), W)`` in float16, W a 2-D constant and ``perm`` keeping the
+    last axis last → ``Transpose(MatMul(x, W), perm)``: the same products (a permutation of
+    the batch axes commutes with the product over the last one).
+
+    onnxruntime 1.32's CPU session at ``ORT_ENABLE_ALL`` dies (SIGSEGV, in its
+    MatMul-transpose fusion and NCHWc transformer) building a session of a float16
+    ``Transpose(x, (1,0,2))`` that feeds a MatMul of a constant weight; the sequence-first
+    models (fairseq, Longformer) transpose back that way right before a projection, and the
+    model's other nodes no longer hide it once graphopt is done.  The model.onnx a user loads
+    in a bare session must not kill their program, whatever the target."""
+
+    name = "transpose-after-half-matmul"
+    root = "MatMul"
+    phase = "lower"
+    summary = "float16 MatMul(Transpose(x), W) → Transpose(MatMul(x, W)) (onnxruntime CPU crash)"
+    pattern = Op("MatMul", Op("Transpose", "x", name="transpose"), Const("w"), name="matmul")
+
+    def structure(self, m, cx):
+        perm = m.transpose.attrs.get("perm")
+        applies_only_if(perm is not None and len(perm) >= 3 and int(perm[-1]) == len(perm) - 1)
+        applies_only_if(dtype_of(m.matmul.outputs[0]) == np.float16)
+        w = constant_value(m.w)
+        applies_only_if(w is not None and w.ndim == 2)
+        applies_only_if(len(m.transpose.outputs[0].outputs) == 1)
+
+    def rewrite(self, m, b):
+        like = m.root.outputs[0]
+        y = b.op("MatMul", [m.x, m.w], name=f"{m.root.name}/before_transpose")
+        y.dtype = like.dtype
+        return [b.op("Transpose", [y], dict(m.transpose.attrs), like=like, name=f"{m.root.name}/t")]
