@@ -641,11 +641,13 @@ class TransposeAfterHalfMatMul(Rule):
     ``Transpose(x, (1,0,2))`` that feeds a MatMul of a constant weight; the sequence-first
     models (fairseq, Longformer) transpose back that way right before a projection, and the
     model's other nodes no longer hide it once graphopt is done.  The model.onnx a user loads
-    in a bare session must not kill their program, whatever the target."""
+    in a bare session must not kill their program, whatever the target.  A Transpose that
+    several projections read (q, k and v of one input) is moved after each of them."""
 
     name = "transpose-after-half-matmul"
     root = "MatMul"
     phase = "lower"
+    exclusive = False  # a Transpose shared by projections (q, k, v) is moved after each
     summary = "float16 MatMul(Transpose(x), W) → Transpose(MatMul(x, W)) (onnxruntime CPU crash)"
     pattern = Op("MatMul", Op("Transpose", "x", name="transpose"), Const("w"), name="matmul")
 
@@ -655,7 +657,6 @@ class TransposeAfterHalfMatMul(Rule):
         applies_only_if(dtype_of(m.matmul.outputs[0]) == np.float16)
         w = constant_value(m.w)
         applies_only_if(w is not None and w.ndim == 2)
-        applies_only_if(len(m.transpose.outputs[0].outputs) == 1)
 
     def rewrite(self, m, b):
         like = m.root.outputs[0]

@@ -78,6 +78,22 @@ def test_a_float16_transpose_before_a_projection_is_moved_after_it(target):
     assert default_session_survives(out)
 
 
+def test_a_float16_transpose_shared_by_projections_is_moved_after_each():
+    """Longformer's q, k and v read one transposed input: each projection gets its own
+    Transpose after it (one of them alone already kills a default session)."""
+    m = transposed_projection()
+    w2 = numpy_helper.from_array(np.full((64, 32), 0.5, np.float16), "w2")
+    m.graph.initializer.append(w2)
+    m.graph.node.append(helper.make_node("MatMul", ["t", "w2"], ["y2"], name="proj2"))
+    m.graph.output.append(helper.make_tensor_value_info("y2", F16, [None, None, 32]))
+    x = np.random.default_rng(3).standard_normal((5, 2, 64)).astype(np.float16)
+    out, report = run(m, target="cuda", inputs={"x": x})
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert codes(report, "transpose-after-half-matmul", "passed") == ["fired", "fired"]
+    assert op_histogram(out.graph.node) == {"MatMul": 2, "Transpose": 2}
+    assert default_session_survives(out)
+
+
 def test_the_safety_net_reverts_the_rewrite_whose_output_a_default_session_dies_on(monkeypatch):
     """Any output onnxruntime would crash on (here: as if it died on a FusedMatMul) sends the
     safety net to the rewrite that made it; that rewrite is reverted and said."""
