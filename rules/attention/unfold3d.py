@@ -205,8 +205,7 @@ class UnfoldThreeDimAttention(Rule):
         if q is None or k is None or v is None or not q[2] == k[2] == v[2] or q[3] != k[3]:
             raise no_match()
         keys, axis = _keys_of(k)
-        if not has_attention_kernel(cx, keys):
-            raise no_match()  # nothing would fuse it: leave it as it is
+        require_attention_kernel(cx, keys, sm)  # nothing would fuse it: leave it as it is
         check_pays(cx, sm, static_dim(keys, axis), keys)
         check_scores_mask(sm)
         kts = {f"kt{i}": t for i, t in enumerate(k_transposes)}
@@ -263,6 +262,21 @@ def has_attention_kernel(cx, t: Tensor) -> bool:
     """Whether the target has a kernel fuse-attention lowers to, for ``t``'s element type."""
     kernels = [("MultiHeadAttention", MS, 1), ("Attention", "", cx.ir.opset)]
     return any(cx.target.has_kernel(op, d, v, float_type(t)) for op, d, v in kernels)
+
+
+def require_attention_kernel(cx, t: Tensor, sm: Node) -> None:
+    """A respelling is refused, naming the Softmax, where no kernel would take the attention:
+    the census then says why it stays (no kernel), not that its spelling is unknown."""
+    if not has_attention_kernel(cx, t):
+        raise NoMatch(
+            "no-kernel",
+            f"stage 3 (lower): target {cx.target.name} has neither MultiHeadAttention nor "
+            f"the ONNX Attention op (opset {cx.ir.opset}) for {float_type(t)}: the attention "
+            "stays as the model wrote it",
+            softmax=sm.name,
+            stage="3 (lower)",
+            tensor=t.name,
+        )
 
 
 def static_dim(t: Tensor | None, axis: int):
@@ -405,8 +419,7 @@ class UnfoldFoldedSoftmax(Rule):
         if len(heads) != 1 or None in heads:
             raise no_match()
         q3 = scaled_operand(qk, 0)[2]
-        if not has_attention_kernel(cx, q3):
-            raise no_match()
+        require_attention_kernel(cx, q3, node)
         k4 = unfolded(inputs(flip)[0] if flip is not None else kt)  # K [B,N,T,H] or Kᵀ
         check_pays(cx, node, static_dim(k4, 2 if flip is not None else 3), k4)
         check_scores_mask(node)

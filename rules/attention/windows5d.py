@@ -33,7 +33,7 @@ from graphopt.opt.rewrite.patterns import Op
 from ..activation import inputs, no_match, producer
 from .core import peel_terms, strip_scale
 from .heads import transpose_of
-from .unfold3d import _scaled, check_pays, has_attention_kernel, static_dim
+from .unfold3d import _scaled, check_pays, require_attention_kernel, static_dim
 
 #: the key's transpose in the window layout: its last two axes swapped
 _KT5 = (0, 1, 2, 4, 3)
@@ -83,8 +83,7 @@ class FoldWindowHeads(Rule):
         a, w, h, hv = _static(q5, 1), _static(q5, 2), _static(q5, 4), _static(v5, 4)
         if None in (a, w, h, hv) or _static(k5, 4) != h:
             raise no_match()
-        if not has_attention_kernel(cx, q5):  # (the keys' count is the values': P·V runs)
-            raise no_match()
+        require_attention_kernel(cx, q5, sm)  # (the keys' count is the values': P·V runs)
         check_pays(cx, sm, static_dim(k5, 3), k5)
         m = Match(node, {"pv": node, "softmax": sm, "qk": qk})
         m.stash(q5=q5, k5=k5, v5=v5, factors=(qf, kf, factors), heads=a * w, a=a, w=w, h=h, hv=hv)
