@@ -56,19 +56,11 @@ TEXT = dict(
     embedding_size=64,
     pad_token_id=0,
 )
-VISION = dict(
-    num_hidden_layers=2,
-    hidden_size=64,
-    num_attention_heads=4,
-    intermediate_size=128,
-    image_size=64,
-    patch_size=8,
-)
+#: the layers and widths the vision and speech configs share
+ENCODER = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128)
+VISION = dict(ENCODER, image_size=64, patch_size=8)
 AUDIO = dict(
-    num_hidden_layers=2,
-    hidden_size=64,
-    num_attention_heads=4,
-    intermediate_size=128,
+    ENCODER,
     conv_dim=(32, 32),
     conv_stride=(5, 4),
     conv_kernel=(10, 4),
