@@ -119,3 +119,18 @@ def test_window_attention_with_windows_unknown_is_left_and_missed():
     assert codes(report, "fold-window-heads", "passed") == []
     assert "Softmax" in op_histogram(out.graph.node)
     assert codes(report, "fuse-attention") == ["unrecognized-layout"]
+
+
+def test_the_per_head_form_alone_is_a_valid_model():
+    """fold-window-heads without fuse-attention (its form stays where fuse-attention refuses):
+    the same numbers, and a model the checker takes with full shape inference."""
+    out, report = run(
+        window_attention(biased=True),
+        target="cuda",
+        inputs=dict(feed(), pad=np.zeros((B, 1, 1, 1, S), np.float32)),
+        pipeline="simplify-shapes,fold-window-heads",
+    )
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert codes(report, "fold-window-heads", "passed") == ["fired"]
+    onnx.checker.check_model(out, full_check=True)
+    assert op_histogram(out.graph.node)["Softmax"] == 1

@@ -93,7 +93,8 @@ class FoldWindowHeads(Rule):
     def rewrite(self, m, b):
         qf, kf, factors = m.factors
         name = m.root.name
-        q = _scaled(b, _heads(b, m.q5, m.heads, m.h, f"{name}/q"), qf, m.q5)
+        q4 = _heads(b, m.q5, m.heads, m.h, f"{name}/q")
+        q = _scaled(b, q4, qf, q4)  # the scaled query has the 4-D query's shape
         k4 = _heads(b, m.k5, m.heads, m.h, f"{name}/k")
         bq, n, sq, sk = k4.shape[0], m.heads, q.shape[2], k4.shape[2]
         kt = b.op("Transpose", [k4], {"perm": [0, 1, 3, 2]}, name=f"{name}/kt")
