@@ -173,27 +173,10 @@ def export(family: str, exporter: str, out: Path) -> str:
                 k: {0: "batch", 1: f"len_{k}"} if k.endswith(("ids", "mask")) else {0: "batch"}
                 for k in names
             }
-            torch.onnx.export(
-                net,
-                args,
-                str(path),
-                input_names=names,
-                output_names=["out"],
-                opset_version=17,
-                dynamic_axes=dynamic,
-                dynamo=False,
-            )
+            how = dict(opset_version=17, dynamic_axes=dynamic, dynamo=False)
         else:
-            torch.onnx.export(
-                net,
-                args,
-                str(path),
-                input_names=names,
-                output_names=["out"],
-                opset_version=18,
-                dynamo=True,
-                external_data=False,
-            )
+            how = dict(opset_version=18, dynamo=True, external_data=False)
+        torch.onnx.export(net, args, str(path), input_names=names, output_names=["out"], **how)
         sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         used = {i.name: feeds[i.name] for i in sess.get_inputs()}
         err = float(np.abs(sess.run(None, used)[0] - want).max())
