@@ -645,7 +645,7 @@ class FuseRotaryEmbedding(Rule):
         if m.seq_axis == 1:  # (B, S, N, H) → (B, S, N·H) with num_heads, and back
             flat = b.const(np.array([0, 0, -1], dtype=np.int64), "flat_heads")
             x = b.op("Reshape", [m.x, flat], name=f"{m.root.name}/merge_heads")
-            x.dtype = m.x.dtype
+            x.dtype, x.shape = m.x.dtype, self._merged_shape(m.x)
             attrs["num_heads"] = m.heads
         ins = [x, cos, sin, pos] if m.op_domain == "" else [x, pos, cos, sin]
         out = b.op(
@@ -657,7 +657,7 @@ class FuseRotaryEmbedding(Rule):
             name=f"{m.root.name}/{m.op}",
         )
         if m.seq_axis == 1:
-            out.dtype = m.x.dtype
+            out.dtype, out.shape = m.x.dtype, x.shape
             split = b.const(np.array([0, 0, m.heads, -1], dtype=np.int64), "split_heads")
             out = b.op(
                 "Reshape",
@@ -666,6 +666,13 @@ class FuseRotaryEmbedding(Rule):
                 name=f"{m.root.name}/split_heads",
             )
         return [out]
+
+    @staticmethod
+    def _merged_shape(x: Tensor) -> list:
+        """(B, S, N·H) of a (B, S, N, H) tensor: the product where both are known."""
+        heads, width = x.shape[2], x.shape[3]
+        both = isinstance(heads, int) and isinstance(width, int)
+        return [x.shape[0], x.shape[1], heads * width if both else None]
 
     def _expanded(self, m, b, pos):
         """Positions broadcast to x's (batch, sequence) at run time."""

@@ -8,8 +8,9 @@ onnxruntime parity:
   to [B, T, N·H], the layout in which the value may be of another width;
 - a bias added before the mask's Where (MPT's ALiBi [N, 1, T], then
   ``masked_fill(mask, finfo.min)``): both go into attention_bias;
-- a causal mask multiplied in (OpenAI GPT's ``w · b + −1e4 · (1 − b)``): the fill term is the
-  bias and the Mul goes; a 0/1 factor with no such fill is missed, not fused;
+- a causal mask multiplied in (OpenAI GPT's ``w · b + −1e4 · (1 − b)``, ``b`` a constant or a
+  constant buffer sliced to a dynamic sequence): the fill term is the bias and the Mul goes; a
+  0/1 factor with no such fill is missed, not fused;
 - a scaled query also read by a bias term (DeBERTa's content-to-position term of ``q / √3H``):
   the scale stays in front of the kernel, which takes the scaled query with scale 1."""
 
@@ -149,6 +150,43 @@ def test_a_zero_one_factor_without_a_fill_is_missed(rng):
     miss = [r for r in report.remarks if r.rule == "fuse-attention" and r.kind == "missed"]
     assert [r.code for r in miss] == ["unrecognized-layout"], miss
     assert "0/1 mask" in miss[0].message
+
+
+def sliced_multiplied_mask(rng, fill: float = -1e4):
+    """OpenAI GPT exported with a dynamic sequence: ``b`` the [1,1,64,64] causal buffer sliced
+    to the scores' sequence, the fill computed as ``(1 − b) · fill``."""
+    h, d = 8, 32
+    nodes = [*_heads("q", h, [0, 2, 1, 3]), *_heads("k", h, [0, 2, 3, 1])]
+    nodes += [*_heads("v", h, [0, 2, 1, 3]), *_attend("k_h", "v_h", h, "fill")]
+    at = next(i for i, n in enumerate(nodes) if n.op_type == "Add")
+    nodes[at].input[0] = "kept"
+    nodes[at:at] = [
+        mk("Shape", ["scaled"], ["dims"]),
+        mk("Slice", ["dims", "two", "four"], ["seqs"]),
+        mk("Slice", ["buffer", "zeros", "seqs", "axes"], ["b"]),
+        mk("Mul", ["scaled", "b"], ["kept"]),
+        mk("Sub", ["one", "b"], ["masked"]),
+        mk("Mul", ["masked", "lowest"], ["fill"]),
+    ]
+    buffer = np.tril(np.ones((64, 64), np.float32))[None, None]
+    inits = [const(f"W{r}", rng.standard_normal((d, N * h)) * 0.3) for r in "qkv"]
+    inits += [const("scale", np.float32(h**-0.5)), const("buffer", buffer)]
+    inits += [const(n, v, np.int64) for n, v in [("two", [2]), ("four", [4]), ("zeros", [0, 0])]]
+    inits += [const("axes", [2, 3], np.int64), const("one", np.float32(1))]
+    inits += [const("lowest", np.float32(fill))]
+    return model(nodes, [vi("x", ["B", "S", d])], [vi("y", None)], inits + _shapes(h))
+
+
+@pytest.mark.parametrize("fill,fused", [(-1e4, True), (-10.0, False)])
+def test_a_sliced_causal_buffer_multiplied_in_fuses_with_its_fill(rng, fill, fused):
+    x = rng.standard_normal((2, 11, 32)).astype(np.float32)
+    m = sliced_multiplied_mask(rng, fill)
+    out, report = assert_optimized(m, target="cuda", inputs={"x": x})
+    ops = op_histogram(out.graph.node)
+    assert (ops.get(MHA) == 1 and "Softmax" not in ops) == fused, ops
+    if not fused:
+        miss = [r for r in report.remarks if r.rule == "fuse-attention" and r.kind == "missed"]
+        assert "0/1 mask 'b'" in miss[0].message, miss
 
 
 def shared_scaled_query(rng):

@@ -304,6 +304,18 @@ def test_bsnh_layout_fuses_as_3d(rng, rotate):
     np.testing.assert_allclose(run_model(out, f)[0], want.transpose(0, 2, 1, 3), atol=2e-5)
 
 
+def test_bsnh_layout_states_the_merged_shape():
+    """The 3-D op's output keeps (batch, sequence, heads·head_dim): an attention lifted after it
+    needs the rank, which onnx cannot infer for a contrib op (dynamo exports of vision rotary)."""
+    nodes, inits = freqs_mul()
+    inits = [const(i.name, [2], np.int64) if i.name in ("ax_head", "ax_1") else i for i in inits]
+    m = decoder_rope((nodes, inits), rotate=rotate_half, x_shape=(B, S, H, D), two=False)
+    out, _ = assert_optimized(m)
+    name = rotary_node(out).output[0]
+    (info,) = [v for v in out.graph.value_info if v.name == name]
+    assert [d.dim_value for d in info.type.tensor_type.shape.dim] == [B, S, H * D]
+
+
 def test_sequence_first_layout_refused():
     """(sequence, batch, heads, head_dim) as Megatron/ChatGLM write it: cos is (S, B, 1, D)."""
     nodes, inits = freqs_mul(head_axis=2)

@@ -71,23 +71,42 @@ GROUPS = {
     "dec": (
         "llama mistral qwen2 phi3 mpt gpt_neo olmo olmo2 granite ctrl jetmoe stablelm nemotron "
         "persimmon gpt_bigcode seed_oss smollm3 arcee hunyuan_v1_dense bitnet apertus cohere "
-        "ernie4_5 glm glm4"
+        "ernie4_5 glm glm4 olmo3 ministral granitemoe phimoe qwen3_moe qwen2_moe "
+        "minicpm3 internlm3 vaultgemma doge nanochat helium cwm dots1 hunyuan_v1_moe glm4_moe "
+        "ernie4_5_moe openai-gpt imagegpt recurrent_gemma lfm2 cohere2 exaone4 xglm biogpt"
     ),
     "enc": (
         "albert mpnet mobilebert rembert megatron-bert ernie camembert flaubert xlm "
         "data2vec-text layoutlm ibert roc_bert yoso mra splinter luke markuplm distilbert "
-        "electra roberta-prelayernorm esm nystromformer modernbert deberta canine"
+        "electra roberta-prelayernorm esm nystromformer modernbert deberta canine eurobert gte "
+        "nomic_bert jina_embeddings_v3 xlm-roberta-xl xmod bert-generation tapas"
     ),
     "vis": (
         "dinov2 yolos vit_msn data2vec-vision ijepa cvt deit clip_vision_model "
         "siglip_vision_model dpt glpn pvt levit vitdet hiera dinov2_with_registers focalnet "
-        "poolformer textnet"
+        "poolformer textnet aimv2_vision_model mlcd_vision_model dinov3_vit swiftformer "
+        "beit"
     ),
     "aud": "sew sew-d unispeech unispeech-sat data2vec-audio wav2vec2-bert hubert",
     "s2s": (
         "led pegasus m2m_100 blenderbot blenderbot-small plbart bigbird_pegasus nllb-moe t5 "
-        "bart prophetnet fsmt longt5"
+        "bart prophetnet fsmt longt5 mvp pegasus_x umt5 mbart"
     ),
+}
+#: sizes a family's config spells its own way: multi-head latent attention (low-rank q and
+#: kv, a rotary part of each head), its layers dense rather than experts
+OWN_SIZES = {
+    f: dict(
+        num_key_value_heads=4,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        head_dim=8,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        first_k_dense_replace=2,
+    )
+    for f in ("minicpm3",)
 }
 KIND_SIZES = {"dec": TEXT, "enc": TEXT, "s2s": TEXT, "vis": VISION, "aud": AUDIO}
 
@@ -106,14 +125,17 @@ def build(family: str):
 
     kind = kind_of(family)
     try:
-        cfg = AutoConfig.for_model(family, **KIND_SIZES[kind])
+        cfg = AutoConfig.for_model(family, **{**KIND_SIZES[kind], **OWN_SIZES.get(family, {})})
     except (TypeError, ValueError):  # a size its config refuses: its defaults
         cfg = AutoConfig.for_model(family)
     layer_types = getattr(cfg, "layer_types", None)
     if isinstance(layer_types, list):
         cfg.layer_types = layer_types[: cfg.num_hidden_layers]
     torch.manual_seed(0)
-    model = AutoModel.from_config(cfg, attn_implementation="eager").eval()
+    # experts as batched MatMuls: the default loop counts tokens with histc, which no exporter
+    # takes
+    how = dict(attn_implementation="eager", experts_implementation="batched_mm")
+    model = AutoModel.from_config(cfg, **how).eval()
     rng = np.random.default_rng(0)
     if kind == "vis":
         size = getattr(cfg, "image_size", 64)

@@ -560,16 +560,26 @@ def _keys_of_another(r: Node, kt: Tensor, mm: Node) -> bool:
 
 
 def mask_multiplied(t: Tensor | None) -> tuple[Tensor | None, Node | None]:
-    """``t`` = ``s · m`` with ``m`` a constant of zeros and ones (OpenAI GPT's causal
-    ``w · b + −1e4 · (1 − b)``): (s, the Mul); else (t, None)."""
+    """``t`` = ``s · m`` with ``m`` zeros and ones (OpenAI GPT's causal ``w · b + −1e4 · (1 − b)``,
+    ``b`` a constant or a constant sliced to the sequence): (s, the Mul); else (t, None)."""
     mul = producer(t, "Mul")
     if mul is None:
         return t, None
     for s, m in (inputs(mul), inputs(mul)[::-1]):
-        v = constant_value(m)
-        if v is not None and v.ndim >= 2 and v.size > 1 and np.all((v == 0) | (v == 1)):
+        if _zero_one(m) is not None:
             return s, mul
     return t, None
+
+
+def _zero_one(t: Tensor, depth: int = 4) -> np.ndarray | None:
+    """The constant of zeros and ones (at least 2-D, more than one element) that ``t`` is, or
+    is sliced from: slicing keeps every element 0 or 1; else None."""
+    v = constant_value(t)
+    if v is not None:
+        ok = v.ndim >= 2 and v.size > 1 and np.all((v == 0) | (v == 1))
+        return v if ok else None
+    src = producer(t, "Slice")
+    return _zero_one(inputs(src)[0], depth - 1) if src is not None and depth > 0 else None
 
 
 #: an additive fill at or below this is exp-underflow in fp32 beside any score a model makes
@@ -579,26 +589,44 @@ _MASK_FILL = -1e4
 
 def _check_mask_fill(core: Core) -> None:
     """The scores are multiplied by a 0/1 mask ``m``: exact as an additive bias only when a
-    constant term adds 0 where ``m`` keeps the score and ≤ −1e4 where it zeroes it; then the
-    Mul goes and that term masks alone."""
-    m = next(constant_value(i) for i in inputs(core.mask_mul) if constant_value(i) is not None)
+    term adds 0 where ``m`` keeps the score and ≤ −1e4 where it zeroes it (a constant, or
+    ``(1 − m) · fill`` of the same ``m``); then the Mul goes and that term masks alone."""
+    m = next(i for i in inputs(core.mask_mul) if _zero_one(i) is not None)
+    mv = constant_value(m)
     for t in core.terms:
+        if _fills_where_zero(t, m):
+            return
         c = constant_value(t)
-        if c is None:
+        if c is None or mv is None:
             continue
         try:
-            cb, mb = np.broadcast_arrays(c, m)
+            cb, mb = np.broadcast_arrays(c, mv)
         except ValueError:
             continue
         if np.all(cb[mb == 1] == 0) and np.all(cb[mb == 0] <= _MASK_FILL):
             return
     raise unrecognized(
         "1 (core)",
-        f"the scores are multiplied by the 0/1 mask '{inputs(core.mask_mul)[1].name}' with no "
-        f"constant term that fills ≤ {_MASK_FILL:g} where it zeroes them and 0 elsewhere",
+        f"the scores are multiplied by the 0/1 mask '{m.name}' with no term that fills "
+        f"≤ {_MASK_FILL:g} where it zeroes them and 0 elsewhere",
         core.softmax,
         core.mask_mul.outputs[0],
     )
+
+
+def _fills_where_zero(t: Tensor, m: Tensor) -> bool:
+    """``t`` = ``(1 − m) · fill`` (either order) with a scalar ``fill`` ≤ −1e4."""
+    mul = producer(t, "Mul")
+    if mul is None:
+        return False
+    for x, k in (inputs(mul), inputs(mul)[::-1]):
+        fill, sub = scalar(k), producer(x, "Sub")
+        if fill is None or fill > _MASK_FILL or sub is None:
+            continue
+        one, mm = inputs(sub)
+        if mm is m and scalar(one) == 1:
+            return True
+    return False
 
 
 def soft_cap(t: Tensor | None) -> SoftCap | None:
