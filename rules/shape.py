@@ -12,6 +12,9 @@ left to keep the output's name (still one node instead of two).
 * ``fuse-casts``: Cast∘Cast → one Cast when the middle type holds every value exactly.
 * ``shape-through-transpose``: a dim read from a Transpose's shape is read from its input, so a
   Transpose kept alive only to be measured (T5's key length) can go.
+* ``scatter-slices-to-concat``: ScatterNDs that write consecutive rows of a tensor, every row
+  once (``new_empty`` filled by slice assignment) → one Concat of what they write.
+* ``concat-of-transposes``: a Concat of Transposes of one perm → one Transpose of the Concat.
 """
 
 from __future__ import annotations
@@ -505,3 +508,94 @@ class FuseCasts(Rule):
         if m.identity:
             return [m.x]
         return [b.op("Cast", [m.x], {"to": m.to}, like=m.root.outputs[0])]
+
+
+@register_rule
+class ScatterSlicesToConcat(Rule):
+    """``ScatterND`` steps that write rows ``[a, b)`` of axis 0, each its own range, together
+    every row of the tensor → one Concat of the updates in row order: the tensor they start
+    from is never read.  torch exports ``k = x.new_empty(...); k[..., :n] = a; k[..., n:] = b``
+    (MiniCPM3's and DeepSeek's keys from their no-rotary and rotary parts) this way, between
+    Transposes that bring the assigned axis first; a Concat is what the attention lift reads.
+    The root is the last write; each earlier one must feed only the next."""
+
+    name = "scatter-slices-to-concat"
+    root = "ScatterND"
+    level = 1
+    exclusive = False
+    summary = "ScatterNDs writing every row of axis 0 once → one Concat"
+
+    def match(self, node, cx):
+        out = node.outputs[0]
+        if any(c.op == "ScatterND" and c.inputs[0] is out for c in out.outputs):
+            raise NoMatch("structure", "not the last write", structural=True)
+        steps, t = [node], node.inputs[0]
+        while t.inputs and t.inputs[0].op == "ScatterND" and len(t.outputs) == 1:
+            steps.append(t.inputs[0])
+            t = t.inputs[0].inputs[0]
+        if len(steps) < 2:
+            raise NoMatch("structure", "a single write", structural=True)
+        return Match(node, {f"step{i}": n for i, n in enumerate(steps)} | {"base": t})
+
+    def check(self, m, cx):
+        rows, dim = [], m.base.shape[0] if m.base.shape else None
+        applies_only_if(isinstance(dim, (int, np.integer)))
+        for step in m.nodes():
+            idx = constant_value(step.inputs[1])
+            applies_only_if(
+                step.attrs.get("reduction", "none") == "none"
+                and idx is not None
+                and idx.ndim == 2
+                and idx.shape[1] == 1
+                and idx.size > 0
+            )
+            first = int(idx[0, 0])
+            applies_only_if(np.array_equal(idx[:, 0], np.arange(first, first + len(idx))))
+            applies_only_if(not cx.ir.is_graph_output(step.outputs[0]) or step is m.root)
+            rows.append((first, first + len(idx), step.inputs[2]))
+        rows.sort(key=lambda r: r[0])
+        edges = [r[0] for r in rows] + [rows[-1][1]]
+        applies_only_if(
+            edges[0] == 0
+            and edges[-1] == int(dim)
+            and all(p[1] == q[0] for p, q in zip(rows, rows[1:]))
+        )
+        m.stash(parts=[r[2] for r in rows])
+
+    def rewrite(self, m, b):
+        return [b.op("Concat", m.parts, {"axis": 0}, like=m.root.outputs[0])]
+
+
+@register_rule
+class ConcatOfTransposes(Rule):
+    """``Concat(T_p(a), T_p(b), …, axis=k)`` → ``T_p(Concat(a, b, …, axis=p[k]))``: one
+    Transpose instead of one per input, which a Transpose after the Concat may then cancel.
+    Every input is a Transpose of the same perm read only here."""
+
+    name = "concat-of-transposes"
+    root = "Concat"
+    level = 1
+    exclusive = False
+    summary = "Concat of Transposes of one perm → Transpose of the Concat"
+
+    def check(self, m, cx):
+        ins = m.root.inputs
+        trs = [t.inputs[0] if t.inputs else None for t in ins]
+        applies_only_if(len(ins) >= 2 and all(n is not None and n.op == "Transpose" for n in trs))
+        perms = [n.attrs.get("perm") for n in trs]
+        applies_only_if(perms[0] is not None and all(p == perms[0] for p in perms))
+        applies_only_if(all(len(t.outputs) == 1 and not cx.ir.is_graph_output(t) for t in ins))
+        perm = list(perms[0])
+        axis = int(m.root.attrs.get("axis", 0))
+        axis = axis + len(perm) if axis < 0 else axis
+        applies_only_if(0 <= axis < len(perm))
+        m.stash(perm=perm, axis=perm[axis], sources=[n.inputs[0] for n in trs])
+
+    def rewrite(self, m, b):
+        cat = b.op("Concat", m.sources, {"axis": m.axis}, name=f"{m.root.name}/untransposed")
+        out = m.root.outputs[0]
+        cat.dtype = out.dtype
+        if out.shape is not None:
+            inv = np.argsort(m.perm)
+            cat.shape = [out.shape[i] for i in inv]
+        return [b.op("Transpose", [cat], {"perm": m.perm}, like=out)]

@@ -133,9 +133,12 @@ def build(family: str):
         cfg.layer_types = layer_types[: cfg.num_hidden_layers]
     torch.manual_seed(0)
     # experts as batched MatMuls: the default loop counts tokens with histc, which no exporter
-    # takes
-    how = dict(attn_implementation="eager", experts_implementation="batched_mm")
-    model = AutoModel.from_config(cfg, **how).eval()
+    # takes (a transformers older than 5 has no such choice)
+    try:
+        how = dict(attn_implementation="eager", experts_implementation="batched_mm")
+        model = AutoModel.from_config(cfg, **how).eval()
+    except TypeError:
+        model = AutoModel.from_config(cfg, attn_implementation="eager").eval()
     rng = np.random.default_rng(0)
     if kind == "vis":
         size = getattr(cfg, "image_size", 64)
