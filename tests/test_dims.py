@@ -208,6 +208,34 @@ def test_arith_identities_and_expressions():
     assert arith("Mod", ("int", -7), ("int", 2), fmod=True) == ("int", -1)
 
 
+def test_arith_folds_nested_offsets():
+    s = ("param", "seq")
+    assert arith("Add", arith("Sub", s, ("int", 1)), ("int", 1)) == s
+    assert arith("Sub", arith("Add", ("int", 2), s), ("int", 5)) == arith("Sub", s, ("int", 3))
+    assert arith("Add", arith("Mul", s, ("int", 2)), ("int", 1))[1] == "Add"  # no offset: kept
+
+
+def test_the_last_cache_position_plus_one_is_the_sequence():
+    """Bloom's kv length ``cache_position[-1] + 1``, the positions ``Range(0, S, 1)``; the
+    first position is the start, another Range step is not followed."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Gather", ["shape", "one"], ["seq"], axis=0),
+        helper.make_node("Range", ["zero", "seq", "one"], ["positions"]),
+        helper.make_node("Gather", ["positions", "last"], ["final"], axis=0),
+        helper.make_node("Add", ["final", "one"], ["kv_len"]),
+        helper.make_node("Gather", ["positions", "zero"], ["first"], axis=0),
+        helper.make_node("Range", ["zero", "seq", "two"], ["evens"]),
+        helper.make_node("Gather", ["evens", "last"], ["even_last"], axis=0),
+    ]
+    inits = [const(n, v, np.int64) for n, v in (("zero", 0), ("one", 1), ("two", 2), ("last", -1))]
+    outs = [vi(n, None, TensorProto.INT64) for n in ("kv_len", "first", "even_last")]
+    t = tensors(model(nodes, [vi("x", ["batch", "seq"])], outs, inits))
+    assert shape_elements(t["kv_len"]) == [("param", "seq")]
+    assert shape_elements(t["first"]) == [("int", 0)]
+    assert shape_elements(t["even_last"]) is None
+
+
 # ------------------------------------------------------------------------- dims
 def test_dims_through_a_computed_pad():
     """The padded dims of torch's F.pad with pads computed from the input's shape."""

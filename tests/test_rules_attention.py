@@ -219,8 +219,8 @@ def attention(
             helper.make_node("Not", ["keys4"], ["kmask"]),
             helper.make_node("Where", ["rmask", "lowest", s], ["z"]),
         ]
-    elif mask in ("causal", "causal-mild"):  # GPT-2 (transformers 4.x): tril buffer slice
-        fill = np.finfo(np.float32).min if mask == "causal" else -10000.0
+    elif mask in ("causal", "causal-1e4", "causal-mild"):  # GPT-2 (4.x): tril buffer slice
+        fill = {"causal": np.finfo(np.float32).min, "causal-1e4": -1e4}.get(mask, -100.0)
         inputs.append(vi("mask_bias", ["batch", 1, 1, "seq"], elem))
         inits += [
             const("buffer", np.tril(np.ones((1, 1, 32, 32))), bool),
@@ -488,9 +488,19 @@ def test_unknown_head_split_is_missed_with_its_reason():
 
 # ------------------------------------------------------------------------- guards
 def test_mild_where_mask_is_missed():
+    """A fill of −100 leaves a masked key a weight beside visible ones: no bias stands for it."""
     out, report = run(attention(packed=True, mask="causal-mild"))
     assert codes(report, RULE) == ["mask-shape"]
     assert "Softmax" in hist(out) and report.parity.ok
+
+
+def test_a_fill_that_drowns_the_score_fuses_with_a_note():
+    """GPT-2's older ``masked_bias`` of −1e4: a masked key weighs nothing beside a visible one,
+    so the fill becomes the bias; the analysis remark says which rows are not the model's."""
+    out, report = run(attention(packed=True, mask="causal-1e4"))
+    assert codes(report, RULE) == [] and "Softmax" not in hist(out) and report.parity.ok
+    (note,) = [r for r in report.remarks if r.code == "mask-fill-not-absorbing"]
+    assert note.kind == "analysis" and note.args["fill"] == -1e4
 
 
 def test_per_head_scale_folds_into_the_query():

@@ -7,11 +7,14 @@ different layouts.  Every graph is checked against onnxruntime by graphopt's par
 from __future__ import annotations
 
 import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
 import pytest
 from onnx import TensorProto, helper
 
 from conftest import codes, const, model, run, vi
 from graphopt.opt.graph.ir import op_histogram
+from graphopt.rules.attention.masks import is_zero
 
 B, S, N, H = 2, 6, 2, 8
 D = N * H
@@ -229,10 +232,11 @@ def interleaved_heads(g: Graph) -> tuple[str, str, str]:
     return out[0], out[1], out[2]
 
 
-def folded(term: str, qkv: str = "separate"):
+def folded(term: str, qkv: str = "separate", pv_folded: bool = True):
     """bmm-style scores: Q3 [B·N,S,H] = Reshape(Q), Kᵀ3 = Transpose(Reshape(K)), the scores
     [B·N,S,T] plus a folded term, unfolded to [B,N,S,T] for the mask and the Softmax, then
-    folded back for P·V (Bloom's baddbmm with ALiBi, DeBERTa's c2p)."""
+    folded back for P·V (Bloom's baddbmm with ALiBi, DeBERTa's c2p) or not (``pv_folded``
+    False: GPT-NeoX's ``baddbmm`` of zeros times beta, P·V per head)."""
     g = Graph(3, static=True)
     g.inputs.append(vi("mask_bias", [B, 1, 1, S]))
     fold = g.const("fold3", [-1, S, H], np.int64)
@@ -249,6 +253,9 @@ def folded(term: str, qkv: str = "separate"):
         alibi = g.add("Reshape", [position_slopes(g), a4], "a4")
         tiled = g.add("Tile", [alibi, g.const("tile", [B, 1, 1, 1], np.int64)], "a_tiled")
         term_t = g.add("Reshape", [tiled, g.const("a3_shape", [-1, 1, S], np.int64)], "alibi3")
+    elif term == "zeros":  # torch.baddbmm(torch.zeros(...), q, kᵀ, beta=1.0, alpha=c)
+        zeros = g.add("ConstantOfShape", [g.add("Shape", [s], "s3_shape")], "zeros")
+        term_t = g.add("Mul", [zeros, g.const("beta", 1.0)], "zeros_beta")
     else:  # [B·N, S, T] computed from the folded query heads (content-to-position)
         w = g.const("Wpos", g.rng.standard_normal((H, S)) * 0.5)
         term_t = g.add("MatMul", [q3, w], "c2p")
@@ -256,18 +263,27 @@ def folded(term: str, qkv: str = "separate"):
     z = g.add("Reshape", [s, g.const("unfold", [-1, N, S, S], np.int64)], "z4")
     z = g.add("Add", [z, "mask_bias"], "z4_masked")
     p = g.add("Softmax", [z], "P", axis=-1)
+    if not pv_folded:
+        return g.finish(p, v)
     p3 = g.add("Reshape", [p, g.const("fold_p", [-1, S, S], np.int64)], "P3")
     return g.finish(p3, v, folded=True)
 
 
 @pytest.mark.parametrize(
-    "term, qkv",
-    [("slopes", "separate"), ("query-position", "separate"), ("slopes", "interleaved")],
+    "term, qkv, pv_folded",
+    [
+        ("slopes", "separate", True),
+        ("query-position", "separate", True),
+        ("slopes", "interleaved", True),
+        ("zeros", "separate", False),
+        ("slopes", "separate", False),
+    ],
 )
-def test_batch_and_heads_folded_around_the_softmax_fuse(term, qkv):
+def test_batch_and_heads_folded_around_the_softmax_fuse(term, qkv, pv_folded):
     """Also with q, k and v interleaved per head in one projection: they reach the kernel per
-    head ([B,S,N·H] for the query, [B,N,T,H] for key and value)."""
-    m = folded(term, qkv)
+    head ([B,S,N·H] for the query, [B,N,T,H] for key and value); and with the scores alone
+    folded, P·V per head."""
+    m = folded(term, qkv, pv_folded)
     out, report = run(m, target="cuda", inputs=feed(mask_bias=padding_bias()))
     assert report.parity.ran and report.parity.ok, report.parity
     assert attention_ops(out) == {"MultiHeadAttention": 1} and codes(report, RULE) == []
@@ -333,3 +349,18 @@ def test_a_scale_that_varies_within_a_head_is_missed():
     out, report = run(g.finish(g.add("Softmax", [s], "P", axis=-1), v), inputs=feed())
     assert codes(report, RULE) == ["scale-mismatch"]
     assert "Softmax" in op_histogram(out.graph.node) and report.parity.ok
+
+
+def test_zeros_of_a_run_time_shape_times_beta_are_a_zero_term():
+    """``baddbmm``'s zero input of the scores' run-time shape, times beta: no bias term; times
+    a computed factor (perhaps inf), not provably zeros."""
+    nodes = [
+        mk("Shape", ["x"], ["shape"]),
+        mk("ConstantOfShape", ["shape"], ["zeros"]),
+        mk("Mul", ["zeros", "beta"], ["zb"]),
+        mk("Mul", ["zeros", "x"], ["zx"]),
+    ]
+    outs = [vi("zb", None), vi("zx", None)]
+    m = model(nodes, [vi("x", ["batch", S])], outs, [const("beta", 1.0)])
+    t = gs.import_onnx(onnx.shape_inference.infer_shapes(m)).tensors()
+    assert is_zero(t["zeros"]) and is_zero(t["zb"]) and not is_zero(t["zx"])

@@ -190,20 +190,25 @@ def test_fairseq_keys_folded_per_head_with_a_mask_on_the_unfolded_scores_fuse(ta
     assert codes(report, "fuse-attention") == [] and "Softmax" not in op_histogram(out.graph.node)
 
 
-def test_a_mask_fill_no_bias_can_carry_leaves_the_folded_attention_as_it_is():
-    """float16's lowest (−65504) as the Where fill: fuse-attention would refuse it as a bias,
-    so unfold-3d-attention refuses first, naming it, and the graph keeps the model's spelling
+@pytest.mark.parametrize("fill,fuses", [(-65504.0, True), (-100.0, False)])
+def test_a_where_fill_becomes_the_bias_only_where_it_drowns_the_score(fill, fuses):
+    """float16's lowest (−65504) as the Where fill becomes the bias (no visible key's weight
+    survives beside it); −100 would not: fuse-attention would refuse it as a bias, so
+    unfold-3d-attention refuses first, naming it, and the graph keeps the model's spelling
     (no per-head form left behind)."""
     g = SeqFirst(15, computed=True)
     g.inputs.append(vi("pad", ["batch", 1, 1, "tgt"], TensorProto.BOOL))
     pad = np.zeros((B, 1, 1, T), bool)
     pad[0, ..., -1:] = True
-    m = g.attention(fairseq=True, fill=-65504.0)
+    m = g.attention(fairseq=True, fill=fill)
     out, report = run(m, target="cuda", inputs=feed(pad=pad))
     assert report.parity.ran and report.parity.ok, report.parity
+    if fuses:
+        assert fused(out) == {"MultiHeadAttention": 1}, op_histogram(out.graph.node)
+        return
     assert codes(report, "unfold-3d-attention") == ["mask-shape"]
     assert codes(report, "unfold-3d-attention", "passed") == [] and fused(out) == {}
-    assert "-65504" in next(r.message for r in report.remarks if r.code == "mask-shape")
+    assert "-100" in next(r.message for r in report.remarks if r.code == "mask-shape")
 
 
 def test_three_d_cross_attention_over_a_memory_of_another_length_fuses():

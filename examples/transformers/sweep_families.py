@@ -73,24 +73,26 @@ GROUPS = {
         "persimmon gpt_bigcode seed_oss smollm3 arcee hunyuan_v1_dense bitnet apertus cohere "
         "ernie4_5 glm glm4 olmo3 ministral granitemoe phimoe qwen3_moe qwen2_moe "
         "minicpm3 internlm3 vaultgemma doge nanochat helium cwm dots1 hunyuan_v1_moe glm4_moe "
-        "ernie4_5_moe openai-gpt imagegpt recurrent_gemma lfm2 cohere2 exaone4 xglm biogpt"
+        "ernie4_5_moe openai-gpt imagegpt recurrent_gemma lfm2 cohere2 exaone4 xglm biogpt gpt2 "
+        "opt bloom falcon gpt_neox gptj codegen gemma gemma2 mixtral phi starcoder2 qwen3"
     ),
     "enc": (
         "albert mpnet mobilebert rembert megatron-bert ernie camembert flaubert xlm "
         "data2vec-text layoutlm ibert roc_bert yoso mra splinter luke markuplm distilbert "
         "electra roberta-prelayernorm esm nystromformer modernbert deberta canine eurobert gte "
-        "nomic_bert jina_embeddings_v3 xlm-roberta-xl xmod bert-generation tapas"
+        "nomic_bert jina_embeddings_v3 xlm-roberta-xl xmod bert-generation tapas bert roberta "
+        "xlm-roberta deberta-v2 squeezebert convbert big_bird roformer longformer nezha"
     ),
     "vis": (
         "dinov2 yolos vit_msn data2vec-vision ijepa cvt deit clip_vision_model "
         "siglip_vision_model dpt glpn pvt levit vitdet hiera dinov2_with_registers focalnet "
         "poolformer textnet aimv2_vision_model mlcd_vision_model dinov3_vit swiftformer "
-        "beit"
+        "beit vit swin swinv2 segformer mobilevit"
     ),
-    "aud": "sew sew-d unispeech unispeech-sat data2vec-audio wav2vec2-bert hubert",
+    "aud": "sew sew-d unispeech unispeech-sat data2vec-audio wav2vec2-bert hubert wav2vec2",
     "s2s": (
         "led pegasus m2m_100 blenderbot blenderbot-small plbart bigbird_pegasus nllb-moe t5 "
-        "bart prophetnet fsmt longt5 mvp pegasus_x umt5 mbart"
+        "bart prophetnet fsmt longt5 mvp pegasus_x umt5 mbart mt5 marian"
     ),
 }
 #: sizes a family's config spells its own way: multi-head latent attention (low-rank q and

@@ -435,11 +435,29 @@ def arith(op: str, a: Key, b: Key, fmod: bool = False) -> Key:
         a, b, x, y = b, a, y, x
     if (op in ("Add", "Sub") and y == 0) or (op in ("Mul", "Div") and y == 1):
         return a
+    if op in ("Add", "Sub") and y is not None:
+        base, c = _offset(a)
+        if base is not a:  # (x ± c) ± y: one offset (``cache_position[-1] + 1`` is the limit)
+            c += y if op == "Add" else -y
+            return base if c == 0 else arith("Add" if c > 0 else "Sub", base, ("int", abs(c)))
     if op == "Div" and y and a[0] == "expr" and a[1] == "Mul" and b in a[2:]:
         return a[3] if a[2] == b else a[2]
     if op in _COMMUTATIVE:
         a, b = sorted((a, b), key=repr)
     return ("expr", op, a, b) if not fmod else ("expr", "FMod", a, b)
+
+
+def _offset(k: Key) -> tuple[Key, int]:
+    """``k`` as ``base + c``: the operands of ``x + c`` or ``x − c`` with a static ``c``, else
+    (k, 0)."""
+    if k[0] != "expr" or k[1] not in ("Add", "Sub"):
+        return k, 0
+    a, b = k[2], k[3]
+    if k[1] == "Sub":
+        return (a, -_int(b)) if _int(b) is not None else (k, 0)
+    if _int(b) is not None:
+        return a, _int(b)
+    return (b, _int(a)) if _int(a) is not None else (k, 0)
 
 
 def _array(keys: list[Key], shape: tuple[int, ...] | None = None) -> np.ndarray:
@@ -563,6 +581,8 @@ def _compute_values(t: Tensor, dims: Dims, depth: int) -> np.ndarray | None:
         return None
     if op in ARITH:
         return _binary(node, ins, dims, depth)
+    if op == "Gather" and ins[0].inputs and ins[0].inputs[0].op == "Range":
+        return _range_elements(ins[0].inputs[0], ins[1], dims, depth)
     x = _values(ins[0], dims, depth - 1)
     if x is None:
         return None
@@ -617,6 +637,24 @@ def _layout(node, ins, x: np.ndarray) -> np.ndarray | None:
     except (ValueError, IndexError, TypeError):
         return None
     return None
+
+
+def _range_elements(rng, idx: Tensor | None, dims: Dims, depth: int) -> np.ndarray | None:
+    """Constant indices into ``Range(start, limit, 1)``: ``start + i``, and ``limit + i`` for a
+    negative ``i`` (torch's ``cache_position[-1]``); the Gather fails at run time where the
+    index is out of the range."""
+    bounds = [_values(t, dims, depth - 1) for t in _inputs(rng)]
+    at = constant_value(idx, MAX_VALUES) if idx is not None else None
+    if len(bounds) != 3 or any(b is None or b.ndim != 0 for b in bounds) or at is None:
+        return None
+    start, limit, delta = (b.reshape(-1)[0] for b in bounds)
+    if delta != ("int", 1) or at.dtype.kind not in "iu" or at.ndim > 1:
+        return None
+    keys = [
+        arith("Sub", limit, ("int", -int(i))) if i < 0 else arith("Add", start, ("int", int(i)))
+        for i in at.reshape(-1)
+    ]
+    return _array(keys, at.shape)
 
 
 def _binary(node, ins, dims: Dims, depth: int) -> np.ndarray | None:

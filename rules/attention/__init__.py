@@ -72,7 +72,7 @@ read elsewhere or a graph output; a head split read elsewhere stays for that rea
 product of the constant factors becomes the ``scale`` attribute unless it is 1/√H),
 ``non-constant-param`` (a computed scale), ``dtype-mismatch``, ``reshape-not-identity`` (a
 Reshape between the two MatMuls not provably a no-op), ``mask-shape`` (a bias term of rank > 4
-or another dtype, a Where fill milder than −1e30, a window regroup that is not static),
+or another dtype, a Where fill milder than −1e4, a window regroup that is not static),
 ``slower-on-target`` (a static key length below the bound from which the target's kernel was
 measured to pay: onnxruntime CPU 128 keys), ``no-kernel`` / ``opset-too-old``. It is assumed, as
 every exporter guarantees, that the bias does not broadcast the scores to a larger shape (the

@@ -56,10 +56,11 @@ class Factor:
 @dataclass
 class FoldedHeads:
     """Batch and heads folded into one axis around the Softmax: the Reshapes of the scores to
-    [B,N,S,T] and of the probabilities back to [B·N,S,T], and the additive terms of the
-    folded scores (innermost first).  ``k_plain``: the key found is K [B,N,T,H], not Kᵀ."""
+    [B,N,S,T] and of the probabilities back to [B·N,S,T] (None where P·V is per head: the
+    scores alone are folded, GPT-NeoX's ``baddbmm``), and the additive terms of the folded
+    scores (innermost first).  ``k_plain``: the key found is K [B,N,T,H], not Kᵀ."""
 
-    probs: Node
+    probs: Node | None
     scores: Node | None = None
     terms: list[Tensor] = field(default_factory=list)
     term_adds: list[Node] = field(default_factory=list)
@@ -131,7 +132,7 @@ class Core:
         found = [self.root]
         found += [self.mid_reshape] if self.mid_reshape is not None else []
         found += [self.pv] + (list(self.nan_guard) if self.nan_guard else [])
-        found += [self.fold.probs] if self.fold is not None else []
+        found += [self.fold.probs] if self.fold is not None and self.fold.probs else []
         found += self.sink.nodes[:1] if self.sink is not None else []
         found += [self.row_guard] if self.row_guard is not None else []
         found += [self.softmax]
@@ -214,7 +215,7 @@ def match_core(root: Node) -> Core:
     _peel_scores(core, z)
     if row_guard is not None:
         _check_row_guard(core)
-    if fold is not None:
+    if core.fold is not None:
         _unfold_heads(core)
     return core
 
@@ -353,8 +354,10 @@ def pinned(rs: Node, want: list[set]) -> bool:
 
 
 def _unfold_heads(core: Core) -> None:
-    """Q, Kᵀ (or K) and V of a folded core as the [B,N,·,·] heads they were folded from."""
-    q4, v4 = unfolded(core.q), unfolded(core.v)
+    """Q, Kᵀ (or K) and V of a folded core as the [B,N,·,·] heads they were folded from (V as
+    it is where P·V is per head)."""
+    per_head_pv = core.fold.probs is None
+    q4, v4 = unfolded(core.q), core.v if per_head_pv else unfolded(core.v)
     kt4 = unfolded(core.kt)
     tr = producer(core.kt, "Transpose")
     k4 = None
@@ -380,7 +383,8 @@ def _unfold_heads(core: Core) -> None:
     s3 = inputs(core.fold.scores)[0]
     unfold = [{b}, {n}, {s, dims.key(s3, 1)}, {t, dims.key(s3, 2)}]
     fold = [{arith("Mul", b, n)}, {s}, {t}]
-    for rs, want in ((core.fold.scores, unfold), (core.fold.probs, fold)):
+    checks = [(core.fold.scores, unfold)] + ([] if per_head_pv else [(core.fold.probs, fold)])
+    for rs, want in checks:
         if not (keeps_last_two(rs) or pinned(rs, want)):
             raise unrecognized(
                 "1 (core)",
@@ -471,14 +475,14 @@ def _check_row_guard(core: Core) -> None:
         or inputs(where)[0] is not cond
         or zero_when_true != core.where_fills_true
         or fill is None
-        or fill > _MASK_FILL
+        or fill > MASK_FILL
         or not heads_shared
     ):
         raise unrecognized(
             "1 (core)",
             f"the probabilities are zeroed by '{guard.name}' where '{cond.name}' holds, which "
             "is not where the scores' mask Where fills them (the same condition, shared by the "
-            f"heads as [B,1,S,T], with a fill ≤ {_MASK_FILL:g})",
+            f"heads as [B,1,S,T], with a fill ≤ {MASK_FILL:g})",
             core.softmax,
             cond,
         )
@@ -497,11 +501,13 @@ def _peel_scores(core: Core, z: Tensor) -> None:
         core.where, z = where, inputs(where)[1]
     elif where is not None and is_scores(inputs(where)[2]):  # masked_fill(cond, fill)
         core.where, core.where_fills_true, z = where, True, inputs(where)[2]
-    if core.where is not None:  # terms added before the mask (MPT's ALiBi): exact for a fill
-        z, inner, inner_adds = peel_terms(z)  # ≤ −1e30, which swallows them where it masks
+    if core.where is not None:  # terms added before the mask (MPT's ALiBi): a fill ≤ −1e4
+        z, inner, inner_adds = peel_terms(z)  # drowns them where it masks
         core.terms, core.inner_adds = inner + core.terms, inner_adds
+    fold = producer(z, "Reshape")
+    if core.fold is None and fold is not None and rank(inputs(fold)[0]) == 3 and rank(z) == 4:
+        core.fold = FoldedHeads(None)  # the scores computed over folded heads, P·V per head
     if core.fold is not None:
-        fold = producer(z, "Reshape")
         if fold is None or rank(inputs(fold)[0]) != 3 or rank(z) != 4:
             raise unrecognized(
                 "1 (core)",
@@ -584,7 +590,7 @@ def _zero_one(t: Tensor, depth: int = 4) -> np.ndarray | None:
 
 #: an additive fill at or below this is exp-underflow in fp32 beside any score a model makes
 #: (|s| ≪ 1e4): ``s · 0 + fill`` and ``s + fill`` weigh nothing alike after the Softmax
-_MASK_FILL = -1e4
+MASK_FILL = -1e4
 
 
 def _check_mask_fill(core: Core) -> None:
@@ -603,12 +609,12 @@ def _check_mask_fill(core: Core) -> None:
             cb, mb = np.broadcast_arrays(c, mv)
         except ValueError:
             continue
-        if np.all(cb[mb == 1] == 0) and np.all(cb[mb == 0] <= _MASK_FILL):
+        if np.all(cb[mb == 1] == 0) and np.all(cb[mb == 0] <= MASK_FILL):
             return
     raise unrecognized(
         "1 (core)",
         f"the scores are multiplied by the 0/1 mask '{m.name}' with no term that fills "
-        f"≤ {_MASK_FILL:g} where it zeroes them and 0 elsewhere",
+        f"≤ {MASK_FILL:g} where it zeroes them and 0 elsewhere",
         core.softmax,
         core.mask_mul.outputs[0],
     )
@@ -621,7 +627,7 @@ def _fills_where_zero(t: Tensor, m: Tensor) -> bool:
         return False
     for x, k in (inputs(mul), inputs(mul)[::-1]):
         fill, sub = scalar(k), producer(x, "Sub")
-        if fill is None or fill > _MASK_FILL or sub is None:
+        if fill is None or fill > MASK_FILL or sub is None:
             continue
         one, mm = inputs(sub)
         if mm is m and scalar(one) == 1:

@@ -4,8 +4,9 @@ Every term added to the scores (a padding mask such as GPT-2's ``(1 − mask)·f
 BERT's, a causal mask, T5's relative position bias, or their sum shared by every layer) is an
 input of the fusion, never an intermediate of it: the terms are summed into the kernel's
 ``attention_bias`` ``[B|1, N|1, S, T]``.  A ``Where(cond, scores, fill)`` mask becomes
-``Where(cond, 0, fill)`` added to the bias — exact only for ``fill ≤ −1e30`` (then
-``s + fill == fill`` in fp32).  Swin's per-window mask is tiled over the images (see
+``Where(cond, 0, fill)`` added to the bias — exact for ``fill ≤ −1e30`` (then
+``s + fill == fill`` in fp32), the same weights wherever a key is visible for ``fill ≤ −1e4``
+(see :func:`check_where_fill`).  Swin's per-window mask is tiled over the images (see
 :class:`WindowPlan`).  A term that provably adds zeros (dynamo's ViT: ``Where(all-true, 0, min)``)
 is dropped.  Refusals are ``mask-shape`` naming stage 2 and the tensor.
 """
@@ -21,7 +22,7 @@ from graphopt.opt.graph.ir import Tensor, constant_value, dtype_of
 from graphopt.opt.rewrite.engine import NoMatch
 
 from ..activation import inputs, producer, scalar
-from .core import Core
+from .core import MASK_FILL, Core
 
 STAGE = "2 (lift)"
 
@@ -57,19 +58,24 @@ def mask_refused(message: str, tensor: Tensor | None, softmax_name: str) -> NoMa
     )
 
 
-#: a Where mask's fill moves into an additive bias only at or below this: it absorbs the score
+#: a Where mask's fill at or below this absorbs any score it is added to, exactly
 ABSORBING_FILL = -1e30
 
 
 def check_where_fill(fill: Tensor, softmax_name: str) -> float:
-    """The scalar fill of a Where mask of the scores, or the refusal: a fill above
-    :data:`ABSORBING_FILL` (float16's lowest, −65504, among them) added to a score is not the
-    fill."""
+    """The scalar fill of a Where mask of the scores, or the refusal.  A fill ≤
+    :data:`ABSORBING_FILL` absorbs any score it is added to, exactly.  One ≤ ``MASK_FILL``
+    (−1e4: ``masked_fill(mask, -1e9)``, float16's lowest −65504) does not, but weighs nothing
+    after the Softmax beside any key the mask leaves visible (``exp(s + fill − max)``
+    underflows to 0 in every precision): the fused attention differs only in a row whose every
+    key is masked (a sequence of padding alone), where the model averages all values
+    uniformly and the bias leaves the scores unmasked.  A higher fill is refused."""
     val = scalar(fill)
-    if val is None or val > ABSORBING_FILL:
+    if val is None or val > MASK_FILL:
         raise mask_refused(
-            f"the Where mask fills {val if val is not None else fill.name}; only −inf or "
-            "≤ −1e30 (which absorbs the score exactly) can move into an additive bias",
+            f"the Where mask fills {val if val is not None else fill.name}; only a fill "
+            f"≤ {MASK_FILL:g}, which no visible key's weight survives, can move into an "
+            "additive bias",
             fill,
             softmax_name,
         )
@@ -175,11 +181,22 @@ def _repeated_constant(t: Tensor | None) -> np.ndarray | None:
 
 
 def is_zero(t: Tensor | None, depth: int = 2) -> bool:
-    """Whether ``t`` is zeros for sure: a constant (maybe expanded) of zeros, or a Where whose
-    constant condition picks a branch of zeros everywhere."""
+    """Whether ``t`` is zeros for sure: a constant (maybe expanded) of zeros, a
+    ConstantOfShape of 0 times a finite constant (``baddbmm``'s zero input times ``beta``), or
+    a Where whose constant condition picks a branch of zeros everywhere."""
     v = _repeated_constant(t)
     if v is not None:
         return v.size > 0 and not np.any(v)
+    filled = producer(t, "ConstantOfShape")
+    if filled is not None:
+        value = filled.attrs.get("value")
+        return value is None or not np.any(np.asarray(getattr(value, "values", value)))
+    mul = producer(t, "Mul")
+    if mul is not None and depth > 0:
+        for z, c in (inputs(mul), inputs(mul)[::-1]):
+            f = constant_value(c)
+            if f is not None and f.size == 1 and np.isfinite(f).all() and is_zero(z, depth - 1):
+                return True
     where = producer(t, "Where")
     if where is None or depth == 0:
         return False

@@ -37,7 +37,7 @@ from .heads import (
 )
 from .lifted import Attention, QkvBias
 from .lower import lower
-from .masks import plan_bias
+from .masks import ABSORBING_FILL, plan_bias
 
 LIFT = "2 (lift)"
 LOWER = "3 (lower)"
@@ -258,6 +258,7 @@ class FuseMultiHeadAttention(Rule):
         k_seq = dims.key(a.k.x, a.axis("k", "seq"))
         a.bias = plan_bias(a.core, q_seq, k_seq, dims)
         self._lowering(a, cx)
+        _note_weak_fill(a, cx)
         if a.qkv_bias is not None:  # the bias Adds the kernel takes belong to the fusion
             m.stash(**{f"bias_add_{i}": add for i, add in enumerate(a.qkv_bias.adds)})
             m.stash(absorbed=[add.name for add in a.qkv_bias.adds])
@@ -382,6 +383,8 @@ class FuseMultiHeadAttention(Rule):
                 z4,
             )
         c, mid = a.core, a.core.mid_reshape
+        if c.fold.probs is None:  # P·V per head: the merge as in any attention
+            return
         elems = shape_elements(inputs(mid)[1], dims) if mid is not None else None
         heads = ("int", a.num_heads)
         want = [  # P·V [B·N,S,H] is as many rows as the folded V: B is them over N
@@ -580,6 +583,28 @@ def _head_factors(v: np.ndarray | None, heads: int) -> np.ndarray | None:
     return v.reshape(heads).astype(np.float64)
 
 
+def _note_weak_fill(a: Attention, cx) -> None:
+    """An analysis remark when the Where mask's fill becomes a bias it does not absorb: rows
+    with every key masked are not the model's (see ``check_where_fill``)."""
+    if a.bias is None or a.bias.where is None or a.bias.where[1] <= ABSORBING_FILL:
+        return
+    fill = a.bias.where[1]
+    cx.remarks.add(
+        Remark(
+            "analysis",
+            "fuse-attention",
+            "fuse-attention",
+            "mask-fill-not-absorbing",
+            (a.core.softmax.name,),
+            f"stage {LOWER}: the Where mask at '{a.core.root.name}' fills {fill:g}, which the "
+            "attention_bias adds to the score instead of replacing it: the same weights "
+            "wherever a key is visible; a row whose every key is masked (a sequence of "
+            "padding alone) attends as if unmasked where the model averages all values",
+            {"stage": LOWER, "fill": float(fill), "softmax": a.core.softmax.name},
+        )
+    )
+
+
 def _note_declared(a: Attention, cx) -> None:
     """An analysis remark when GroupQueryAttention rests on the user's declaration."""
     dims = current_dims()
@@ -627,7 +652,8 @@ def _shared_splits_kept(a: Attention, cx) -> list[Node]:
 def _mid_is_identity(a: Attention, dims: Dims) -> bool:
     """Whether the Reshape between P·V and the merge provably keeps [B,N,S,H]."""
     mid = a.core.mid_reshape
-    if mid is None or a.core.fold is not None:  # folded: checked by _check_fold
+    if mid is None or (a.core.fold is not None and a.core.fold.probs is not None):
+        # P·V over folded heads: checked by _check_fold
         return True
     c = a.core
     ctx = inputs(mid)[0]
