@@ -364,3 +364,24 @@ def test_zeros_of_a_run_time_shape_times_beta_are_a_zero_term():
     m = model(nodes, [vi("x", ["batch", S])], outs, [const("beta", 1.0)])
     t = gs.import_onnx(onnx.shape_inference.infer_shapes(m)).tensors()
     assert is_zero(t["zeros"]) and is_zero(t["zb"]) and not is_zero(t["zx"])
+
+
+@pytest.mark.parametrize("op", ["Div", "Mul"])
+def test_a_scale_after_the_causal_where_moves_inside_it(op):
+    """GPT-J: ``Where(causal, Q·Kᵀ, finfo.min) / √H``: the scale goes onto both branches."""
+    g = Graph(7)
+    g.inputs.append(vi("causal", [1, 1, "seq", "seq"], TensorProto.BOOL))
+    q, k, v = g.heads("q"), g.heads("k"), g.heads("v")
+    kt = g.add("Transpose", [k], "kt", perm=[0, 1, 3, 2])
+    s = g.add("MatMul", [q, kt], "qk")
+    s = g.add("Where", ["causal", s, g.const("fill", np.finfo(np.float32).min)], "masked")
+    c = np.sqrt(H) if op == "Div" else 1 / np.sqrt(H)
+    s = g.add(op, [s, g.const("c", c)], "scaled")
+    out, report = run(
+        g.finish(g.add("Softmax", [s], "P", axis=-1), v),
+        target="cuda",
+        inputs=feed(causal=np.tril(np.ones((1, 1, S, S), bool))),
+    )
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert codes(report, "scale-through-where", "passed") == ["fired"]
+    assert attention_ops(out) == {"MultiHeadAttention": 1} and codes(report, RULE) == []

@@ -81,13 +81,13 @@ GROUPS = {
         "data2vec-text layoutlm ibert roc_bert yoso mra splinter luke markuplm distilbert "
         "electra roberta-prelayernorm esm nystromformer modernbert deberta canine eurobert gte "
         "nomic_bert jina_embeddings_v3 xlm-roberta-xl xmod bert-generation tapas bert roberta "
-        "xlm-roberta deberta-v2 squeezebert convbert big_bird roformer longformer nezha"
+        "xlm-roberta deberta-v2 squeezebert convbert big_bird roformer longformer"
     ),
     "vis": (
         "dinov2 yolos vit_msn data2vec-vision ijepa cvt deit clip_vision_model "
         "siglip_vision_model dpt glpn pvt levit vitdet hiera dinov2_with_registers focalnet "
         "poolformer textnet aimv2_vision_model mlcd_vision_model dinov3_vit swiftformer "
-        "beit vit swin swinv2 segformer mobilevit"
+        "beit vit mobilevit"
     ),
     "aud": "sew sew-d unispeech unispeech-sat data2vec-audio wav2vec2-bert hubert wav2vec2",
     "s2s": (
@@ -95,10 +95,10 @@ GROUPS = {
         "bart prophetnet fsmt longt5 mvp pegasus_x umt5 mbart mt5 marian"
     ),
 }
-#: sizes a family's config spells its own way: multi-head latent attention (low-rank q and
-#: kv, a rotary part of each head), its layers dense rather than experts
+#: sizes a family's config spells its own way (None: not given, the config derives it)
 OWN_SIZES = {
-    f: dict(
+    # multi-head latent attention: low-rank q and kv, a rotary part of each head; dense layers
+    "minicpm3": dict(
         num_key_value_heads=4,
         qk_rope_head_dim=8,
         qk_nope_head_dim=16,
@@ -107,8 +107,10 @@ OWN_SIZES = {
         kv_lora_rank=32,
         q_lora_rank=48,
         first_k_dense_replace=2,
-    )
-    for f in ("minicpm3",)
+    ),
+    "gptj": dict(rotary_dim=8),  # a rotated part of the 16-wide heads
+    "codegen": dict(rotary_dim=8),
+    "falcon": dict(head_dim=None),
 }
 KIND_SIZES = {"dec": TEXT, "enc": TEXT, "s2s": TEXT, "vis": VISION, "aud": AUDIO}
 
@@ -127,7 +129,8 @@ def build(family: str):
 
     kind = kind_of(family)
     try:
-        cfg = AutoConfig.for_model(family, **{**KIND_SIZES[kind], **OWN_SIZES.get(family, {})})
+        sizes = {**KIND_SIZES[kind], **OWN_SIZES.get(family, {})}
+        cfg = AutoConfig.for_model(family, **{k: v for k, v in sizes.items() if v is not None})
     except (TypeError, ValueError):  # a size its config refuses: its defaults
         cfg = AutoConfig.for_model(family)
     layer_types = getattr(cfg, "layer_types", None)

@@ -11,9 +11,18 @@ Softmax (through masks and bias terms) and ``c`` is a constant scalar; also wher
 attention will not fuse after all (then stage 1 says why, not that it cannot read the scores:
 the cost is one more element-wise division).  The two spellings differ by the rounding of
 one division per score, well inside parity's tolerance.
+
+GPT-J (transformers before v5) scales after its causal mask::
+
+    z = Where(causal, Q·Kᵀ, fill) / c
+
+``scale-through-where`` writes it ``Where(causal, Q·Kᵀ / c, fill / c)`` (the fill a constant
+scalar, divided here): each element is the same division of the same value, so it is exact.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from graphopt.opt.graph.ir import Node, Tensor, dtype_of
 from graphopt.opt.rewrite.engine import Match, Rule
@@ -86,3 +95,54 @@ class DistributeScoreScale(Rule):
             p.dtype, p.shape = dtype_of(out), t.shape
             parts.append(p)
         return [b.op("Add", parts, like=out, name=f"{m.root.name}/sum")]
+
+
+def _scaled_where(node: Node) -> tuple[Node, int, Tensor, float] | None:
+    """(the Where, which of its branches is Q·Kᵀ, c, the fill) when ``node`` is
+    ``Where(cond, scores, fill) ÷|· c`` (either branch) with ``fill`` and ``c`` constant
+    scalars; else None."""
+    ins = inputs(node)
+    if node.op == "Div":
+        a, c = ins
+    else:
+        a, c = (ins[0], ins[1]) if scalar(ins[1]) is not None else (ins[1], ins[0])
+    where = producer(a, "Where")
+    if where is None or scalar(c) is None or len(a.outputs) != 1:
+        return None
+    _, x, y = inputs(where)
+    for side, scores, fill in ((1, x, y), (2, y, x)):
+        if is_scores(scores) and scalar(fill) is not None:
+            return where, side, c, scalar(fill)
+    return None
+
+
+@register_rule
+class ScaleThroughWhere(Rule):
+    name = "scale-through-where"
+    pattern = Alt(Op("Div", "scale"), Op("Mul", "scale"))
+    phase = "attention"
+    priority = 1  # before fuse-attention reads the scores
+    exclusive = False  # the Where it replaces has this node as its only reader
+    summary = "Where(cond, Q·Kᵀ, fill) ÷ c → Where(cond, Q·Kᵀ ÷ c, fill ÷ c)"
+
+    def match(self, node, cx):
+        found = _scaled_where(node)
+        if found is None or not _feeds_softmax(node.outputs[0]):
+            raise no_match()
+        m = Match(node, {"scale": node, "where": found[0]})
+        m.stash(parts=found[1:])
+        return m
+
+    def rewrite(self, m, b):
+        side, c, fill = m.parts
+        op, out = m.root.op, m.root.outputs[0]
+        dt = dtype_of(out)
+        ins = inputs(m.where)
+        scores = ins[side]
+        scaled = b.op(op, [scores, c], name=f"{m.root.name}/scores")
+        scaled.dtype, scaled.shape = dt, scores.shape
+        k = np.asarray(scalar(c), dtype=dt)
+        value = np.asarray(fill, dtype=dt) / k if op == "Div" else np.asarray(fill, dtype=dt) * k
+        new_fill = b.const(np.asarray(value, dtype=dt), "scaled_fill")
+        branches = [scaled, new_fill] if side == 1 else [new_fill, scaled]
+        return [b.op("Where", [ins[0], *branches], like=out, name=f"{m.root.name}/masked")]

@@ -387,11 +387,16 @@ class FuseMultiHeadAttention(Rule):
             return
         elems = shape_elements(inputs(mid)[1], dims) if mid is not None else None
         heads = ("int", a.num_heads)
+        # the probabilities, and the row guard's zeroed copy of them (its condition is the
+        # mask's, already broadcast into them: the same shape)
+        probs = [c.probs] + ([c.row_guard.outputs[0]] if c.row_guard is not None else [])
         want = [  # P·V [B·N,S,H] is as many rows as the folded V: B is them over N
-            {dims.key(a.q.x, a.axis("q", "batch")), dims.key(c.q, 0), dims.key(c.probs, 0)}
+            {dims.key(a.q.x, a.axis("q", "batch")), dims.key(c.q, 0)}
+            | {dims.key(p, 0) for p in probs}
             | {arith("Div", dims.key(c.ctx, 0), heads)},
             {("int", a.num_heads)},
-            {dims.key(a.q.x, a.axis("q", "seq")), dims.key(c.q, 2), dims.key(c.probs, 2)},
+            {dims.key(a.q.x, a.axis("q", "seq")), dims.key(c.q, 2)}
+            | {dims.key(p, 2) for p in probs},
             {("int", a.v_head_size), dims.key(c.v, 3)},
         ]
         minus_one = sum(e == ("int", -1) for e in elems or [])
