@@ -385,3 +385,21 @@ def test_a_scale_after_the_causal_where_moves_inside_it(op):
     assert report.parity.ran and report.parity.ok, report.parity
     assert codes(report, "scale-through-where", "passed") == ["fired"]
     assert attention_ops(out) == {"MultiHeadAttention": 1} and codes(report, RULE) == []
+
+
+def test_per_head_scores_with_folded_probabilities_fuse():
+    """DeBERTa-v2 (dynamo) once unfold-3d-scores made its scores per head: the probabilities
+    still folded to [B·N,S,T] for a folded V."""
+    g = Graph(8, static=True)
+    g.inputs.append(vi("mask_bias", [B, 1, 1, S]))
+    q, k, v = g.heads("q"), g.heads("k"), g.heads("v")
+    kt = g.add("Transpose", [k], "kt", perm=[0, 1, 3, 2])
+    s = g.add("Mul", [g.add("MatMul", [q, kt], "qk"), g.const("c", 0.5)], "s")
+    s = g.add("Add", [s, "mask_bias"], "z")
+    p = g.add("Softmax", [s], "P", axis=-1)
+    p3 = g.add("Reshape", [p, g.const("fold_p", [-1, S, S], np.int64)], "P3")
+    out, report = run(
+        g.finish(p3, v, folded=True), target="cuda", inputs=feed(mask_bias=padding_bias())
+    )
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert attention_ops(out) == {"MultiHeadAttention": 1} and codes(report, RULE) == []

@@ -143,7 +143,8 @@ class Core:
         found += self.term_adds[::-1] + ([self.where] if self.where is not None else [])
         found += self.inner_adds[::-1]
         if self.fold is not None:
-            found += [self.fold.scores] + self.fold.term_adds[::-1]
+            found += [self.fold.scores] if self.fold.scores is not None else []
+            found += self.fold.term_adds[::-1]
         found += [self.mask_mul] if self.mask_mul is not None else []
         found += self.softcap.nodes if self.softcap is not None else []
         return found + [f.node for f in self.factors] + [self.qk]
@@ -357,6 +358,9 @@ def _unfold_heads(core: Core) -> None:
     """Q, Kᵀ (or K) and V of a folded core as the [B,N,·,·] heads they were folded from (V as
     it is where P·V is per head)."""
     per_head_pv = core.fold.probs is None
+    if core.fold.scores is None:  # Q·Kᵀ per head already: V alone is folded
+        _unfold_values(core)
+        return
     q4, v4 = unfolded(core.q), core.v if per_head_pv else unfolded(core.v)
     kt4 = unfolded(core.kt)
     tr = producer(core.kt, "Transpose")
@@ -393,6 +397,32 @@ def _unfold_heads(core: Core) -> None:
                 core.softmax,
                 rs.outputs[0],
             )
+
+
+def _unfold_values(core: Core) -> None:
+    """Per-head scores, probabilities folded to [B·N,S,T] for a folded V [B·N,T,H]: V as the
+    [B,N,T,H] heads it was folded from, and the fold of the probabilities proven."""
+    v4 = unfolded(core.v)
+    if v4 is None or rank(core.q) != 4:
+        raise unrecognized(
+            "1 (core)",
+            f"the probabilities are folded to [B·N,S,T] after per-head scores, but V "
+            f"'{core.v.name}' is not a Reshape of [B,N,T,H] heads to [B·N,T,H]",
+            core.softmax,
+            core.v,
+        )
+    core.v = v4
+    dims = current_dims()
+    b, n, s, _ = (dims.key(core.q, i) for i in range(4))
+    rs = core.fold.probs
+    if not (keeps_last_two(rs) or pinned(rs, [{arith("Mul", b, n)}, {s}, {dims.key(v4, 2)}])):
+        raise unrecognized(
+            "1 (core)",
+            f"'{rs.outputs[0].name}' does not provably keep the last two dims of "
+            f"'{inputs(rs)[0].name}' when batch and heads are folded",
+            core.softmax,
+            rs.outputs[0],
+        )
 
 
 def peel_terms(z: Tensor) -> tuple[Tensor, list[Tensor], list[Node]]:
@@ -507,7 +537,9 @@ def _peel_scores(core: Core, z: Tensor) -> None:
     fold = producer(z, "Reshape")
     if core.fold is None and fold is not None and rank(inputs(fold)[0]) == 3 and rank(z) == 4:
         core.fold = FoldedHeads(None)  # the scores computed over folded heads, P·V per head
-    if core.fold is not None:
+    if core.fold is not None and (fold is None or rank(inputs(fold)[0]) != 3) and rank(z) == 4:
+        pass  # the scores per head already (unfold-3d-scores), the probabilities folded
+    elif core.fold is not None:
         if fold is None or rank(inputs(fold)[0]) != 3 or rank(z) != 4:
             raise unrecognized(
                 "1 (core)",

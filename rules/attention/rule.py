@@ -372,7 +372,7 @@ class FuseMultiHeadAttention(Rule):
     def _check_fold(self, a: Attention, dims: Dims) -> None:
         """Folded batch and heads: the scores are unfolded to [B,N,S,T] with the query's heads
         at axis 1, and P·V [B·N,S,H] back to [B,N,S,H] (then merged by the root)."""
-        z4 = a.core.fold.scores.outputs[0]
+        z4 = a.core.fold.scores.outputs[0] if a.core.fold.scores is not None else a.core.scores
         if dims.key(z4, 1) != ("int", a.num_heads):
             raise _refused(
                 "reshape-not-identity",
