@@ -219,8 +219,12 @@ def attention(
             helper.make_node("Not", ["keys4"], ["kmask"]),
             helper.make_node("Where", ["rmask", "lowest", s], ["z"]),
         ]
-    elif mask in ("causal", "causal-1e4", "causal-mild"):  # GPT-2 (4.x): tril buffer slice
-        fill = {"causal": np.finfo(np.float32).min, "causal-1e4": -1e4}.get(mask, -100.0)
+    elif mask in ("causal", "causal-1e4", "causal-half", "causal-mild"):  # GPT-2 (4.x)
+        fill = {  # tril buffer slice; -half: float16's lowest, a float16 export's finfo.min
+            "causal": np.finfo(np.float32).min,
+            "causal-1e4": -1e4,
+            "causal-half": np.finfo(np.float16).min,
+        }.get(mask, -100.0)
         inputs.append(vi("mask_bias", ["batch", 1, 1, "seq"], elem))
         inits += [
             const("buffer", np.tril(np.ones((1, 1, 32, 32))), bool),
@@ -593,6 +597,15 @@ def test_fp16_without_casts_has_no_contrib_kernel(cpu_without_fp16_casts):
 def test_fp16_on_cuda_fuses():
     out, report = run(attention(dtype=np.float16), target="cuda", check=False)
     assert hist(out)["com.microsoft.MultiHeadAttention"] == 1
+
+
+def test_a_float16_causal_where_of_float16s_lowest_fuses_on_cuda():
+    """GPT-2 exported in float16 by transformers 4.x: ``Where(causal, s, -65504)``."""
+    m = attention(packed=True, mask="causal-half", dtype=np.float16)
+    out, report = run(m, target="cuda", check=False)
+    assert hist(out)["com.microsoft.MultiHeadAttention"] == 1 and codes(report, RULE) == []
+    (note,) = [r for r in report.remarks if r.code == "mask-fill-not-absorbing"]
+    assert note.args["fill"] == -65504.0
 
 
 def _static_keys(m, keys: int):
