@@ -282,13 +282,7 @@ class SlicesToSplit(Rule):
             pieces.append((start, end, sl))
             applies_only_if(not cx.ir.is_graph_output(sl.outputs[0]))
         pieces.sort(key=lambda p: p[0])
-        edges = [p[0] for p in pieces] + [pieces[-1][1]]
-        applies_only_if(
-            len(axes) == 1
-            and edges[0] == 0
-            and edges[-1] == int(dim)
-            and all(p[1] == q[0] and p[1] > p[0] for p, q in zip(pieces, pieces[1:]))
-        )
+        applies_only_if(len(axes) == 1 and _tile(pieces, int(dim)))
         m.stash(axis=axes.pop(), pieces=pieces)
 
     def rewrite(self, m, b):
@@ -309,6 +303,17 @@ class SlicesToSplit(Rule):
             else:
                 b.ir.replace_all_uses(old, part)
         return [root_out]
+
+
+def _tile(pieces: list[tuple], dim: int) -> bool:
+    """Whether ``(start, end, …)`` pieces, sorted by start, cut ``[0, dim)`` into consecutive,
+    non-empty ranges."""
+    return (
+        pieces[0][0] == 0
+        and pieces[-1][1] == dim
+        and all(p[1] > p[0] for p in pieces)
+        and all(p[1] == q[0] for p, q in zip(pieces, pieces[1:]))
+    )
 
 
 def _shape_or_gemm(x) -> list | None:
@@ -554,12 +559,7 @@ class ScatterSlicesToConcat(Rule):
             applies_only_if(not cx.ir.is_graph_output(step.outputs[0]) or step is m.root)
             rows.append((first, first + len(idx), step.inputs[2]))
         rows.sort(key=lambda r: r[0])
-        edges = [r[0] for r in rows] + [rows[-1][1]]
-        applies_only_if(
-            edges[0] == 0
-            and edges[-1] == int(dim)
-            and all(p[1] == q[0] for p, q in zip(rows, rows[1:]))
-        )
+        applies_only_if(_tile(rows, int(dim)))
         m.stash(parts=[r[2] for r in rows])
 
     def rewrite(self, m, b):

@@ -389,14 +389,20 @@ def _unfold_heads(core: Core) -> None:
     fold = [{arith("Mul", b, n)}, {s}, {t}]
     checks = [(core.fold.scores, unfold)] + ([] if per_head_pv else [(core.fold.probs, fold)])
     for rs, want in checks:
-        if not (keeps_last_two(rs) or pinned(rs, want)):
-            raise unrecognized(
-                "1 (core)",
-                f"'{rs.outputs[0].name}' does not provably keep the last two dims of "
-                f"'{inputs(rs)[0].name}' when batch and heads are folded",
-                core.softmax,
-                rs.outputs[0],
-            )
+        _check_fold_reshape(core, rs, want)
+
+
+def _check_fold_reshape(core: Core, rs: Node, want: list[set]) -> None:
+    """The refusal unless the Reshape ``rs`` that folds or unfolds batch and heads provably
+    keeps the last two dims (or pins each axis to ``want``)."""
+    if not (keeps_last_two(rs) or pinned(rs, want)):
+        raise unrecognized(
+            "1 (core)",
+            f"'{rs.outputs[0].name}' does not provably keep the last two dims of "
+            f"'{inputs(rs)[0].name}' when batch and heads are folded",
+            core.softmax,
+            rs.outputs[0],
+        )
 
 
 def _unfold_values(core: Core) -> None:
@@ -414,15 +420,7 @@ def _unfold_values(core: Core) -> None:
     core.v = v4
     dims = current_dims()
     b, n, s, _ = (dims.key(core.q, i) for i in range(4))
-    rs = core.fold.probs
-    if not (keeps_last_two(rs) or pinned(rs, [{arith("Mul", b, n)}, {s}, {dims.key(v4, 2)}])):
-        raise unrecognized(
-            "1 (core)",
-            f"'{rs.outputs[0].name}' does not provably keep the last two dims of "
-            f"'{inputs(rs)[0].name}' when batch and heads are folded",
-            core.softmax,
-            rs.outputs[0],
-        )
+    _check_fold_reshape(core, core.fold.probs, [{arith("Mul", b, n)}, {s}, {dims.key(v4, 2)}])
 
 
 def peel_terms(z: Tensor) -> tuple[Tensor, list[Tensor], list[Node]]:

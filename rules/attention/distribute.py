@@ -51,14 +51,19 @@ def _feeds_softmax(t: Tensor, steps: int = 4) -> bool:
     return False
 
 
+def _scaled(node: Node) -> tuple[Tensor, Tensor]:
+    """(what is scaled, the factor or divisor) of a Div, or of a Mul whichever side is the
+    scalar."""
+    ins = inputs(node)
+    if node.op == "Div" or scalar(ins[1]) is not None:
+        return ins[0], ins[1]
+    return ins[1], ins[0]
+
+
 def _scaled_sum(node: Node) -> tuple[Node, Tensor, Tensor, Tensor] | None:
     """(the Add, scores, term, c) when ``node`` is ``(scores + term) ÷|· c`` with ``c`` a
     constant scalar and exactly one side Q·Kᵀ; else None."""
-    ins = inputs(node)
-    if node.op == "Div":
-        a, c = ins
-    else:
-        a, c = (ins[0], ins[1]) if scalar(ins[1]) is not None else (ins[1], ins[0])
+    a, c = _scaled(node)
     add = producer(a, "Add")
     if add is None or scalar(c) is None or len(a.outputs) != 1:
         return None
@@ -101,11 +106,7 @@ def _scaled_where(node: Node) -> tuple[Node, int, Tensor, float] | None:
     """(the Where, which of its branches is Q·Kᵀ, c, the fill) when ``node`` is
     ``Where(cond, scores, fill) ÷|· c`` (either branch) with ``fill`` and ``c`` constant
     scalars; else None."""
-    ins = inputs(node)
-    if node.op == "Div":
-        a, c = ins
-    else:
-        a, c = (ins[0], ins[1]) if scalar(ins[1]) is not None else (ins[1], ins[0])
+    a, c = _scaled(node)
     where = producer(a, "Where")
     if where is None or scalar(c) is None or len(a.outputs) != 1:
         return None
