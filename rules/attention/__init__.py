@@ -61,7 +61,8 @@ phase and only where a kernel and the cost bound would take the result (a refusa
 that rule): :mod:`.unfold3d` (attention over folded [B·N,T,H] heads, nn.MultiheadAttention
 with its weights; a Softmax over folded scores), :mod:`.packed3d` (SAM's packed heads folded
 before the unbind, its [B,N,h,w,H] merge, ViTDet's regrouped scores), :mod:`.channel_first`
-(SqueezeBERT's [B,C,S] heads) and :mod:`.distribute` (a scale applied after a term was added
+(SqueezeBERT's [B,C,S] heads), :mod:`.query_rows` (GPT-BigCode's multi-query heads as query
+rows) and :mod:`.distribute` (a scale applied after a term was added
 to the raw product: BROS).
 
 Guards (missed remarks carry ``stage``, ``tensor`` and ``softmax`` in their arguments):
@@ -84,6 +85,7 @@ from . import (  # noqa: F401  (register the rules)
     channel_first,
     distribute,
     packed3d,
+    query_rows,
     rule,
     unfold3d,
     windows5d,
