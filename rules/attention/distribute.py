@@ -74,22 +74,35 @@ def _scaled_sum(node: Node) -> tuple[Node, Tensor, Tensor, Tensor] | None:
     return (add, x, y, c) if sides[0] else (add, y, x, c)
 
 
-@register_rule
-class DistributeScoreScale(Rule):
-    name = "distribute-score-scale"
+class _ScaledScores(Rule):
+    """A Div or Mul by a scalar of something built from Q·Kᵀ that feeds a Softmax: ``find``
+    gives (the node it replaces, the rewrite's parts) or None."""
+
     pattern = Alt(Op("Div", "scale"), Op("Mul", "scale"))
     phase = "attention"
     priority = 1  # before fuse-attention reads the scores
-    exclusive = False  # the Add it replaces has this node as its only reader
-    summary = "(Q·Kᵀ + term) ÷ c → Q·Kᵀ ÷ c + term ÷ c (the term becomes a bias)"
+    exclusive = False  # the node it replaces has this one as its only reader
+
+    def find(self, node: Node) -> tuple[Node, tuple] | None:
+        raise NotImplementedError
 
     def match(self, node, cx):
-        found = _scaled_sum(node)
+        found = self.find(node)
         if found is None or not _feeds_softmax(node.outputs[0]):
             raise no_match()
-        m = Match(node, {"scale": node, "sum": found[0]})
-        m.stash(parts=found[1:])
+        m = Match(node, {"scale": node, "inner": found[0]})
+        m.stash(parts=found[1])
         return m
+
+
+@register_rule
+class DistributeScoreScale(_ScaledScores):
+    name = "distribute-score-scale"
+    summary = "(Q·Kᵀ + term) ÷ c → Q·Kᵀ ÷ c + term ÷ c (the term becomes a bias)"
+
+    def find(self, node):
+        found = _scaled_sum(node)
+        return None if found is None else (found[0], found[1:])
 
     def rewrite(self, m, b):
         scores, term, c = m.parts
@@ -118,27 +131,19 @@ def _scaled_where(node: Node) -> tuple[Node, int, Tensor, float] | None:
 
 
 @register_rule
-class ScaleThroughWhere(Rule):
+class ScaleThroughWhere(_ScaledScores):
     name = "scale-through-where"
-    pattern = Alt(Op("Div", "scale"), Op("Mul", "scale"))
-    phase = "attention"
-    priority = 1  # before fuse-attention reads the scores
-    exclusive = False  # the Where it replaces has this node as its only reader
     summary = "Where(cond, Q·Kᵀ, fill) ÷ c → Where(cond, Q·Kᵀ ÷ c, fill ÷ c)"
 
-    def match(self, node, cx):
+    def find(self, node):
         found = _scaled_where(node)
-        if found is None or not _feeds_softmax(node.outputs[0]):
-            raise no_match()
-        m = Match(node, {"scale": node, "where": found[0]})
-        m.stash(parts=found[1:])
-        return m
+        return None if found is None else (found[0], found[1:])
 
     def rewrite(self, m, b):
         side, c, fill = m.parts
         op, out = m.root.op, m.root.outputs[0]
         dt = dtype_of(out)
-        ins = inputs(m.where)
+        ins = inputs(m.inner)
         scores = ins[side]
         scaled = b.op(op, [scores, c], name=f"{m.root.name}/scores")
         scaled.dtype, scaled.shape = dt, scores.shape

@@ -33,14 +33,15 @@ from .unfold3d import require_attention_kernel
 _PERM = [0, 2, 1, 3]  # [B,S,N,T] ↔ [B,N,S,T]
 
 
-def _scale_steps(t: Tensor, mm: Node, limit: int = 4) -> list[Node] | None:
-    """The Mul/Div-by-scalar nodes from the product of ``mm`` to ``t`` (Adds of a zero term
-    skipped), innermost first; None when another op is between them."""
+def _scale_steps(t: Tensor, limit: int = 5) -> tuple[Node, list[Node]] | None:
+    """(the MatMul under ``t``, the Mul/Div-by-scalar nodes from its product to ``t``
+    innermost first), Adds of a zero term skipped; None when another op is between them."""
     steps = []
     for _ in range(limit + 1):
+        mm = producer(t, "MatMul")
+        if mm is not None:
+            return mm, steps[::-1]
         node = producer(t, ("Mul", "Div", "Add"))
-        if t is mm.outputs[0]:
-            return steps[::-1]
         if node is None:
             return None
         a, b = inputs(node)
@@ -48,8 +49,7 @@ def _scale_steps(t: Tensor, mm: Node, limit: int = 4) -> list[Node] | None:
             t = a if is_zero(b) else b if is_zero(a) else None
             if t is None:
                 return None
-            continue
-        if scalar(b) is not None:
+        elif scalar(b) is not None:
             steps.append(node)
             t = a
         elif node.op == "Mul" and scalar(a) is not None:
@@ -113,10 +113,10 @@ class UnfoldQueryRows(Rule):
         v3 = inputs(pv)[1]
         z = inputs(sm)[0]
         r4 = _scores_reshape(z)
-        mm = producer(inputs(r4)[0], "MatMul") if r4 is not None else None
-        mm = mm or _product_under(inputs(r4)[0]) if r4 is not None else None
-        if mm is None:
+        found = _scale_steps(inputs(r4)[0]) if r4 is not None else None
+        if found is None:
             raise no_match()
+        mm, scale = found
         q3, kt3 = inputs(mm)
         q3r = producer(q3, "Reshape")
         kt_tr = producer(kt3, "Transpose")
@@ -133,9 +133,8 @@ class UnfoldQueryRows(Rule):
             raise no_match()
         if not self._rows_of(dims, q, [q3r, r4, p3, node], width[1], head[1], heads):
             raise no_match()
-        scale = _scale_steps(inputs(r4)[0], mm)
         masks = _mask_steps(z, r4.outputs[0])
-        if scale is None or masks is None:
+        if masks is None:
             raise no_match()
         for step, at in masks:
             if step.op == "Where":
@@ -246,26 +245,3 @@ def _under_reshape(t: Tensor, depth: int = 4) -> bool:
     return (
         depth > 0 and node is not None and any(_under_reshape(i, depth - 1) for i in inputs(node))
     )
-
-
-def _product_under(t: Tensor) -> Node | None:
-    """The MatMul under scale steps and zero terms of the 3-D scores ``t``."""
-    for _ in range(5):
-        mm = producer(t, "MatMul")
-        if mm is not None:
-            return mm
-        node = producer(t, ("Mul", "Div", "Add"))
-        if node is None:
-            return None
-        a, b = inputs(node)
-        if node.op == "Add":
-            t = a if is_zero(b) else b if is_zero(a) else None
-        elif scalar(b) is not None:
-            t = a
-        elif node.op == "Mul" and scalar(a) is not None:
-            t = b
-        else:
-            return None
-        if t is None:
-            return None
-    return None
