@@ -312,6 +312,60 @@ def test_query_of_a_grouped_fused_projection_is_walked_per_head():
     assert run(out, inputs=feeds(NQ, batch=1, seq=1, past=7, seed=2))[1].parity.ok
 
 
+# ------------------------------------------- head groups of a fused projection, CodeGen
+def head_grouped_qkv(rotate: bool):
+    """CodeGen: one projection viewed as G=2 groups [B,S,G,3L] and Split on its last axis into
+    q, v and k [B,S,G,L] (L = two heads), each Reshape-d to [B,S,N,H]: no part is [B,S,D].
+    With ``rotate`` q and k are rotated head by head; the value is a plain split."""
+    rng = np.random.default_rng(13)
+    groups, part = 2, HIDDEN // 2
+    nodes, inits = freqs_mul("position_ids") if rotate else ([], [])
+    inits += [
+        const("Wqkv", rng.standard_normal((HIDDEN, 3 * HIDDEN)) * 0.2),
+        const("groups", [0, 0, groups, 3 * part], np.int64),
+        const("parts", [part] * 3, np.int64),
+        const("heads4", [0, 0, -1, H], np.int64),
+    ]
+    nodes += [
+        mk("MatMul", ["x", "Wqkv"], ["qkv"]),
+        mk("Reshape", ["qkv", "groups"], ["qkv4"]),
+        mk("Split", ["qkv4", "parts"], ["q_g", "v_g", "k_g"], axis=-1),
+    ]
+    for r in "qkv":
+        nodes += [
+            mk("Reshape", [f"{r}_g", "heads4"], [f"{r}_4"]),
+            mk("Transpose", [f"{r}_4"], [f"{r}_heads"], perm=[0, 2, 1, 3]),
+        ]
+    q, k = "q_heads", "k_heads"
+    if rotate:
+        for r in "qk":
+            n, i = rope(r, False)
+            nodes, inits = nodes + n, inits + i
+        q, k = "q_rot", "k_rot"
+    nodes.append(mk("Transpose", [k], ["kt"], perm=[0, 1, 3, 2]))
+    core, core_inits = _core(q, "kt", "v_heads", [], HIDDEN)
+    inputs = [vi("x", ["batch", "seq", HIDDEN])]
+    if rotate:
+        inputs.append(vi("position_ids", ["batch", "seq"], 7))
+    outputs = [vi("y", ["batch", "seq", HIDDEN])]
+    return _finish(nodes + core, inputs, outputs, inits + core_inits, opset=18)
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+@pytest.mark.parametrize("rotate", [False, True], ids=["plain", "rotated"])
+def test_head_groups_of_a_fused_projection_fuse(rotate, target):
+    """The parts of [B,S,G,3L] go to the kernel per head (was ``unknown-shape``: 'has rank 4;
+    MultiHeadAttention takes [B,S,D] inputs')."""
+    f = encoder_feeds()
+    del f["attention_mask"]
+    if not rotate:
+        del f["position_ids"]
+    out, report = assert_optimized(head_grouped_qkv(rotate), target=target, inputs=f)
+    h = op_histogram(out.graph.node)
+    assert h.get(MHA) == 1 and "Softmax" not in h, h
+    assert codes(report, RULE) == []
+
+
 # -------------------------------------------------- GQA from per-head queries and keys
 @pytest.mark.parametrize(
     "spelling", ["qk-norm", "partial-rotary"], ids=["qk-norm", "partial-rotary-concat"]

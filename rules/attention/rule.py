@@ -59,8 +59,10 @@ def lift(root: Node) -> Attention:
         or _of_3d(rotated_split(core.q))
         or per_head_split(core.q)
         or _query_per_head(core),
-        split_heads(core.kt, kperm) or already_split(core.kt, kperm) or per_head_key(core.kt),
-        split_heads(core.v, PERM_BNSH) or already_split(core.v, PERM_BNSH),
+        _of_3d(split_heads(core.kt, kperm))
+        or already_split(core.kt, kperm)
+        or per_head_key(core.kt),
+        _of_3d(split_heads(core.v, PERM_BNSH)) or already_split(core.v, PERM_BNSH),
     ]
     for name, split, t in zip(("Q", "Kᵀ", "V"), splits, (core.q, core.kt, core.v)):
         if split is None:
@@ -97,8 +99,9 @@ def lift(root: Node) -> Attention:
 
 
 def _of_3d(split: HeadSplit | None) -> HeadSplit | None:
-    """``split`` unless its source is known not to be [B,S,D] (the query of a fused
-    projection's head groups, Falcon's [B,S,G,r,H]: then walked as per-head)."""
+    """``split`` unless its source is known not to be [B,S,D] (a part of a fused projection's
+    head groups, Falcon's [B,S,G,r,H] or CodeGen's [B,S,G,3L] split on its last axis: then
+    walked as per-head)."""
     if split is not None and split.layout == "bsd" and rank(split.x) not in (None, 3):
         return None
     return split
