@@ -689,3 +689,39 @@ def test_dynamo_vit_and_gpt2_targets_fuse():
     h = hist(out)
     assert h["com.microsoft.MultiHeadAttention"] == 1 and h["Reshape"] == 1
     assert "Softmax" not in h and "Transpose" not in h
+
+
+def _computed_sequence(m, heads):
+    """The head split's target as [B, Min(S, 512), *heads] computed from Shape(x): a
+    sequence the dims do not prove, as dynamo writes a sliding-window cache's length (with
+    ``allowzero``, as dynamo's Reshapes have it)."""
+    m.graph.initializer.remove(next(t for t in m.graph.initializer if t.name == "heads"))
+    m.graph.initializer.extend([const("cap", [512], np.int64), const("tail", heads, np.int64)])
+    glue = [
+        helper.make_node("Shape", ["x"], ["x_b"], start=0, end=1),
+        helper.make_node("Shape", ["x"], ["x_s"], start=1, end=2),
+        helper.make_node("Min", ["x_s", "cap"], ["x_sc"]),
+        helper.make_node("Concat", ["x_b", "x_sc", "tail"], ["heads"], axis=0),
+    ]
+    for i, n in enumerate(glue):
+        m.graph.node.insert(i, n)
+    for n in m.graph.node:
+        if n.op_type == "Reshape" and n.input[1] == "heads":
+            n.attribute.append(helper.make_attribute("allowzero", 1))
+    return m
+
+
+def test_a_computed_sequence_is_the_sequence_when_heads_fill_the_width():
+    """[B, X, N, H] of a [B,S,N·H] projection: the element count makes X the sequence."""
+    m = _computed_sequence(attention(), [N, H])
+    out, report = assert_optimized(m)
+    assert hist(out).get("com.microsoft.MultiHeadAttention") == 1
+    assert codes(report, RULE) == []
+
+
+def test_a_computed_sequence_beside_inferred_heads_is_missed():
+    """[B, X, -1, H]: X·N' = S·N proves neither X nor N'."""
+    m = _computed_sequence(attention(), [-1, H])
+    out, report = run(m)
+    assert codes(report, RULE) == ["dynamic-heads"]
+    assert report.parity.ok

@@ -639,9 +639,10 @@ def _keeps_batch_seq(
 ) -> bool:
     copy = _copy_key(reshape) if lead == (0, 1) else ()  # a 0 would copy the unit axis
     seq = dims.key(x, lead[1])
-    s_ok = elems[1] in (*copy, seq, ("int", -1))
+    b_kept = elems[0] in (*copy, dims.key(x, 0))
+    s_ok = elems[1] in (*copy, seq, ("int", -1)) or (b_kept and _rest_is_width(elems[2:], x))
     b_ok = (
-        elems[0] in (*copy, dims.key(x, 0))
+        b_kept
         or (batch is not None and elems[0] in batch and elems[1] == ("int", -1))
         or (  # dynamo writes [-1, S, N, H]
             elems[0] == ("int", -1)
@@ -650,6 +651,16 @@ def _keeps_batch_seq(
         )
     )
     return b_ok and s_ok and elems[:2] != [("int", -1), ("int", -1)]
+
+
+def _rest_is_width(rest: list[Key], x: Tensor) -> bool:
+    """Whether the static trailing elements of a split's target multiply to the static width
+    of its 3-D source: with the batch kept, the one element left can then only be the
+    sequence (dynamo's symbolic length, such as GPT-Neo's ``max(min(past+seq, w) − min(w,
+    past), 0)`` of a sliding-window cache, is the sequence whenever the Reshape runs)."""
+    width = _static_width(x)
+    ints = [e[1] for e in rest if e[0] == "int" and e[1] > 0]
+    return width is not None and len(ints) == len(rest) and int(np.prod(ints)) == width
 
 
 def _heads_packed(reshape: Node, x: Tensor, dims: Dims) -> tuple[int, int] | str:
