@@ -172,12 +172,14 @@ def decoder(
     qk_norm=False,
     passed: int = 0,
     sinks: bool = False,
+    sink_gate: bool = False,
 ):
     """One decoder self-attention with a KV cache and RoPE, as the exporters write it; with
     ``qk_norm`` an RMSNorm over each q and k head before the rotation (Qwen3), with ``passed``
     (and ``phi3``) heads of H + ``passed`` of which the first H rotate (GPT-NeoX, Phi-2); with
     ``sinks`` GPT-OSS's learned sink logit per head concatenated to the scores, the row maximum
-    subtracted, and the sink's column sliced off the probabilities."""
+    subtracted, and the sink's column sliced off the probabilities; with ``sink_gate`` the same
+    sinks as Granite's gate on the context, ``(P·V)·sigmoid(logsumexp(z) − sink)``."""
     rng = np.random.default_rng(7)
     hp = H + passed
     nodes, inits = freqs_mul("position_ids")
@@ -202,14 +204,15 @@ def decoder(
         *(_sink_softmax("z", "P", dynamo) if sinks else []),
         *(
             []
-            if sinks
+            if sinks or sink_gate
             else [
                 mk("Softmax", ["z"], ["P0"], axis=-1),
                 mk("IsNaN", ["P0"], ["nan"]),
                 mk("Where", ["nan", "fzero", "P0"], ["P"]),
             ]
         ),
-        mk("MatMul", ["P", "v_all"], ["ctx"]),
+        *(_sink_gate("z", "P", "v_all", "ctx", dynamo) if sink_gate else []),
+        *([] if sink_gate else [mk("MatMul", ["P", "v_all"], ["ctx"])]),
         mk("Transpose", ["ctx"], ["ctxT"], perm=[0, 2, 1, 3]),
         mk("Reshape", ["ctxT", "merge"], ["y"]),
     ]
@@ -231,6 +234,8 @@ def decoder(
             const("sinks", rng.standard_normal((1, NQ, 1, 1)) * 2),
             const("one1", [1], np.int64),
         ]
+    if sink_gate:
+        inits.append(const("sinks3", rng.standard_normal((1, NQ, 1)) * 2))
     nodes = _topo(nodes, inputs_of(nkv, batch, hp), inits)
     for i, nd in enumerate(nodes):
         nd.name = f"n{i}_{nd.op_type}"
@@ -256,6 +261,25 @@ def _sink_softmax(z: str, p: str, dynamo: bool) -> list:
         mk("Sub", [f"{z}_cat", f"{z}_max"], [f"{z}_sub"]),
         mk("Softmax", [f"{z}_sub"], [f"{z}_p"], axis=-1),
         mk("Slice", [f"{z}_p", "zero1", "m1", "ax3"], [p]),
+    ]
+
+
+def _sink_gate(z: str, p: str, v: str, ctx: str, dynamo: bool) -> list:
+    """``{ctx}`` = (Softmax(z)·V) · Unsqueeze(Sigmoid(ReduceLogSumExp(z, −1) − sinks), −1),
+    the Sub and Sigmoid in float32 between Casts (TorchScript) or not (dynamo)."""
+    axes = {} if dynamo else {"axes": [-1]}
+    sub = [mk("Sub", [f"{z}_lse", "sinks3"], [f"{z}_gap"])]
+    if not dynamo:
+        sub.append(mk("Cast", [f"{z}_gap"], [f"{z}_gap32"], to=TensorProto.FLOAT))
+    gap = f"{z}_gap" if dynamo else f"{z}_gap32"
+    return [
+        mk("Softmax", [z], [p], axis=-1),
+        mk("MatMul", [p, v], [f"{ctx}_pv"]),
+        mk("ReduceLogSumExp", [z] + (["m1"] if dynamo else []), [f"{z}_lse"], keepdims=0, **axes),
+        *sub,
+        mk("Sigmoid", [gap], [f"{z}_gate"]),
+        mk("Unsqueeze", [f"{z}_gate", "m1"], [f"{z}_gate4"]),
+        mk("Mul", [f"{ctx}_pv", f"{z}_gate4"], [ctx]),
     ]
 
 

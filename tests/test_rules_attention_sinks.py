@@ -2,7 +2,9 @@
 row of the scores, the row maximum subtracted, the sink's column sliced off the probabilities.
 GroupQueryAttention takes them as ``head_sink`` where the decoder lowers to it; elsewhere
 MultiHeadAttention goes over one more key, a zero key and value whose bias column is the sink
-logit.  Spelled like both exporters, checked with onnxruntime parity on padded masks."""
+logit.  Spelled like both exporters, and as a gate on the context (Granite's sliding-window
+decoders: ``(P·V)·sigmoid(logsumexp(z) − sink)``), checked with onnxruntime parity on padded
+masks."""
 
 import pytest
 from test_rules_attention_llm import GQA, MHA, NQ, decoder, feeds, node
@@ -48,4 +50,19 @@ def test_sinks_elsewhere_go_to_multihead_attention_over_a_null_key(target):
         feeds(2, batch=3, seq=6, past=0, seed=2),
         feeds(2, batch=2, seq=1, past=9, left=True),
     ):
+        assert run(out, target=target, inputs=f)[1].parity.ok
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_sinks_spelled_as_a_gate_on_the_context_fuse(dynamo, target):
+    """``sigmoid(lse − c) = Σ eˢ / (Σ eˢ + eᶜ)``: the gate is the sink's share of the
+    denominator, so the sinks go to the kernel as the concatenated spelling's do."""
+    m = decoder(2, dynamo, batch=1, sink_gate=True)
+    out, report = assert_optimized(m, target=target, inputs=feeds(2, batch=1))
+    h = op_histogram(out.graph.node)
+    fused = GQA if target == "cpu" else MHA
+    assert h.get(fused) == 1 and "Softmax" not in h and "ReduceLogSumExp" not in h, h
+    assert codes(report, RULE) == []
+    for f in (feeds(2, batch=1, seq=6, past=0, seed=2), feeds(2, batch=1, seq=1, past=9)):
         assert run(out, target=target, inputs=f)[1].parity.ok

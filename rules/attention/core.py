@@ -9,7 +9,9 @@
     P      = Softmax(z) [→ Where(IsNaN(P), 0, P)]        (SDPA exports of transformers ≥ 4.48)
              [→ Where(cond, 0, P)]   (XSoftmax: DeBERTa, SEW-D; cond the mask Where's, [B,1,S,T])
              | Slice(Softmax(Concat([z, sink]) [− ReduceMax]), 0:−1)   (attention sinks, GPT-OSS)
-    ctx    = MatMul(P, V) [→ Reshape to itself]
+    ctx    = MatMul(P, V) [· Unsqueeze(Sigmoid(ReduceLogSumExp(z) [− sink]), −1)]
+             (the same sinks as a gate on the context, Granite's sliding-window decoders)
+             [→ Reshape to itself]
     out    = Transpose(ctx, (0,2,1,3) | (2,0,1,3))                       the rule's root
 
 Batch and heads may be folded into one axis around the Softmax (bmm-style exports: Bloom,
@@ -83,6 +85,7 @@ class Sink:
 
     values: np.ndarray  # one logit per head, or one for all
     nodes: list[Node]  # consumers first: the Slice, [the Sub, the ReduceMax,] the Concat
+    gate: bool = False  # spelled as a gate on P·V: the Mul, Unsqueeze, Sigmoid, Sub, LSE
 
 
 @dataclass
@@ -131,12 +134,14 @@ class Core:
         """The core's nodes, consumers first."""
         found = [self.root]
         found += [self.mid_reshape] if self.mid_reshape is not None else []
+        gate = self.sink is not None and self.sink.gate
+        found += self.sink.nodes if gate else []
         found += [self.pv] + (list(self.nan_guard) if self.nan_guard else [])
         found += [self.fold.probs] if self.fold is not None and self.fold.probs else []
-        found += self.sink.nodes[:1] if self.sink is not None else []
+        found += self.sink.nodes[:1] if self.sink is not None and not gate else []
         found += [self.row_guard] if self.row_guard is not None else []
         found += [self.softmax]
-        found += self.sink.nodes[1:] if self.sink is not None else []
+        found += self.sink.nodes[1:] if self.sink is not None and not gate else []
         if self.window is not None:
             found += [self.window.merge, *self.window.adds, self.window.split]
         found += [self.clamp] if self.clamp is not None else []
@@ -167,7 +172,9 @@ def match_core(root: Node) -> Core:
     perm = tuple(root.attrs.get("perm", ()))
     ctx = inputs(root)[0]
     mid = producer(ctx, "Reshape")
-    pv = producer(inputs(mid)[0] if mid is not None else ctx, "MatMul")
+    out = inputs(mid)[0] if mid is not None else ctx
+    gate = _sink_gate(out)
+    pv = producer(gate[0] if gate is not None else out, "MatMul")
     if pv is None:
         raise no_match()
     probs, v = inputs(pv)
@@ -213,6 +220,8 @@ def match_core(root: Node) -> Core:
     )
     if sliced is not None:
         z = _peel_sink(core, sliced, z)
+    elif gate is not None:
+        _take_gate(core, gate, z)
     _peel_scores(core, z)
     if row_guard is not None:
         _check_row_guard(core)
@@ -269,6 +278,63 @@ def _peel_sink(core: Core, sliced: Node, z: Tensor) -> Tensor:
     return inputs(cat)[0]
 
 
+def _sink_gate(out: Tensor) -> tuple[Tensor, list[Node], Tensor, Tensor] | None:
+    """Sinks spelled as a gate on the context (Granite's sliding-window attention):
+    ``(P·V) · Unsqueeze(Sigmoid(ReduceLogSumExp(z) − sink), −1)``, Casts allowed — the same
+    ``exp(sᵢ) / (Σ exp(sⱼ) + exp(sinkₙ))``, since ``sigmoid(lse − c) = Σ eˢ / (Σ eˢ + eᶜ)``.
+    (P·V, the gate's nodes consumers first, the LSE's input, the sink — None where a zero
+    sink's Sub was folded away) or None."""
+    mul = producer(out, "Mul")
+    if mul is None:
+        return None
+    for pv_out, g in (inputs(mul), inputs(mul)[::-1]):
+        nodes = [mul]
+        t = g
+        for op in ("Cast", "Unsqueeze", "Sigmoid", "Cast", "Sub"):
+            node = producer(t, op)
+            if node is None and op in ("Cast", "Sub"):  # a zero sink's Sub folded away
+                continue
+            if node is None or (op == "Unsqueeze" and not _on_last_axis(node)):
+                break
+            nodes.append(node)
+            t = inputs(node)[0]
+        else:
+            lse = producer(t, "ReduceLogSumExp")
+            if lse is not None and _on_last_axis(lse) and not lse.attrs.get("keepdims", 1):
+                sub = nodes[-1] if nodes[-1].op == "Sub" else None
+                return pv_out, nodes + [lse], inputs(lse)[0], inputs(sub)[1] if sub else None
+    return None
+
+
+def _on_last_axis(node: Node) -> bool:
+    """Whether a reduction or Unsqueeze of 4-D scores names only their last axis (axes an
+    attribute or an input)."""
+    ins = inputs(node)
+    axes = constant_value(ins[1]) if len(ins) > 1 else node.attrs.get("axes")
+    return axes is not None and list(np.asarray(axes).reshape(-1)) in ([-1], [3])
+
+
+def _take_gate(core: Core, gate: tuple, z: Tensor) -> None:
+    """Fill ``core.sink`` from a gate on P·V (:func:`_sink_gate`) over the Softmax's input."""
+    _, nodes, lse_in, sink = gate
+    values = constant_value(sink) if sink is not None else np.zeros(1, np.float32)
+    heads = None
+    if lse_in is z and values is not None and values.ndim <= 3:
+        v = values.reshape((1,) * (3 - values.ndim) + values.shape)  # against [B,N,S]
+        if np.all(v == v[:1, :, :1]):
+            heads = np.ascontiguousarray(v[0, :, 0])
+    if heads is None:
+        at = sink if sink is not None else lse_in
+        raise unrecognized(
+            "1 (core)",
+            f"the context is gated by Sigmoid(ReduceLogSumExp − sink) at '{at.name}', but not "
+            "of the Softmax's own scores with a constant logit per head [1,N,1]",
+            core.softmax,
+            at,
+        )
+    core.sink = Sink(heads, nodes, gate=True)
+
+
 def _per_head_logits(values: np.ndarray | None) -> np.ndarray | None:
     """The logits [N] (or [1]) of a constant sink column [B|1, N|1, S|1, 1] (perhaps already
     expanded by a fold) that is the same in every batch row and query row, else None."""
@@ -285,10 +351,7 @@ def _row_max(m: Tensor, z: Tensor) -> Node | None:
     rm = producer(m, "ReduceMax")
     if rm is None or inputs(rm)[0] is not z or not rm.attrs.get("keepdims", 1):
         return None
-    axes = constant_value(inputs(rm)[1]) if len(inputs(rm)) > 1 else rm.attrs.get("axes")
-    if axes is None or list(np.asarray(axes).reshape(-1)) not in ([-1], [3]):
-        return None
-    return rm
+    return rm if _on_last_axis(rm) else None
 
 
 def unfolded(t: Tensor | None) -> Tensor | None:
