@@ -95,6 +95,42 @@ GROUPS = {
         "bart prophetnet fsmt longt5 mvp pegasus_x umt5 mbart mt5 marian"
     ),
 }
+#: multi-head latent attention (DeepSeek-V2/V3 and the families built on it), dense layers
+MLA = dict(
+    num_key_value_heads=4,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    head_dim=8,
+    kv_lora_rank=32,
+    q_lora_rank=48,
+    first_k_dense_replace=2,
+    mlp_layer_types=["dense", "dense"],
+)
+#: Swin's stages: two of two blocks, 4×4 windows over 16×16 patches
+SWIN = dict(
+    embed_dim=32,
+    depths=[2, 2],
+    num_heads=[2, 4],
+    window_size=4,
+    patch_size=4,
+    num_attention_heads=None,
+    num_hidden_layers=None,
+    hidden_size=None,
+)
+#: PVT-v2 and SegFormer: two stages with spatial reduction of the keys
+PYRAMID = dict(
+    num_encoder_blocks=2,
+    depths=[1, 1],
+    sr_ratios=[2, 1],
+    hidden_sizes=[32, 64],
+    patch_sizes=[7, 3],
+    strides=[4, 2],
+    num_attention_heads=[1, 2],
+    mlp_ratios=[4, 4],
+    hidden_size=None,
+    num_hidden_layers=None,
+)
 #: sizes a family's config spells its own way (None: not given, the config derives it)
 OWN_SIZES = {
     # multi-head latent attention: low-rank q and kv, a rotary part of each head; dense layers
@@ -111,6 +147,15 @@ OWN_SIZES = {
     "gptj": dict(rotary_dim=8),  # a rotated part of the 16-wide heads
     "codegen": dict(rotary_dim=8),
     "falcon": dict(head_dim=None),
+    **{f: MLA for f in "deepseek_v2 deepseek_v3 glm4_moe_lite sarvam_mla youtu mistral4".split()},
+    **{f: SWIN for f in "swin swinv2 donut-swin maskformer-swin".split()},
+    **{f: PYRAMID for f in ("pvt_v2", "segformer")},
+    "funnel": dict(block_sizes=[1, 1], num_hidden_layers=None, d_head=16),
+    "xlnet": dict(max_position_embeddings=None, d_head=16),
+    "mobilevitv2": dict(image_size=128, num_hidden_layers=None, hidden_size=None),
+    # the hybrids put one full attention after three linear ones
+    "qwen3_next": dict(num_hidden_layers=4),
+    "qwen3_5_text": dict(num_hidden_layers=4),
 }
 KIND_SIZES = {"dec": TEXT, "enc": TEXT, "s2s": TEXT, "vis": VISION, "aud": AUDIO}
 

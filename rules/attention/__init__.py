@@ -14,7 +14,8 @@ its MatMuls), in three stages, each a module with typed results:
    attention sinks (a constant logit per head concatenated to the scores, the row maximum
    subtracted, its column sliced off: GPT-OSS; or the context gated by
    ``sigmoid(logsumexp(scores) − sink)``, the same sink: Granite's sliding-window decoders);
-   terms added under the mask's Where (ALiBi, then masked_fill); a 0/1 mask multiplied in with an additive fill ≤ −1e4 (OpenAI GPT).
+   terms added under the mask's Where (ALiBi, then masked_fill); a 0/1 mask multiplied in with
+   an additive fill ≤ −1e4 (OpenAI GPT).
 2. lift (:mod:`.heads`, :mod:`.masks`): how q/k/v ``[B,S,D]`` are split into heads
    (batch-first, sequence-first — also with dynamo's 3-D Kᵀ, nn.MultiheadAttention —, one
    packed projection, dynamo's 3-D Kᵀ; a constant query [B,N,S,H]; a cross-attention
