@@ -95,7 +95,8 @@ GROUPS = {
         "bart prophetnet fsmt longt5 mvp pegasus_x umt5 mbart mt5 marian"
     ),
 }
-#: multi-head latent attention (DeepSeek-V2/V3 and the families built on it), dense layers
+#: multi-head latent attention (MiniCPM3, DeepSeek-V2/V3 and the families built on it): low-rank
+#: q and kv, a rotary part of each head; dense layers
 MLA = dict(
     num_key_value_heads=4,
     qk_rope_head_dim=8,
@@ -133,17 +134,7 @@ PYRAMID = dict(
 )
 #: sizes a family's config spells its own way (None: not given, the config derives it)
 OWN_SIZES = {
-    # multi-head latent attention: low-rank q and kv, a rotary part of each head; dense layers
-    "minicpm3": dict(
-        num_key_value_heads=4,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-        head_dim=8,
-        kv_lora_rank=32,
-        q_lora_rank=48,
-        first_k_dense_replace=2,
-    ),
+    "minicpm3": MLA,
     "gptj": dict(rotary_dim=8),  # a rotated part of the 16-wide heads
     "codegen": dict(rotary_dim=8),
     "falcon": dict(head_dim=None),
