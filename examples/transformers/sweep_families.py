@@ -74,22 +74,32 @@ GROUPS = {
         "ernie4_5 glm glm4 olmo3 ministral granitemoe phimoe qwen3_moe qwen2_moe "
         "minicpm3 internlm3 vaultgemma doge nanochat helium cwm dots1 hunyuan_v1_moe glm4_moe "
         "ernie4_5_moe openai-gpt imagegpt recurrent_gemma lfm2 cohere2 exaone4 xglm biogpt gpt2 "
-        "opt bloom falcon gpt_neox gptj codegen gemma gemma2 mixtral phi starcoder2 qwen3"
+        "opt bloom falcon gpt_neox gptj codegen gemma gemma2 mixtral phi starcoder2 qwen3 "
+        "deepseek_v3 olmoe gemma3_text exaone gpt_oss granitemoeshared flex_olmo ministral3 "
+        "jais2 youtu hyperclovax glm4_moe_lite gpt_neox_japanese diffllama gpt-sw3 mellum "
+        "laguna minimax qwen3_vl_text qwen3_5_text modernbert-decoder cpmant qwen3_next "
+        "exaone_moe solar_open sarvam_mla mistral4 granite_swa"
     ),
     "enc": (
         "albert mpnet mobilebert rembert megatron-bert ernie camembert flaubert xlm "
         "data2vec-text layoutlm ibert roc_bert yoso mra splinter luke markuplm distilbert "
         "electra roberta-prelayernorm esm nystromformer modernbert deberta canine eurobert gte "
         "nomic_bert jina_embeddings_v3 xlm-roberta-xl xmod bert-generation tapas bert roberta "
-        "xlm-roberta deberta-v2 squeezebert convbert big_bird roformer longformer"
+        "xlm-roberta deberta-v2 squeezebert convbert big_bird roformer longformer fnet xlnet "
+        "dpr ultrabert embedding_gemma2_text clip_text_model funnel"
     ),
     "vis": (
         "dinov2 yolos vit_msn data2vec-vision ijepa cvt deit clip_vision_model "
         "siglip_vision_model dpt glpn pvt levit vitdet hiera dinov2_with_registers focalnet "
         "poolformer textnet aimv2_vision_model mlcd_vision_model dinov3_vit swiftformer "
-        "beit vit mobilevit"
+        "beit vit mobilevit swin swinv2 donut-swin maskformer-swin pvt_v2 segformer "
+        "sam_vision_model idefics3_vision smolvlm_vision internvl_vision mlcd pixtral sapiens2 "
+        "radio pixio mobilevitv2"
     ),
-    "aud": "sew sew-d unispeech unispeech-sat data2vec-audio wav2vec2-bert hubert wav2vec2",
+    "aud": (
+        "sew sew-d unispeech unispeech-sat data2vec-audio wav2vec2-bert hubert wav2vec2 wavlm "
+        "wav2vec2-conformer"
+    ),
     "s2s": (
         "led pegasus m2m_100 blenderbot blenderbot-small plbart bigbird_pegasus nllb-moe t5 "
         "bart prophetnet fsmt longt5 mvp pegasus_x umt5 mbart mt5 marian"
@@ -138,12 +148,12 @@ OWN_SIZES = {
     "gptj": dict(rotary_dim=8),  # a rotated part of the 16-wide heads
     "codegen": dict(rotary_dim=8),
     "falcon": dict(head_dim=None),
-    **{f: MLA for f in "deepseek_v2 deepseek_v3 glm4_moe_lite sarvam_mla youtu mistral4".split()},
+    **{f: MLA for f in "deepseek_v3 glm4_moe_lite sarvam_mla youtu mistral4".split()},
     **{f: SWIN for f in "swin swinv2 donut-swin maskformer-swin".split()},
     **{f: PYRAMID for f in ("pvt_v2", "segformer")},
-    "funnel": dict(block_sizes=[1, 1], num_hidden_layers=None, d_head=16),
+    "funnel": dict(block_sizes=[1, 1], block_repeats=[1, 1], num_hidden_layers=None, d_head=16),
     "xlnet": dict(max_position_embeddings=None, d_head=16),
-    "mobilevitv2": dict(image_size=128, num_hidden_layers=None, hidden_size=None),
+    "mobilevitv2": dict(image_size=128, patch_size=2, num_hidden_layers=None, hidden_size=None),
     # the hybrids put one full attention after three linear ones
     "qwen3_next": dict(num_hidden_layers=4),
     "qwen3_5_text": dict(num_hidden_layers=4),
@@ -172,6 +182,8 @@ def build(family: str):
     layer_types = getattr(cfg, "layer_types", None)
     if isinstance(layer_types, list):
         cfg.layer_types = layer_types[: cfg.num_hidden_layers]
+    if getattr(cfg, "architectures", []) is None:  # Funnel's loader iterates over it
+        cfg.architectures = []
     torch.manual_seed(0)
     # experts as batched MatMuls: the default loop counts tokens with histc, which no exporter
     # takes (a transformers older than 5 has no such choice)
