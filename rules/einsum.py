@@ -11,12 +11,20 @@ rules then read those MatMuls; onnxruntime runs an Einsum by the same transposes
 Left alone: an ellipsis, a repeated letter (a trace or a diagonal), a letter summed over in
 one operand only, an operand whose rank does not match its letters, more than one letter of a
 class (that needs Reshapes), or a summed dim static and different in the two operands.
+
+A projection by a constant weight with several letters on a side (XLNet's
+``einsum("ibh,hnd->ibnd", x, Wq)`` straight into heads and ``einsum("ibnd,hnd->ibh", ctx,
+Wo)`` out of them) is ``einsum-projection``: the weight transposed and flattened to a matrix,
+the activation's summed dims flattened, one MatMul and a Reshape back to the output's dims:
+the MatMul and head split the attention rules know.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from graphopt.opt.graph.dims import rank
-from graphopt.opt.graph.ir import dtype_of
+from graphopt.opt.graph.ir import constant_value, dtype_of
 from graphopt.opt.rewrite.engine import Match, Rule
 from graphopt.opt.rewrite.manager import register_rule
 from graphopt.opt.rewrite.patterns import Op
@@ -100,6 +108,75 @@ class EinsumToMatMul(Rule):
             prod.shape = node.outputs[0].shape
             return [prod]
         return [b.op("Transpose", [prod], {"perm": po}, like=node.outputs[0], name=f"{name}/out")]
+
+
+def projection(x: str, w: str, out: str) -> tuple[list[int], int] | None:
+    """(the permutation of the weight to [k…, n…], how many leading dims of the activation
+    are kept) when ``x`` = m… k… and ``out`` = m… n…, with the k letters summed against the
+    weight ``w`` = the k and n letters in any order; else None."""
+    k = [c for c in x if c in w and c not in out]
+    n = [c for c in out if c in w and c not in x]
+    m = out[: len(out) - len(n)]
+    if not m or not k or not n or x != m + "".join(k) or out != m + "".join(n):
+        return None
+    if set(w) != set(k + n):
+        return None
+    return [w.index(c) for c in k + n], len(m)
+
+
+@register_rule
+class EinsumProjection(Rule):
+    name = "einsum-projection"
+    pattern = Op("Einsum", "x", "w")
+    phase = "fuse"
+    summary = "a projection by a constant weight spelled as Einsum → MatMul and Reshapes"
+
+    def match(self, node, cx):
+        found = parse(str(node.attrs.get("equation", "")))
+        ins = inputs(node)
+        if found is None or len(ins) != 2 or any(t is None for t in ins):
+            raise no_match()
+        (a, wl, out), (x, w) = found, ins
+        weight = constant_value(w)
+        if weight is None or plan(a, wl, out) is not None:  # one MatMul already: einsum-to-matmul
+            raise no_match()
+        how = projection(a, wl, out)
+        if how is None or rank(x) != len(a) or weight.ndim != len(wl):
+            raise no_match()
+        if weight.dtype != dtype_of(x):
+            raise no_match()
+        perm, kept = how
+        k_dims = [weight.shape[i] for i in perm[: len(a) - kept]]
+        for i, d in enumerate(k_dims):
+            if _static(x, kept + i) not in (None, d):
+                raise no_match()
+        m = Match(node, {"einsum": node})
+        m.stash(weight=weight, perm=perm, kept=kept, k=len(k_dims))
+        return m
+
+    def rewrite(self, m, b):
+        node = m.root
+        x = inputs(node)[0]
+        name = node.name or "Einsum"
+        w = np.transpose(m.weight, m.perm)
+        k_dims, n_dims = list(w.shape[: m.k]), list(w.shape[m.k :])
+        matrix = b.const(np.ascontiguousarray(w.reshape(int(np.prod(k_dims)), -1)), "weight")
+        if m.k > 1:
+            flat = b.const(np.array([0] * m.kept + [int(np.prod(k_dims))], np.int64), "flat")
+            x = _reshaped(b, x, flat, f"{name}/flat")
+        prod = b.op("MatMul", [x, matrix], name=f"{name}/matmul")
+        prod.dtype = dtype_of(node.outputs[0])
+        if len(n_dims) == 1:
+            prod.shape = node.outputs[0].shape
+            return [prod]
+        dims = b.const(np.array([0] * m.kept + n_dims, np.int64), "split")
+        return [b.op("Reshape", [prod, dims], like=node.outputs[0], name=f"{name}/split")]
+
+
+def _reshaped(b, t, dims, name: str):
+    out = b.op("Reshape", [t, dims], name=name)
+    out.dtype = dtype_of(t)
+    return out
 
 
 def _static(t, axis: int) -> int | None:

@@ -18,6 +18,9 @@ GPT-J (transformers before v5) scales after its causal mask::
 
 ``scale-through-where`` writes it ``Where(causal, Q·Kᵀ / c, fill / c)`` (the fill a constant
 scalar, divided here): each element is the same division of the same value, so it is exact.
+
+XLNet masks by subtracting, ``z = scores − 1e30 · mask``; ``subtract-score-term`` writes it
+``scores + Neg(1e30 · mask)``, a term stage 1 reads as any bias (exact: a − b is a + (−b)).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from ..activation import inputs, no_match, producer, scalar
 from .core import is_scores
 
 #: ops between the scaled sum and the Softmax: more terms, a Where mask, a fold, a cast
-_TO_SOFTMAX = ("Add", "Where", "Reshape", "Cast")
+_TO_SOFTMAX = ("Add", "Sub", "Where", "Reshape", "Cast")
 
 
 def _feeds_softmax(t: Tensor, steps: int = 4) -> bool:
@@ -152,3 +155,26 @@ class ScaleThroughWhere(_ScaledScores):
         new_fill = b.const(np.asarray(value, dtype=dt), "scaled_fill")
         branches = [scaled, new_fill] if side == 1 else [new_fill, scaled]
         return [b.op("Where", [ins[0], *branches], like=out, name=f"{m.root.name}/masked")]
+
+
+@register_rule
+class SubtractScoreTerm(Rule):
+    name = "subtract-score-term"
+    pattern = Op("Sub", "sub")
+    phase = "attention"
+    priority = 1  # before fuse-attention reads the scores
+    summary = "Q·Kᵀ − term → Q·Kᵀ + (−term) (the term becomes a bias)"
+
+    def match(self, node, cx):
+        scores, term = inputs(node)
+        if not is_scores(scores) or is_scores(term) or not _feeds_softmax(node.outputs[0]):
+            raise no_match()
+        if dtype_of(scores) != dtype_of(term):
+            raise no_match()
+        return Match(node, {"sub": node})
+
+    def rewrite(self, m, b):
+        scores, term = inputs(m.root)
+        neg = b.op("Neg", [term], name=f"{m.root.name}/negated")
+        neg.dtype, neg.shape = dtype_of(term), term.shape
+        return [b.op("Add", [scores, neg], like=m.root.outputs[0], name=f"{m.root.name}/sum")]

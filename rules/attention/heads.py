@@ -39,7 +39,7 @@ class HeadSplit:
 
     x: Tensor
     reshape: Node | None  # None for "bnsh": ``x`` is already split
-    layout: str  # "bsd" | "sbd" | "packed" | "bnsh" | "bsnh"
+    layout: str  # "bsd" | "sbd" | "packed" | "bnsh" | "bsnh" | "bnht"
     nodes: list[Node] = field(default_factory=list)
     index: int | None = None  # packed: which of q, k, v
     merge: Node | None = None  # sequence-first: the Reshape that unfolds batch × heads
@@ -141,6 +141,20 @@ def per_head_key(kt: Tensor | None) -> HeadSplit | None:
     if not isinstance(root, HeadSplit):  # any [B,T,N,H] key: attention per head is the same
         return HeadSplit(k, None, "bsnh", [tr], kept=True)
     return HeadSplit(k, None, "bsnh", [tr], source=root, kept=True)
+
+
+def transposed_key(kt: Tensor | None, q: Tensor) -> HeadSplit | None:
+    """Kᵀ [B,N,H,T] transposed into place from any other order, with the query's batch and
+    heads (XLNet's sequence-first ``Transpose(k [T,B,N,H], (1,2,3,0))``): kept as it is,
+    layout "bnht"; the kernel takes it back as [B,T,N·H].  Attention per (b, n) is the
+    kernel's whatever order the key was computed in."""
+    tr = producer(kt, "Transpose")
+    if tr is None or rank(kt) != 4 or rank(q) != 4:
+        return None
+    dims = current_dims()
+    if any(dims.key(kt, i) != dims.key(q, i) for i in (0, 1)):
+        return None
+    return HeadSplit(kt, None, "bnht", [], kept=True)
 
 
 def _walk_heads(t: Tensor | None, bnsh: bool, depth: int, memo: dict) -> object:
@@ -564,8 +578,9 @@ def head_count(
         return _heads_packed(split.reshape, split.x, dims)
     if split.layout == "sbd":
         return _heads_sbd(split.reshape, split.merge, split.x, dims)
-    if split.layout in ("bnsh", "bsnh"):
-        n, h = dims.key(split.x, 1 if split.layout == "bnsh" else 2), dims.key(split.x, 3)
+    if split.layout in ("bnsh", "bsnh", "bnht"):
+        n = dims.key(split.x, 2 if split.layout == "bsnh" else 1)
+        h = dims.key(split.x, 2 if split.layout == "bnht" else 3)
         if n[0] != "int" and split.source is not None:  # the heads of the split walked back to
             src = head_count(split.source, dims)
             n = ("int", src[0]) if not isinstance(src, str) else n
@@ -742,7 +757,10 @@ def batch_keys(t: Tensor, dims: Dims, depth: int = 8) -> set[Key]:
 
 
 def source_axis(layout: str, which: str) -> int:
-    """The batch or sequence axis of a [B,S,D], [S,B,D], [B,N,S,H] or [B,S,N,H] source."""
+    """The batch or sequence axis of a [B,S,D], [S,B,D], [B,N,S,H], [B,S,N,H] or [B,N,H,T]
+    source."""
+    if layout == "bnht":
+        return 3 if which == "seq" else 0
     if layout == "bnsh":
         return 2 if which == "seq" else 0
     if layout == "bsnh":
@@ -760,4 +778,5 @@ __all__ = [
     "rotated_split",
     "source_axis",
     "split_heads",
+    "transposed_key",
 ]

@@ -29,6 +29,10 @@ from .lifted import Attention, GqaPlan
 def lower(a: Attention, b: Builder) -> Tensor:
     """The replacement of the root's output."""
     q, k, v, bias = a.q.x, a.k.x, a.v.x, None
+    if a.k.layout == "bnht":  # a kept Kᵀ [B,N,H,T]: the key [B,T,N,H] from here on
+        k = b.op("Transpose", [k], {"perm": [0, 3, 1, 2]}, name=f"{a.core.root.name}/k_rows")
+        k.dtype = dtype_of(a.k.x)
+        a = replace(a, k=replace(a.k, x=k, layout="bsnh"))
     if a.qkv_bias is not None:
         q, k, v = a.qkv_bias.sources
         bias = b.const(a.qkv_bias.vector, "qkv_bias")

@@ -34,6 +34,7 @@ from .heads import (
     per_head_split,
     rotated_split,
     split_heads,
+    transposed_key,
 )
 from .lifted import Attention, QkvBias
 from .lower import lower
@@ -61,7 +62,8 @@ def lift(root: Node) -> Attention:
         or _query_per_head(core),
         _of_3d(split_heads(core.kt, kperm))
         or already_split(core.kt, kperm)
-        or per_head_key(core.kt),
+        or per_head_key(core.kt)
+        or transposed_key(core.kt, core.q),
         _of_3d(split_heads(core.v, PERM_BNSH)) or already_split(core.v, PERM_BNSH),
     ]
     for name, split, t in zip(("Q", "Kᵀ", "V"), splits, (core.q, core.kt, core.v)):
@@ -227,7 +229,7 @@ class FuseMultiHeadAttention(Rule):
     def check(self, m, cx):
         a: Attention = m.attention
         dims = current_dims()
-        for t in [s.x for s in (a.q, a.k, a.v) if s.layout not in ("bnsh", "bsnh")]:
+        for t in [s.x for s in (a.q, a.k, a.v) if s.layout not in ("bnsh", "bsnh", "bnht")]:
             if rank(t) != 3:
                 raise _refused(
                     "unknown-shape",
@@ -717,7 +719,7 @@ def _out_direct(a: Attention, dims: Dims) -> bool:
 
 def _qkv_bias(a: Attention, cx) -> QkvBias | None:
     """The q/k/v projections' constant bias vectors, when each source is MatMul + Add."""
-    if "bnsh" in (a.k.layout, a.q.layout) or a.k.layout == "bsnh":
+    if "bnsh" in (a.k.layout, a.q.layout) or a.k.layout in ("bsnh", "bnht"):
         return None  # the kernel adds no bias to a key and value given per head; a per-head
         # query is computed from the biased projection
     hidden = a.num_heads * a.head_size
