@@ -64,8 +64,9 @@ that rule): :mod:`.unfold3d` (attention over folded [B·N,T,H] heads, nn.Multihe
 with its weights; a Softmax over folded scores), :mod:`.packed3d` (SAM's packed heads folded
 before the unbind, its [B,N,h,w,H] merge, ViTDet's regrouped scores), :mod:`.channel_first`
 (SqueezeBERT's [B,C,S] heads), :mod:`.query_rows` (GPT-BigCode's multi-query heads as query
-rows) and :mod:`.distribute` (a scale applied after a term was added
-to the raw product: BROS).
+rows), :mod:`.distribute` (a scale applied after a term was added to the raw product: BROS;
+a subtracted mask: XLNet) and :mod:`.shared_probs` (one Softmax times two values, the contexts
+concatenated: DiffLlama).
 
 Guards (missed remarks carry ``stage``, ``tensor`` and ``softmax`` in their arguments):
 ``unrecognized-layout`` (a spelling the stages do not know), ``unknown-shape`` (q/k/v not known
@@ -89,6 +90,7 @@ from . import (  # noqa: F401  (register the rules)
     packed3d,
     query_rows,
     rule,
+    shared_probs,
     unfold3d,
     windows5d,
 )

@@ -122,8 +122,13 @@ def _kept_per_head(split: HeadSplit) -> HeadSplit:
     if split.layout != "bnsh" or split.kept:
         return split
     kept = per_head_split(split.x)
-    if kept is None and producer(split.x, "Transpose") is not None:
-        # heads transposed from anything else (SAM2's packed projection of an image [B,h,w,3D])
+    cat = producer(split.x, "Concat")
+    if kept is None and (
+        producer(split.x, "Transpose") is not None
+        or (cat is not None and cat.attrs.get("axis") in (-1, 3))
+    ):
+        # heads transposed from anything else (SAM2's packed projection of an image
+        # [B,h,w,3D]), or two values joined per head (DiffLlama's contexts, one product)
         return HeadSplit(split.x, None, "bnsh", list(split.nodes), kept=True)
     if kept is None:
         return split

@@ -1,0 +1,98 @@
+"""One attention's probabilities times several values, the contexts concatenated on the last
+axis → one product of the concatenated values.
+
+DiffLlama (differential attention, transformers 5) multiplies one Softmax by the two halves of
+its value heads and concatenates the merged contexts::
+
+    Concat(Transpose(P·V₁, (0,2,1,3)), Transpose(P·V₂, (0,2,1,3)), axis=-1)
+
+``concat-shared-contexts`` writes it ``Transpose(P·Concat(V₁, V₂, axis=-1), (0,2,1,3))``: each
+element is the same dot product of the same row of P with the same column of a value, so it
+is exact, and ``fuse-attention`` then reads one attention with a value head twice as wide (the
+differential subtraction and the per-head norm after it stay as the model computes them).
+"""
+
+from __future__ import annotations
+
+from graphopt.opt.graph.dims import current as current_dims
+from graphopt.opt.graph.dims import rank
+from graphopt.opt.graph.ir import Node, Tensor, dtype_of
+from graphopt.opt.rewrite.engine import Match, Rule
+from graphopt.opt.rewrite.manager import register_rule
+from graphopt.opt.rewrite.patterns import Op
+
+from ..activation import inputs, no_match, producer
+
+
+def _context(t: Tensor) -> tuple[Node | None, Node] | None:
+    """(the Transpose or None, the MatMul P·V) computing ``t``, each read only on that path."""
+    tr = producer(t, "Transpose")
+    mm = producer(inputs(tr)[0] if tr is not None else t, "MatMul")
+    if mm is None or len(mm.outputs[0].outputs) != 1 or (tr is not None and len(t.outputs) != 1):
+        return None
+    if producer(inputs(mm)[0], "Softmax") is None:
+        return None
+    return tr, mm
+
+
+@register_rule
+class ConcatSharedContexts(Rule):
+    name = "concat-shared-contexts"
+    pattern = Op("Concat", "concat")
+    phase = "attention"
+    priority = 1  # before fuse-attention reads the context
+    summary = "Concat(P·V₁, P·V₂) on the last axis → P·Concat(V₁, V₂) (one attention)"
+
+    def match(self, node, cx):
+        parts = [_context(t) for t in inputs(node)]
+        r = rank(node.outputs[0])
+        if len(parts) < 2 or any(p is None for p in parts) or r is None:
+            raise no_match()
+        if node.attrs.get("axis") not in (-1, r - 1):
+            raise no_match()
+        perms = {tuple(tr.attrs.get("perm", ())) if tr is not None else None for tr, _ in parts}
+        perm = next(iter(perms))
+        if len(perms) != 1 or (perm is not None and perm[-1] != r - 1):
+            raise no_match()  # the same merge, keeping the last axis last
+        probs = {id(inputs(mm)[0]) for _, mm in parts}
+        values = [inputs(mm)[1] for _, mm in parts]
+        if len(probs) != 1 or any(rank(v) != r for v in values):
+            raise no_match()
+        dims = current_dims()
+        lead = {tuple(dims.key(v, i) for i in range(r - 1)) for v in values}
+        if len(lead) != 1 or len({dtype_of(v) for v in values}) != 1:
+            raise no_match()  # the values broadcast alike
+        bound = {"concat": node}
+        for i, (tr, mm) in enumerate(parts):
+            bound[f"mm{i}"] = mm
+            if tr is not None:
+                bound[f"tr{i}"] = tr
+        m = Match(node, bound)
+        m.stash(probs=inputs(parts[0][1])[0], values=values, perm=perm, axis=r - 1)
+        return m
+
+    def rewrite(self, m, b):
+        name = m.root.name or "Concat"
+        v = b.op("Concat", m.values, {"axis": m.axis}, name=f"{name}/values")
+        v.dtype, v.shape = dtype_of(m.values[0]), _joined(m.values)
+        ctx = b.op("MatMul", [m.probs, v], name=f"{name}/context")
+        ctx.dtype = dtype_of(m.root.outputs[0])
+        p, vs = m.probs.shape, v.shape
+        if p is not None and vs is not None and len(p) == len(vs):
+            ctx.shape = [*p[:-1], vs[-1]]
+        if m.perm is None:
+            ctx.shape = m.root.outputs[0].shape
+            return [ctx]
+        out = m.root.outputs[0]
+        return [b.op("Transpose", [ctx], {"perm": list(m.perm)}, like=out, name=f"{name}/merge")]
+
+
+def _joined(values: list[Tensor]) -> list | None:
+    """The shape of ``values`` concatenated on the last axis (its width None where one is
+    not static)."""
+    shapes = [v.shape for v in values]
+    if any(s is None for s in shapes):
+        return None
+    widths = [s[-1] for s in shapes]
+    width = sum(widths) if all(isinstance(w, int) for w in widths) else None
+    return [*shapes[0][:-1], width]

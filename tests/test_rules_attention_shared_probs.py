@@ -1,0 +1,85 @@
+"""One Softmax times two values, the merged contexts concatenated on the last axis
+(DiffLlama's differential attention): ``concat-shared-contexts`` makes it one product of the
+concatenated values, which ``fuse-attention`` fuses with a value head twice as wide.  Every
+graph is checked against onnxruntime by graphopt's parity run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from conftest import codes, const, model, run, vi
+from graphopt.opt.graph.ir import op_histogram
+
+B, S, N, H = 2, 16, 4, 8
+D = N * H
+
+
+def graph(shared: bool = True, grouped: bool = False):
+    """q, k and two values split into heads; ``shared``: P·V₁ and P·V₂ of one Softmax (else
+    a second Softmax for V₂); ``grouped``: the two values are the halves of one projection's
+    heads, each repeated to N heads (DiffLlama's ``chunk`` and ``repeat``)."""
+    rng = np.random.default_rng(0)
+    inits = [
+        const("split", [0, 0, N, H], np.int64),
+        const("merge", [0, 0, 2 * D], np.int64),
+        const("scale", np.float32(H**-0.5)),
+        const("half", [N // 2, N // 2], np.int64),
+        const("reps", [1, 2, 1, 1], np.int64),
+    ]
+    nodes = []
+
+    def add(op, ins, out, **attrs):
+        nodes.append(helper.make_node(op, ins, [out], name=f"n{len(nodes)}", **attrs))
+        return out
+
+    def heads(r, perm):
+        inits.append(const(f"W{r}", rng.standard_normal((D, D)) * 0.3, np.float32))
+        p = add("Reshape", [add("MatMul", ["x", f"W{r}"], f"{r}_p"), "split"], f"{r}_4")
+        return add("Transpose", [p], f"{r}_h", perm=perm)
+
+    q, kt = heads("q", [0, 2, 1, 3]), heads("k", [0, 2, 3, 1])
+    if grouped:
+        v = heads("v", [0, 2, 1, 3])
+        nodes.append(helper.make_node("Split", [v, "half"], ["v_a", "v_b"], axis=1))
+        values = [add("Tile", [t, "reps"], f"{t}_rep") for t in ("v_a", "v_b")]
+    else:
+        values = [heads("v1", [0, 2, 1, 3]), heads("v2", [0, 2, 1, 3])]
+    z = add("Add", [add("Mul", [add("MatMul", [q, kt], "qk"), "scale"], "s"), "mask"], "z")
+    p = add("Softmax", [z], "P", axis=-1)
+    p2 = p if shared else add("Softmax", [add("Mul", [z, "scale"], "z2")], "P2", axis=-1)
+    ctx = [
+        add("Transpose", [add("MatMul", [pr, v], f"ctx{i}")], f"ctx{i}_t", perm=[0, 2, 1, 3])
+        for i, (pr, v) in enumerate(zip((p, p2), values))
+    ]
+    add("Reshape", [add("Concat", ctx, "ctx", axis=-1), "merge"], "y")
+    ins = [vi("x", [B, S, D]), vi("mask", [B, 1, 1, S])]
+    return model(nodes, ins, [vi("y", [B, S, 2 * D])], inits)
+
+
+def feed() -> dict:
+    rng = np.random.default_rng(1)
+    mask = np.zeros((B, 1, 1, S), np.float32)
+    mask[1, ..., -3:] = -1e4
+    return {"x": rng.standard_normal((B, S, D)).astype(np.float32), "mask": mask}
+
+
+def fused(m) -> int:
+    return sum(v for k, v in op_histogram(m.graph.node).items() if k.endswith("MultiHeadAttention"))
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_two_contexts_of_one_softmax_fuse_as_one_attention(grouped):
+    out, report = run(graph(grouped=grouped), target="cuda", inputs=feed())
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert codes(report, "concat-shared-contexts", "passed") == ["fired"]
+    assert fused(out) == 1, op_histogram(out.graph.node)
+    assert codes(report, "fuse-attention") == []
+
+
+def test_contexts_of_two_softmaxes_stay_apart():
+    out, report = run(graph(shared=False), target="cuda", inputs=feed())
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert "fired" not in codes(report, "concat-shared-contexts", "passed")
+    assert op_histogram(out.graph.node).get("Softmax", 0) + fused(out) == 2
