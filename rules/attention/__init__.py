@@ -65,8 +65,9 @@ with its weights; a Softmax over folded scores), :mod:`.packed3d` (SAM's packed 
 before the unbind, its [B,N,h,w,H] merge, ViTDet's regrouped scores), :mod:`.channel_first`
 (SqueezeBERT's [B,C,S] heads), :mod:`.query_rows` (GPT-BigCode's multi-query heads as query
 rows), :mod:`.distribute` (a scale applied after a term was added to the raw product: BROS;
-a subtracted mask: XLNet) and :mod:`.shared_probs` (one Softmax times two values, the contexts
-concatenated: DiffLlama).
+a subtracted mask: XLNet) and :mod:`.contexts` (one Softmax times two values, the contexts
+concatenated: DiffLlama; a term added to the context before the heads merge: Nyströmformer's
+convolution of the values).
 
 Guards (missed remarks carry ``stage``, ``tensor`` and ``softmax`` in their arguments):
 ``unrecognized-layout`` (a spelling the stages do not know), ``unknown-shape`` (q/k/v not known
@@ -86,11 +87,11 @@ kernel would fail at run time, not compute wrong numbers).
 from . import (  # noqa: F401  (register the rules)
     census,
     channel_first,
+    contexts,
     distribute,
     packed3d,
     query_rows,
     rule,
-    shared_probs,
     unfold3d,
     windows5d,
 )

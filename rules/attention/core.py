@@ -40,7 +40,7 @@ from graphopt.opt.rewrite.engine import NoMatch
 
 from ..activation import inputs, no_match, producer, scalar
 
-_MERGE_LAYOUTS = {(0, 2, 1, 3): "bsd", (2, 0, 1, 3): "sbd"}
+MERGE_LAYOUTS = {(0, 2, 1, 3): "bsd", (2, 0, 1, 3): "sbd"}
 #: what a scale multiplies, never is
 _SCALED = ("MatMul", "Transpose", "Reshape", "Gather", "Squeeze")
 _MAX_TERMS = 4  # additive bias terms between the scores and the Softmax
@@ -173,7 +173,7 @@ def match_core(root: Node) -> Core:
     ctx = inputs(root)[0]
     mid = producer(ctx, "Reshape")
     out = inputs(mid)[0] if mid is not None else ctx
-    gate = _sink_gate(out)
+    gate = sink_gate(out)
     pv = producer(gate[0] if gate is not None else out, "MatMul")
     if pv is None:
         raise no_match()
@@ -194,16 +194,16 @@ def match_core(root: Node) -> Core:
             raise no_match()
         fold = FoldedHeads(unfold)
     # Softmax between two MatMuls: attention; an unknown spelling from here on is a missed remark
-    if perm not in _MERGE_LAYOUTS or rank(ctx) not in (None, 4):
+    if perm not in MERGE_LAYOUTS or rank(ctx) not in (None, 4):
         raise no_match()  # not a head merge: e.g. a channel attention over [B, C, HW]
     z = inputs(sm)[0]
     if fold is None and rank(sm.outputs[0]) == 3:
         raise no_match()  # a Softmax over folded scores: unfold-3d-softmax unfolds it first
-    if _scores_folded(z):
+    if scores_folded(z):
         raise no_match()  # a FusedMatMul fold took it after this rule refused it
     core = Core(
         root=root,
-        out_layout=_MERGE_LAYOUTS[perm],
+        out_layout=MERGE_LAYOUTS[perm],
         pv=pv,
         softmax=sm,
         qk=pv,  # set by _peel_scores, with q, kt and scores
@@ -278,7 +278,7 @@ def _peel_sink(core: Core, sliced: Node, z: Tensor) -> Tensor:
     return inputs(cat)[0]
 
 
-def _sink_gate(out: Tensor) -> tuple[Tensor, list[Node], Tensor, Tensor] | None:
+def sink_gate(out: Tensor) -> tuple[Tensor, list[Node], Tensor, Tensor] | None:
     """Sinks spelled as a gate on the context (Granite's sliding-window attention):
     ``(P·V) · Unsqueeze(Sigmoid(ReduceLogSumExp(z) − sink), −1)``, Casts allowed — the same
     ``exp(sᵢ) / (Σ exp(sⱼ) + exp(sinkₙ))``, since ``sigmoid(lse − c) = Σ eˢ / (Σ eˢ + eᶜ)``.
@@ -315,7 +315,7 @@ def _on_last_axis(node: Node) -> bool:
 
 
 def _take_gate(core: Core, gate: tuple, z: Tensor) -> None:
-    """Fill ``core.sink`` from a gate on P·V (:func:`_sink_gate`) over the Softmax's input."""
+    """Fill ``core.sink`` from a gate on P·V (:func:`sink_gate`) over the Softmax's input."""
     _, nodes, lse_in, sink = gate
     values = constant_value(sink) if sink is not None else np.zeros(1, np.float32)
     heads = None
@@ -847,7 +847,7 @@ def _window_regroup(z: Tensor) -> WindowRegroup | None:
     return None
 
 
-def _scores_folded(t: Tensor) -> bool:
+def scores_folded(t: Tensor) -> bool:
     """Whether the scores reaching a Softmax come from a com.microsoft.FusedMatMul (a fold of
     the linear phase, after this rule refused the attention)."""
     for _ in range(7):

@@ -1,5 +1,4 @@
-"""One attention's probabilities times several values, the contexts concatenated on the last
-axis → one product of the concatenated values.
+"""Spellings of the context P·V that fuse-attention reads once rewritten, exactly.
 
 DiffLlama (differential attention, transformers 5) multiplies one Softmax by the two halves of
 its value heads and concatenates the merged contexts::
@@ -10,6 +9,12 @@ its value heads and concatenates the merged contexts::
 element is the same dot product of the same row of P with the same column of a value, so it
 is exact, and ``fuse-attention`` then reads one attention with a value head twice as wide (the
 differential subtraction and the per-head norm after it stay as the model computes them).
+
+Nyströmformer adds a depthwise convolution of the values to the context before the heads
+merge, ``Transpose(P·V + conv(V), (0,2,1,3))``; ``merge-context-term`` writes it
+``Transpose(P·V, perm) + Transpose(conv(V), perm)`` (an element-wise op commutes with a
+permutation of both operands: exact), and the attention is the merged P·V.  It fires only
+where a kernel and the cost bound would take the attention (else the refusal is said here).
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from graphopt.opt.rewrite.engine import Match, Rule
 from graphopt.opt.rewrite.manager import register_rule
 from graphopt.opt.rewrite.patterns import Op
 
-from ..activation import inputs, no_match, producer
+from ..activation import inputs, no_match, producer, scalar
+from .core import MERGE_LAYOUTS, scores_folded, sink_gate
+from .unfold3d import check_pays, require_attention_kernel, static_dim
 
 
 def _context(t: Tensor) -> tuple[Node | None, Node] | None:
@@ -96,3 +103,58 @@ def _joined(values: list[Tensor]) -> list | None:
     widths = [s[-1] for s in shapes]
     width = sum(widths) if all(isinstance(w, int) for w in widths) else None
     return [*shapes[0][:-1], width]
+
+
+#: element-wise ops that commute with a permutation of both operands
+_ELEMENTWISE = ("Add", "Sub", "Mul", "Div")
+
+
+@register_rule
+class MergeContextTerm(Rule):
+    name = "merge-context-term"
+    pattern = Op("Transpose", "merge")
+    phase = "attention"
+    priority = 1  # before fuse-attention reads the context
+    summary = "Transpose(P·V + t) → Transpose(P·V) + Transpose(t) (the merged P·V fuses)"
+
+    def match(self, node, cx):
+        perm = tuple(node.attrs.get("perm", ()))
+        op = producer(inputs(node)[0], _ELEMENTWISE)
+        if perm not in MERGE_LAYOUTS or op is None or len(op.outputs[0].outputs) != 1:
+            raise no_match()
+        if sink_gate(inputs(node)[0]) is not None:
+            raise no_match()  # attention sinks as a gate: fuse-attention reads them
+        ins = inputs(op)
+        found = [i for i, t in enumerate(ins) if _context(t) is not None and _context(t)[0] is None]
+        if len(found) != 1:
+            raise no_match()
+        at = found[0]
+        ctx, other = ins[at], ins[1 - at]
+        if rank(ctx) != 4 or not (rank(other) == 4 or scalar(other) is not None):
+            raise no_match()
+        if dtype_of(other) != dtype_of(ctx):
+            raise no_match()
+        mm = producer(ctx, "MatMul")
+        sm = producer(inputs(mm)[0], "Softmax")
+        if scores_folded(inputs(sm)[0]):
+            raise no_match()  # a FusedMatMul fold took the scores after this rule refused
+        require_attention_kernel(cx, ctx, sm)
+        check_pays(cx, sm, static_dim(sm.outputs[0], -1), sm.outputs[0])
+        m = Match(node, {"merge": node, "op": op})
+        m.stash(ctx=ctx, other=other, at=at, perm=list(perm))
+        return m
+
+    def rewrite(self, m, b):
+        name, out = m.root.name or "Transpose", m.root.outputs[0]
+        parts = []
+        for role, t in (("context", m.ctx), ("term", m.other)):
+            if rank(t) != 4:  # a scalar: the same under any permutation
+                parts.append(t)
+                continue
+            p = b.op("Transpose", [t], {"perm": m.perm}, name=f"{name}/{role}")
+            p.dtype = dtype_of(t)
+            if t.shape is not None and len(t.shape) == 4:
+                p.shape = [t.shape[i] for i in m.perm]
+            parts.append(p)
+        ins = parts if m.at == 0 else parts[::-1]
+        return [b.op(m.op.op, ins, like=out, name=f"{name}/merged_{m.op.op.lower()}")]

@@ -1,7 +1,9 @@
-"""One Softmax times two values, the merged contexts concatenated on the last axis
-(DiffLlama's differential attention): ``concat-shared-contexts`` makes it one product of the
-concatenated values, which ``fuse-attention`` fuses with a value head twice as wide.  Every
-graph is checked against onnxruntime by graphopt's parity run."""
+"""Contexts P·V spelled so that fuse-attention reads them once rewritten: one Softmax times
+two values, the merged contexts concatenated on the last axis (DiffLlama's differential
+attention: ``concat-shared-contexts`` makes it one product of the concatenated values, fused
+with a value head twice as wide), and a term added to the context before the heads merge
+(Nyströmformer's convolution of the values: ``merge-context-term``).  Every graph is checked
+against onnxruntime by graphopt's parity run."""
 
 from __future__ import annotations
 
@@ -83,3 +85,59 @@ def test_contexts_of_two_softmaxes_stay_apart():
     assert report.parity.ran and report.parity.ok, report.parity
     assert "fired" not in codes(report, "concat-shared-contexts", "passed")
     assert op_histogram(out.graph.node).get("Softmax", 0) + fused(out) == 2
+
+
+def conv_term_graph(keys: int = S, masked: bool = True):
+    """Nyströmformer: ``Transpose(P·V + Conv(V), (0,2,1,3))``, a depthwise convolution of each
+    head's values along the sequence."""
+    rng = np.random.default_rng(2)
+    inits = [
+        const("split", [0, 0, N, H], np.int64),
+        const("merge", [0, 0, D], np.int64),
+        const("scale", np.float32(H**-0.5)),
+        const("Wc", rng.standard_normal((N, 1, 5, 1)) * 0.3, np.float32),
+    ]
+    nodes = []
+
+    def add(op, ins, out, **attrs):
+        nodes.append(helper.make_node(op, ins, [out], name=f"n{len(nodes)}", **attrs))
+        return out
+
+    def heads(r, perm):
+        inits.append(const(f"W{r}", rng.standard_normal((D, D)) * 0.3, np.float32))
+        p = add("Reshape", [add("MatMul", ["x", f"W{r}"], f"{r}_p"), "split"], f"{r}_4")
+        return add("Transpose", [p], f"{r}_h", perm=perm)
+
+    q, kt, v = heads("q", [0, 2, 1, 3]), heads("k", [0, 2, 3, 1]), heads("v", [0, 2, 1, 3])
+    z = add("Mul", [add("MatMul", [q, kt], "qk"), "scale"], "s")
+    if masked:
+        z = add("Add", [z, "mask"], "z")
+    p = add("Softmax", [z], "P", axis=-1)
+    conv = add("Conv", [v, "Wc"], "conv", group=N, kernel_shape=[5, 1], pads=[2, 0, 2, 0])
+    ctx = add("Add", [add("MatMul", [p, v], "pv"), conv], "ctx")
+    add("Reshape", [add("Transpose", [ctx], "ctx_t", perm=[0, 2, 1, 3]), "merge"], "y")
+    ins = [vi("x", [B, keys, D]), vi("mask", [B, 1, 1, keys])]
+    return model(nodes, ins, [vi("y", [B, keys, D])], inits)
+
+
+def conv_feed(keys: int = S) -> dict:
+    rng = np.random.default_rng(3)
+    mask = np.zeros((B, 1, 1, keys), np.float32)
+    mask[1, ..., -3:] = -1e4
+    return {"x": rng.standard_normal((B, keys, D)).astype(np.float32), "mask": mask}
+
+
+def test_a_term_added_to_the_context_before_the_merge_fuses():
+    out, report = run(conv_term_graph(), target="cuda", inputs=conv_feed())
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert codes(report, "merge-context-term", "passed") == ["fired"]
+    assert fused(out) == 1, op_histogram(out.graph.node)
+    assert codes(report, "fuse-attention") == []
+
+
+def test_a_context_term_over_short_keys_is_said_slower_on_cpu():
+    """16 masked keys on cpu: the context is left as it is, and the reason is the cost."""
+    out, report = run(conv_term_graph(), target="cpu", inputs=conv_feed())
+    assert report.parity.ok and fused(out) == 0
+    assert "slower-on-target" in codes(report, "merge-context-term")
+    assert "Softmax" in op_histogram(out.graph.node)
