@@ -143,6 +143,14 @@ PYRAMID = dict(
     num_hidden_layers=None,
 )
 #: sizes a family's config spells its own way (None: not given, the config derives it)
+#: mixtures of experts whose defaults have a hundred experts or more, each of thousands wide
+MOE = dict(
+    num_experts=4,
+    n_routed_experts=4,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+)
 OWN_SIZES = {
     "minicpm3": MLA,
     "gptj": dict(rotary_dim=8),  # a rotated part of the 16-wide heads
@@ -151,6 +159,7 @@ OWN_SIZES = {
     **{f: MLA for f in "deepseek_v3 glm4_moe_lite sarvam_mla youtu mistral4".split()},
     **{f: SWIN for f in "swin swinv2 donut-swin maskformer-swin".split()},
     **{f: PYRAMID for f in ("pvt_v2", "segformer")},
+    **{f: MOE for f in "hy_v3 mimo_v2_flash param2moe qwen3_vl_moe_text sarvam_moe".split()},
     "funnel": dict(block_sizes=[1, 1], block_repeats=[1, 1], num_hidden_layers=None, d_head=16),
     "xlnet": dict(max_position_embeddings=None, d_head=16),
     "mobilevitv2": dict(image_size=128, patch_size=2, num_hidden_layers=None, hidden_size=None),
@@ -168,10 +177,27 @@ def kind_of(family: str) -> str:
     return "enc"
 
 
+def _from_config(cfg, **how):
+    """AutoModel's model of ``cfg``, or for a tower's own config that AutoModel does not map
+    (BlipVisionConfig, OwlViTTextConfig...) the model class of the same name
+    (BlipVisionModel), built the same way."""
+    import transformers
+    from transformers import AutoModel
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    cls = getattr(transformers, type(cfg).__name__.removesuffix("Config") + "Model", None)
+    if type(cfg) in MODEL_MAPPING or cls is None:
+        return AutoModel.from_config(cfg, **how)
+    cfg._attn_implementation = how.get("attn_implementation", "eager")
+    if "experts_implementation" in how:
+        cfg._experts_implementation = how["experts_implementation"]
+    return cls(cfg)
+
+
 def build(family: str):
     """(model, test inputs) of ``family`` with the small config and eager attention."""
     import torch
-    from transformers import AutoConfig, AutoModel
+    from transformers import AutoConfig
 
     kind = kind_of(family)
     try:
@@ -189,9 +215,9 @@ def build(family: str):
     # takes (a transformers older than 5 has no such choice)
     try:
         how = dict(attn_implementation="eager", experts_implementation="batched_mm")
-        model = AutoModel.from_config(cfg, **how).eval()
+        model = _from_config(cfg, **how).eval()
     except TypeError:
-        model = AutoModel.from_config(cfg, attn_implementation="eager").eval()
+        model = _from_config(cfg, attn_implementation="eager").eval()
     rng = np.random.default_rng(0)
     if kind == "vis":
         size = getattr(cfg, "image_size", 64)
