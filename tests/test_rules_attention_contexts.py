@@ -140,4 +140,5 @@ def test_a_context_term_over_short_keys_is_said_slower_on_cpu():
     out, report = run(conv_term_graph(), target="cpu", inputs=conv_feed())
     assert report.parity.ok and fused(out) == 0
     assert "slower-on-target" in codes(report, "merge-context-term")
+    assert codes(report, "fuse-attention") == []  # the census takes that refusal as said
     assert "Softmax" in op_histogram(out.graph.node)

@@ -31,6 +31,7 @@ UNFOLD = (
     "unregroup-score-terms",
     "channel-first-attention",
     "fold-window-heads",
+    "merge-context-term",
 )
 CORE = "1 (core)"
 #: nodes between the scores' MatMul and the Softmax that the census follows back
