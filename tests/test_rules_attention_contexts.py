@@ -87,9 +87,10 @@ def test_contexts_of_two_softmaxes_stay_apart():
     assert op_histogram(out.graph.node).get("Softmax", 0) + fused(out) == 2
 
 
-def conv_term_graph(keys: int = S, masked: bool = True):
+def conv_term_graph(keys: int = S, masked: bool = True, of_probs: bool = False):
     """Nyströmformer: ``Transpose(P·V + Conv(V), (0,2,1,3))``, a depthwise convolution of each
-    head's values along the sequence."""
+    head's values along the sequence; ``of_probs``: NeZHa's value-side relative term P·Rᵥ
+    instead."""
     rng = np.random.default_rng(2)
     inits = [
         const("split", [0, 0, N, H], np.int64),
@@ -114,6 +115,9 @@ def conv_term_graph(keys: int = S, masked: bool = True):
         z = add("Add", [z, "mask"], "z")
     p = add("Softmax", [z], "P", axis=-1)
     conv = add("Conv", [v, "Wc"], "conv", group=N, kernel_shape=[5, 1], pads=[2, 0, 2, 0])
+    if of_probs:
+        inits.append(const("Rv", rng.standard_normal((keys, H)) * 0.3, np.float32))
+        conv = add("MatMul", [p, "Rv"], "rel_v")
     ctx = add("Add", [add("MatMul", [p, v], "pv"), conv], "ctx")
     add("Reshape", [add("Transpose", [ctx], "ctx_t", perm=[0, 2, 1, 3]), "merge"], "y")
     ins = [vi("x", [B, keys, D]), vi("mask", [B, 1, 1, keys])]
@@ -142,3 +146,11 @@ def test_a_context_term_over_short_keys_is_said_slower_on_cpu():
     assert "slower-on-target" in codes(report, "merge-context-term")
     assert codes(report, "fuse-attention") == []  # the census takes that refusal as said
     assert "Softmax" in op_histogram(out.graph.node)
+
+
+def test_a_context_term_computed_from_the_probabilities_is_missed_precisely():
+    out, report = run(conv_term_graph(of_probs=True), target="cuda", inputs=conv_feed())
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert fused(out) == 0
+    assert codes(report, "merge-context-term") == ["shared-intermediate"]
+    assert codes(report, "fuse-attention") == []

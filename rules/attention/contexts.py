@@ -22,7 +22,7 @@ from __future__ import annotations
 from graphopt.opt.graph.dims import current as current_dims
 from graphopt.opt.graph.dims import rank
 from graphopt.opt.graph.ir import Node, Tensor, dtype_of
-from graphopt.opt.rewrite.engine import Match, Rule
+from graphopt.opt.rewrite.engine import Match, NoMatch, Rule
 from graphopt.opt.rewrite.manager import register_rule
 from graphopt.opt.rewrite.patterns import Op
 
@@ -126,9 +126,9 @@ class MergeContextTerm(Rule):
             raise no_match()  # attention sinks as a gate: fuse-attention reads them
         ins = inputs(op)
         found = [i for i, t in enumerate(ins) if _context(t) is not None and _context(t)[0] is None]
-        if len(found) != 1:
+        if not found:
             raise no_match()
-        at = found[0]
+        at = found[0]  # both: P times a value plus P times something else, refused below
         ctx, other = ins[at], ins[1 - at]
         if rank(ctx) != 4 or not (rank(other) == 4 or scalar(other) is not None):
             raise no_match()
@@ -138,6 +138,18 @@ class MergeContextTerm(Rule):
         sm = producer(inputs(mm)[0], "Softmax")
         if scores_folded(inputs(sm)[0]):
             raise no_match()  # a FusedMatMul fold took the scores after this rule refused
+        probs = sm.outputs[0]
+        others = [r.name for r in probs.outputs if r is not mm and r.op != "Shape"]
+        if others:
+            raise NoMatch(
+                "shared-intermediate",
+                f"stage 1 (core): the probabilities '{probs.name}' are also read by "
+                f"{', '.join(others)}, outside P·V (a term computed from P itself, as NeZHa's "
+                "value-side relative positions P·Rᵥ): no attention kernel returns P",
+                softmax=sm.name,
+                stage="1 (core)",
+                tensor=probs.name,
+            )
         require_attention_kernel(cx, ctx, sm)
         check_pays(cx, sm, static_dim(sm.outputs[0], -1), sm.outputs[0])
         m = Match(node, {"merge": node, "op": op})
