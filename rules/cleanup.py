@@ -316,6 +316,41 @@ class ConcatDropEmpty(Rule):
         return [b.op("Concat", m.kept, dict(node.attrs), like=node.outputs[0], name=node.name)]
 
 
+def _last_axis_only(node, r: int) -> bool:
+    """Whether a ReduceMax names only the last of ``r`` axes and keeps it."""
+    axes = constant_value(node.inputs[1]) if len(node.inputs) > 1 else node.attrs.get("axes")
+    if axes is None or not node.attrs.get("keepdims", 1):
+        return False
+    axes = [int(a) % r for a in np.asarray(axes).reshape(-1)]
+    return axes == [r - 1]
+
+
+@register_rule
+class SoftmaxOfShiftedRows(Rule):
+    """``Softmax(z − ReduceMax(z))`` over the last axis → ``Softmax(z)``: the Softmax
+    subtracts the row maximum itself, and ``max(z − m) = 0`` exactly, so each exponent is
+    the same ``z − m`` bit for bit (MiMo-V2's attention, a stabilized softmax spelled out).
+    The Sub and ReduceMax stay for any other reader."""
+
+    name = "softmax-of-shifted-rows"
+    level = 1
+    exclusive = False  # the Sub may have other readers: the Softmax alone stops reading it
+    summary = "Softmax(z − rowmax(z)) → Softmax(z) (the Softmax shifts by the row max itself)"
+    pattern = Op(
+        "Softmax", Op("Sub", "z", Op("ReduceMax", "z", opt("axes"), name="rowmax"), name="shift")
+    )
+
+    def check(self, m, cx):
+        r = rank(m.root.outputs[0])
+        applies_only_if(r is not None and r >= 1)
+        axis = int(m.root.attrs.get("axis", -1)) % r
+        applies_only_if(axis == r - 1 and _last_axis_only(m.rowmax, r))
+        applies_only_if(dtype_of(m.z) == dtype_of(m.root.outputs[0]))
+
+    def rewrite(self, m, b):
+        return [b.op("Softmax", [m.z], dict(m.root.attrs), like=m.root.outputs[0])]
+
+
 @register_rule
 class RangeScalarInputs(Rule):
     """``Range`` takes scalars; onnxruntime also runs one-element vectors, which exporters leave

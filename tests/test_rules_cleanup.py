@@ -380,3 +380,30 @@ def test_where_all_false_forwards_the_else_branch():
     out, report = assert_optimized(m, level=1)
     assert "Where" not in ops(out), ops(out)
     assert "eliminate-where-false" in {r.rule for r in report.remarks if r.kind == "passed"}
+
+
+@pytest.mark.parametrize(
+    "opset, axes, drops",
+    [(18, [-1], True), (13, [2], True), (18, [1], False)],  # the last axis, or another one
+)
+def test_a_softmax_of_rows_shifted_by_their_max_reads_the_rows(opset, axes, drops):
+    """MiMo-V2 spells a stabilized softmax out: Softmax(z − ReduceMax(z)) is Softmax(z), bit
+    for bit; the shift by another axis's max is left alone (it changes nothing either, but
+    is not the Softmax's own)."""
+    reduce = (
+        helper.make_node("ReduceMax", ["x", "ax"], ["m"], keepdims=1)
+        if opset >= 18
+        else helper.make_node("ReduceMax", ["x"], ["m"], keepdims=1, axes=axes)
+    )
+    nodes = [
+        reduce,
+        helper.make_node("Sub", ["x", "m"], ["z"]),
+        helper.make_node("Softmax", ["z"], ["y"], axis=-1),
+    ]
+    inits = [const("ax", axes, np.int64)] if opset >= 18 else []
+    m = model(nodes, [vi("x", [2, 3, 5])], [vi("y", [2, 3, 5])], inits, opset=opset)
+    x = np.random.default_rng(0).standard_normal((2, 3, 5)).astype(np.float32) * 30
+    out, report = run(m, inputs={"x": x})
+    assert report.parity.ran and report.parity.ok, report.parity
+    ops = [n.op_type for n in out.graph.node]
+    assert (ops == ["Softmax"]) == drops, ops
