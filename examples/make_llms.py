@@ -435,6 +435,24 @@ FAMILIES = [
         "Apertus: xIELU MLP, q/k RMSNorm",
         ("dynamo",),
     ),
+    # the KV-cache half of sweep_families.py's third batch: one new mechanism each
+    Family(
+        "diffllama",
+        lambda: _small("DiffLlama", num_key_value_heads=2),
+        "DiffLlama: differential attention (one Softmax, two value halves)",
+        ("dynamo",),  # TorchScript has no aten::rms_norm at opset 17
+    ),
+    Family(
+        "cohere2",
+        lambda: _small(
+            "Cohere2",
+            num_key_value_heads=2,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        "Cohere 2: parallel block, interleaved rotary on sliding layers only",
+        ("dynamo",),  # TorchScript's export of its mask fails
+    ),
 ]
 
 

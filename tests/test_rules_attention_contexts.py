@@ -18,10 +18,11 @@ B, S, N, H = 2, 16, 4, 8
 D = N * H
 
 
-def graph(shared: bool = True, grouped: bool = False):
+def graph(shared: bool = True, grouped: bool = False, guarded: bool = False):
     """q, k and two values split into heads; ``shared``: P·V₁ and P·V₂ of one Softmax (else
     a second Softmax for V₂); ``grouped``: the two values are the halves of one projection's
-    heads, each repeated to N heads (DiffLlama's ``chunk`` and ``repeat``)."""
+    heads, each repeated to N heads (DiffLlama's ``chunk`` and ``repeat``); ``guarded``: the
+    probabilities behind the NaN guard of SDPA exports, ``Where(IsNaN(P), 0, P)``."""
     rng = np.random.default_rng(0)
     inits = [
         const("split", [0, 0, N, H], np.int64),
@@ -50,6 +51,9 @@ def graph(shared: bool = True, grouped: bool = False):
         values = [heads("v1", [0, 2, 1, 3]), heads("v2", [0, 2, 1, 3])]
     z = add("Add", [add("Mul", [add("MatMul", [q, kt], "qk"), "scale"], "s"), "mask"], "z")
     p = add("Softmax", [z], "P", axis=-1)
+    if guarded:
+        inits.append(const("zero", np.float32(0)))
+        p = add("Where", [add("IsNaN", [p], "nan"), "zero", p], "P_safe")
     p2 = p if shared else add("Softmax", [add("Mul", [z, "scale"], "z2")], "P2", axis=-1)
     ctx = [
         add("Transpose", [add("MatMul", [pr, v], f"ctx{i}")], f"ctx{i}_t", perm=[0, 2, 1, 3])
@@ -71,9 +75,9 @@ def fused(m) -> int:
     return sum(v for k, v in op_histogram(m.graph.node).items() if k.endswith("MultiHeadAttention"))
 
 
-@pytest.mark.parametrize("grouped", [False, True])
-def test_two_contexts_of_one_softmax_fuse_as_one_attention(grouped):
-    out, report = run(graph(grouped=grouped), target="cuda", inputs=feed())
+@pytest.mark.parametrize("grouped, guarded", [(False, False), (True, False), (True, True)])
+def test_two_contexts_of_one_softmax_fuse_as_one_attention(grouped, guarded):
+    out, report = run(graph(grouped=grouped, guarded=guarded), target="cuda", inputs=feed())
     assert report.parity.ran and report.parity.ok, report.parity
     assert codes(report, "concat-shared-contexts", "passed") == ["fired"]
     assert fused(out) == 1, op_histogram(out.graph.node)

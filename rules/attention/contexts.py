@@ -27,7 +27,7 @@ from graphopt.opt.rewrite.manager import register_rule
 from graphopt.opt.rewrite.patterns import Op
 
 from ..activation import inputs, no_match, producer, scalar
-from .core import MERGE_LAYOUTS, scores_folded, sink_gate
+from .core import MERGE_LAYOUTS, nan_guard, scores_folded, sink_gate
 from .unfold3d import check_pays, require_attention_kernel, static_dim
 
 
@@ -37,9 +37,16 @@ def _context(t: Tensor) -> tuple[Node | None, Node] | None:
     mm = producer(inputs(tr)[0] if tr is not None else t, "MatMul")
     if mm is None or len(mm.outputs[0].outputs) != 1 or (tr is not None and len(t.outputs) != 1):
         return None
-    if producer(inputs(mm)[0], "Softmax") is None:
+    if softmax_of(inputs(mm)[0]) is None:
         return None
     return tr, mm
+
+
+def softmax_of(p: Tensor) -> Node | None:
+    """The Softmax computing the probabilities ``p``, also through the NaN guard of SDPA
+    exports (``Where(IsNaN(P), 0, P)``); else None."""
+    guard = nan_guard(p)
+    return producer(inputs(guard[0])[2] if guard is not None else p, "Softmax")
 
 
 @register_rule
@@ -135,11 +142,14 @@ class MergeContextTerm(Rule):
         if dtype_of(other) != dtype_of(ctx):
             raise no_match()
         mm = producer(ctx, "MatMul")
-        sm = producer(inputs(mm)[0], "Softmax")
+        sm = softmax_of(inputs(mm)[0])
         if scores_folded(inputs(sm)[0]):
             raise no_match()  # a FusedMatMul fold took the scores after this rule refused
-        probs = sm.outputs[0]
+        probs = inputs(mm)[0]
         others = [r.name for r in probs.outputs if r is not mm and r.op != "Shape"]
+        guard = nan_guard(probs)
+        if guard is not None:  # the guard's own IsNaN and Where read P too
+            others += [r.name for r in sm.outputs[0].outputs if r not in guard]
         if others:
             raise NoMatch(
                 "shared-intermediate",

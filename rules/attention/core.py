@@ -178,7 +178,7 @@ def match_core(root: Node) -> Core:
     if pv is None:
         raise no_match()
     probs, v = inputs(pv)
-    guard = _nan_guard(probs)
+    guard = nan_guard(probs)
     p = inputs(guard[0])[2] if guard else probs
     row_guard, p = _row_guard(p)
     sliced = _sink_slice(p)
@@ -522,7 +522,7 @@ def unclamped(z: Tensor) -> tuple[Tensor, Node | None]:
     return z, None
 
 
-def _nan_guard(p: Tensor) -> tuple[Node, Node] | None:
+def nan_guard(p: Tensor) -> tuple[Node, Node] | None:
     """``Where(IsNaN(P), 0, P)``: (Where, IsNaN), or None."""
     guard = producer(p, "Where")
     if guard is None:
