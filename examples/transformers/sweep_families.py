@@ -78,7 +78,9 @@ GROUPS = {
         "deepseek_v3 olmoe gemma3_text exaone gpt_oss granitemoeshared flex_olmo ministral3 "
         "jais2 youtu hyperclovax glm4_moe_lite gpt_neox_japanese diffllama gpt-sw3 mellum "
         "laguna minimax qwen3_vl_text qwen3_5_text modernbert-decoder cpmant qwen3_next "
-        "exaone_moe solar_open sarvam_mla mistral4 granite_swa"
+        "exaone_moe solar_open sarvam_mla mistral4 granite_swa apertus1p5_text cohere2_moe "
+        "emu3_text_model granitemoe_swa hrm_text hy_v3 iquestcoder lfm3 mimo_v2_flash "
+        "minicpm5_moe minimax_m2 olmo_hybrid param2moe qwen3_vl_moe_text sarvam_moe zaya"
     ),
     "enc": (
         "albert mpnet mobilebert rembert megatron-bert ernie camembert flaubert xlm "
@@ -86,7 +88,11 @@ GROUPS = {
         "electra roberta-prelayernorm esm nystromformer modernbert deberta canine eurobert gte "
         "nomic_bert jina_embeddings_v3 xlm-roberta-xl xmod bert-generation tapas bert roberta "
         "xlm-roberta deberta-v2 squeezebert convbert big_bird roformer longformer fnet xlnet "
-        "dpr ultrabert embedding_gemma2_text clip_text_model funnel"
+        "dpr ultrabert embedding_gemma2_text clip_text_model funnel aimv2_text_model "
+        "align_text_model altclip_text_model chinese_clip_text_model clap_text_model "
+        "clipseg_text_model groupvit_text_model metaclip_2_text_model openai_privacy_filter "
+        "owlv2_text_model owlvit_text_model siglip2_text_model tipsv2_text_model "
+        "xclip_text_model"
     ),
     "vis": (
         "dinov2 yolos vit_msn data2vec-vision ijepa cvt deit clip_vision_model "
@@ -94,7 +100,11 @@ GROUPS = {
         "poolformer textnet aimv2_vision_model mlcd_vision_model dinov3_vit swiftformer "
         "beit vit mobilevit swin swinv2 donut-swin maskformer-swin pvt_v2 segformer "
         "sam_vision_model idefics3_vision smolvlm_vision internvl_vision mlcd pixtral sapiens2 "
-        "radio pixio mobilevitv2"
+        "radio pixio mobilevitv2 altclip_vision_model blip_2_vision_model blip_vision_model "
+        "chinese_clip_vision_model clipseg_vision_model git_vision_model groupvit_vision_model "
+        "instructblip_vision_model janus_vision_model metaclip_2_vision_model "
+        "owlv2_vision_model owlvit_vision_model phi4_multimodal_vision sam_hq_vision_model "
+        "tipsv2_vision_model"
     ),
     "aud": (
         "sew sew-d unispeech unispeech-sat data2vec-audio wav2vec2-bert hubert wav2vec2 wavlm "
