@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from graphopt.opt.graph.dims import current as current_dims
+from graphopt.opt.graph.dims import rank, shape_elements
 from graphopt.opt.graph.domains import MS
 from graphopt.opt.graph.ir import Variable, constant_value, dtype_of, static_shape
 from graphopt.opt.rewrite.engine import Match, NoMatch, Op, Rule, applies_only_if, require
@@ -205,10 +207,11 @@ SHAPE_KEEPING = frozenset({"Softmax", "LogSoftmax", "Cast", "Identity", *UNARY_E
 class ReshapeRoundTrip(Rule):
     """``Reshape(t, b)`` or ``Reshape(Reshape(t, a), b)`` → ``t`` when ``t`` was itself made by
     a Reshape to the very same target ``b`` (then shape-keeping ops: Softmax, Cast, unary
-    element-wise).  The eager bmm attention of XGLM unfolds its probabilities to [B,N,S,T] and
-    folds them straight back with the target that folded its scores.  ``b`` is computed (the
-    same tensor: the same values at run time) or a constant, without zeros unless both
-    Reshapes take them literally (``allowzero``); a computed 0 is an empty dim."""
+    element-wise), or — the second form — when ``b`` is provably ``t``'s own shape.  The eager
+    bmm attention of XGLM unfolds its probabilities to [B,N,S,T] and folds them straight back
+    with the target that folded its scores.  ``b`` is computed (the same tensor: the same
+    values at run time) or a constant, without zeros unless both Reshapes take them literally
+    (``allowzero``); a computed 0 is an empty dim."""
 
     name = "reshape-round-trip"
     root = "Reshape"
@@ -225,16 +228,36 @@ class ReshapeRoundTrip(Rule):
         if src.inputs and src.inputs[0].op == "Reshape" and len(src.outputs) == 1:
             inner = src.inputs[0]
             src = inner.inputs[0]
+        applies_only_if(not cx.ir.is_graph_output(m.t))
+        if inner is not None and _restores(m.b, src, zero):
+            m.stash(source=src)
+            return
         made = src
         while made.inputs and made.inputs[0].op in SHAPE_KEEPING:
             made = made.inputs[0].inputs[0]
         rs = made.inputs[0] if made.inputs else None
         applies_only_if(rs is not None and rs.op == "Reshape" and rs.inputs[1] is m.b)
-        applies_only_if(rs.attrs.get("allowzero", 0) == zero and not cx.ir.is_graph_output(m.t))
+        applies_only_if(rs.attrs.get("allowzero", 0) == zero)
         m.stash(source=src)
 
     def rewrite(self, m, b):
         return [m.source]
+
+
+def _restores(target, t, allowzero: int) -> bool:
+    """Whether the Reshape target ``target`` is provably ``t``'s own shape, element by element
+    (symbolic dims: GroupViT's bmm attention unfolds its folded probabilities to [B,N,T,S]
+    for the attention weights and folds them back to [B·N,T,S] with a target computed from
+    shapes); a -1 may stand for the one dim not proven otherwise."""
+    dims = current_dims()
+    elems = shape_elements(target, dims)
+    r = rank(t)
+    if elems is None or r is None or len(elems) != r:
+        return False
+    if not allowzero and ("int", 0) in elems:
+        return False  # a copy of the unfolded tensor's dim, not of t's
+    free = [i for i, e in enumerate(elems) if e == ("int", -1)]
+    return len(free) <= 1 and all(e == dims.key(t, i) for i, e in enumerate(elems) if i not in free)
 
 
 @register_rule

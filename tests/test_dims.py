@@ -504,3 +504,32 @@ def test_the_engine_renews_the_shared_dims_after_each_rewrite(monkeypatch):
     assert h.get("com.microsoft.SkipLayerNormalization") == 2, h
     first = seen[:2]  # the first check's two questions (batch, sequence) share one
     assert len(seen) >= 4 and first[0] is first[1] and seen[2] is not first[0]
+
+
+@pytest.mark.parametrize("factor, trusted", [("heads", True), ("seq", False)])
+def test_a_computed_reshape_element_that_scales_the_copied_dim_is_trusted(factor, trusted):
+    """``Reshape(x [B,N,S,H], [B·N, -1, H])``: the computed B·N is never -1, and 0 only where
+    B is 0, which a copy gives too, so it is the output's dim; B·S (another dim's factor)
+    could be 0 with B not 0, and stays the output's own unknown dim."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Gather", ["s", "i0"], ["b"], axis=0),
+        helper.make_node("Gather", ["s", "i2"], ["seq"], axis=0),
+        helper.make_node("Mul", ["b", factor], ["bn"]),
+        helper.make_node("Concat", ["bn", "minus_one", "h"], ["fold"], axis=0),
+        helper.make_node("Reshape", ["x", "fold"], ["y"]),
+    ]
+    inits = [
+        const("i0", [0], np.int64),
+        const("i2", [2], np.int64),
+        const("heads", [N], np.int64),
+        const("minus_one", [-1], np.int64),
+        const("h", [H], np.int64),
+    ]
+    m = model(nodes, [vi("x", ["batch", N, "seq", H])], [vi("y", None)], inits)
+    t = tensors(m)
+    key = Dims().key(t["y"], 0)
+    if trusted:
+        assert key == arith("Mul", ("param", "batch"), ("int", N))
+    else:
+        assert key[0] == "dim", key

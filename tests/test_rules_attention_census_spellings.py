@@ -105,6 +105,47 @@ def clamped(rng):
     return model(nodes, [vi("x", ["batch", S, D])], [vi("y", None)], inits)
 
 
+def clip_bmm(rng):
+    """CLIP-era bmm attention as GroupViT still spells it: q, k, v folded to [B·N,S,H] with
+    targets computed from the input's shape, the probabilities unfolded to [B,N,S,T] for the
+    attention weights and folded back with a second computed target before P·V."""
+    nodes, inits = _heads(rng)
+    nodes += [
+        mk("Shape", ["x"], ["x_shape"]),
+        mk("Gather", ["x_shape", "i0"], ["b"], axis=0),
+        mk("Gather", ["x_shape", "i1"], ["t"], axis=0),
+        mk("Mul", ["b", "heads"], ["bn"]),
+        mk("Concat", ["bn", "minus_one", "head"], ["fold"], axis=0),
+        mk("Reshape", ["q_h", "fold"], ["q3"]),
+        mk("Transpose", ["k_t"], ["k_h"], perm=[0, 1, 3, 2]),
+        mk("Reshape", ["k_h", "fold"], ["k3"]),
+        mk("Transpose", ["k3"], ["k3_t"], perm=[0, 2, 1]),
+        mk("Reshape", ["v_h", "fold"], ["v3"]),
+        mk("MatMul", ["q3", "k3_t"], ["s3"]),
+        mk("Softmax", ["s3"], ["p3"], axis=-1),
+        mk("Shape", ["k3"], ["k3_shape"]),
+        mk("Gather", ["k3_shape", "i1"], ["src"], axis=0),
+        mk("Concat", ["b", "heads", "t", "src"], ["unfold"], axis=0),
+        mk("Reshape", ["p3", "unfold"], ["p4"]),
+        mk("Concat", ["bn", "t", "src"], ["refold"], axis=0),
+        mk("Reshape", ["p4", "refold"], ["p3b"]),
+        mk("MatMul", ["p3b", "v3"], ["o3"]),
+        mk("Concat", ["b", "heads", "t", "head"], ["ctx4"], axis=0),
+        mk("Reshape", ["o3", "ctx4"], ["o4"]),
+        mk("Transpose", ["o4"], ["o_t"], perm=[0, 2, 1, 3]),
+        mk("Reshape", ["o_t", "merge"], ["y"]),
+    ]
+    inits += [
+        const("i0", [0], np.int64),
+        const("i1", [1], np.int64),
+        const("heads", [N], np.int64),
+        const("head", [H], np.int64),
+        const("minus_one", [-1], np.int64),
+        const("merge", [0, 0, D], np.int64),
+    ]
+    return model(nodes, [vi("x", ["batch", "seq", D])], [vi("y", None)], inits)
+
+
 def classifier(rng):
     """Softmax over logits of a weight, then a product with another weight: not attention."""
     nodes = [
@@ -140,6 +181,18 @@ def test_a_clamped_folded_attention_fuses(rng):
     assert report.parity.ran and report.parity.ok, report.parity
     ops = op_histogram(out.graph.node)
     assert ops.get("com.microsoft.MultiHeadAttention") == 1 and "Max" not in ops, ops
+    assert codes(report, "fuse-attention") == []
+    assert report.rules["reshape-round-trip"]["fired"] == 1
+
+
+def test_probabilities_unfolded_and_folded_back_by_computed_targets_fuse(rng):
+    """The fold back's target is the folded probabilities' own shape, proven from the
+    input's dims (B·N of a [B,N,S,H] split is N times its B): the round trip is no Reshape."""
+    x = {"x": rng.standard_normal((B, S, D)).astype(np.float32)}
+    out, report = run(clip_bmm(rng), target="cuda", inputs=x)
+    assert report.parity.ran and report.parity.ok, report.parity
+    ops = op_histogram(out.graph.node)
+    assert ops.get("com.microsoft.MultiHeadAttention") == 1 and "Softmax" not in ops, ops
     assert codes(report, "fuse-attention") == []
     assert report.rules["reshape-round-trip"]["fired"] == 1
 

@@ -198,7 +198,11 @@ class Dims:
             return self.key(ins[0], axis)
         if e == ("int", -1):
             return self._inferred(node, ins, elems, axis, own)
-        # a computed element could be 0 or -1 at run time: only a dim's own key is trusted
+        # a computed element could be 0 or -1 at run time: only a dim's own key is trusted,
+        # and c·d of the input's own dim d at this axis (c > 0: never -1, and 0 only where d
+        # is 0, which the copy of d gives too; bmm attention's [B·N, -1, H] of [B,N,S,H])
+        if e[0] == "expr" and _scales(e, self.key(ins[0], axis)):
+            return e
         return own if e[0] == "expr" else e
 
     def _inferred(self, node, ins, elems: list[Key], axis: int, own: Key) -> Key:
@@ -445,6 +449,15 @@ def arith(op: str, a: Key, b: Key, fmod: bool = False) -> Key:
     if op in _COMMUTATIVE:
         a, b = sorted((a, b), key=repr)
     return ("expr", op, a, b) if not fmod else ("expr", "FMod", a, b)
+
+
+def _scales(e: Key, d: Key) -> bool:
+    """Whether ``e`` is ``c·d`` with a constant c > 0."""
+    if e[0] != "expr" or e[1] != "Mul":
+        return False
+    a, b = e[2], e[3]
+    c = _int(a) if b == d else _int(b) if a == d else None
+    return c is not None and c > 0
 
 
 def _offset(k: Key) -> tuple[Key, int]:
