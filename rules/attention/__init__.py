@@ -33,7 +33,8 @@ its MatMuls), in three stages, each a module with typed results:
    Gather (ModernBERT)) stays per head as the model computes it and reaches the kernel as
    [B,S,N·H]; so does a key with per-head math beside a value that is a plain split (an
    encoder's rotated key); any other query [B,N,S,H] or key [B,T,N,H] with the key's batch
-   and heads (Conditional DETR's per-head Concat of content and position parts) goes to the
+   and heads (Conditional DETR's per-head Concat of content and position parts), or Kᵀ
+   [B,N,H,T] transposed into place from any order (XLNet's sequence-first heads), goes to the
    kernel merged too; one cached key/value head that the MatMuls broadcast over the
    query heads (multi-query) is repeated for MultiHeadAttention;
    the additive terms (padding, causal,
