@@ -453,7 +453,39 @@ FAMILIES = [
         "Cohere 2: parallel block, interleaved rotary on sliding layers only",
         ("dynamo",),  # TorchScript's export of its mask fails
     ),
+    Family(
+        "granite_swa",
+        lambda: _small(
+            "GraniteSWA",
+            num_key_value_heads=2,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        "Granite SWA: attention sinks as a gate on the context, sliding and global layers",
+    ),
+    Family(
+        "gpt_oss",
+        lambda: _experts(
+            _small(
+                "GptOss",
+                num_key_value_heads=2,
+                head_dim=32,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"],
+            )
+        ),
+        "GPT-OSS: a learned sink logit per head, sliding and global layers, experts",
+    ),
 ]
+
+
+def _experts(model):
+    """``model`` with its experts as batched MatMuls: the default loop counts tokens with
+    histc, which no exporter takes."""
+    model.config._experts_implementation = "batched_mm"
+    return model
 
 
 # ------------------------------------------------------------------------------ wrapping
