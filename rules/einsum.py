@@ -8,9 +8,10 @@ letter, each operand is transposed to [batch…, m, k] and [batch…, k, n] (no 
 already is), multiplied, and the product transposed to the output's order.  The attention
 rules then read those MatMuls; onnxruntime runs an Einsum by the same transposes and a GEMM.
 
-Left alone: an ellipsis, a repeated letter (a trace or a diagonal), a letter summed over in
-one operand only, an operand whose rank does not match its letters, more than one letter of a
-class (that needs Reshapes), or a summed dim static and different in the two operands.
+Left alone: an ellipsis of different lengths in the two operands (one of the same length is
+spelled out), a repeated letter (a trace or a diagonal), a letter summed over in one operand
+only, an operand whose rank does not match its letters, more than one letter of a class (that
+needs Reshapes), or a summed dim static and different in the two operands.
 
 A projection by a constant weight with several letters on a side (XLNet's
 ``einsum("ibh,hnd->ibnd", x, Wq)`` straight into heads and ``einsum("ibnd,hnd->ibh", ctx,
@@ -32,20 +33,45 @@ from graphopt.opt.rewrite.patterns import Op
 from .activation import inputs, no_match
 
 
-def parse(equation: str) -> tuple[str, str, str] | None:
-    """(a, b, out) letters of a two-operand explicit equation without ellipsis, else None."""
+def parse(equation: str, ranks: tuple = (None, None)) -> tuple[str, str, str] | None:
+    """(a, b, out) letters of a two-operand explicit equation, else None.  An ellipsis
+    standing for the same number of dims in both operands (``...qhd,...khd->...hqk``, LongT5's
+    local blocks), known from their ``ranks``, is spelled out with letters of its own."""
     eq = equation.replace(" ", "")
-    if "..." in eq or "->" not in eq:
+    if "->" not in eq:
         return None
     lhs, out = eq.split("->")
     operands = lhs.split(",")
     if len(operands) != 2:
         return None
     a, b = operands
+    if "..." in eq:
+        spelled = _without_ellipsis(a, b, out, ranks)
+        if spelled is None:
+            return None
+        a, b, out = spelled
     letters = a + b + out
     if not letters.isalpha() or any(len(set(t)) != len(t) for t in (a, b, out)):
         return None
     return a, b, out
+
+
+def _without_ellipsis(a: str, b: str, out: str, ranks: tuple) -> tuple[str, str, str] | None:
+    """``a``, ``b`` and ``out`` with a leading ``...`` replaced by the same fresh letters, when
+    it stands for as many dims in each operand; else None."""
+    if any(t.count("...") != 1 or not t.startswith("...") for t in (a, b, out)):
+        return None
+    ra, rb = ranks
+    if ra is None or rb is None:
+        return None
+    n = ra - (len(a) - 3)
+    if n < 0 or n != rb - (len(b) - 3):
+        return None
+    used = set(a + b + out)
+    fresh = "".join([c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in used][:n])
+    if len(fresh) != n:
+        return None
+    return tuple(fresh + t[3:] for t in (a, b, out))
 
 
 def plan(a: str, b: str, out: str) -> tuple[list[int], list[int], list[int]] | None:
@@ -75,9 +101,11 @@ class EinsumToMatMul(Rule):
     summary = "a batched matrix product spelled as Einsum → Transpose · MatMul · Transpose"
 
     def match(self, node, cx):
-        found = parse(str(node.attrs.get("equation", "")))
         ins = inputs(node)
-        if found is None or len(ins) != 2 or any(t is None for t in ins):
+        if len(ins) != 2 or any(t is None for t in ins):
+            raise no_match()
+        found = parse(str(node.attrs.get("equation", "")), (rank(ins[0]), rank(ins[1])))
+        if found is None:
             raise no_match()
         (a, b, out), (x, y) = found, ins
         if rank(x) != len(a) or rank(y) != len(b) or dtype_of(x) != dtype_of(y):
@@ -132,9 +160,11 @@ class EinsumProjection(Rule):
     summary = "a projection by a constant weight spelled as Einsum → MatMul and Reshapes"
 
     def match(self, node, cx):
-        found = parse(str(node.attrs.get("equation", "")))
         ins = inputs(node)
-        if found is None or len(ins) != 2 or any(t is None for t in ins):
+        if len(ins) != 2 or any(t is None for t in ins):
+            raise no_match()
+        found = parse(str(node.attrs.get("equation", "")), (rank(ins[0]), rank(ins[1])))
+        if found is None:
             raise no_match()
         (a, wl, out), (x, w) = found, ins
         weight = constant_value(w)

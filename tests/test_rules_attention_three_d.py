@@ -381,7 +381,9 @@ def test_einsum_attention_becomes_matmuls_and_fuses():
         ("ij,jk->ki", [(4, 5), (5, 6)], True),
         ("ii,ij->ij", [(4, 4), (4, 5)], False),  # a diagonal
         ("ij,jk->i", [(4, 5), (5, 6)], False),  # n summed over in one operand
-        ("...ij,...jk->...ik", [(2, 4, 5), (2, 5, 6)], False),  # ellipsis
+        ("...ij,...jk->...ik", [(2, 4, 5), (2, 5, 6)], True),  # an ellipsis of one length
+        ("...qhd,...khd->...hqk", [(2, 3, 4, 5, 6), (2, 3, 7, 5, 6)], True),  # LongT5's blocks
+        ("...ij,jk->...ik", [(2, 4, 5), (5, 6)], False),  # in one operand only
     ],
 )
 def test_einsum_equations_that_are_one_batched_matmul_are_lowered(equation, shapes, lowered):
