@@ -296,6 +296,10 @@ def _gpt_bigcode():
     return GPTBigCodeForCausalLM(cfg)
 
 
+#: a sliding-window layer (8 keys) then a global one
+SLIDING_THEN_GLOBAL = dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+
+
 @dataclass
 class Family:
     name: str
@@ -424,8 +428,7 @@ FAMILIES = [
             "Exaone4",
             num_key_value_heads=2,
             head_dim=32,
-            sliding_window=8,
-            layer_types=["sliding_attention", "full_attention"],
+            **SLIDING_THEN_GLOBAL,
         ),
         "EXAONE 4: q/k RMSNorm, sliding and global layers",
     ),
@@ -447,8 +450,7 @@ FAMILIES = [
         lambda: _small(
             "Cohere2",
             num_key_value_heads=2,
-            sliding_window=8,
-            layer_types=["sliding_attention", "full_attention"],
+            **SLIDING_THEN_GLOBAL,
         ),
         "Cohere 2: parallel block, interleaved rotary on sliding layers only",
         ("dynamo",),  # TorchScript's export of its mask fails
@@ -458,8 +460,7 @@ FAMILIES = [
         lambda: _small(
             "GraniteSWA",
             num_key_value_heads=2,
-            sliding_window=8,
-            layer_types=["sliding_attention", "full_attention"],
+            **SLIDING_THEN_GLOBAL,
         ),
         "Granite SWA: attention sinks as a gate on the context, sliding and global layers",
     ),
@@ -472,8 +473,7 @@ FAMILIES = [
                 head_dim=32,
                 num_local_experts=4,
                 num_experts_per_tok=2,
-                sliding_window=8,
-                layer_types=["sliding_attention", "full_attention"],
+                **SLIDING_THEN_GLOBAL,
             )
         ),
         "GPT-OSS: a learned sink logit per head, sliding and global layers, experts",

@@ -56,6 +56,17 @@ def parse(equation: str, ranks: tuple = (None, None)) -> tuple[str, str, str] | 
     return a, b, out
 
 
+def _operands(node) -> tuple[tuple[str, str, str], tuple]:
+    """((a, b, out) letters, (x, y) operands) of a two-operand Einsum, else no match."""
+    ins = inputs(node)
+    if len(ins) != 2 or any(t is None for t in ins):
+        raise no_match()
+    found = parse(str(node.attrs.get("equation", "")), (rank(ins[0]), rank(ins[1])))
+    if found is None:
+        raise no_match()
+    return found, tuple(ins)
+
+
 def _without_ellipsis(a: str, b: str, out: str, ranks: tuple) -> tuple[str, str, str] | None:
     """``a``, ``b`` and ``out`` with a leading ``...`` replaced by the same fresh letters, when
     it stands for as many dims in each operand; else None."""
@@ -101,13 +112,7 @@ class EinsumToMatMul(Rule):
     summary = "a batched matrix product spelled as Einsum → Transpose · MatMul · Transpose"
 
     def match(self, node, cx):
-        ins = inputs(node)
-        if len(ins) != 2 or any(t is None for t in ins):
-            raise no_match()
-        found = parse(str(node.attrs.get("equation", "")), (rank(ins[0]), rank(ins[1])))
-        if found is None:
-            raise no_match()
-        (a, b, out), (x, y) = found, ins
+        (a, b, out), (x, y) = _operands(node)
         if rank(x) != len(a) or rank(y) != len(b) or dtype_of(x) != dtype_of(y):
             raise no_match()
         perms = plan(a, b, out)
@@ -160,13 +165,7 @@ class EinsumProjection(Rule):
     summary = "a projection by a constant weight spelled as Einsum → MatMul and Reshapes"
 
     def match(self, node, cx):
-        ins = inputs(node)
-        if len(ins) != 2 or any(t is None for t in ins):
-            raise no_match()
-        found = parse(str(node.attrs.get("equation", "")), (rank(ins[0]), rank(ins[1])))
-        if found is None:
-            raise no_match()
-        (a, wl, out), (x, w) = found, ins
+        (a, wl, out), (x, w) = _operands(node)
         weight = constant_value(w)
         if weight is None or plan(a, wl, out) is not None:  # one MatMul already: einsum-to-matmul
             raise no_match()

@@ -18,41 +18,50 @@ B, S, N, H = 2, 16, 4, 8
 D = N * H
 
 
+class Heads:
+    """Nodes and initializers of a test graph over x [B,S,D] split into N heads of H."""
+
+    def __init__(self, seed: int, merged: int, *inits):
+        self.rng = np.random.default_rng(seed)
+        self.nodes: list = []
+        self.inits = [
+            const("split", [0, 0, N, H], np.int64),
+            const("merge", [0, 0, merged], np.int64),
+            const("scale", np.float32(H**-0.5)),
+            *inits,
+        ]
+
+    def add(self, op, ins, out, **attrs) -> str:
+        self.nodes.append(helper.make_node(op, ins, [out], name=f"n{len(self.nodes)}", **attrs))
+        return out
+
+    def heads(self, r: str, perm) -> str:
+        """``Transpose(Reshape(x·W, [B,S,N,H]), perm)``."""
+        self.inits.append(const(f"W{r}", self.rng.standard_normal((D, D)) * 0.3, np.float32))
+        p = self.add("Reshape", [self.add("MatMul", ["x", f"W{r}"], f"{r}_p"), "split"], f"{r}_4")
+        return self.add("Transpose", [p], f"{r}_h", perm=perm)
+
+
 def graph(shared: bool = True, grouped: bool = False, guarded: bool = False):
     """q, k and two values split into heads; ``shared``: P·V₁ and P·V₂ of one Softmax (else
     a second Softmax for V₂); ``grouped``: the two values are the halves of one projection's
     heads, each repeated to N heads (DiffLlama's ``chunk`` and ``repeat``); ``guarded``: the
     probabilities behind the NaN guard of SDPA exports, ``Where(IsNaN(P), 0, P)``."""
-    rng = np.random.default_rng(0)
-    inits = [
-        const("split", [0, 0, N, H], np.int64),
-        const("merge", [0, 0, 2 * D], np.int64),
-        const("scale", np.float32(H**-0.5)),
-        const("half", [N // 2, N // 2], np.int64),
-        const("reps", [1, 2, 1, 1], np.int64),
-    ]
-    nodes = []
-
-    def add(op, ins, out, **attrs):
-        nodes.append(helper.make_node(op, ins, [out], name=f"n{len(nodes)}", **attrs))
-        return out
-
-    def heads(r, perm):
-        inits.append(const(f"W{r}", rng.standard_normal((D, D)) * 0.3, np.float32))
-        p = add("Reshape", [add("MatMul", ["x", f"W{r}"], f"{r}_p"), "split"], f"{r}_4")
-        return add("Transpose", [p], f"{r}_h", perm=perm)
-
-    q, kt = heads("q", [0, 2, 1, 3]), heads("k", [0, 2, 3, 1])
+    g = Heads(
+        0, 2 * D, const("half", [N // 2, N // 2], np.int64), const("reps", [1, 2, 1, 1], np.int64)
+    )
+    add = g.add
+    q, kt = g.heads("q", [0, 2, 1, 3]), g.heads("k", [0, 2, 3, 1])
     if grouped:
-        v = heads("v", [0, 2, 1, 3])
-        nodes.append(helper.make_node("Split", [v, "half"], ["v_a", "v_b"], axis=1))
+        v = g.heads("v", [0, 2, 1, 3])
+        g.nodes.append(helper.make_node("Split", [v, "half"], ["v_a", "v_b"], axis=1))
         values = [add("Tile", [t, "reps"], f"{t}_rep") for t in ("v_a", "v_b")]
     else:
-        values = [heads("v1", [0, 2, 1, 3]), heads("v2", [0, 2, 1, 3])]
+        values = [g.heads("v1", [0, 2, 1, 3]), g.heads("v2", [0, 2, 1, 3])]
     z = add("Add", [add("Mul", [add("MatMul", [q, kt], "qk"), "scale"], "s"), "mask"], "z")
     p = add("Softmax", [z], "P", axis=-1)
     if guarded:
-        inits.append(const("zero", np.float32(0)))
+        g.inits.append(const("zero", np.float32(0)))
         p = add("Where", [add("IsNaN", [p], "nan"), "zero", p], "P_safe")
     p2 = p if shared else add("Softmax", [add("Mul", [z, "scale"], "z2")], "P2", axis=-1)
     ctx = [
@@ -61,7 +70,7 @@ def graph(shared: bool = True, grouped: bool = False, guarded: bool = False):
     ]
     add("Reshape", [add("Concat", ctx, "ctx", axis=-1), "merge"], "y")
     ins = [vi("x", [B, S, D]), vi("mask", [B, 1, 1, S])]
-    return model(nodes, ins, [vi("y", [B, S, 2 * D])], inits)
+    return model(g.nodes, ins, [vi("y", [B, S, 2 * D])], g.inits)
 
 
 def feed() -> dict:
@@ -95,37 +104,23 @@ def conv_term_graph(keys: int = S, masked: bool = True, of_probs: bool = False):
     """Nyströmformer: ``Transpose(P·V + Conv(V), (0,2,1,3))``, a depthwise convolution of each
     head's values along the sequence; ``of_probs``: NeZHa's value-side relative term P·Rᵥ
     instead."""
-    rng = np.random.default_rng(2)
-    inits = [
-        const("split", [0, 0, N, H], np.int64),
-        const("merge", [0, 0, D], np.int64),
-        const("scale", np.float32(H**-0.5)),
-        const("Wc", rng.standard_normal((N, 1, 5, 1)) * 0.3, np.float32),
-    ]
-    nodes = []
-
-    def add(op, ins, out, **attrs):
-        nodes.append(helper.make_node(op, ins, [out], name=f"n{len(nodes)}", **attrs))
-        return out
-
-    def heads(r, perm):
-        inits.append(const(f"W{r}", rng.standard_normal((D, D)) * 0.3, np.float32))
-        p = add("Reshape", [add("MatMul", ["x", f"W{r}"], f"{r}_p"), "split"], f"{r}_4")
-        return add("Transpose", [p], f"{r}_h", perm=perm)
-
-    q, kt, v = heads("q", [0, 2, 1, 3]), heads("k", [0, 2, 3, 1]), heads("v", [0, 2, 1, 3])
+    g = Heads(2, D)
+    g.inits.append(const("Wc", g.rng.standard_normal((N, 1, 5, 1)) * 0.3, np.float32))
+    add = g.add
+    q, kt = g.heads("q", [0, 2, 1, 3]), g.heads("k", [0, 2, 3, 1])
+    v = g.heads("v", [0, 2, 1, 3])
     z = add("Mul", [add("MatMul", [q, kt], "qk"), "scale"], "s")
     if masked:
         z = add("Add", [z, "mask"], "z")
     p = add("Softmax", [z], "P", axis=-1)
     conv = add("Conv", [v, "Wc"], "conv", group=N, kernel_shape=[5, 1], pads=[2, 0, 2, 0])
     if of_probs:
-        inits.append(const("Rv", rng.standard_normal((keys, H)) * 0.3, np.float32))
+        g.inits.append(const("Rv", g.rng.standard_normal((keys, H)) * 0.3, np.float32))
         conv = add("MatMul", [p, "Rv"], "rel_v")
     ctx = add("Add", [add("MatMul", [p, v], "pv"), conv], "ctx")
     add("Reshape", [add("Transpose", [ctx], "ctx_t", perm=[0, 2, 1, 3]), "merge"], "y")
     ins = [vi("x", [B, keys, D]), vi("mask", [B, 1, 1, keys])]
-    return model(nodes, ins, [vi("y", [B, keys, D])], inits)
+    return model(g.nodes, ins, [vi("y", [B, keys, D])], g.inits)
 
 
 def conv_feed(keys: int = S) -> dict:
