@@ -80,7 +80,8 @@ GROUPS = {
         "laguna minimax qwen3_vl_text qwen3_5_text modernbert-decoder cpmant qwen3_next "
         "exaone_moe solar_open sarvam_mla mistral4 granite_swa apertus1p5_text cohere2_moe "
         "emu3_text_model granitemoe_swa hrm_text hy_v3 iquestcoder lfm3 mimo_v2_flash "
-        "minicpm5_moe minimax_m2 olmo_hybrid param2moe qwen3_vl_moe_text sarvam_moe zaya"
+        "minicpm5_moe minimax_m2 olmo_hybrid param2moe qwen3_vl_moe_text sarvam_moe zaya "
+        "gemma4_text kolibri1 inkling_text"
     ),
     "enc": (
         "albert mpnet mobilebert rembert megatron-bert ernie camembert flaubert xlm "
@@ -170,6 +171,10 @@ OWN_SIZES = {
     **{f: SWIN for f in "swin swinv2 donut-swin maskformer-swin".split()},
     **{f: PYRAMID for f in ("pvt_v2", "segformer")},
     **{f: MOE for f in "hy_v3 mimo_v2_flash param2moe qwen3_vl_moe_text sarvam_moe".split()},
+    "kolibri1": dict(MOE, shared_expert_intermediate_size=32),
+    "inkling_text": dict(MOE, rel_extent=16),
+    # per-layer input embeddings of a vocabulary of their own
+    "gemma4_text": dict(vocab_size_per_layer_input=256, hidden_size_per_layer_input=16),
     "funnel": dict(block_sizes=[1, 1], block_repeats=[1, 1], num_hidden_layers=None, d_head=16),
     "xlnet": dict(max_position_embeddings=None, d_head=16),
     "mobilevitv2": dict(image_size=128, patch_size=2, num_hidden_layers=None, hidden_size=None),
