@@ -112,6 +112,7 @@ class MatMulAddToGemm(Rule):
         a.dtype = dtype_of(m.A)
         y = b.op("Gemm", [a, m.B, m.C], name=f"{name}/gemm")
         y.dtype = dtype_of(m.A)
+        a.shape, y.shape = [None, tail[-1]], [None, n]  # rank 2 for the rules after
         back = b.const(np.array([-1, *tail[:-1], n], np.int64), "unflat")
         return [b.op("Reshape", [y, back], like=like, name=f"{name}/unflat")]
 
@@ -414,6 +415,8 @@ class FoldLinearScale(Rule):
             shaped = like if last else old.outputs[0] if old is not None else None
             y = b.op(op, ins, attrs, like=shaped, name=f"{name}/{suffix}")
             y.dtype = like.dtype
+            if y.shape is None and op in ("Gemm", "MatMul") and m.x.shape is not None:
+                y.shape = [*m.x.shape[:-1], m.w_new.shape[1]]  # a product nothing inferred
         return [y]
 
 

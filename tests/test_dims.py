@@ -533,3 +533,52 @@ def test_a_computed_reshape_element_that_scales_the_copied_dim_is_trusted(factor
         assert key == arith("Mul", ("param", "batch"), ("int", N))
     else:
         assert key[0] == "dim", key
+
+
+def test_dims_of_detr_spellings_conv_resize_cumsum_a_last_row_and_an_expand_of_minus_ones():
+    """DETR's sine position embedding keeps the batch: a mask resized to computed sizes, a
+    CumSum over it divided by its last row (``x[:, -1:]`` is min(d, 1) rows, which broadcast
+    against d as d), and queries expanded by torch's ``expand(B, -1, -1)`` (a Where on
+    ``Equal(target, −1)``); a causal Conv's stride-1 length is ``T + pads − span``."""
+    inits = [
+        const("w", np.ones((8, 1, 4)), np.float32),
+        const("two", [2], np.int64),
+        const("hw", [3, 3], np.int64),
+        const("ax0", [0], np.int64),
+        const("i0", [0], np.int64),
+        const("m1s", [-1, -1], np.int64),
+        const("ones3", [1, 1, 1], np.int64),
+        const("minus1", [-1], np.int64),
+        const("big", [I64_MAX], np.int64),
+        const("ax1", [1], np.int64),
+        const("query", np.zeros((1, 4, 8)), np.float32),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["conv"], group=8, pads=[3, 3], kernel_shape=[4]),
+        helper.make_node("Shape", ["m"], ["m_lead"], end=2),
+        helper.make_node("Concat", ["m_lead", "hw"], ["sizes"], axis=0),
+        helper.make_node("Resize", ["m", "", "", "sizes"], ["small"], mode="nearest"),
+        helper.make_node("CumSum", ["small", "two"], ["cum"]),
+        helper.make_node("Slice", ["cum", "minus1", "big", "ax1"], ["last"]),
+        helper.make_node("Div", ["cum", "last"], ["normed"]),
+        helper.make_node("Sin", ["normed"], ["emb"]),
+        helper.make_node("Shape", ["x"], ["x_shape"]),
+        helper.make_node("Gather", ["x_shape", "i0"], ["b"]),
+        helper.make_node("Concat", ["b", "m1s"], ["target"], axis=0),
+        helper.make_node("Equal", ["target", "minus1"], ["is_m1"]),
+        helper.make_node("Where", ["is_m1", "ones3", "target"], ["expand_to"]),
+        helper.make_node("Expand", ["query", "expand_to"], ["queries"]),
+    ]
+    outs = [vi(n, None) for n in ("conv", "emb", "queries")]
+    t = tensors(model(nodes, [vi("x", ["b", 8, "t"]), vi("m", [1, "b", 6, 6])], outs, inits))
+    for name in ("conv", "emb", "queries"):
+        t[name].shape = [None] * len(t[name].shape)  # rank alone known
+    d = Dims()
+    b, t_len = ("param", "b"), ("param", "t")
+    assert [d.key(t["conv"], i) for i in range(3)] == [
+        b,
+        ("int", 8),
+        arith("Add", t_len, ("int", 3)),
+    ]
+    assert [d.key(t["emb"], i) for i in range(4)] == [("int", 1), b, ("int", 3), ("int", 3)]
+    assert [d.key(t["queries"], i) for i in range(3)] == [b, ("int", 4), ("int", 8)]

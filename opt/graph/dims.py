@@ -8,12 +8,16 @@ simplify (``B·4``, ``n + p``).  Two equal keys mean equal dims at run time; une
 "unknown", never "different".  Keys are derived through element-wise ops (broadcasting),
 MatMul/Gemm, Transpose, Reshape (with constant or shape-glue targets; a -1 is the input's size
 over the other elements when those are static), Split, Gather, Expand, Pad (pads constant or
-computed), Slice (constant bounds), Concat, Unsqueeze/Squeeze and ConstantOfShape — so a Swin
-window count computed from a padded, rolled input's shape is static when the input's sizes are.
+computed), Slice (constant bounds; the first or last c elements are ``min(d, c)``, and
+``min(d, 1)`` broadcasts against d as d), Concat, Unsqueeze/Squeeze, ConstantOfShape, Resize
+(computed sizes, a unit scale) and Conv (stride-1 spatial sizes as ``in + pads − span``) — so
+a Swin window count computed from a padded, rolled input's shape is static when the input's
+sizes are, and DETR's sine position embedding, computed from a resized mask, keeps the batch.
 
 :func:`shape_elements` reads a small int64 shape tensor (a constant, or shape glue: Shape,
 Concat, Gather, Slice, Unsqueeze, Squeeze, Reshape, Transpose, Cast, of any rank on the way, and
-the integer arithmetic of :data:`ARITH`, computed by :func:`arith`) as a list of such keys;
+the integer arithmetic of :data:`ARITH`, computed by :func:`arith`, and a ``Where`` on an
+``Equal`` it can decide) as a list of such keys;
 :func:`same_dim` compares two dims; :func:`pins` says whether a Reshape target keeps given dims.
 """
 
@@ -74,6 +78,14 @@ _UNARY = {
     "HardSwish",
     "Elu",
     "Selu",
+    "Sin",
+    "Cos",
+    "Floor",
+    "Ceil",
+    "Round",
+    "Sign",
+    "CumSum",
+    "Trilu",
     "RotaryEmbedding",  # ONNX and com.microsoft: the shape of its input
     "ScatterND",  # the shape of the data scattered into (TorchScript's slice assignment)
     "ScatterElements",
@@ -168,7 +180,7 @@ class Dims:
                 r = rank(ins[0])
                 return self.key(ins[0], r - 1 - axis) if r is not None else own
             return self.key(ins[0], int(perm[axis]))
-        if op in ("Reshape", "Split", "Gather", "Pad", "Slice", "Concat"):
+        if op in ("Reshape", "Split", "Gather", "Pad", "Slice", "Concat", "Resize", "Conv"):
             return getattr(self, f"_{op.lower()}")(node, ins, axis, own)
         if op in ("Unsqueeze", "Squeeze"):
             return self._squeeze(node, ins, axis, own)
@@ -270,7 +282,49 @@ class Dims:
         if _int(k) is not None:
             return ("int", len(range(_int(k))[s]))
         big = np.iinfo(np.int64).max // 2
-        return k if s.step == 1 and s.start == 0 and s.stop >= big else own
+        if s.step != 1:
+            return own
+        if s.start == 0 and s.stop >= big:
+            return k
+        # the first c elements or the last c: min(dim, c) of any dim
+        if s.start == 0 and 0 < s.stop < big or s.stop >= big and -big < s.start < 0:
+            return arith("Min", k, ("int", s.stop if s.start == 0 else -s.start))
+        return own
+
+    def _resize(self, node, ins, axis: int, own: Key) -> Key:
+        """Resize to computed ``sizes``, or by a constant scale of 1 on the axis."""
+        if len(ins) > 3 and ins[3] is not None:
+            elems = shape_elements(ins[3], self)
+            return elems[axis] if elems is not None and axis < len(elems) else own
+        scales = constant_value(ins[2], MAX_VALUES) if len(ins) > 2 else None
+        if scales is None or axis >= scales.size or node.attrs.get("axes") is not None:
+            return own
+        return self.key(ins[0], axis) if float(scales.reshape(-1)[axis]) == 1.0 else own
+
+    def _conv(self, node, ins, axis: int, own: Key) -> Key:
+        """Conv: the batch of the input, the filters of the weight, and a spatial size
+        ``in + pads − dilation·(kernel − 1)`` at stride 1 (static sizes at any stride)."""
+        x, w = ins[0], ins[1]
+        if axis == 0:
+            return self.key(x, 0)
+        if axis == 1:
+            return self.key(w, 0)
+        r = rank(w)
+        i = axis - 2
+        if r is None or node.attrs.get("auto_pad", "NOTSET") not in ("NOTSET", b"NOTSET"):
+            return own
+        n = r - 2
+        kernel = node.attrs.get("kernel_shape") or [_int(self.key(w, a)) for a in range(2, r)]
+        pads = node.attrs.get("pads") or [0] * 2 * n
+        strides = node.attrs.get("strides") or [1] * n
+        dil = node.attrs.get("dilations") or [1] * n
+        if i >= n or kernel[i] is None:
+            return own
+        grow = int(pads[i]) + int(pads[i + n]) - int(dil[i]) * (int(kernel[i]) - 1)
+        d = self.key(x, axis)
+        if _int(d) is not None:
+            return ("int", (_int(d) + grow - 1) // int(strides[i]) + 1)
+        return arith("Add", d, ("int", grow)) if int(strides[i]) == 1 else own
 
     def _concat(self, node, ins, axis: int, own: Key) -> Key:
         r = rank(ins[0])
@@ -356,6 +410,8 @@ class Dims:
                 found.add(k)
         if not found:
             return ("int", 1)
+        # min(d, 1) (``x[:, -1:]``) is 1, or 0 where d is: either way d against d
+        found -= {arith("Min", d, ("int", 1)) for d in found}
         return found.pop() if len(found) == 1 else own
 
     def _matmul(self, t, axis, ins) -> Key:
@@ -594,6 +650,8 @@ def _compute_values(t: Tensor, dims: Dims, depth: int) -> np.ndarray | None:
         return None
     if op in ARITH:
         return _binary(node, ins, dims, depth)
+    if op == "Where":
+        return _where(ins, dims, depth)
     if op == "Gather" and ins[0].inputs and ins[0].inputs[0].op == "Range":
         return _range_elements(ins[0].inputs[0], ins[1], dims, depth)
     x = _values(ins[0], dims, depth - 1)
@@ -668,6 +726,42 @@ def _range_elements(rng, idx: Tensor | None, dims: Dims, depth: int) -> np.ndarr
         for i in at.reshape(-1)
     ]
     return _array(keys, at.shape)
+
+
+def _equal(a: Key, b: Key) -> bool | None:
+    """Whether two shape elements are equal, where that is known: equal keys are, two sizes
+    are compared, and a dim is never a negative constant (torch's ``expand(B, -1, -1)``
+    target)."""
+    if a == b:
+        return True
+    x, y = _int(a), _int(b)
+    if x is not None and y is not None:
+        return x == y
+    if x is not None and x < 0 and b[0] in ("param", "dim"):
+        return False
+    if y is not None and y < 0 and a[0] in ("param", "dim"):
+        return False
+    return None
+
+
+def _where(ins, dims: Dims, depth: int) -> np.ndarray | None:
+    """``Where(Equal(x, c), y, z)`` of shape values, where each comparison is known."""
+    cond = ins[0]
+    node = cond.inputs[0] if cond is not None and cond.inputs else None
+    if node is None or node.op != "Equal" or len(ins) != 3:
+        return None
+    parts = [_values(i, dims, depth - 1) for i in (*_inputs(node)[:2], ins[1], ins[2])]
+    if any(p is None for p in parts):
+        return None
+    try:
+        a, b, y, z = np.broadcast_arrays(*parts)
+    except ValueError:
+        return None
+    same = [_equal(i, j) for i, j in zip(a.reshape(-1), b.reshape(-1))]
+    if None in same:
+        return None
+    picked = [i if e else j for e, i, j in zip(same, y.reshape(-1), z.reshape(-1))]
+    return _array(picked, a.shape)
 
 
 def _binary(node, ins, dims: Dims, depth: int) -> np.ndarray | None:
