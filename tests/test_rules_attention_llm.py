@@ -173,14 +173,18 @@ def decoder(
     passed: int = 0,
     sinks: bool = False,
     sink_gate: bool = False,
+    row_sinks: bool = False,
 ):
     """One decoder self-attention with a KV cache and RoPE, as the exporters write it; with
     ``qk_norm`` an RMSNorm over each q and k head before the rotation (Qwen3), with ``passed``
     (and ``phi3``) heads of H + ``passed`` of which the first H rotate (GPT-NeoX, Phi-2); with
     ``sinks`` GPT-OSS's learned sink logit per head concatenated to the scores, the row maximum
     subtracted, and the sink's column sliced off the probabilities; with ``sink_gate`` the same
-    sinks as Granite's gate on the context, ``(P·V)·sigmoid(logsumexp(z) − sink)``."""
+    sinks as Granite's gate on the context, ``(P·V)·sigmoid(logsumexp(z) − sink)``; with
+    ``row_sinks`` the sink logits are a projection of each token (Inkling 2: ``x·Wₛ`` [B,S,N]
+    transposed to [B,N,S,1]) concatenated as the column."""
     rng = np.random.default_rng(7)
+    sinks = sinks or row_sinks
     hp = H + passed
     nodes, inits = freqs_mul("position_ids")
     for r, n in (("q", NQ), ("k", nkv), ("v", nkv)):
@@ -201,7 +205,7 @@ def decoder(
         mk("Mul", ["kt", "qk_scale"], ["kts"]),
         mk("MatMul", ["qs", "kts"], ["scores"]),
         mk("Add", ["scores", "bias"], ["z"]),
-        *(_sink_softmax("z", "P", dynamo) if sinks else []),
+        *(_sink_softmax("z", "P", dynamo, row_sinks) if sinks else []),
         *(
             []
             if sinks or sink_gate
@@ -234,6 +238,13 @@ def decoder(
             const("sinks", rng.standard_normal((1, NQ, 1, 1)) * 2),
             const("one1", [1], np.int64),
         ]
+    if row_sinks:
+        inits.append(const("sink_w", rng.standard_normal((HIDDEN, NQ)) * 0.5))
+        nodes += [
+            mk("MatMul", ["x", "sink_w"], ["row_logits"]),
+            mk("Transpose", ["row_logits"], ["row_logits_t"], perm=[0, 2, 1]),
+            mk("Unsqueeze", ["row_logits_t", "m1"], ["z_row_col"]),
+        ]
     if sink_gate:
         inits.append(const("sinks3", rng.standard_normal((1, NQ, 1)) * 2))
     nodes = _topo(nodes, inputs_of(nkv, batch, hp), inits)
@@ -248,15 +259,23 @@ def decoder(
     return model(nodes, inputs, outputs, inits, opset=18 if dynamo else 17)
 
 
-def _sink_softmax(z: str, p: str, dynamo: bool) -> list:
+def _sink_softmax(z: str, p: str, dynamo: bool, rows: bool = False) -> list:
     """``{p}`` = Slice(Softmax(cat − max(cat)), 0, −1), cat = Concat([z, sinks expanded to
-    [B,N,S,1]], −1) (ReduceMax's axes an input from opset 18)."""
+    [B,N,S,1]], −1) (ReduceMax's axes an input from opset 18); with ``rows`` the column is
+    the computed ``{z}_row_col``."""
     axes = {} if dynamo else {"axes": [-1]}
+    col = f"{z}_row_col" if rows else f"{z}_col"
     return [
-        dim(z, 0, 3, f"{z}_lead"),
-        mk("Concat", [f"{z}_lead", "one1"], [f"{z}_col_shape"], axis=0),
-        mk("Expand", ["sinks", f"{z}_col_shape"], [f"{z}_col"]),
-        mk("Concat", [z, f"{z}_col"], [f"{z}_cat"], axis=-1),
+        *(
+            []
+            if rows
+            else [
+                dim(z, 0, 3, f"{z}_lead"),
+                mk("Concat", [f"{z}_lead", "one1"], [f"{z}_col_shape"], axis=0),
+                mk("Expand", ["sinks", f"{z}_col_shape"], [f"{z}_col"]),
+            ]
+        ),
+        mk("Concat", [z, col], [f"{z}_cat"], axis=-1),
         mk("ReduceMax", [f"{z}_cat"] + (["m1"] if dynamo else []), [f"{z}_max"], **axes),
         mk("Sub", [f"{z}_cat", f"{z}_max"], [f"{z}_sub"]),
         mk("Softmax", [f"{z}_sub"], [f"{z}_p"], axis=-1),

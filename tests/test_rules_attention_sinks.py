@@ -55,6 +55,21 @@ def test_sinks_elsewhere_go_to_multihead_attention_over_a_null_key(target):
 
 @pytest.mark.parametrize("target", ["cpu", "cuda"])
 @pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_a_sink_logit_per_query_row_goes_to_the_null_keys_bias_column(dynamo, target):
+    """Inkling 2's sinks are a projection of each token: a computed column [B,N,S,1], not a
+    constant per head, so never GroupQueryAttention's ``head_sink``; MultiHeadAttention takes
+    it as its null key's bias column, broadcast with the mask's rows."""
+    m = decoder(2, dynamo, batch=1, row_sinks=True)
+    out, report = assert_optimized(m, target=target, inputs=feeds(2, batch=1))
+    h = op_histogram(out.graph.node)
+    assert h.get(MHA) == 1 and GQA not in h and "Softmax" not in h, h
+    assert codes(report, RULE) == []
+    for f in (feeds(2, batch=1, seq=6, past=0, seed=2), feeds(2, batch=1, seq=1, past=9)):
+        assert run(out, target=target, inputs=f)[1].parity.ok
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
 def test_sinks_spelled_as_a_gate_on_the_context_fuse(dynamo, target):
     """``sigmoid(lse − c) = Σ eˢ / (Σ eˢ + eᶜ)``: the gate is the sink's share of the
     denominator, so the sinks go to the kernel as the concatenated spelling's do."""

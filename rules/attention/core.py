@@ -81,11 +81,13 @@ class SoftCap:
 class Sink:
     """Attention sinks (GPT-OSS): a learned logit per head concatenated to every row of the
     scores, the row maximum perhaps subtracted, and its column sliced off the probabilities —
-    ``exp(sᵢ) / (Σ exp(sⱼ) + exp(sinkₙ))``, GroupQueryAttention's ``head_sink``."""
+    ``exp(sᵢ) / (Σ exp(sⱼ) + exp(sinkₙ))``, GroupQueryAttention's ``head_sink``.  A sink
+    computed per query row (Inkling 2: a projection of the token, [B,N,S,1]) is ``column``."""
 
-    values: np.ndarray  # one logit per head, or one for all
+    values: np.ndarray | None  # one logit per head, or one for all; None for a column
     nodes: list[Node]  # consumers first: the Slice, [the Sub, the ReduceMax,] the Concat
     gate: bool = False  # spelled as a gate on P·V: the Mul, Unsqueeze, Sigmoid, Sub, LSE
+    column: Tensor | None = None  # the computed sink logits [B|1,N|1,S,1] of every row
 
 
 @dataclass
@@ -266,15 +268,20 @@ def _peel_sink(core: Core, sliced: Node, z: Tensor) -> Tensor:
     while (ex := producer(col, "Expand")) is not None:
         col = inputs(ex)[0]
     heads = _per_head_logits(constant_value(col))
-    if heads is None:
+    if heads is not None:
+        core.sink = Sink(heads, nodes + [cat])
+        return inputs(cat)[0]
+    column = inputs(cat)[1]
+    shape = column.shape
+    if constant_value(column) is not None or shape is None or len(shape) != 4 or shape[3] != 1:
         raise unrecognized(
             "1 (core)",
-            f"the sink column '{inputs(cat)[1].name}' concatenated to the scores is not a "
-            "constant logit per head [1,N,1,1]",
+            f"the sink column '{column.name}' concatenated to the scores is neither a "
+            "constant logit per head [1,N,1,1] nor a computed column [B,N,S,1]",
             core.softmax,
-            inputs(cat)[1],
+            column,
         )
-    core.sink = Sink(heads, nodes + [cat])
+    core.sink = Sink(None, nodes + [cat], column=column)
     return inputs(cat)[0]
 
 

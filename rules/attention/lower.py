@@ -101,7 +101,8 @@ def _sink_bias(
     a: Attention, b: Builder, bias: Tensor | None, q: Tensor, k: Tensor, k_axis: int
 ) -> Tensor:
     """The attention_bias [B|1,N,S,T+1]: ``bias`` (zeros when None) over every head, then the
-    sink logits as the column of the null key."""
+    sink logits as the column of the null key (a computed column [B|1,N|1,S,1] and the bias
+    both broadcast to their common rows)."""
     name, dt, n = a.core.root.name, dtype_of(a.q.x), a.num_heads
     if bias is None:
         lens = [_dim(b, q, f"{name}/q_len"), _dim(b, k, f"{name}/k_len", axis=k_axis)]
@@ -112,15 +113,25 @@ def _sink_bias(
         shape.dtype, bias.dtype = np.dtype(np.int64), dt
     heads = b.const(np.array([1, n, 1, 1], dtype=np.int64), "all_heads")
     bias = b.op("Expand", [bias, heads], name=f"{name}/bias_heads")
+    one = b.const(np.ones(1, np.int64), "one")
+    if a.core.sink.column is None:
+        logits = np.broadcast_to(a.core.sink.values, (n,)).reshape(1, n, 1, 1).astype(dt)
+        sinks = b.const(logits, "sinks")
+    else:  # the rows both have: the bias's first column against the sink column
+        sinks = a.core.sink.column
+        zero = b.const(np.zeros(1, np.int64), "zero")
+        axis = b.const(np.array([3], np.int64), "axis")
+        first = b.op("Slice", [bias, zero, one, axis], name=f"{name}/bias_first")
+        both = b.op("Add", [first, sinks], name=f"{name}/bias_and_sinks")
+        rows = b.op("Shape", [both], {"end": 3}, name=f"{name}/rows")
+        keys = b.op("Shape", [bias], {"start": 3}, name=f"{name}/bias_keys")
+        full = b.op("Concat", [rows, keys], {"axis": 0}, name=f"{name}/bias_full")
+        bias = b.op("Expand", [bias, full], name=f"{name}/bias_rows_all")
+        first.dtype = both.dtype = bias.dtype = dt
+        rows.dtype = keys.dtype = full.dtype = np.dtype(np.int64)
     lead = b.op("Shape", [bias], {"end": 3}, name=f"{name}/bias_rows")
-    col_shape = b.op(
-        "Concat",
-        [lead, b.const(np.ones(1, np.int64), "one")],
-        {"axis": 0},
-        name=f"{name}/sink_rows",
-    )
-    logits = np.broadcast_to(a.core.sink.values, (n,)).reshape(1, n, 1, 1).astype(dt)
-    col = b.op("Expand", [b.const(logits, "sinks"), col_shape], name=f"{name}/sink_column")
+    col_shape = b.op("Concat", [lead, one], {"axis": 0}, name=f"{name}/sink_rows")
+    col = b.op("Expand", [sinks, col_shape], name=f"{name}/sink_column")
     out = b.op("Concat", [bias, col], {"axis": -1}, name=f"{name}/bias_with_sinks")
     for t in (bias, col, out):
         t.dtype = dt

@@ -276,17 +276,19 @@ class FuseMultiHeadAttention(Rule):
     def _lowering(self, a: Attention, cx) -> None:
         """Stage 3: the kernel the target has, whether it pays, and the bias it takes."""
         sink = a.core.sink
-        if sink is not None and sink.values.size not in (1, a.num_heads):
+        logits = sink.values if sink is not None else None
+        if logits is not None and logits.size not in (1, a.num_heads):
             raise _refused(
                 "mask-shape",
                 LOWER,
-                f"the sink column has {sink.values.size} logits for {a.num_heads} heads",
+                f"the sink column has {logits.size} logits for {a.num_heads} heads",
                 a,
                 sink.nodes[-1].outputs[0],
             )
         causal = cx.target.kernel_attributes.get("GroupQueryAttention", {}).get("causal")
         gqa_kernel = cx.target.has_kernel("GroupQueryAttention", MS, 1, float_type(a.q.x))
-        if (causal is None or "0" in causal) and gqa_kernel:
+        constant_sink = sink is None or sink.column is None  # head_sink takes constants only
+        if (causal is None or "0" in causal) and gqa_kernel and constant_sink:
             a.gqa = plan_gqa(
                 a,
                 current_dims(),
@@ -332,11 +334,15 @@ class FuseMultiHeadAttention(Rule):
             if has_mha
             else f"target {cx.target.name} has no MultiHeadAttention kernel"
         )
+        if a.core.sink.column is not None:
+            gqa = "GroupQueryAttention's head_sink is a constant per head"
+        else:
+            gqa = _gqa_why(cx, gqa_kernel, causal)
         raise _refused(
             "no-kernel",
             LOWER,
-            "the scores get a learned sink logit per head (a column concatenated before the "
-            f"Softmax and sliced off after it); {mha}, and {_gqa_why(cx, gqa_kernel, causal)}",
+            "the scores get a sink logit (a column concatenated before the Softmax and sliced "
+            f"off after it); {mha}, and {gqa}",
             a,
             a.core.sink.nodes[-1].outputs[0],
         )
