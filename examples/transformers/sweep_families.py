@@ -81,7 +81,11 @@ GROUPS = {
         "exaone_moe solar_open sarvam_mla mistral4 granite_swa apertus1p5_text cohere2_moe "
         "emu3_text_model granitemoe_swa hrm_text hy_v3 iquestcoder lfm3 mimo_v2_flash "
         "minicpm5_moe minimax_m2 olmo_hybrid param2moe qwen3_vl_moe_text sarvam_moe zaya "
-        "gemma4_text kolibri1 inkling_text"
+        "gemma4_text kolibri1 inkling_text aria_text deepseek_v4 granite4_vision_text "
+        "granite_docling_text minimax_m3_vl_text muse_spark_text muse_glimmer_text hy_v4 "
+        "inkling2_text molmo2_text mllama_text_model nemotron_h longcat_flash deepseek_v32 "
+        "glm_moe_dsa mistral_large4_text axk1 axk2 qwen2_vl_text qwen2_5_vl_text glm4v_text "
+        "glm_ocr_text paddleocr_vl_text glm4v_moe_text step3p5 trocr kosmos_2_text_model"
     ),
     "enc": (
         "albert mpnet mobilebert rembert megatron-bert ernie camembert flaubert xlm "
@@ -93,7 +97,8 @@ GROUPS = {
         "align_text_model altclip_text_model chinese_clip_text_model clap_text_model "
         "clipseg_text_model groupvit_text_model metaclip_2_text_model openai_privacy_filter "
         "owlv2_text_model owlvit_text_model siglip2_text_model tipsv2_text_model "
-        "xclip_text_model"
+        "xclip_text_model siglip_text_model flava_text_model videoprism_text_model "
+        "sam3_lite_text_text_model blip_text_model visual_bert bridgetower_text_model"
     ),
     "vis": (
         "dinov2 yolos vit_msn data2vec-vision ijepa cvt deit clip_vision_model "
@@ -105,15 +110,20 @@ GROUPS = {
         "chinese_clip_vision_model clipseg_vision_model git_vision_model groupvit_vision_model "
         "instructblip_vision_model janus_vision_model metaclip_2_vision_model "
         "owlv2_vision_model owlvit_vision_model phi4_multimodal_vision sam_hq_vision_model "
-        "tipsv2_vision_model"
+        "tipsv2_vision_model flava_image_model mask2former sam3_vit_model kosmos_2_vision_model "
+        "idefics2_vision detr conditional_detr dab-detr table-transformer deformable_detr "
+        "got_ocr2_vision ovis2_vision"
     ),
+    "vid": "videomae vivit timesformer",
     "aud": (
         "sew sew-d unispeech unispeech-sat data2vec-audio wav2vec2-bert hubert wav2vec2 wavlm "
-        "wav2vec2-conformer"
+        "wav2vec2-conformer qwen2_audio_encoder audio-spectrogram-transformer parakeet_encoder "
+        "voxtral_encoder"
     ),
     "s2s": (
         "led pegasus m2m_100 blenderbot blenderbot-small plbart bigbird_pegasus nllb-moe t5 "
-        "bart prophetnet fsmt longt5 mvp pegasus_x umt5 mbart mt5 marian"
+        "bart prophetnet fsmt longt5 mvp pegasus_x umt5 mbart mt5 marian whisper speech_to_text "
+        "moonshine"
     ),
 }
 #: multi-head latent attention (MiniCPM3, DeepSeek-V2/V3 and the families built on it): low-rank
@@ -162,6 +172,11 @@ MOE = dict(
     num_experts_per_tok=2,
     moe_intermediate_size=32,
 )
+#: multi-head latent attention with DeepSeek's sparse indexer (DSA)
+DSA = "deepseek_v32 glm_moe_dsa mistral_large4_text axk1 axk2".split()
+#: Qwen2-VL's multimodal rotary: the 8 frequencies of a 16-wide head in three sections
+ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+MROPE = dict(rope_parameters={**ROPE, "mrope_section": [2, 3, 3]})
 OWN_SIZES = {
     "minicpm3": MLA,
     "gptj": dict(rotary_dim=8),  # a rotated part of the 16-wide heads
@@ -178,11 +193,60 @@ OWN_SIZES = {
     "funnel": dict(block_sizes=[1, 1], block_repeats=[1, 1], num_hidden_layers=None, d_head=16),
     "xlnet": dict(max_position_embeddings=None, d_head=16),
     "mobilevitv2": dict(image_size=128, patch_size=2, num_hidden_layers=None, hidden_size=None),
+    **{f: dict(MLA, index_head_dim=16, index_n_heads=4, index_topk=8) for f in DSA},
+    "longcat_flash": dict(
+        MLA, **MOE, ffn_hidden_size=128, expert_ffn_hidden_size=32, zero_expert_num=2
+    ),
+    **{f: MROPE for f in "qwen2_vl_text qwen2_5_vl_text glm4v_text glm_ocr_text".split()},
+    "paddleocr_vl_text": MROPE,
+    # half the head rotated: 4 frequencies
+    "glm4v_moe_text": dict(
+        MOE, rope_parameters={**ROPE, "mrope_section": [1, 1, 2], "partial_rotary_factor": 0.5}
+    ),
+    "step3p5": dict(MOE, sliding_window=8),
+    # spectrograms of 64 frames
+    "whisper": dict(max_source_positions=32, num_mel_bins=16),
+    **{
+        f: dict(TEXT, max_source_positions=32, num_mel_bins=16)
+        for f in ("qwen2_audio_encoder", "voxtral_encoder")
+    },
+    "speech_to_text": dict(max_source_positions=64, conv_channels=32, input_feat_per_channel=16),
+    "audio-spectrogram-transformer": dict(max_length=64, num_mel_bins=32),
+    "parakeet_encoder": dict(subsampling_conv_channels=32, num_mel_bins=16),
+    "vivit": dict(tubelet_size=[2, 8, 8]),
     # the hybrids put one full attention after three linear ones
     "qwen3_next": dict(num_hidden_layers=4),
     "qwen3_5_text": dict(num_hidden_layers=4),
 }
-KIND_SIZES = {"dec": TEXT, "enc": TEXT, "s2s": TEXT, "vis": VISION, "aud": AUDIO}
+#: encoder-decoders that hear: speech in, the decoder's tokens
+SPEECH_TO_TEXT = ("whisper", "speech_to_text", "moonshine")
+KIND_SIZES = {
+    "dec": TEXT,
+    "enc": TEXT,
+    "s2s": TEXT,
+    "vis": VISION,
+    "vid": dict(ENCODER, image_size=32, patch_size=8, num_frames=4, tubelet_size=2),
+    "aud": AUDIO,
+}
+
+
+#: speech families that read a spectrogram, not samples: its input and shape from the config
+def _mel(c):
+    """Whisper's encoder input: every mel bin over twice its source positions."""
+    return "input_features", (1, c.num_mel_bins, 2 * c.max_source_positions)
+
+
+FEATURES = {
+    "wav2vec2-bert": lambda c: ("input_features", (1, 40, c.feature_projection_input_dim)),
+    **{f: _mel for f in ("whisper", "qwen2_audio_encoder", "voxtral_encoder")},
+    "speech_to_text": lambda c: (
+        "input_features",
+        (1, 64, c.input_feat_per_channel * c.input_channels),
+    ),
+    "audio-spectrogram-transformer": lambda c: ("input_values", (1, c.max_length, c.num_mel_bins)),
+    "parakeet_encoder": lambda c: ("input_features", (1, 64, c.num_mel_bins)),
+    "moonshine": lambda c: ("input_values", (1, 8000)),  # samples, a longer clip
+}
 
 
 def kind_of(family: str) -> str:
@@ -192,16 +256,42 @@ def kind_of(family: str) -> str:
     return "enc"
 
 
-def _from_config(cfg, **how):
-    """AutoModel's model of ``cfg``, or for a tower's own config that AutoModel does not map
-    (BlipVisionConfig, OwlViTTextConfig...) the model class of the same name
-    (BlipVisionModel), built the same way."""
+def _own_class(cfg):
+    """The model class built on ``cfg``'s own config class, for a tower AutoModel does not map
+    (BlipVisionConfig → BlipVisionModel, Kosmos2VisionConfig → Kosmos2VisionModel,
+    TrOCRConfig → TrOCRForCausalLM): the class of that name, else one of the family's modeling
+    module whose ``config_class`` it is (a bare model before a head)."""
+    import importlib
+
     import transformers
+
+    cls = getattr(transformers, type(cfg).__name__.removesuffix("Config") + "Model", None)
+    if cls is not None:
+        return cls
+    try:
+        where = type(cfg).__module__.replace(".configuration_", ".modeling_")
+        module = importlib.import_module(where)
+    except ImportError:
+        return None
+    own = [
+        c
+        for name, c in vars(module).items()
+        if isinstance(c, type)
+        and getattr(c, "config_class", None) is type(cfg)
+        and not name.endswith("PreTrainedModel")
+    ]
+    own.sort(key=lambda c: ("For" in c.__name__, c.__name__))
+    return own[0] if own else None
+
+
+def _from_config(cfg, **how):
+    """AutoModel's model of ``cfg``, or the model class of its own config (``_own_class``),
+    built the same way."""
     from transformers import AutoModel
     from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
-    cls = getattr(transformers, type(cfg).__name__.removesuffix("Config") + "Model", None)
-    if type(cfg) in MODEL_MAPPING or cls is None:
+    cls = None if type(cfg) in MODEL_MAPPING else _own_class(cfg)
+    if cls is None:
         return AutoModel.from_config(cfg, **how)
     cfg._attn_implementation = how.get("attn_implementation", "eager")
     if "experts_implementation" in how:
@@ -220,9 +310,10 @@ def build(family: str):
         cfg = AutoConfig.for_model(family, **{k: v for k, v in sizes.items() if v is not None})
     except (TypeError, ValueError):  # a size its config refuses: its defaults
         cfg = AutoConfig.for_model(family)
-    layer_types = getattr(cfg, "layer_types", None)
-    if isinstance(layer_types, list):
-        cfg.layer_types = layer_types[: cfg.num_hidden_layers]
+    for attr in ("layer_types", "mlp_layer_types"):  # one entry per layer of the defaults
+        types = getattr(cfg, attr, None)
+        if isinstance(types, list) and getattr(cfg, "num_hidden_layers", None):
+            setattr(cfg, attr, types[: cfg.num_hidden_layers])
     if getattr(cfg, "architectures", []) is None:  # Funnel's loader iterates over it
         cfg.architectures = []
     torch.manual_seed(0)
@@ -240,12 +331,20 @@ def build(family: str):
         channels = getattr(cfg, "num_channels", 3)
         pixels = rng.standard_normal((1, channels, size, size)).astype(np.float32)
         return model, {"pixel_values": pixels}
+    if kind == "vid":
+        size, frames = cfg.image_size, cfg.num_frames
+        pixels = rng.standard_normal((1, frames, 3, size, size)).astype(np.float32)
+        return model, {"pixel_values": pixels}
+    if family in FEATURES:
+        name, shape = FEATURES[family](cfg)
+        feeds = {name: rng.standard_normal(shape).astype(np.float32)}
+    else:
+        feeds = {"input_values": rng.standard_normal((1, 1600)).astype(np.float32)}
     if kind == "aud":
-        if family == "wav2vec2-bert":
-            width = getattr(cfg, "feature_projection_input_dim", 160)
-            feats = rng.standard_normal((1, 40, width)).astype(np.float32)
-            return model, {"input_features": feats}
-        return model, {"input_values": rng.standard_normal((1, 1600)).astype(np.float32)}
+        return model, feeds
+    if kind == "s2s" and family in SPEECH_TO_TEXT:
+        feeds["decoder_input_ids"] = rng.integers(3, 200, size=(1, 8)).astype(np.int64)
+        return model, feeds
     ids = rng.integers(3, 200, size=(2, 16)).astype(np.int64)
     mask = np.ones((2, 16), np.int64)
     mask[1, 12:] = 0
