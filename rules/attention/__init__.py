@@ -57,7 +57,8 @@ its MatMuls), in three stages, each a module with typed results:
    value (q/k norms, partial rotary, a fused projection's head slice) are merged to [B,S,·]
    for it, and a single broadcast kv head is ``kv_num_heads=1``.  Sinks go to
    GroupQueryAttention's ``head_sink``; elsewhere MultiHeadAttention gets one more key, zero,
-   whose bias column is the sink logit (exact: ``q·0 = 0`` and its zero value adds nothing).
+   whose bias column is the sink logit (exact: ``q·0 = 0`` and its zero value adds nothing)
+   — or the computed column itself, for sinks projected from each token (Inkling 2).
 
 Spellings the stages do not read are first rewritten, exactly, into ones they do, in the same
 phase and only where a kernel and the cost bound would take the result (a refusal is said by

@@ -67,6 +67,14 @@ def lift(root: Node) -> Attention:
         _of_3d(split_heads(core.v, PERM_BNSH)) or already_split(core.v, PERM_BNSH),
     ]
     for name, split, t in zip(("Q", "Kᵀ", "V"), splits, (core.q, core.kt, core.v)):
+        if split is None and isinstance(t, Constant):
+            raise unrecognized(
+                LIFT,
+                f"{name} '{t.name}' is a constant {list(t.shape)}: it reads no graph input (a "
+                "static export folded it), and the kernels take heads split from activations",
+                core.softmax,
+                t,
+            )
         if split is None:
             raise unrecognized(
                 LIFT,
