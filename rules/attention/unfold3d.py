@@ -27,7 +27,9 @@ folded scores::
     out = Reshape(MatMul(P3, v3), [B,N,T,H]) → Transpose (0,2,1,3)
 
 ``unfold-3d-softmax`` runs that Softmax on the [B,N,T,S] scores (the masked 4-D sum when there
-is one) and folds the probabilities back: the folded spelling again.
+is one) and folds the probabilities back: the folded spelling again.  The dynamo exporter's
+batch-1 form keeps the query per head and multiplies it by a Kᵀ folded to [N,H,T], which
+MatMul broadcasts as [1,N,H,T]; ``unfold-broadcast-key`` writes that Kᵀ per head first.
 """
 
 from __future__ import annotations
@@ -354,6 +356,25 @@ def folded_heads(t: Tensor | None) -> int | None:
     return n[1] if n is not None and n[0] == "int" and n[1] > 0 else None
 
 
+def _query_heads(q: Tensor, qk: Node) -> tuple[Tensor | None, int | None]:
+    """(the query's [B,N,S,H] heads, N): unfolded from a folded [B·N,S,H] ``q``, or ``q``
+    itself when it is already per head, with a batch of 1 and a static N (the dynamo
+    exporter's batch-1 bmm: a 4-D query times a folded 3-D Kᵀ, broadcast as [1,N,H,T])."""
+    if rank(q) == 3:
+        return unfolded(q), folded_heads(q)
+    dims = current_dims()
+    if rank(q) != 4 or rank(qk.outputs[0]) != 4 or dims.key(q, 0) != ("int", 1):
+        return None, None
+    n = _static_heads(q)
+    return (q, n) if n is not None else (None, None)
+
+
+def _static_heads(t: Tensor) -> int | None:
+    """N of per-head [B,N,·,·] ``t`` when static."""
+    n = current_dims().key(t, 1)
+    return n[1] if n[0] == "int" and n[1] > 0 else None
+
+
 def _keeps_scores_rows(rs: Node, s3: Tensor, seqs: tuple[set, set]) -> bool:
     """Whether the Reshape ``rs`` folding the masked [B,N,S,T] sum back to 3-D provably yields
     the last two dims of the folded scores ``s3`` = Q3·K3ᵀ, S and T (``seqs``: what else they
@@ -411,21 +432,30 @@ class UnfoldFoldedSoftmax(Rule):
             raise no_match()
         kt = scaled_operand(qk, 1)[2]
         flip = transpose_of(kt, (0, 2, 1))
+        q3 = scaled_operand(qk, 0)[2]
+        q4, nq = _query_heads(q3, qk)
+        per_head_kt = q4 is q3 and rank(kt) == 4  # unfold-broadcast-key's [1,N,H,T]
         heads = {
-            folded_heads(scaled_operand(qk, 0)[2]),
-            folded_heads(inputs(flip)[0]) if flip is not None else folded_heads(kt),
+            nq,
+            _static_heads(kt)
+            if per_head_kt
+            else folded_heads(inputs(flip)[0])
+            if flip is not None
+            else folded_heads(kt),
             folded_heads(inputs(pv)[1]),
         }
         if len(heads) != 1 or None in heads:
             raise no_match()
-        q3 = scaled_operand(qk, 0)[2]
         require_attention_kernel(cx, q3, node)
-        k4 = unfolded(inputs(flip)[0] if flip is not None else kt)  # K [B,N,T,H] or Kᵀ
+        # K [B,N,T,H] or Kᵀ
+        k4 = kt if per_head_kt else unfolded(inputs(flip)[0] if flip is not None else kt)
         check_pays(cx, node, static_dim(k4, 2 if flip is not None else 3), k4)
         check_scores_mask(node)
         dims = current_dims()
-        seqs = ({dims.key(unfolded(q3), 2)}, {dims.key(k4, 2 if flip is not None else 3)})
+        seqs = ({dims.key(q4, 2)}, {dims.key(k4, 2 if flip is not None else 3)})
         w4 = _masked_sum(node, qk, seqs)
+        if q4 is q3 and w4 is None:
+            raise no_match()  # per-head scores: only the exporter's fold of them
         rs = producer(inputs(node)[0], "Reshape")
         m = Match(node, {"softmax": node, **({"fold": rs} if w4 is not None else {})})
         m.stash(heads=heads.pop(), unfolded=w4)
@@ -451,17 +481,20 @@ def _scaled(b: Builder, t: Tensor, factors: list, like: Tensor) -> Tensor:
     return t
 
 
-def _reaches_softmax(t: Tensor, steps: int = 4) -> bool:
+def _reaches_softmax(t: Tensor, steps: int = 4, folded: bool = False) -> bool:
     """Whether ``t`` reaches a Softmax over 4-D scores through at most ``steps`` bias Adds,
-    Where masks or casts."""
+    Where masks or casts (``folded``: or over the scores folded to 3-D by a Reshape)."""
     frontier = [t]
+    passes = (
+        ("Add", "Where", "Cast", "Sub", "Reshape") if folded else ("Add", "Where", "Cast", "Sub")
+    )
     for _ in range(steps + 1):
         nxt = []
         for x in frontier:
             for r in x.outputs:
-                if r.op == "Softmax" and rank(r.outputs[0]) == 4:
+                if r.op == "Softmax" and rank(r.outputs[0]) in ((3, 4) if folded else (4,)):
                     return True
-                if r.op in ("Add", "Where", "Cast", "Sub"):
+                if r.op in passes:
                     nxt += r.outputs
         frontier = nxt
     return False
@@ -579,11 +612,52 @@ class UnfoldThreeDimKey(Rule):
         return [b.op("Transpose", [k4], {"perm": [0, 1, 3, 2]}, like=kt, name=m.root.name)]
 
 
-def _scores_key(kt: Tensor) -> bool:
-    """``kt`` (scaled or not) is the right operand of a Q·Kᵀ that reaches a Softmax."""
+@register_rule
+class UnfoldBroadcastKey(Rule):
+    """The dynamo exporter's batch-1 bmm (Table Transformer's DETR-era attention): a 4-D query
+    [1,N,S,H] times a Kᵀ folded to 3-D, which MatMul broadcasts as [1,N,H,T]::
+
+        kᵀ = Transpose(Reshape(k4 [1,N,T,H], [N,T,H]), (0,2,1))
+
+    is ``Transpose(k4, (0,1,3,2))`` for that product: the same elements, the key per head."""
+
+    name = "unfold-broadcast-key"
+    pattern = Op("Transpose", "flip")
+    phase = "attention"
+    priority = 1  # before fuse-attention reads the key
+    exclusive = False  # its own checks: the folded key feeds this Transpose only
+    summary = "a batch-1 Kᵀ folded to [N,H,T] against a 4-D query → its 4-D transpose"
+
+    def match(self, node, cx):
+        if tuple(node.attrs.get("perm", ())) != (0, 2, 1):
+            raise no_match()
+        k3 = inputs(node)[0]
+        k4 = unfolded(k3)
+        if k4 is None or len(k3.outputs) != 1 or current_dims().key(k4, 0) != ("int", 1):
+            raise no_match()
+        if not _scores_key(node.outputs[0], query_rank=4):
+            raise no_match()
+        m = Match(node, {"flip": node})
+        m.stash(k4=k4)
+        return m
+
+    def rewrite(self, m, b):
+        kt = b.op("Transpose", [m.k4], {"perm": [0, 1, 3, 2]}, name=m.root.name)
+        kt.dtype = dtype_of(m.k4)
+        if m.k4.shape is not None:
+            kt.shape = [m.k4.shape[i] for i in (0, 1, 3, 2)]
+        return [kt]
+
+
+def _scores_key(kt: Tensor, query_rank: int | None = None) -> bool:
+    """``kt`` (scaled or not) is the right operand of a Q·Kᵀ that reaches a Softmax; with
+    ``query_rank``, of a query of that rank, and nothing else reads it."""
+    if query_rank is not None and len(kt.outputs) != 1:
+        return False
     for r in kt.outputs:
         if r.op in ("Mul", "Div") and r.inputs[0] is kt:
-            return _scores_key(r.outputs[0])
-        if r.op == "MatMul" and r.inputs[1] is kt and _reaches_softmax(r.outputs[0]):
-            return True
+            return _scores_key(r.outputs[0], query_rank)
+        folded = query_rank is not None
+        if r.op == "MatMul" and r.inputs[1] is kt and _reaches_softmax(r.outputs[0], 4, folded):
+            return query_rank is None or rank(r.inputs[0]) == query_rank
     return False
