@@ -153,3 +153,35 @@ def test_a_context_term_computed_from_the_probabilities_is_missed_precisely():
     assert fused(out) == 0
     assert codes(report, "merge-context-term") == ["shared-intermediate"]
     assert codes(report, "fuse-attention") == []
+
+
+def rotated_back_graph(split: bool = True):
+    """DeepSeek-V4's context read per head before the merge: P·V [B,N,S,H] cut on the head's
+    last axis (a Split, or with ``split=False`` two Slices), the second part changed per
+    head (a stand-in for its inverse rotary: ``−part``), concatenated back, then merged."""
+    g = Heads(3, D, const("parts", [H // 2, H // 2], np.int64))
+    add = g.add
+    q, kt, v = g.heads("q", [0, 2, 1, 3]), g.heads("k", [0, 2, 3, 1]), g.heads("v", [0, 2, 1, 3])
+    z = add("Add", [add("Mul", [add("MatMul", [q, kt], "qk"), "scale"], "s"), "mask"], "z")
+    ctx = add("MatMul", [add("Softmax", [z], "P", axis=-1), v], "ctx")
+    if split:
+        g.nodes.append(helper.make_node("Split", [ctx, "parts"], ["keep", "turn"], axis=3))
+    else:
+        g.inits += [const(n, [v], np.int64) for n, v in (("a0", 0), ("h2", H // 2), ("hh", H))]
+        g.inits.append(const("ax3", [3], np.int64))
+        add("Slice", [ctx, "a0", "h2", "ax3"], "keep")
+        add("Slice", [ctx, "h2", "hh", "ax3"], "turn")
+    back = add("Concat", ["keep", add("Neg", ["turn"], "turned")], "back", axis=-1)
+    add("Reshape", [add("Transpose", [back], "back_t", perm=[0, 2, 1, 3]), "merge"], "y")
+    ins = [vi("x", [B, S, D]), vi("mask", [B, 1, 1, S])]
+    return model(g.nodes, ins, [vi("y", [B, S, D])], g.inits)
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "slices"])
+def test_a_context_read_per_head_before_the_merge_fuses(split):
+    """The attention ends at P·V: the kernel's [B,S,N·H] is split back into [B,N,S,H] heads
+    for the per-head readers, and the merge after them stays."""
+    out, report = run(rotated_back_graph(split), target="cuda", inputs=feed())
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert fused(out) == 1 and "Softmax" not in op_histogram(out.graph.node)
+    assert codes(report, "fuse-attention") == []

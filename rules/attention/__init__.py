@@ -47,7 +47,9 @@ its MatMuls), in three stages, each a module with typed results:
 3. lower (:mod:`.lower`): the target's kernel table decides ``MultiHeadAttention`` (contrib) or
    ``Attention`` (opset ≥ 23: 3-D q/k/v, ``q_num_heads``/``kv_num_heads``, ``attn_mask``); the
    result replaces the heads' merging Reshape, or — where the merged [B,S,N,H] heads have other
-   readers (a Reshape for the output projection beside one for shapes) — the merging Transpose.
+   readers (a Reshape for the output projection beside one for shapes) — the merging Transpose,
+   or, for a context that per-head readers cut on its last axis before any merge (DeepSeek-V4's
+   inverse rotary), the P·V MatMul, split back into [B,N,S,H] heads.
    A decoder's self-attention over a ``Concat(past, new)`` cache with a batch or a new-token
    count provably 1, or declared generation steps (option ``decoder_steps="generate"``, an
    ``analysis`` remark per fusion), lowers to ``GroupQueryAttention`` where the target has it

@@ -41,6 +41,9 @@ from graphopt.opt.rewrite.engine import NoMatch
 from ..activation import inputs, no_match, producer, scalar
 
 MERGE_LAYOUTS = {(0, 2, 1, 3): "bsd", (2, 0, 1, 3): "sbd"}
+#: the "perm" of a context that no Transpose merges: it stays [B,N,S,H], read per head
+PER_HEAD = (0, 1, 2, 3)
+_LAYOUTS = {**MERGE_LAYOUTS, PER_HEAD: "bnsh"}
 #: what a scale multiplies, never is
 _SCALED = ("MatMul", "Transpose", "Reshape", "Gather", "Squeeze")
 _MAX_TERMS = 4  # additive bias terms between the scores and the Softmax
@@ -105,8 +108,8 @@ class WindowRegroup:
 class Core:
     """The recognized core; every node in ``nodes()`` belongs to the fusion."""
 
-    root: Node  # the Transpose merging the heads
-    out_layout: str  # "bsd" | "sbd"
+    root: Node  # the Transpose merging the heads (the P·V MatMul of a context read per head)
+    out_layout: str  # "bsd" | "sbd" | "bnsh"
     pv: Node
     softmax: Node
     qk: Node
@@ -170,13 +173,17 @@ def unrecognized(stage: str, message: str, softmax: Node, tensor: Tensor | None)
 
 
 def match_core(root: Node) -> Core:
-    """Stage 1 from the heads' merging Transpose ``root``."""
-    perm = tuple(root.attrs.get("perm", ()))
-    ctx = inputs(root)[0]
-    mid = producer(ctx, "Reshape")
-    out = inputs(mid)[0] if mid is not None else ctx
-    gate = sink_gate(out)
-    pv = producer(gate[0] if gate is not None else out, "MatMul")
+    """Stage 1 from the heads' merging Transpose ``root`` (or the P·V MatMul itself, for a
+    context read per head: layout ``bnsh``)."""
+    if root.op == "MatMul":
+        perm, ctx, mid, gate, pv = PER_HEAD, root.outputs[0], None, None, root
+    else:
+        perm = tuple(root.attrs.get("perm", ()))
+        ctx = inputs(root)[0]
+        mid = producer(ctx, "Reshape")
+        out = inputs(mid)[0] if mid is not None else ctx
+        gate = sink_gate(out)
+        pv = producer(gate[0] if gate is not None else out, "MatMul")
     if pv is None:
         raise no_match()
     probs, v = inputs(pv)
@@ -196,7 +203,7 @@ def match_core(root: Node) -> Core:
             raise no_match()
         fold = FoldedHeads(unfold)
     # Softmax between two MatMuls: attention; an unknown spelling from here on is a missed remark
-    if perm not in MERGE_LAYOUTS or rank(ctx) not in (None, 4):
+    if perm not in _LAYOUTS or rank(ctx) not in (None, 4):
         raise no_match()  # not a head merge: e.g. a channel attention over [B, C, HW]
     z = inputs(sm)[0]
     if fold is None and rank(sm.outputs[0]) == 3:
@@ -205,7 +212,7 @@ def match_core(root: Node) -> Core:
         raise no_match()  # a FusedMatMul fold took it after this rule refused it
     core = Core(
         root=root,
-        out_layout=MERGE_LAYOUTS[perm],
+        out_layout=_LAYOUTS[perm],
         pv=pv,
         softmax=sm,
         qk=pv,  # set by _peel_scores, with q, kt and scores

@@ -304,8 +304,17 @@ def _zero_masked_rows(a: Attention, b: Builder, out: Tensor) -> Tensor:
 
 
 def _merged(a: Attention, b: Builder, out: Tensor) -> Tensor:
-    """``out`` [B,S,D] in the shape of the root's output."""
+    """``out`` [B,S,D] in the shape of the root's output ([B,N,S,H] for a context read per
+    head)."""
     root = a.core.root if a.merge_reshape is None else a.merge_reshape
+    if a.core.out_layout == "bnsh":
+        target = b.const(np.array([0, 0, a.num_heads, a.v_head_size], dtype=np.int64), "heads")
+        split = b.op("Reshape", [out, target], name=f"{root.name}/split_heads")
+        split.dtype = dtype_of(root.outputs[0])
+        if out.shape is not None:
+            split.shape = [out.shape[0], out.shape[1], a.num_heads, a.v_head_size]
+        perm = {"perm": [0, 2, 1, 3]}
+        return b.op("Transpose", [split], perm, like=root.outputs[0], name=f"{root.name}/heads")
     if a.merge_reshape is not None and a.out_direct:
         out.shape = root.outputs[0].shape if out.shape is None else out.shape
         return out

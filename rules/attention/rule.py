@@ -51,6 +51,9 @@ def lift(root: Node) -> Attention:
         merge, root = root, producer(inputs(root)[0], "Transpose")
         if root is None or _merged_readers(root) != [merge]:
             raise no_match()
+    elif root.op == "MatMul":
+        if not _context_per_head(root):
+            raise no_match()
     elif [r.op for r in _merged_readers(root)] == ["Reshape"]:
         raise no_match()  # that Reshape is the root
     core = match_core(root)
@@ -205,6 +208,25 @@ def _heads_view(s: HeadSplit, inside: set[int], cx) -> tuple[Node, bool] | None:
     return best
 
 
+def _context_per_head(pv: Node) -> bool:
+    """Whether the P·V MatMul ``pv`` gives a 4-D context that is read per head before any
+    merge: only cut along the head's last axis (DeepSeek-V4 rotates the rope part of each
+    context head back before the heads merge); the attention then ends at ``pv``."""
+    ctx = pv.outputs[0]
+    readers = [r for r in ctx.outputs if r.op != "Shape"]
+    if rank(ctx) != 4 or not readers:
+        return False
+    for r in readers:
+        if r.op == "Split" and r.attrs.get("axis", 0) in (3, -1):
+            continue
+        if r.op == "Slice" and len(inputs(r)) > 3:
+            axes = constant_value(inputs(r)[3])
+            if axes is not None and [int(a) for a in np.reshape(axes, -1)] in ([3], [-1]):
+                continue
+        return False
+    return True
+
+
 def _merged_readers(transpose: Node) -> list[Node]:
     """The readers of the merged heads, other than Shape."""
     return [r for r in transpose.outputs[0].outputs if r.op != "Shape"]
@@ -226,7 +248,9 @@ def _refused(
 @register_rule
 class FuseMultiHeadAttention(Rule):
     name = "fuse-attention"
-    pattern = Alt(Op("Reshape", Op("Transpose", "ctx"), "shape"), Op("Transpose", "ctx"))
+    pattern = Alt(
+        Op("Reshape", Op("Transpose", "ctx"), "shape"), Op("Transpose", "ctx"), Op("MatMul", "pv")
+    )
     phase = "attention"
     exclusive = False  # checked here: Shape nodes may read inside the pattern
     summary = "scaled-dot-product attention → com.microsoft.MultiHeadAttention"
