@@ -582,3 +582,27 @@ def test_dims_of_detr_spellings_conv_resize_cumsum_a_last_row_and_an_expand_of_m
     ]
     assert [d.key(t["emb"], i) for i in range(4)] == [("int", 1), b, ("int", 3), ("int", 3)]
     assert [d.key(t["queries"], i) for i in range(3)] == [b, ("int", 4), ("int", 8)]
+
+
+def test_a_reshape_trusts_the_length_of_a_last_row_slice_as_a_dim():
+    """FSMT's decoder: a query of the sequence's last row, ``x[:, -1:]``, is min(T, 1) long;
+    a Reshape whose target copies that length back (a fold of its heads) keeps it: never
+    -1, and 0 only where T is, as for a dim's own key."""
+    inits = [
+        const("minus1", [-1], np.int64),
+        const("big", [I64_MAX], np.int64),
+        const("ax1", [1], np.int64),
+        const("lead", [-1], np.int64),
+    ]
+    nodes = [
+        helper.make_node("Slice", ["x", "minus1", "big", "ax1"], ["last"]),
+        helper.make_node("Shape", ["last"], ["tail"], start=1),
+        helper.make_node("Concat", ["lead", "tail"], ["target"], axis=0),
+        helper.make_node("Reshape", ["last", "target"], ["folded"]),
+    ]
+    t = tensors(model(nodes, [vi("x", ["b", "t", 8])], [vi("folded", None)], inits))
+    t["folded"].shape = [None] * 3
+    d = Dims()
+    row = arith("Min", ("param", "t"), ("int", 1))
+    assert d.key(t["last"], 1) == row
+    assert [d.key(t["folded"], i) for i in (1, 2)] == [row, ("int", 8)]

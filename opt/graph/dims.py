@@ -211,9 +211,13 @@ class Dims:
         if e == ("int", -1):
             return self._inferred(node, ins, elems, axis, own)
         # a computed element could be 0 or -1 at run time: only a dim's own key is trusted,
-        # and c·d of the input's own dim d at this axis (c > 0: never -1, and 0 only where d
-        # is 0, which the copy of d gives too; bmm attention's [B·N, -1, H] of [B,N,S,H])
-        if e[0] == "expr" and _scales(e, self.key(ins[0], axis)):
+        # c·d of the input's own dim d at this axis (c > 0: never -1, and 0 only where d
+        # is 0, which the copy of d gives too; bmm attention's [B·N, -1, H] of [B,N,S,H]),
+        # and min(d, c) of a dim (c > 0: never -1, and 0 only where d is, as a dim's own key)
+        if e[0] == "expr" and _capped(e):
+            return e
+        r = rank(ins[0])
+        if e[0] == "expr" and r is not None and axis < r and _scales(e, self.key(ins[0], axis)):
             return e
         return own if e[0] == "expr" else e
 
@@ -514,6 +518,16 @@ def _scales(e: Key, d: Key) -> bool:
     a, b = e[2], e[3]
     c = _int(a) if b == d else _int(b) if a == d else None
     return c is not None and c > 0
+
+
+def _capped(e: Key) -> bool:
+    """Whether ``e`` is ``min(d, c)`` of a dim's own key d and a constant c > 0 (the length of
+    a slice of its first or last c elements)."""
+    if e[0] != "expr" or e[1] != "Min":
+        return False
+    a, b = e[2], e[3]
+    c, d = (_int(a), b) if _int(a) is not None else (_int(b), a)
+    return c is not None and c > 0 and d[0] in ("param", "dim")
 
 
 def _offset(k: Key) -> tuple[Key, int]:
