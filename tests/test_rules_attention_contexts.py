@@ -185,3 +185,31 @@ def test_a_context_read_per_head_before_the_merge_fuses(split):
     assert report.parity.ran and report.parity.ok, report.parity
     assert fused(out) == 1 and "Softmax" not in op_histogram(out.graph.node)
     assert codes(report, "fuse-attention") == []
+
+
+def window_graph():
+    """Qwen2.5-VL's window attention: q, k and v heads split along the sequence into two
+    windows, an attention in each, the contexts concatenated on the sequence, one merge."""
+    g = Heads(4, D, const("windows", [S // 2, S // 2], np.int64))
+    add = g.add
+    heads = {r: g.heads(r, [0, 2, 1, 3]) for r in "qkv"}
+    for r, t in heads.items():
+        g.nodes.append(helper.make_node("Split", [t, "windows"], [f"{r}0", f"{r}1"], axis=2))
+    ctx = []
+    for w in "01":
+        kt = add("Transpose", [f"k{w}"], f"kt{w}", perm=[0, 1, 3, 2])
+        s = add("Mul", [add("MatMul", [f"q{w}", kt], f"qk{w}"), "scale"], f"s{w}")
+        ctx.append(add("MatMul", [add("Softmax", [s], f"P{w}", axis=-1), f"v{w}"], f"ctx{w}"))
+    joined = add("Concat", ctx, "ctx", axis=2)
+    add("Reshape", [add("Transpose", [joined], "ctx_t", perm=[0, 2, 1, 3]), "merge"], "y")
+    return model(g.nodes, [vi("x", [B, S, D])], [vi("y", [B, S, D])], g.inits)
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+def test_window_contexts_concatenated_before_one_merge_fuse_each(target):
+    x = {"x": feed()["x"]}
+    out, report = run(window_graph(), target=target, inputs=x)
+    assert report.parity.ran and report.parity.ok, report.parity
+    assert codes(report, "split-window-contexts", "passed") == ["fired"]
+    assert fused(out) == 2 and "Softmax" not in op_histogram(out.graph.node)
+    assert codes(report, "fuse-attention") == []

@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import sys
+from inspect import signature
 from pathlib import Path
 
 import numpy as np
@@ -115,6 +116,10 @@ GROUPS = {
         "got_ocr2_vision ovis2_vision"
     ),
     "vid": "videomae vivit timesformer",
+    "vl": (
+        "qwen2_vl_vision qwen2_5_vl_vision qwen3_vl_vision glm4v_vision qwen3_5_vision "
+        "glm_ocr_vision lfm3_vl_vision"
+    ),
     "aud": (
         "sew sew-d unispeech unispeech-sat data2vec-audio wav2vec2-bert hubert wav2vec2 wavlm "
         "wav2vec2-conformer qwen2_audio_encoder audio-spectrogram-transformer parakeet_encoder "
@@ -226,6 +231,21 @@ KIND_SIZES = {
     "s2s": TEXT,
     "vis": VISION,
     "vid": dict(ENCODER, image_size=32, patch_size=8, num_frames=4, tubelet_size=2),
+    # Qwen-VL-style towers: flattened patches of a 4×4 grid, 2 frames each, merged 2×2
+    "vl": dict(
+        ENCODER,
+        depth=2,
+        embed_dim=64,
+        num_heads=4,
+        patch_size=4,
+        temporal_patch_size=2,
+        spatial_merge_size=2,
+        out_hidden_size=64,
+        num_position_embeddings=64,
+        deepstack_visual_indexes=[],
+        fullatt_block_indexes=[1],
+        window_size=8,
+    ),
     "aud": AUDIO,
 }
 
@@ -335,6 +355,11 @@ def build(family: str):
         size, frames = cfg.image_size, cfg.num_frames
         pixels = rng.standard_normal((1, frames, 3, size, size)).astype(np.float32)
         return model, {"pixel_values": pixels}
+    if kind == "vl":  # one image of a 4×4 patch grid, each patch flattened over its frames
+        width = getattr(cfg, "in_channels", 3) * cfg.temporal_patch_size * cfg.patch_size**2
+        patches = rng.standard_normal((16, width)).astype(np.float32)
+        name = "hidden_states" if "hidden_states" in signature(model.forward).parameters else None
+        return model, {name or "pixel_values": patches, "grid_thw": np.array([[1, 4, 4]])}
     if family in FEATURES:
         name, shape = FEATURES[family](cfg)
         feeds = {name: rng.standard_normal(shape).astype(np.float32)}
@@ -386,10 +411,12 @@ def export(family: str, exporter: str, out: Path) -> str:
         with torch.no_grad():
             want = net(*args).numpy()
         if exporter == "ts":
-            # token inputs: batch and their own length dynamic; pixels and frames: batch
+            # token inputs: batch and their own length dynamic; pixels and frames: batch; a
+            # patch grid static (the towers split their attention by its lengths when traced)
             dynamic = {
                 k: {0: "batch", 1: f"len_{k}"} if k.endswith(("ids", "mask")) else {0: "batch"}
                 for k in names
+                if kind_of(family) != "vl"
             }
             how = dict(opset_version=17, dynamic_axes=dynamic, dynamo=False)
         else:

@@ -15,6 +15,13 @@ merge, ``Transpose(P·V + conv(V), (0,2,1,3))``; ``merge-context-term`` writes i
 ``Transpose(P·V, perm) + Transpose(conv(V), perm)`` (an element-wise op commutes with a
 permutation of both operands: exact), and the attention is the merged P·V.  It fires only
 where a kernel and the cost bound would take the attention (else the refusal is said here).
+
+Qwen2.5-VL's vision tower attends within windows: the sequence is split, each window is an
+attention, and the contexts are concatenated along the sequence before one merge,
+``Transpose(Concat(P₁·V₁, …, axis=2), (0,2,1,3))``; ``split-window-contexts`` writes it
+``Concat(Transpose(P₁·V₁, perm), …, axis=1)`` (a permutation of a concatenation is the
+concatenation of the permuted parts along the permuted axis: exact), so each window's
+attention has its own merge.
 """
 
 from __future__ import annotations
@@ -99,6 +106,42 @@ class ConcatSharedContexts(Rule):
             return [ctx]
         out = m.root.outputs[0]
         return [b.op("Transpose", [ctx], {"perm": list(m.perm)}, like=out, name=f"{name}/merge")]
+
+
+@register_rule
+class SplitWindowContexts(Rule):
+    name = "split-window-contexts"
+    pattern = Op("Transpose", "merge")
+    phase = "attention"
+    priority = 1  # before fuse-attention reads the contexts
+    summary = "merge(Concat(P₁·V₁, P₂·V₂) on the sequence) → Concat(merge(P₁·V₁), merge(P₂·V₂))"
+
+    def match(self, node, cx):
+        perm = tuple(node.attrs.get("perm", ()))
+        cat = producer(inputs(node)[0], "Concat")
+        if perm not in MERGE_LAYOUTS or cat is None or len(cat.outputs[0].outputs) != 1:
+            raise no_match()
+        if len(inputs(cat)) < 2 or cat.attrs.get("axis") not in (2, -2):
+            raise no_match()  # windows of the sequence of [B,N,S,H] contexts
+        for t in inputs(cat):
+            found = _context(t)
+            if found is None or found[0] is not None or rank(t) != 4:
+                raise no_match()
+        m = Match(node, {"merge": node, "concat": cat})
+        m.stash(parts=inputs(cat), perm=list(perm), axis=perm.index(2))
+        return m
+
+    def rewrite(self, m, b):
+        name = m.root.name or "Transpose"
+        merged = []
+        for i, t in enumerate(m.parts):
+            y = b.op("Transpose", [t], {"perm": m.perm}, name=f"{name}/window{i}")
+            y.dtype = dtype_of(t)
+            if t.shape is not None:
+                y.shape = [t.shape[p] for p in m.perm]
+            merged.append(y)
+        out = m.root.outputs[0]
+        return [b.op("Concat", merged, {"axis": m.axis}, like=out, name=f"{name}/windows")]
 
 
 def _joined(values: list[Tensor]) -> list | None:
