@@ -99,7 +99,8 @@ GROUPS = {
         "clipseg_text_model groupvit_text_model metaclip_2_text_model openai_privacy_filter "
         "owlv2_text_model owlvit_text_model siglip2_text_model tipsv2_text_model "
         "xclip_text_model siglip_text_model flava_text_model videoprism_text_model "
-        "sam3_lite_text_text_model blip_text_model visual_bert bridgetower_text_model"
+        "sam3_lite_text_text_model blip_text_model visual_bert bridgetower_text_model "
+        "layoutlmv3 bros"
     ),
     "vis": (
         "dinov2 yolos vit_msn data2vec-vision ijepa cvt deit clip_vision_model "
@@ -197,6 +198,8 @@ OWN_SIZES = {
     "gemma4_text": dict(vocab_size_per_layer_input=256, hidden_size_per_layer_input=16),
     "funnel": dict(block_sizes=[1, 1], block_repeats=[1, 1], num_hidden_layers=None, d_head=16),
     "xlnet": dict(max_position_embeddings=None, d_head=16),
+    # the box embeddings: 4 coordinates and 2 sizes making up the hidden width
+    "layoutlmv3": dict(coordinate_size=12, shape_size=8, input_size=64, patch_size=16),
     "mobilevitv2": dict(image_size=128, patch_size=2, num_hidden_layers=None, hidden_size=None),
     **{f: dict(MLA, index_head_dim=16, index_n_heads=4, index_topk=8) for f in DSA},
     "longcat_flash": dict(
@@ -223,6 +226,8 @@ OWN_SIZES = {
     "qwen3_next": dict(num_hidden_layers=4),
     "qwen3_5_text": dict(num_hidden_layers=4),
 }
+#: document encoders that read a box per token beside it
+BOXED = ("layoutlmv3", "bros")
 #: encoder-decoders that hear: speech in, the decoder's tokens
 SPEECH_TO_TEXT = ("whisper", "speech_to_text", "moonshine")
 KIND_SIZES = {
@@ -374,6 +379,9 @@ def build(family: str):
     mask = np.ones((2, 16), np.int64)
     mask[1, 12:] = 0
     feeds = {"input_ids": ids, "attention_mask": mask}
+    if family in BOXED:  # a box per token, [x0, y0, x1, y1] on the 0..1000 page
+        corner = rng.integers(0, 500, size=(2, 16, 2))
+        feeds["bbox"] = np.concatenate([corner, corner + rng.integers(1, 500, size=(2, 16, 2))], -1)
     if kind == "s2s":
         feeds["decoder_input_ids"] = rng.integers(3, 200, size=(2, 8)).astype(np.int64)
     return model, feeds
@@ -418,6 +426,8 @@ def export(family: str, exporter: str, out: Path) -> str:
                 for k in names
                 if kind_of(family) != "vl"
             }
+            if "bbox" in dynamic:  # the boxes are as long as the tokens
+                dynamic["bbox"] = {0: "batch", 1: "len_input_ids"}
             how = dict(opset_version=17, dynamic_axes=dynamic, dynamo=False)
         else:
             how = dict(opset_version=18, dynamo=True, external_data=False)
