@@ -100,7 +100,7 @@ GROUPS = {
         "owlv2_text_model owlvit_text_model siglip2_text_model tipsv2_text_model "
         "xclip_text_model siglip_text_model flava_text_model videoprism_text_model "
         "sam3_lite_text_text_model blip_text_model visual_bert bridgetower_text_model "
-        "layoutlmv3 bros"
+        "layoutlmv3 bros blip_2_qformer instructblip_qformer perceiver"
     ),
     "vis": (
         "dinov2 yolos vit_msn data2vec-vision ijepa cvt deit clip_vision_model "
@@ -198,6 +198,15 @@ OWN_SIZES = {
     "gemma4_text": dict(vocab_size_per_layer_input=256, hidden_size_per_layer_input=16),
     "funnel": dict(block_sizes=[1, 1], block_repeats=[1, 1], num_hidden_layers=None, d_head=16),
     "xlnet": dict(max_position_embeddings=None, d_head=16),
+    **{f: dict(encoder_hidden_size=32) for f in ("blip_2_qformer", "instructblip_qformer")},
+    "perceiver": dict(
+        num_latents=8,
+        d_latents=64,
+        d_model=32,
+        num_self_attends_per_block=2,
+        num_self_attention_heads=4,
+        num_cross_attention_heads=4,
+    ),
     # the box embeddings: 4 coordinates and 2 sizes making up the hidden width
     "layoutlmv3": dict(coordinate_size=12, shape_size=8, input_size=64, patch_size=16),
     "mobilevitv2": dict(image_size=128, patch_size=2, num_hidden_layers=None, hidden_size=None),
@@ -225,6 +234,32 @@ OWN_SIZES = {
     # the hybrids put one full attention after three linear ones
     "qwen3_next": dict(num_hidden_layers=4),
     "qwen3_5_text": dict(num_hidden_layers=4),
+}
+
+
+def _queries(c, rng) -> dict:
+    """A Q-Former's inputs: 8 learned queries and the 16 image features they attend to."""
+    queries = rng.standard_normal((1, 8, c.hidden_size)).astype(np.float32)
+    image = rng.standard_normal((1, 16, c.encoder_hidden_size)).astype(np.float32)
+    return {"query_embeds": queries, "encoder_hidden_states": image}
+
+
+def _instructed_queries(c, rng) -> dict:
+    """InstructBLIP's Q-Former: the queries read an instruction of 6 tokens too."""
+    ids = rng.integers(3, 200, size=(1, 6)).astype(np.int64)
+    return {"input_ids": ids, **_queries(c, rng)}
+
+
+def _latents(c, rng) -> dict:
+    """Perceiver's inputs: 16 embedded tokens of d_model, which its latents attend to."""
+    return {"inputs": rng.standard_normal((1, 16, c.d_model)).astype(np.float32)}
+
+
+#: families whose inputs are neither tokens, pixels nor sound
+OWN_INPUTS = {
+    "blip_2_qformer": _queries,
+    "instructblip_qformer": _instructed_queries,
+    "perceiver": _latents,
 }
 #: document encoders that read a box per token beside it
 BOXED = ("layoutlmv3", "bros")
@@ -365,6 +400,8 @@ def build(family: str):
         patches = rng.standard_normal((16, width)).astype(np.float32)
         name = "hidden_states" if "hidden_states" in signature(model.forward).parameters else None
         return model, {name or "pixel_values": patches, "grid_thw": np.array([[1, 4, 4]])}
+    if family in OWN_INPUTS:
+        return model, OWN_INPUTS[family](cfg, rng)
     if family in FEATURES:
         name, shape = FEATURES[family](cfg)
         feeds = {name: rng.standard_normal(shape).astype(np.float32)}
