@@ -42,19 +42,31 @@ class RemarkLog:
 
     def __init__(self) -> None:
         self._by_key: dict[tuple[str, str, str], Remark] = {}
+        self._softmax_miss: dict[tuple[str, str], tuple[str, str, str]] = {}
 
     def add(self, remark: Remark) -> None:
         """Record ``remark`` as the outcome at its anchor; a miss that got less far through a
         staged rule's stages than the miss already there does not replace it (a later round
-        retrying the node on a graph other rules have since rewritten for their own ends)."""
+        retrying the node on a graph other rules have since rewritten for their own ends).  A
+        miss naming a Softmax replaces the rule's miss of that Softmax at another anchor (the
+        same attention, refused again after another rule rewrote its merge)."""
         anchor = remark.nodes[0] if remark.nodes else ""
         key = (remark.rule, anchor, remark.code if remark.kind in ("analysis", "failure") else "")
-        old = self._by_key.get(key)
+        softmax = remark.args.get("softmax") if remark.kind == "missed" else None
+        at = key  # where the outcome this remark replaces is kept
+        if key not in self._by_key and softmax:
+            earlier = self._softmax_miss.get((remark.rule, softmax))
+            if earlier in self._by_key and self._by_key[earlier].kind == "missed":
+                at = earlier
+        old = self._by_key.get(at)
         if old is not None and old.kind == remark.kind == "missed":
             if (_stage(old) or 0) > (_stage(remark) or 0) and _stage(remark) is not None:
                 return
+        self._by_key.pop(at, None)
         self._by_key.pop(key, None)
         self._by_key[key] = remark
+        if softmax:
+            self._softmax_miss[(remark.rule, softmax)] = key
 
     def forget_miss(self, rule: str, anchor: str) -> None:
         """Drop the miss recorded for ``rule`` at node ``anchor``: the rule did its work there

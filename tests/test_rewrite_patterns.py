@@ -286,3 +286,27 @@ def test_an_op_pattern_may_name_several_domains():
     node = ModelIR(m).graph.nodes[0]
     assert list(match(Op("Gelu", "x", domain=("", "com.microsoft")), node))
     assert not list(match(Op("Gelu", "x"), node))
+
+
+def test_a_miss_of_the_same_softmax_at_another_anchor_replaces_the_first():
+    """An attention refused, then refused again after another rule rewrote its merge (a new
+    anchor): one miss for its Softmax, the latest; other Softmax and other rules keep theirs."""
+    from graphopt.opt.remarks import Remark, RemarkLog
+
+    def miss(anchor, softmax, rule="test-attention"):
+        args = {"softmax": softmax, "stage": "3 (lower)"}
+        return Remark("missed", "rules", rule, "slower-on-target", (anchor,), anchor, args)
+
+    log = RemarkLog()
+    for r in (
+        miss("merge", "sm"),
+        miss("sm2_root", "sm2"),
+        miss("flat", "sm"),
+        miss("x", "sm", "other"),
+    ):
+        log.add(r)
+    assert sorted((r.rule, r.nodes[0]) for r in log) == [
+        ("other", "x"),
+        ("test-attention", "flat"),
+        ("test-attention", "sm2_root"),
+    ]
