@@ -352,8 +352,7 @@ def _through_heads(b: Builder, t: Tensor, heads: int) -> Tensor:
 def folded_heads(t: Tensor | None) -> int | None:
     """N when ``t`` [B·N,L,H] is a Reshape of [B,N,L,H] heads with N static, else None."""
     x = unfolded(t)
-    n = current_dims().key(x, 1) if x is not None else None
-    return n[1] if n is not None and n[0] == "int" and n[1] > 0 else None
+    return _static_heads(x) if x is not None else None
 
 
 def _query_heads(q: Tensor, qk: Node) -> tuple[Tensor | None, int | None]:
