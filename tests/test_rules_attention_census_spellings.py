@@ -30,6 +30,18 @@ def _heads(rng) -> tuple[list, list]:
     return nodes, inits
 
 
+def _folded_scores() -> list:
+    """q, k and v heads folded to [B·N,·,H] by ``fold``, and the folded scores ``s3``."""
+    return [
+        mk("Reshape", ["q_h", "fold"], ["q3"]),
+        mk("Transpose", ["k_t"], ["k_h"], perm=[0, 1, 3, 2]),
+        mk("Reshape", ["k_h", "fold"], ["k3"]),
+        mk("Transpose", ["k3"], ["k3_t"], perm=[0, 2, 1]),
+        mk("Reshape", ["v_h", "fold"], ["v3"]),
+        mk("MatMul", ["q3", "k3_t"], ["s3"]),
+    ]
+
+
 def _merged(p: str) -> list:
     return [
         mk("MatMul", [p, "v_h"], ["o"]),
@@ -74,12 +86,7 @@ def clamped(rng):
     the target that folded the scores."""
     nodes, inits = _heads(rng)
     nodes += [
-        mk("Reshape", ["q_h", "fold"], ["q3"]),
-        mk("Transpose", ["k_t"], ["k_h"], perm=[0, 1, 3, 2]),
-        mk("Reshape", ["k_h", "fold"], ["k3"]),
-        mk("Transpose", ["k3"], ["k3_t"], perm=[0, 2, 1]),
-        mk("Reshape", ["v_h", "fold"], ["v3"]),
-        mk("MatMul", ["q3", "k3_t"], ["s3"]),
+        *_folded_scores(),
         mk("Reshape", ["s3", "unfold"], ["s4"]),
         mk("Add", ["s4", "mask"], ["masked"]),
         mk("Max", ["masked", "lowest"], ["clamped"]),
@@ -116,12 +123,7 @@ def clip_bmm(rng):
         mk("Gather", ["x_shape", "i1"], ["t"], axis=0),
         mk("Mul", ["b", "heads"], ["bn"]),
         mk("Concat", ["bn", "minus_one", "head"], ["fold"], axis=0),
-        mk("Reshape", ["q_h", "fold"], ["q3"]),
-        mk("Transpose", ["k_t"], ["k_h"], perm=[0, 1, 3, 2]),
-        mk("Reshape", ["k_h", "fold"], ["k3"]),
-        mk("Transpose", ["k3"], ["k3_t"], perm=[0, 2, 1]),
-        mk("Reshape", ["v_h", "fold"], ["v3"]),
-        mk("MatMul", ["q3", "k3_t"], ["s3"]),
+        *_folded_scores(),
         mk("Softmax", ["s3"], ["p3"], axis=-1),
         mk("Shape", ["k3"], ["k3_shape"]),
         mk("Gather", ["k3_shape", "i1"], ["src"], axis=0),
